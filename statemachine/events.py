@@ -1,0 +1,515 @@
+"""The log's vocabulary (DESIGN.md §3): one frozen, slotted dataclass per event.
+
+Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and
+``occurred_at`` (the gateway's clock, read by the driver, never here).
+Attempt-scoped events also carry ``attempt`` and ``lease_epoch``.
+
+The JSON form, which the log stores (columns for the envelope, jsonb for the body)
+and traces carry one per line::
+
+    {"type": "AttemptStarted", "v": 1, "request_id": "req_…", "seq": 2,
+     "occurred_at": "2026-11-30T17:00:00.000001+00:00",
+     "attempt": 1, "lease_epoch": 1,
+     "body": {"replica_id": "w1", "lease_expires_at": "2026-11-30T17:00:05+00:00"}}
+
+``to_json`` and ``from_json`` round-trip losslessly; ``from_json`` rejects an unknown
+type, a missing or extra field and a value of the wrong type with a
+:class:`MalformedEvent` that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+from statemachine.errors import MalformedEvent, UnknownEventType
+
+
+class FailureKind(enum.StrEnum):
+    """What the driver observed when an attempt failed (DESIGN.md §4)."""
+
+    REPLICA_EXITED = "replica_exited"  # process gone, connection refused/reset, worker exiting
+    LIVENESS_UNCERTAIN = "liveness_uncertain"  # stall, read timeout, partition, malformed stream
+    OVERLOADED = "overloaded"  # heartbeats show queueing or a long prefill
+    REJECTED = "rejected"  # refused before starting (queue full, 429, 5xx at start)
+    REQUEST_REFUSED = "request_refused"  # upstream 4xx on the request itself: not retryable
+
+
+class Deadline(enum.StrEnum):
+    """Which timer turned a slow attempt into an observed failure."""
+
+    SOFT = "soft"  # a slow replica is not migrated on this one
+    HARD = "hard"  # the attempt is given up: fenced, then retried if nothing was delivered
+
+
+class ReleaseReason(enum.StrEnum):
+    """Why an attempt is known to have stopped publishing."""
+
+    CANCEL_ACKED = "cancel_acked"
+    LEASE_EXPIRED = "lease_expired"
+    REPLICA_EXITED = "replica_exited"
+
+
+# --- request-scoped events -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAccepted:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    model: str
+    model_revision: str
+    tenant: str
+    endpoint: str  # "chat.completions" or "completions"
+    stream: bool
+    params_digest: str
+    prompt_tokens: int
+    n: int
+    guided: bool
+    tools: bool
+    idempotency_key: str | None
+    max_attempts: int  # the per-request retry budget in force when accepted
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """The policy's output, one event per action, logged with the policy's version."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    action: str
+    reason: str
+    policy_version: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetDenied:
+    """The global retry budget refused a retry that the policy had decided."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    scope: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoReplicaAvailable:
+    """No healthy replica outside ``excluded`` could take a decided attempt."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    excluded: tuple[str, ...]
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientDisconnected:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCompleted:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    finish_reason: str
+    usage: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    code: str
+    message: str
+    partial_output: bool
+    delivered_output_tokens: int
+    retryable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCancelled:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    reason: str
+
+
+# --- attempt-scoped events -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStarted:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    replica_id: str
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenReceived:
+    """The attempt produced its first chunk upstream; nothing is delivered yet."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class FirstDeltaCommitted:
+    """The commit point: durable before the first content byte reaches the client."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeltasDelivered:
+    """Deltas ``[from_index, to_index)`` of the attempt, written to the client.
+
+    ``text`` holds the delivered text under the "full" content policy,
+    ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
+    """
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    from_index: int
+    to_index: int
+    tokens: int
+    text: str | None
+    text_sha256: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallEmitted:
+    """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    index: int
+    tool_call_id: str
+    name: str
+    arguments: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailed:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    kind: FailureKind
+    detail: str
+    deadline: Deadline | None = None  # set when a timer, not the replica, reported it
+    upstream_status: int | None = None  # the upstream's HTTP status, where there was one
+    upstream_code: str | None = None  # the upstream's own error code, passed on to clients
+
+
+@dataclass(frozen=True, slots=True)
+class CancelSent:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAcked:
+    """The replica confirmed its engine aborted the attempt."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    generated_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired:
+    """A timer: the attempt's lease lapsed unrenewed, so the replica has stopped it."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFenced:
+    """Nothing more is forwarded from the attempt; it is presumed alive until released."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    waiting_for: str
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptReleased:
+    SCHEMA_VERSION: ClassVar[int] = 1
+    request_id: str
+    seq: int
+    occurred_at: datetime
+    attempt: int
+    lease_epoch: int
+    because: ReleaseReason
+
+
+Event = (
+    RequestAccepted
+    | AttemptStarted
+    | FirstTokenReceived
+    | FirstDeltaCommitted
+    | DeltasDelivered
+    | ToolCallEmitted
+    | UpstreamFailed
+    | CancelSent
+    | CancelAcked
+    | LeaseExpired
+    | AttemptFenced
+    | AttemptReleased
+    | Decided
+    | RetryBudgetDenied
+    | NoReplicaAvailable
+    | ClientDisconnected
+    | RequestCompleted
+    | RequestFailed
+    | RequestCancelled
+)
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in typing.get_args(Event)}
+TERMINAL_EVENT_TYPES: frozenset[type[Event]] = frozenset({RequestCompleted, RequestFailed, RequestCancelled})
+
+_ENVELOPE = ("request_id", "seq", "occurred_at")
+_ATTEMPT_SCOPE = ("attempt", "lease_epoch")
+
+
+def is_attempt_scoped(cls: type[Event]) -> bool:
+    return "attempt" in cls.__dataclass_fields__
+
+
+# --- JSON form ---------------------------------------------------------------------------
+
+
+def to_json(event: Event) -> dict[str, Any]:
+    """The event as plain JSON values (the log's row and the trace's line)."""
+    cls = type(event)
+    out: dict[str, Any] = {
+        "type": cls.__name__,
+        "v": cls.SCHEMA_VERSION,
+        "request_id": event.request_id,
+        "seq": event.seq,
+        "occurred_at": event.occurred_at.isoformat(),
+    }
+    if is_attempt_scoped(cls):
+        out["attempt"] = event.attempt  # type: ignore[union-attr]
+        out["lease_epoch"] = event.lease_epoch  # type: ignore[union-attr]
+    out["body"] = {name: _dump(getattr(event, name)) for name in _BODY_FIELDS[cls]}
+    return out
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value  # str, int, bool and None are JSON as they are
+
+
+def from_json(data: Any) -> Event:
+    """Rebuild an event from its JSON form, rejecting anything malformed."""
+    if not isinstance(data, dict):
+        raise MalformedEvent(f"an event must be a JSON object, not {type(data).__name__}")
+    type_name = data.get("type")
+    cls = EVENT_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None or not isinstance(type_name, str):
+        raise UnknownEventType(f"unknown event type {type_name!r}")
+    version = data.get("v")
+    if version != cls.SCHEMA_VERSION:
+        raise MalformedEvent(f"{type_name}: unsupported schema version {version!r}")
+    expected = {"type", "v", *_ENVELOPE, "body"}
+    if is_attempt_scoped(cls):
+        expected.update(_ATTEMPT_SCOPE)
+    keys = set(data)
+    if keys != expected:
+        raise MalformedEvent(_key_mismatch(type_name, "envelope", keys, expected))
+    body = data["body"]
+    if not isinstance(body, dict):
+        raise MalformedEvent(f"{type_name}: body must be a JSON object")
+    body_fields = _BODY_FIELDS[cls]
+    required = {name for name in body_fields if name not in _OPTIONAL[cls]}
+    if not required <= set(body) <= set(body_fields):
+        raise MalformedEvent(_key_mismatch(type_name, "body", set(body), set(body_fields)))
+    kwargs: dict[str, Any] = {}
+    parsers = _PARSERS[cls]
+    for name in expected - {"type", "v", "body"}:
+        kwargs[name] = _parse(type_name, name, parsers[name], data[name])
+    for name, value in body.items():
+        kwargs[name] = _parse(type_name, name, parsers[name], value)
+    return cls(**kwargs)
+
+
+def _key_mismatch(type_name: str, where: str, got: set[str], expected: set[str]) -> str:
+    missing = sorted(expected - got)
+    extra = sorted(got - expected)
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing)}")
+    if extra:
+        parts.append(f"unexpected {', '.join(extra)}")
+    return f"{type_name}: {where} has {'; '.join(parts)}"
+
+
+def _parse(type_name: str, field: str, parser: typing.Callable[[Any], Any], value: Any) -> Any:
+    try:
+        return parser(value)
+    except (TypeError, ValueError) as exc:
+        raise MalformedEvent(f"{type_name}.{field}: {exc}") from None
+
+
+# --- per-type parsers, built once at import ---------------------------------------------
+
+
+def _exact(expected: type) -> typing.Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        # bool is an int in Python; a JSON true is never a valid count or index
+        if type(value) is not expected:
+            raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
+        return value
+
+    return parse
+
+
+def _parse_datetime(value: Any) -> datetime:
+    if not isinstance(value, str):
+        raise TypeError(f"expected an ISO 8601 string, got {type(value).__name__}")
+    parsed = datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        raise ValueError("timestamp has no UTC offset")
+    return parsed
+
+
+def _parse_enum(enum_cls: type[enum.StrEnum]) -> typing.Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {type(value).__name__}")
+        try:
+            return enum_cls(value)
+        except ValueError:
+            choices = ", ".join(member.value for member in enum_cls)
+            raise ValueError(f"{value!r} is not one of {choices}") from None
+
+    return parse
+
+
+def _parse_str_tuple(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise TypeError("expected a list of strings")
+    return tuple(value)
+
+
+def _parse_int_map(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict) or not all(type(item) is int for item in value.values()):
+        raise TypeError("expected an object of integers")
+    return dict(value)
+
+
+def _parse_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    return dict(value)
+
+
+def _optional(parser: typing.Callable[[Any], Any]) -> typing.Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        return None if value is None else parser(value)
+
+    return parse
+
+
+def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        return _optional(_parser_for(inner))
+    if annotation is datetime:
+        return _parse_datetime
+    if isinstance(annotation, type) and issubclass(annotation, enum.StrEnum):
+        return _parse_enum(annotation)
+    if annotation in (str, int, bool):
+        return _exact(annotation)
+    if annotation == tuple[str, ...]:
+        return _parse_str_tuple
+    if annotation == dict[str, int]:
+        return _parse_int_map
+    if annotation == dict[str, Any]:
+        return _parse_object
+    raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard
+
+
+_PARSERS: dict[type[Event], dict[str, typing.Callable[[Any], Any]]] = {}
+_BODY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+_OPTIONAL: dict[type[Event], frozenset[str]] = {}
+for _cls in EVENT_TYPES.values():
+    _hints = typing.get_type_hints(_cls)
+    _fields = dataclasses.fields(_cls)
+    _PARSERS[_cls] = {field.name: _parser_for(_hints[field.name]) for field in _fields}
+    _BODY_FIELDS[_cls] = tuple(
+        field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE
+    )
+    _OPTIONAL[_cls] = frozenset(field.name for field in _fields if field.default is not dataclasses.MISSING)

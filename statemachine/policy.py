@@ -1,0 +1,279 @@
+"""The failover policy: ``decide(state, config) -> list[Action]`` (DESIGN.md §5).
+
+Pure: no I/O, no clock, no randomness. The driver calls it after every batch of
+observations, records each action as a ``Decided`` event (with ``POLICY_VERSION``)
+and then carries the actions out; a recorded action stays *pending* in the state
+until the event that shows it done arrives, and while anything is pending the
+policy decides nothing new, so calling it twice never doubles an action.
+
+The rule it serves: a request is re-run on another replica only while nothing of
+it has reached the client, and only once the source attempt is dead or released.
+
+    client gone                  → cancel the live attempt, cancel the request
+    decode, failure              → [fence a live source,] fail upstream_decode_interrupted
+    overloaded on a soft timer   → wait (record it once), never migrate
+    live source, other failure   → fence: cancel sent, then ack or lease expiry
+    upstream refused the request → fail with the upstream's reason, no retry
+    source dead or released      → retry on a replica not yet tried, unless
+                                   the budget is spent or the cost guard trips
+    a refused start              → fail retryable (no replica / global budget)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, ClassVar
+
+from statemachine.events import Deadline, Decided, FailureKind
+from statemachine.phases import Phase
+from statemachine.state import AttemptState, RequestState
+
+POLICY_VERSION = "2026-11-30.1"
+
+WAIT_FOR_CANCEL_ACK_OR_LEASE = "cancel_ack_or_lease_expiry"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """The knobs of the policy; replay can run with another one to compare."""
+
+    max_attempts: int = 2
+    # Cost guard: a retry whose prompt is longer than this fails fast (None: no guard).
+    retry_max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.retry_max_prompt_tokens is not None and self.retry_max_prompt_tokens < 0:
+            raise ValueError("retry_max_prompt_tokens must not be negative")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
+        """Build from a parsed configuration file, rejecting unknown keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown policy settings: {', '.join(unknown)}")
+        for name, value in values.items():
+            if value is not None and type(value) is not int:
+                raise ValueError(f"policy setting {name} must be an integer")
+        return cls(**values)
+
+
+# --- actions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartAttempt:
+    name: ClassVar[str] = "start_attempt"
+    reason: str
+    attempt: int
+    exclude_replicas: tuple[str, ...]
+    migration: str | None  # None for the first attempt, else "new_request" or "prefill_retry"
+
+
+@dataclass(frozen=True, slots=True)
+class FenceAttempt:
+    name: ClassVar[str] = "fence_attempt"
+    reason: str
+    attempt: int
+    wait_for: str = WAIT_FOR_CANCEL_ACK_OR_LEASE
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAttempt:
+    name: ClassVar[str] = "cancel_attempt"
+    reason: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    name: ClassVar[str] = "wait"
+    reason: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailRequest:
+    name: ClassVar[str] = "fail_request"
+    reason: str
+    code: str
+    message: str
+    partial_output: bool
+    delivered_output_tokens: int
+    retryable: bool
+    http_status: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    name: ClassVar[str] = "cancel_request"
+    reason: str
+
+
+Action = StartAttempt | FenceAttempt | CancelAttempt | Wait | FailRequest | CancelRequest
+
+ACTION_TYPES: dict[str, type[Action]] = {
+    cls.name: cls for cls in (StartAttempt, FenceAttempt, CancelAttempt, Wait, FailRequest, CancelRequest)
+}
+
+
+def action_params(action: Action) -> dict[str, Any]:
+    """The action's parameters as JSON values, as a ``Decided`` event stores them."""
+    params: dict[str, Any] = {}
+    for f in fields(action):
+        if f.name == "reason":
+            continue
+        value = getattr(action, f.name)
+        params[f.name] = list(value) if isinstance(value, tuple) else value
+    return params
+
+
+# --- the policy ------------------------------------------------------------------------
+
+
+def decide(state: RequestState, config: PolicyConfig) -> list[Action]:
+    """What to do next for the request, given everything its log says so far."""
+    if state.phase in (Phase.NEW, Phase.TERMINATED) or state.pending:
+        return []
+    current = state.current_attempt
+    if state.client_gone:
+        return _on_client_gone(current)
+    if state.phase is Phase.FENCED:
+        return []  # waiting for the cancel ack or the lease expiry, observed as events
+    if state.phase is Phase.DECODE:
+        assert current is not None
+        return _on_decode_failure(state, current)
+    return _in_prefill(state, current, config)
+
+
+def _on_client_gone(current: AttemptState | None) -> list[Action]:
+    actions: list[Action] = []
+    if current is not None and current.live and not current.cancel_sent:
+        actions.append(CancelAttempt("client_gone", current.attempt))
+    actions.append(CancelRequest("client_gone"))
+    return actions
+
+
+def _on_decode_failure(state: RequestState, current: AttemptState) -> list[Action]:
+    if current.failure is None or current.failure_answered:
+        return []
+    if _soft_overload(current):
+        return [Wait("overloaded_soft_timeout", current.attempt)]
+    actions: list[Action] = []
+    if current.live:
+        # the stream ends at once; the fence completes afterwards as bookkeeping
+        actions.append(FenceAttempt(f"{current.failure.value}_after_first_delta", current.attempt))
+    actions.append(
+        FailRequest(
+            reason="failure_after_first_delta",
+            code="upstream_decode_interrupted",
+            message="generation stopped after part of the answer was sent",
+            partial_output=True,
+            delivered_output_tokens=state.delivered_output_tokens,
+            retryable=False,
+            http_status=502,
+        )
+    )
+    return actions
+
+
+def _in_prefill(state: RequestState, current: AttemptState | None, config: PolicyConfig) -> list[Action]:
+    if state.start_refused is not None:
+        return [_refused_start(state.start_refused)]
+    if current is None:
+        return [StartAttempt("request_accepted", 1, (), None)]
+    if current.live:
+        if current.failure is None or current.failure_answered:
+            return []
+        if _soft_overload(current):
+            return [Wait("overloaded_soft_timeout", current.attempt)]
+        # liveness uncertain (or a hard deadline on a slow replica): fence it first
+        return [FenceAttempt(current.failure.value, current.attempt)]
+    if current.failure is FailureKind.REQUEST_REFUSED:
+        return [
+            FailRequest(
+                reason="upstream_refused_request",
+                code=current.upstream_code or "upstream_refused_request",
+                message=current.failure_detail or "the upstream refused the request",
+                partial_output=False,
+                delivered_output_tokens=0,
+                retryable=False,
+                http_status=current.upstream_status or 400,
+            )
+        ]
+    return _retry_or_fail(state, current, config)
+
+
+def _retry_or_fail(state: RequestState, source: AttemptState, config: PolicyConfig) -> list[Action]:
+    used = len(state.attempts)
+    if used >= config.max_attempts:
+        return [
+            FailRequest(
+                reason="retry_budget_exhausted",
+                code="upstream_unavailable",
+                message=f"all {used} attempts failed before any output was sent",
+                partial_output=False,
+                delivered_output_tokens=0,
+                retryable=True,
+                http_status=502,
+            )
+        ]
+    limit = config.retry_max_prompt_tokens
+    if limit is not None and state.prompt_tokens > limit:
+        return [
+            FailRequest(
+                reason="retry_cost_guard",
+                code="retry_cost_exceeded",
+                message=f"a retry would prefill {state.prompt_tokens} prompt tokens, over the limit {limit}",
+                partial_output=False,
+                delivered_output_tokens=0,
+                retryable=True,
+                http_status=503,
+            )
+        ]
+    migration = "new_request" if source.failure is FailureKind.REJECTED else "prefill_retry"
+    reason = source.failure.value if source.failure is not None else (source.ended or "attempt_lost")
+    return [StartAttempt(reason, used + 1, tuple(sorted(set(state.replicas_tried))), migration)]
+
+
+def _refused_start(refused: str) -> FailRequest:
+    if refused == "retry_budget":
+        return FailRequest(
+            reason="global_retry_budget_denied",
+            code="retry_budget_exhausted",
+            message="the gateway's retry budget is spent; too many replicas are failing at once",
+            partial_output=False,
+            delivered_output_tokens=0,
+            retryable=True,
+            http_status=503,
+        )
+    return FailRequest(
+        reason="no_replica_available",
+        code="no_replica_available",
+        message="no healthy replica is available for this request",
+        partial_output=False,
+        delivered_output_tokens=0,
+        retryable=True,
+        http_status=503,
+    )
+
+
+def _soft_overload(attempt: AttemptState) -> bool:
+    return attempt.failure is FailureKind.OVERLOADED and attempt.failure_deadline is not Deadline.HARD
+
+
+def as_decided(action: Action, *, request_id: str, seq: int, occurred_at: datetime) -> Decided:
+    """The ``Decided`` event that records ``action``."""
+    return Decided(
+        request_id=request_id,
+        seq=seq,
+        occurred_at=occurred_at,
+        action=action.name,
+        reason=action.reason,
+        policy_version=POLICY_VERSION,
+        params=action_params(action),
+    )

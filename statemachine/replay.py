@@ -1,0 +1,111 @@
+"""Replay: fold a recorded request and recompute every decision it logged.
+
+The driver records each ``decide()`` call that returned actions as a run of
+consecutive ``Decided`` events. Replay folds the events up to the first event of
+each run, calls ``decide()`` on that state with the given config, and compares the
+recomputed actions with the run (action, reason and parameters; the policy version
+is reported, not compared). The first mismatch is the divergence. Like Temporal's
+replayer it returns a result and raises only when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from statemachine.events import Decided, Event
+from statemachine.policy import PolicyConfig, action_params, decide
+from statemachine.state import RequestState, apply
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where recorded and recomputed decisions first differ."""
+
+    seq: int  # the seq of the first Decided event of the differing run (or where one was due)
+    recorded: tuple[dict[str, Any], ...]
+    recomputed: tuple[dict[str, Any], ...]
+
+    def describe(self) -> str:
+        return (
+            f"at seq {self.seq}: recorded {_summary(self.recorded)}, recomputed {_summary(self.recomputed)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    request_id: str
+    divergence: Divergence | None
+    final_state: RequestState
+    events: int
+    decisions: int
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+    def raise_on_divergence(self) -> None:
+        if self.divergence is not None:
+            raise ReplayDivergence(self)
+
+
+class ReplayDivergence(Exception):
+    def __init__(self, result: ReplayResult) -> None:
+        assert result.divergence is not None
+        self.result = result
+        super().__init__(f"request {result.request_id} diverged {result.divergence.describe()}")
+
+
+def decision_of(event: Decided) -> dict[str, Any]:
+    return {"action": event.action, "reason": event.reason, "params": event.params}
+
+
+def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> ReplayResult:
+    """Fold ``events`` (one request, in seq order) and check each recorded decision.
+
+    Raises :class:`~statemachine.errors.IllegalTransition` if the trace itself breaks
+    the state machine: that is a broken trace, not a divergent decision.
+    """
+    config = config or PolicyConfig()
+    state: RequestState | None = None
+    divergence: Divergence | None = None
+    recorded: list[dict[str, Any]] = []
+    recomputed: list[dict[str, Any]] = []
+    run_seq = 0
+    count = decisions = 0
+    for event in events:
+        count += 1
+        if state is None:
+            state = RequestState(request_id=event.request_id)
+        if isinstance(event, Decided):
+            decisions += 1
+            if not recorded:  # the first Decided of a run: recompute on the state before it
+                run_seq = event.seq
+                recomputed = [_recomputed(action) for action in decide(state, config)]
+            recorded.append(decision_of(event))
+        elif recorded:
+            divergence = divergence or _compare(run_seq, recorded, recomputed)
+            recorded = []
+        state = apply(state, event)
+    if state is None:
+        raise ValueError("replay() needs at least one event")
+    if recorded:
+        divergence = divergence or _compare(run_seq, recorded, recomputed)
+    return ReplayResult(state.request_id, divergence, state, count, decisions)
+
+
+def _recomputed(action: Any) -> dict[str, Any]:
+    return {"action": action.name, "reason": action.reason, "params": action_params(action)}
+
+
+def _compare(seq: int, recorded: list[dict[str, Any]], recomputed: list[dict[str, Any]]) -> Divergence | None:
+    if recorded == recomputed:
+        return None
+    return Divergence(seq, tuple(recorded), tuple(recomputed))
+
+
+def _summary(decisions: tuple[dict[str, Any], ...]) -> str:
+    if not decisions:
+        return "no action"
+    return ", ".join(f"{d['action']}({d['reason']})" for d in decisions)

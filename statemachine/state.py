@@ -1,0 +1,456 @@
+"""A request's state as a fold of its events: ``apply(state, event) -> state``.
+
+How this works: :func:`apply` first asks the transition table for the next phase
+(illegal pairs raise there), then checks the event against the request's invariants
+and updates the fields the event speaks of. States and attempts are frozen; every
+apply returns a new value, so a replayer can keep any intermediate state.
+
+The invariants checked here are the ones the whole design rests on:
+
+- events of one request arrive in ``seq`` order, 1, 2, 3…;
+- a new attempt starts only when every earlier attempt is dead or released, with a
+  larger lease epoch (never two attempts live at once);
+- attempt-scoped events name an existing attempt and its own lease epoch;
+- only the attempt that committed the first delta delivers, without gaps, and never
+  after it was fenced (no splicing of two generations);
+- exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from statemachine.errors import IllegalTransition
+from statemachine.events import (
+    AttemptFenced,
+    AttemptReleased,
+    AttemptStarted,
+    CancelAcked,
+    CancelSent,
+    ClientDisconnected,
+    Deadline,
+    Decided,
+    DeltasDelivered,
+    Event,
+    FailureKind,
+    FirstDeltaCommitted,
+    FirstTokenReceived,
+    LeaseExpired,
+    NoReplicaAvailable,
+    ReleaseReason,
+    RequestAccepted,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RetryBudgetDenied,
+    ToolCallEmitted,
+    UpstreamFailed,
+)
+from statemachine.phases import Phase, next_phase
+
+# Failures after which the attempt is surely not running: nothing to fence.
+DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
+
+
+class Outcome(enum.StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptState:
+    attempt: int
+    lease_epoch: int
+    replica_id: str
+    started_at: datetime
+    lease_expires_at: datetime
+    first_token_received: bool = False
+    failure: FailureKind | None = None
+    failure_deadline: Deadline | None = None
+    failure_detail: str | None = None
+    upstream_status: int | None = None
+    upstream_code: str | None = None
+    failure_answered: bool = False  # a decision was recorded after the last failure
+    fenced: bool = False
+    cancel_sent: bool = False
+    cancel_acked: bool = False
+    lease_expired: bool = False
+    released: ReleaseReason | None = None
+    completed: bool = False
+
+    @property
+    def dead(self) -> bool:
+        return self.failure in DEAD_KINDS
+
+    @property
+    def live(self) -> bool:
+        """Presumed able to publish: not known dead, not released, not finished."""
+        return not self.dead and self.released is None and not self.completed
+
+    @property
+    def ended(self) -> str | None:
+        """How the attempt ended, in the log's words, or ``None`` while it is live."""
+        if self.completed:
+            return "completed"
+        if self.released is not None:
+            return self.released.value
+        if self.dead:
+            assert self.failure is not None
+            return self.failure.value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    attempt: int
+    index: int
+    tool_call_id: str
+    name: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    request_id: str
+    phase: Phase = Phase.NEW
+    seq: int = 0
+    model: str = ""
+    tenant: str = ""
+    prompt_tokens: int = 0
+    n: int = 1
+    guided: bool = False
+    tools: bool = False
+    max_attempts: int = 0
+    attempts: tuple[AttemptState, ...] = ()
+    first_delta_attempt: int | None = None
+    delivered_deltas: int = 0
+    delivered_output_tokens: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
+    client_gone: bool = False
+    start_refused: str | None = None  # "no_replica" or "retry_budget" after a refused start
+    pending: frozenset[str] = frozenset()  # decided actions not yet seen carried out
+    outcome: Outcome | None = None
+    error_code: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def first_delta_sent(self) -> bool:
+        return self.first_delta_attempt is not None
+
+    @property
+    def current_attempt(self) -> AttemptState | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def retry_budget_left(self) -> int:
+        return max(self.max_attempts - len(self.attempts), 0)
+
+    @property
+    def replicas_tried(self) -> tuple[str, ...]:
+        return tuple(attempt.replica_id for attempt in self.attempts)
+
+    def attempt(self, number: int) -> AttemptState | None:
+        if 1 <= number <= len(self.attempts):
+            return self.attempts[number - 1]
+        return None
+
+
+def apply(state: RequestState, event: Event) -> RequestState:
+    """The state after ``event``; raises :class:`IllegalTransition` if it is not legal."""
+    if event.request_id != state.request_id:
+        raise _illegal(state, event, f"event belongs to request {event.request_id}")
+    if event.seq != state.seq + 1:
+        raise _illegal(state, event, f"seq {event.seq} does not follow {state.seq}")
+    phase = next_phase(state.phase, event)
+    updated = _HANDLERS[type(event)](state, event)
+    return dataclasses.replace(updated, phase=phase, seq=event.seq)
+
+
+def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestState:
+    """Apply ``events`` in order, from ``state`` or from the first event's request."""
+    for event in events:
+        if state is None:
+            state = RequestState(request_id=event.request_id)
+        state = apply(state, event)
+    if state is None:
+        raise ValueError("fold() needs at least one event or a starting state")
+    return state
+
+
+def initial_state(request_id: str) -> RequestState:
+    return RequestState(request_id=request_id)
+
+
+# --- handlers: one per event type, each returns the state with its fields updated ----
+
+
+def _illegal(state: RequestState, event: Event, why: str) -> IllegalTransition:
+    return IllegalTransition(state.phase.value, type(event).__name__, state.request_id, why)
+
+
+def _on_accepted(state: RequestState, event: RequestAccepted) -> RequestState:
+    if event.max_attempts < 1 or event.n < 1 or event.prompt_tokens < 0:
+        raise _illegal(state, event, "max_attempts and n must be at least 1")
+    return dataclasses.replace(
+        state,
+        model=event.model,
+        tenant=event.tenant,
+        prompt_tokens=event.prompt_tokens,
+        n=event.n,
+        guided=event.guided,
+        tools=event.tools,
+        max_attempts=event.max_attempts,
+    )
+
+
+def _on_decided(state: RequestState, event: Decided) -> RequestState:
+    pending = state.pending
+    if event.action != "wait":
+        pending = pending | {event.action}
+    attempts = state.attempts
+    current = state.current_attempt
+    if current is not None and current.failure is not None and not current.failure_answered:
+        attempts = _replaced_last(attempts, failure_answered=True)
+    return dataclasses.replace(state, pending=pending, attempts=attempts)
+
+
+def _on_attempt_started(state: RequestState, event: AttemptStarted) -> RequestState:
+    if event.attempt != len(state.attempts) + 1:
+        raise _illegal(state, event, f"attempt {event.attempt} is not attempt {len(state.attempts) + 1}")
+    previous = state.current_attempt
+    if previous is not None:
+        if previous.live:
+            raise _illegal(state, event, f"attempt {previous.attempt} is still live")
+        if event.lease_epoch <= previous.lease_epoch:
+            raise _illegal(state, event, "lease epoch does not increase")
+    attempt = AttemptState(
+        attempt=event.attempt,
+        lease_epoch=event.lease_epoch,
+        replica_id=event.replica_id,
+        started_at=event.occurred_at,
+        lease_expires_at=event.lease_expires_at,
+    )
+    return dataclasses.replace(
+        state,
+        attempts=(*state.attempts, attempt),
+        pending=state.pending - {"start_attempt"},
+        start_refused=None,
+    )
+
+
+def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudgetDenied) -> RequestState:
+    if "start_attempt" not in state.pending:
+        raise _illegal(state, event, "no attempt start was decided")
+    refused = "no_replica" if isinstance(event, NoReplicaAvailable) else "retry_budget"
+    return dataclasses.replace(state, pending=state.pending - {"start_attempt"}, start_refused=refused)
+
+
+def _on_first_token(state: RequestState, event: FirstTokenReceived) -> RequestState:
+    attempt = _live_current(state, event)
+    return _with_current(state, dataclasses.replace(attempt, first_token_received=True))
+
+
+def _on_first_delta(state: RequestState, event: FirstDeltaCommitted) -> RequestState:
+    _live_current(state, event)
+    return dataclasses.replace(state, first_delta_attempt=event.attempt)
+
+
+def _on_deltas(state: RequestState, event: DeltasDelivered) -> RequestState:
+    if event.attempt != state.first_delta_attempt:
+        raise _illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
+    _live_current(state, event)
+    if event.from_index != state.delivered_deltas or event.to_index <= event.from_index:
+        raise _illegal(
+            state,
+            event,
+            f"deltas [{event.from_index}, {event.to_index}) do not follow delta {state.delivered_deltas}",
+        )
+    if event.tokens < 0:
+        raise _illegal(state, event, "negative token count")
+    return dataclasses.replace(
+        state,
+        delivered_deltas=event.to_index,
+        delivered_output_tokens=state.delivered_output_tokens + event.tokens,
+    )
+
+
+def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> RequestState:
+    _live_current(state, event)
+    if event.idempotency_key != f"{state.request_id}:{event.tool_call_id}":
+        raise _illegal(state, event, "idempotency key is not {request_id}:{tool_call_id}")
+    call = ToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
+    return dataclasses.replace(state, tool_calls=(*state.tool_calls, call))
+
+
+def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> RequestState:
+    attempt = _scoped(state, event)
+    if attempt is not state.current_attempt or attempt.released is not None or attempt.completed:
+        raise _illegal(state, event, f"attempt {event.attempt} is not the running attempt")
+    return _with_current(
+        state,
+        dataclasses.replace(
+            attempt,
+            failure=event.kind,
+            failure_deadline=event.deadline,
+            failure_detail=event.detail,
+            upstream_status=event.upstream_status,
+            upstream_code=event.upstream_code,
+            failure_answered=False,
+        ),
+    )
+
+
+def _on_fenced(state: RequestState, event: AttemptFenced) -> RequestState:
+    attempt = _live_current(state, event)
+    updated = _with_current(state, dataclasses.replace(attempt, fenced=True))
+    return dataclasses.replace(updated, pending=updated.pending - {"fence_attempt"})
+
+
+def _on_cancel_sent(state: RequestState, event: CancelSent) -> RequestState:
+    attempt = _unreleased(state, event)
+    updated = _with_attempt(state, dataclasses.replace(attempt, cancel_sent=True))
+    return dataclasses.replace(updated, pending=updated.pending - {"cancel_attempt"})
+
+
+def _on_cancel_acked(state: RequestState, event: CancelAcked) -> RequestState:
+    attempt = _unreleased(state, event)
+    if not attempt.cancel_sent:
+        raise _illegal(state, event, "no cancel was sent to this attempt")
+    return _with_attempt(state, dataclasses.replace(attempt, cancel_acked=True))
+
+
+def _on_lease_expired(state: RequestState, event: LeaseExpired) -> RequestState:
+    attempt = _unreleased(state, event)
+    return _with_attempt(state, dataclasses.replace(attempt, lease_expired=True))
+
+
+def _on_released(state: RequestState, event: AttemptReleased) -> RequestState:
+    attempt = _unreleased(state, event)
+    if event.because is ReleaseReason.CANCEL_ACKED and not attempt.cancel_acked:
+        raise _illegal(state, event, "released for a cancel ack that was not recorded")
+    if event.because is ReleaseReason.LEASE_EXPIRED and not attempt.lease_expired:
+        raise _illegal(state, event, "released for a lease expiry that was not recorded")
+    if state.phase is Phase.FENCED and (state.first_delta_sent or not attempt.fenced):
+        raise _illegal(state, event, "only the fenced attempt of an undelivered request reopens prefill")
+    return _with_attempt(state, dataclasses.replace(attempt, released=event.because))
+
+
+def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> RequestState:
+    if state.client_gone:
+        raise _illegal(state, event, "the client already disconnected")
+    return dataclasses.replace(state, client_gone=True)
+
+
+def _on_completed(state: RequestState, event: RequestCompleted) -> RequestState:
+    current = state.current_attempt
+    if current is None or not current.live:
+        raise _illegal(state, event, "no running attempt completed the request")
+    return dataclasses.replace(
+        state,
+        attempts=_replaced_last(state.attempts, completed=True),
+        outcome=Outcome.COMPLETED,
+        finish_reason=event.finish_reason,
+        pending=frozenset(),
+    )
+
+
+def _on_failed(state: RequestState, event: RequestFailed) -> RequestState:
+    if event.delivered_output_tokens != state.delivered_output_tokens:
+        raise _illegal(state, event, "delivered_output_tokens disagrees with the deliveries")
+    if event.partial_output != state.first_delta_sent:
+        raise _illegal(state, event, "partial_output disagrees with the commit point")
+    return dataclasses.replace(state, outcome=Outcome.FAILED, error_code=event.code, pending=frozenset())
+
+
+def _on_cancelled(state: RequestState, event: RequestCancelled) -> RequestState:
+    return dataclasses.replace(state, outcome=Outcome.CANCELLED, error_code=event.reason, pending=frozenset())
+
+
+# --- attempt lookups ---------------------------------------------------------------------
+
+
+def _scoped(
+    state: RequestState,
+    event: AttemptStarted
+    | FirstTokenReceived
+    | FirstDeltaCommitted
+    | DeltasDelivered
+    | ToolCallEmitted
+    | UpstreamFailed
+    | CancelSent
+    | CancelAcked
+    | LeaseExpired
+    | AttemptFenced
+    | AttemptReleased,
+) -> AttemptState:
+    attempt = state.attempt(event.attempt)
+    if attempt is None:
+        raise _illegal(state, event, f"attempt {event.attempt} was never started")
+    if attempt.lease_epoch != event.lease_epoch:
+        raise _illegal(
+            state,
+            event,
+            f"lease epoch {event.lease_epoch} is not {attempt.lease_epoch} of attempt {event.attempt}",
+        )
+    return attempt
+
+
+def _live_current(
+    state: RequestState,
+    event: FirstTokenReceived | FirstDeltaCommitted | DeltasDelivered | ToolCallEmitted | AttemptFenced,
+) -> AttemptState:
+    attempt = _scoped(state, event)
+    if attempt is not state.current_attempt or not attempt.live or attempt.fenced:
+        raise _illegal(state, event, f"attempt {event.attempt} is not the live attempt")
+    return attempt
+
+
+def _unreleased(
+    state: RequestState, event: CancelSent | CancelAcked | LeaseExpired | AttemptReleased
+) -> AttemptState:
+    attempt = _scoped(state, event)
+    if attempt.released is not None:
+        raise _illegal(state, event, f"attempt {event.attempt} was already released")
+    return attempt
+
+
+def _with_current(state: RequestState, attempt: AttemptState) -> RequestState:
+    return dataclasses.replace(state, attempts=(*state.attempts[:-1], attempt))
+
+
+def _with_attempt(state: RequestState, attempt: AttemptState) -> RequestState:
+    index = attempt.attempt - 1
+    attempts = (*state.attempts[:index], attempt, *state.attempts[index + 1 :])
+    return dataclasses.replace(state, attempts=attempts)
+
+
+def _replaced_last(attempts: tuple[AttemptState, ...], **changes: object) -> tuple[AttemptState, ...]:
+    return (*attempts[:-1], dataclasses.replace(attempts[-1], **changes))  # type: ignore[arg-type]
+
+
+_HANDLERS: dict[type, Callable[[RequestState, object], RequestState]] = {
+    RequestAccepted: _on_accepted,  # type: ignore[dict-item]
+    Decided: _on_decided,  # type: ignore[dict-item]
+    AttemptStarted: _on_attempt_started,  # type: ignore[dict-item]
+    NoReplicaAvailable: _on_start_refused,  # type: ignore[dict-item]
+    RetryBudgetDenied: _on_start_refused,  # type: ignore[dict-item]
+    FirstTokenReceived: _on_first_token,  # type: ignore[dict-item]
+    FirstDeltaCommitted: _on_first_delta,  # type: ignore[dict-item]
+    DeltasDelivered: _on_deltas,  # type: ignore[dict-item]
+    ToolCallEmitted: _on_tool_call,  # type: ignore[dict-item]
+    UpstreamFailed: _on_upstream_failed,  # type: ignore[dict-item]
+    AttemptFenced: _on_fenced,  # type: ignore[dict-item]
+    CancelSent: _on_cancel_sent,  # type: ignore[dict-item]
+    CancelAcked: _on_cancel_acked,  # type: ignore[dict-item]
+    LeaseExpired: _on_lease_expired,  # type: ignore[dict-item]
+    AttemptReleased: _on_released,  # type: ignore[dict-item]
+    ClientDisconnected: _on_client_disconnected,  # type: ignore[dict-item]
+    RequestCompleted: _on_completed,  # type: ignore[dict-item]
+    RequestFailed: _on_failed,  # type: ignore[dict-item]
+    RequestCancelled: _on_cancelled,  # type: ignore[dict-item]
+}
