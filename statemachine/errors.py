@@ -4,8 +4,9 @@
     ├── IllegalTransition        an event the request's current phase does not allow,
     │                            or one that breaks an invariant of the request
     │                            (a second live attempt, a splice of two attempts' output)
-    └── MalformedEvent           a JSON form that is not a valid event (ValueError)
-        └── UnknownEventType     its "type" names no event of the vocabulary
+    ├── MalformedEvent           a JSON form that is not a valid event (ValueError)
+    │   └── UnknownEventType     its "type" names no event of the vocabulary
+    └── TraceError               a trace file that cannot be read, naming its line (ValueError)
 
 These are programming errors of the caller (the driver, a replayed trace), never
 conditions to ignore: the state machine raises at once, as h11 raises
@@ -39,3 +40,11 @@ class MalformedEvent(StateMachineError, ValueError):
 
 class UnknownEventType(MalformedEvent):
     """A serialised event whose type is not part of the vocabulary."""
+
+
+class TraceError(StateMachineError, ValueError):
+    """A trace that cannot be read; ``line`` is 1-based (0 when it is the whole trace)."""
+
+    def __init__(self, line: int, message: str) -> None:
+        self.line = line
+        super().__init__(f"line {line}: {message}" if line else message)

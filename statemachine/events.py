@@ -54,15 +54,32 @@ class ReleaseReason(enum.StrEnum):
     REPLICA_EXITED = "replica_exited"
 
 
-# --- request-scoped events -------------------------------------------------------------
+# --- the envelopes (abstract: no concrete event inherits from another) -------------------
 
 
 @dataclass(frozen=True, slots=True)
-class RequestAccepted:
+class RequestScoped:
+    """Fields every event carries."""
+
     SCHEMA_VERSION: ClassVar[int] = 1
     request_id: str
     seq: int
     occurred_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptScoped(RequestScoped):
+    """Fields every event about one attempt carries."""
+
+    attempt: int
+    lease_epoch: int
+
+
+# --- request-scoped events -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAccepted(RequestScoped):
     model: str
     model_revision: str
     tenant: str
@@ -79,13 +96,9 @@ class RequestAccepted:
 
 
 @dataclass(frozen=True, slots=True)
-class Decided:
+class Decided(RequestScoped):
     """The policy's output, one event per action, logged with the policy's version."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
     action: str
     reason: str
     policy_version: str
@@ -93,52 +106,33 @@ class Decided:
 
 
 @dataclass(frozen=True, slots=True)
-class RetryBudgetDenied:
+class RetryBudgetDenied(RequestScoped):
     """The global retry budget refused a retry that the policy had decided."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
     scope: str
 
 
 @dataclass(frozen=True, slots=True)
-class NoReplicaAvailable:
+class NoReplicaAvailable(RequestScoped):
     """No healthy replica outside ``excluded`` could take a decided attempt."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
     excluded: tuple[str, ...]
     detail: str
 
 
 @dataclass(frozen=True, slots=True)
-class ClientDisconnected:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
+class ClientDisconnected(RequestScoped):
+    """The downstream socket closed before the request ended."""
 
 
 @dataclass(frozen=True, slots=True)
-class RequestCompleted:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
+class RequestCompleted(RequestScoped):
     finish_reason: str
     usage: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
-class RequestFailed:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
+class RequestFailed(RequestScoped):
     code: str
     message: str
     partial_output: bool
@@ -147,11 +141,7 @@ class RequestFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestCancelled:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
+class RequestCancelled(RequestScoped):
     reason: str
 
 
@@ -159,55 +149,29 @@ class RequestCancelled:
 
 
 @dataclass(frozen=True, slots=True)
-class AttemptStarted:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
+class AttemptStarted(AttemptScoped):
     replica_id: str
     lease_expires_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
-class FirstTokenReceived:
+class FirstTokenReceived(AttemptScoped):
     """The attempt produced its first chunk upstream; nothing is delivered yet."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
-
 
 @dataclass(frozen=True, slots=True)
-class FirstDeltaCommitted:
+class FirstDeltaCommitted(AttemptScoped):
     """The commit point: durable before the first content byte reaches the client."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
-
 
 @dataclass(frozen=True, slots=True)
-class DeltasDelivered:
+class DeltasDelivered(AttemptScoped):
     """Deltas ``[from_index, to_index)`` of the attempt, written to the client.
 
     ``text`` holds the delivered text under the "full" content policy,
     ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
     from_index: int
     to_index: int
     tokens: int
@@ -216,15 +180,9 @@ class DeltasDelivered:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallEmitted:
+class ToolCallEmitted(AttemptScoped):
     """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
     index: int
     tool_call_id: str
     name: str
@@ -233,13 +191,7 @@ class ToolCallEmitted:
 
 
 @dataclass(frozen=True, slots=True)
-class UpstreamFailed:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
+class UpstreamFailed(AttemptScoped):
     kind: FailureKind
     detail: str
     deadline: Deadline | None = None  # set when a timer, not the replica, reported it
@@ -248,61 +200,31 @@ class UpstreamFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class CancelSent:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
+class CancelSent(AttemptScoped):
+    """A cancel went to the replica; the attempt is presumed alive until acked or expired."""
 
 
 @dataclass(frozen=True, slots=True)
-class CancelAcked:
+class CancelAcked(AttemptScoped):
     """The replica confirmed its engine aborted the attempt."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
     generated_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseExpired:
+class LeaseExpired(AttemptScoped):
     """A timer: the attempt's lease lapsed unrenewed, so the replica has stopped it."""
-
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
 
 
 @dataclass(frozen=True, slots=True)
-class AttemptFenced:
+class AttemptFenced(AttemptScoped):
     """Nothing more is forwarded from the attempt; it is presumed alive until released."""
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
     waiting_for: str
 
 
 @dataclass(frozen=True, slots=True)
-class AttemptReleased:
-    SCHEMA_VERSION: ClassVar[int] = 1
-    request_id: str
-    seq: int
-    occurred_at: datetime
-    attempt: int
-    lease_epoch: int
+class AttemptReleased(AttemptScoped):
     because: ReleaseReason
 
 
@@ -336,7 +258,7 @@ _ATTEMPT_SCOPE = ("attempt", "lease_epoch")
 
 
 def is_attempt_scoped(cls: type[Event]) -> bool:
-    return "attempt" in cls.__dataclass_fields__
+    return issubclass(cls, AttemptScoped)
 
 
 # --- JSON form ---------------------------------------------------------------------------

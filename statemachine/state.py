@@ -23,11 +23,13 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from statemachine.errors import IllegalTransition
 from statemachine.events import (
     AttemptFenced,
     AttemptReleased,
+    AttemptScoped,
     AttemptStarted,
     CancelAcked,
     CancelSent,
@@ -46,6 +48,7 @@ from statemachine.events import (
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
+    RequestScoped,
     RetryBudgetDenied,
     ToolCallEmitted,
     UpstreamFailed,
@@ -182,14 +185,10 @@ def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestS
     return state
 
 
-def initial_state(request_id: str) -> RequestState:
-    return RequestState(request_id=request_id)
-
-
 # --- handlers: one per event type, each returns the state with its fields updated ----
 
 
-def _illegal(state: RequestState, event: Event, why: str) -> IllegalTransition:
+def _illegal(state: RequestState, event: RequestScoped, why: str) -> IllegalTransition:
     return IllegalTransition(state.phase.value, type(event).__name__, state.request_id, why)
 
 
@@ -374,20 +373,7 @@ def _on_cancelled(state: RequestState, event: RequestCancelled) -> RequestState:
 # --- attempt lookups ---------------------------------------------------------------------
 
 
-def _scoped(
-    state: RequestState,
-    event: AttemptStarted
-    | FirstTokenReceived
-    | FirstDeltaCommitted
-    | DeltasDelivered
-    | ToolCallEmitted
-    | UpstreamFailed
-    | CancelSent
-    | CancelAcked
-    | LeaseExpired
-    | AttemptFenced
-    | AttemptReleased,
-) -> AttemptState:
+def _scoped(state: RequestState, event: AttemptScoped) -> AttemptState:
     attempt = state.attempt(event.attempt)
     if attempt is None:
         raise _illegal(state, event, f"attempt {event.attempt} was never started")
@@ -400,19 +386,14 @@ def _scoped(
     return attempt
 
 
-def _live_current(
-    state: RequestState,
-    event: FirstTokenReceived | FirstDeltaCommitted | DeltasDelivered | ToolCallEmitted | AttemptFenced,
-) -> AttemptState:
+def _live_current(state: RequestState, event: AttemptScoped) -> AttemptState:
     attempt = _scoped(state, event)
     if attempt is not state.current_attempt or not attempt.live or attempt.fenced:
         raise _illegal(state, event, f"attempt {event.attempt} is not the live attempt")
     return attempt
 
 
-def _unreleased(
-    state: RequestState, event: CancelSent | CancelAcked | LeaseExpired | AttemptReleased
-) -> AttemptState:
+def _unreleased(state: RequestState, event: AttemptScoped) -> AttemptState:
     attempt = _scoped(state, event)
     if attempt.released is not None:
         raise _illegal(state, event, f"attempt {event.attempt} was already released")
@@ -433,24 +414,25 @@ def _replaced_last(attempts: tuple[AttemptState, ...], **changes: object) -> tup
     return (*attempts[:-1], dataclasses.replace(attempts[-1], **changes))  # type: ignore[arg-type]
 
 
-_HANDLERS: dict[type, Callable[[RequestState, object], RequestState]] = {
-    RequestAccepted: _on_accepted,  # type: ignore[dict-item]
-    Decided: _on_decided,  # type: ignore[dict-item]
-    AttemptStarted: _on_attempt_started,  # type: ignore[dict-item]
-    NoReplicaAvailable: _on_start_refused,  # type: ignore[dict-item]
-    RetryBudgetDenied: _on_start_refused,  # type: ignore[dict-item]
-    FirstTokenReceived: _on_first_token,  # type: ignore[dict-item]
-    FirstDeltaCommitted: _on_first_delta,  # type: ignore[dict-item]
-    DeltasDelivered: _on_deltas,  # type: ignore[dict-item]
-    ToolCallEmitted: _on_tool_call,  # type: ignore[dict-item]
-    UpstreamFailed: _on_upstream_failed,  # type: ignore[dict-item]
-    AttemptFenced: _on_fenced,  # type: ignore[dict-item]
-    CancelSent: _on_cancel_sent,  # type: ignore[dict-item]
-    CancelAcked: _on_cancel_acked,  # type: ignore[dict-item]
-    LeaseExpired: _on_lease_expired,  # type: ignore[dict-item]
-    AttemptReleased: _on_released,  # type: ignore[dict-item]
-    ClientDisconnected: _on_client_disconnected,  # type: ignore[dict-item]
-    RequestCompleted: _on_completed,  # type: ignore[dict-item]
-    RequestFailed: _on_failed,  # type: ignore[dict-item]
-    RequestCancelled: _on_cancelled,  # type: ignore[dict-item]
+# Any: each handler takes its own event type, which the table's key guarantees
+_HANDLERS: dict[type[Event], Callable[[RequestState, Any], RequestState]] = {
+    RequestAccepted: _on_accepted,
+    Decided: _on_decided,
+    AttemptStarted: _on_attempt_started,
+    NoReplicaAvailable: _on_start_refused,
+    RetryBudgetDenied: _on_start_refused,
+    FirstTokenReceived: _on_first_token,
+    FirstDeltaCommitted: _on_first_delta,
+    DeltasDelivered: _on_deltas,
+    ToolCallEmitted: _on_tool_call,
+    UpstreamFailed: _on_upstream_failed,
+    AttemptFenced: _on_fenced,
+    CancelSent: _on_cancel_sent,
+    CancelAcked: _on_cancel_acked,
+    LeaseExpired: _on_lease_expired,
+    AttemptReleased: _on_released,
+    ClientDisconnected: _on_client_disconnected,
+    RequestCompleted: _on_completed,
+    RequestFailed: _on_failed,
+    RequestCancelled: _on_cancelled,
 }

@@ -1,0 +1,169 @@
+"""The events' JSON form: lossless round trips and clear rejections."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import typing
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from statemachine.errors import MalformedEvent, UnknownEventType
+from statemachine.events import EVENT_TYPES, Event, from_json, is_attempt_scoped, to_json
+from tests.statemachine.model import T0
+
+
+def sample_value(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        return sample_value(inner)
+    if annotation is datetime:
+        return T0 + timedelta(microseconds=123457)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return list(annotation)[-1]
+    samples = {str: "sample é ✓", int: 42, bool: True, tuple[str, ...]: ("w1", "w2")}
+    if annotation in samples:
+        return samples[annotation]
+    if annotation == dict[str, int]:
+        return {"prompt_tokens": 3, "completion_tokens": 5}
+    return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}
+
+
+def sample_event(cls: type[Event], request_id: str = "req_s", seq: int = 1) -> Event:
+    hints = typing.get_type_hints(cls)
+    values = {f.name: sample_value(hints[f.name]) for f in dataclasses.fields(cls)}
+    values.update(request_id=request_id, seq=seq)
+    return cls(**values)
+
+
+ALL_TYPES = sorted(EVENT_TYPES.values(), key=lambda cls: cls.__name__)
+
+
+@pytest.mark.parametrize("cls", ALL_TYPES, ids=lambda cls: cls.__name__)
+def test_round_trip_is_lossless_through_json_text(cls: type[Event]) -> None:
+    event = sample_event(cls)
+    text = json.dumps(to_json(event))
+    assert from_json(json.loads(text)) == event
+
+
+@pytest.mark.parametrize("cls", ALL_TYPES, ids=lambda cls: cls.__name__)
+def test_events_are_frozen_slotted_and_versioned(cls: type[Event]) -> None:
+    event = sample_event(cls)
+    assert cls.SCHEMA_VERSION >= 1
+    assert not hasattr(event, "__dict__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.seq = 5  # type: ignore[misc]
+
+
+def test_attempt_scope_is_in_the_envelope() -> None:
+    started = to_json(sample_event(EVENT_TYPES["AttemptStarted"]))
+    assert started["attempt"] == 42 and started["lease_epoch"] == 42
+    assert "attempt" not in started["body"]
+    accepted = to_json(sample_event(EVENT_TYPES["RequestAccepted"]))
+    assert "attempt" not in accepted
+    assert is_attempt_scoped(EVENT_TYPES["CancelAcked"])
+    assert not is_attempt_scoped(EVENT_TYPES["Decided"])
+
+
+def test_enums_and_times_are_plain_json() -> None:
+    failed = to_json(sample_event(EVENT_TYPES["UpstreamFailed"]))
+    assert type(failed["body"]["kind"]) is str
+    assert failed["occurred_at"].endswith("+00:00")
+
+
+@given(
+    detail=st.text(),
+    seq=st.integers(min_value=1, max_value=2**62),
+    micros=st.integers(min_value=0, max_value=10**12),
+    offset_minutes=st.integers(min_value=-600, max_value=600),
+)
+def test_round_trip_holds_for_any_text_seq_and_time(
+    detail: str, seq: int, micros: int, offset_minutes: int
+) -> None:
+    tz = timezone(timedelta(minutes=offset_minutes))
+    event = dataclasses.replace(
+        sample_event(EVENT_TYPES["UpstreamFailed"]),
+        detail=detail,
+        seq=seq,
+        occurred_at=(T0 + timedelta(microseconds=micros)).astimezone(tz),
+    )
+    assert from_json(json.loads(json.dumps(to_json(event)))) == event
+
+
+def _broken(
+    change: dict[str, Any], body_change: dict[str, Any] | None = None, drop: str | None = None
+) -> Any:
+    data = to_json(sample_event(EVENT_TYPES["DeltasDelivered"]))
+    data.update(change)
+    if body_change:
+        data["body"] = {**data["body"], **body_change}
+    if drop:
+        data["body"].pop(drop)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (["not", "an", "object"], "must be a JSON object"),
+        (_broken({"v": 99}), "unsupported schema version 99"),
+        (_broken({"seq": "1"}), "DeltasDelivered.seq: expected int, got str"),
+        (_broken({"seq": True}), "DeltasDelivered.seq: expected int, got bool"),
+        (_broken({"attempt": None}), "DeltasDelivered.attempt: expected int"),
+        (_broken({"occurred_at": "2026-11-30T12:00:00"}), "has no UTC offset"),
+        (_broken({"occurred_at": "yesterday"}), "DeltasDelivered.occurred_at"),
+        (_broken({"occurred_at": 5}), "expected an ISO 8601 string"),
+        (_broken({"body": "text"}), "body must be a JSON object"),
+        (_broken({}, drop="tokens"), "body has missing tokens"),
+        (_broken({}, {"surprise": 1}), "body has unexpected surprise"),
+        (_broken({}, {"text": 5}), "DeltasDelivered.text: expected str"),
+        (_broken({"extra": 1}), "envelope has unexpected extra"),
+    ],
+)
+def test_malformed_events_are_rejected_by_name(data: Any, message: str) -> None:
+    with pytest.raises(MalformedEvent, match=message.replace("(", r"\(")):
+        from_json(data)
+
+
+def test_missing_envelope_field_is_named() -> None:
+    data = to_json(sample_event(EVENT_TYPES["Decided"]))
+    del data["request_id"]
+    with pytest.raises(MalformedEvent, match="envelope has missing request_id"):
+        from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("type_name", "field", "value", "message"),
+    [
+        ("UpstreamFailed", "kind", "gremlins", "'gremlins' is not one of replica_exited"),
+        ("UpstreamFailed", "kind", 3, "expected a string"),
+        ("NoReplicaAvailable", "excluded", ["w1", 2], "expected a list of strings"),
+        ("RequestCompleted", "usage", {"tokens": "many"}, "expected an object of integers"),
+        ("Decided", "params", [], "expected an object"),
+    ],
+)
+def test_wrong_body_types_are_rejected(type_name: str, field: str, value: Any, message: str) -> None:
+    data = to_json(sample_event(EVENT_TYPES[type_name]))
+    data["body"][field] = value
+    with pytest.raises(MalformedEvent, match=message):
+        from_json(data)
+
+
+@pytest.mark.parametrize("type_name", ["Gremlin", None, 7])
+def test_unknown_types_are_rejected(type_name: Any) -> None:
+    with pytest.raises(UnknownEventType, match="unknown event type"):
+        from_json({"type": type_name, "v": 1})
+
+
+def test_optional_body_fields_may_be_omitted() -> None:
+    data = to_json(sample_event(EVENT_TYPES["UpstreamFailed"]))
+    for name in ("deadline", "upstream_status", "upstream_code"):
+        del data["body"][name]
+    event = from_json(data)
+    assert event.deadline is None  # type: ignore[union-attr]

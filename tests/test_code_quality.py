@@ -1,0 +1,25 @@
+"""The tooling gates of STYLE.md, run by the test command: ruff everywhere, mypy strict on the core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "ruff", "check", "."],
+        [sys.executable, "-m", "ruff", "format", "--check", "."],
+        [sys.executable, "-m", "mypy"],  # files and strictness come from pyproject.toml
+    ],
+    ids=["ruff-check", "ruff-format", "mypy-strict"],
+)
+def test_tool_passes(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

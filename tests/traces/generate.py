@@ -1,0 +1,115 @@
+"""Write the golden traces of tests/traces/ from the pure model driver.
+
+    python -m tests.traces.generate
+
+Run it only when the policy changes on purpose: the checked-in traces are the
+record that replay compares against, and the divergent one must stay divergent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from statemachine import events as ev
+from statemachine.events import Deadline, FailureKind
+from statemachine.policy import FenceAttempt, as_decided
+from statemachine.trace import dump_trace
+from tests.statemachine.model import T0, ModelDriver
+
+HERE = Path(__file__).resolve().parent
+
+
+def clean_completion() -> ModelDriver:
+    driver = ModelDriver("req_clean")
+    driver.first_token()
+    driver.deliver(3, "Hi ")
+    driver.deliver(2, "there")
+    driver.complete()
+    return driver
+
+
+def retry_before_first_delta() -> ModelDriver:
+    driver = ModelDriver("req_retried")
+    driver.first_token()  # computed upstream, never written downstream
+    driver.fail(FailureKind.REPLICA_EXITED)
+    driver.first_token()
+    driver.deliver(4, "ok ")
+    driver.complete()
+    return driver
+
+
+def decode_interrupted() -> ModelDriver:
+    driver = ModelDriver("req_interrupted")
+    driver.first_token()
+    driver.deliver(5, "part ")
+    driver.fail(FailureKind.REPLICA_EXITED)
+    return driver
+
+
+def fence_released_by_lease_expiry() -> ModelDriver:
+    driver = ModelDriver("req_fenced")
+    driver.fail(FailureKind.LIVENESS_UNCERTAIN)
+    driver.lease_expires()
+    driver.first_token()
+    driver.deliver(2, "yo")
+    driver.complete()
+    return driver
+
+
+def client_disconnect() -> ModelDriver:
+    driver = ModelDriver("req_gone")
+    driver.first_token()
+    driver.deliver(3, "abc")
+    driver.client_gone()
+    driver.ack()  # the ack arrives after the terminal event: bookkeeping
+    return driver
+
+
+def tool_call_replayed() -> ModelDriver:
+    driver = ModelDriver("req_tool", tools=True)
+    driver.tool_call(0, "call_wx1")
+    driver.fail(FailureKind.REPLICA_EXITED)
+    driver.tool_call(0, "call_wx1")  # the retry asks again: same key, the ledger runs it once
+    driver.complete()
+    return driver
+
+
+def divergent_soft_timeout_migrated() -> ModelDriver:
+    """Recorded by an older policy that fenced a replica on a *soft* timeout."""
+    driver = ModelDriver("req_divergent")
+    driver.record(
+        ev.UpstreamFailed,
+        **driver.scoped(),
+        kind=FailureKind.OVERLOADED,
+        detail="queued 2s",
+        deadline=Deadline.SOFT,
+    )
+    old = as_decided(
+        FenceAttempt("overloaded", 1), request_id=driver.request_id, seq=driver.state.seq + 1, occurred_at=T0
+    )
+    driver.record(
+        ev.Decided, action=old.action, reason=old.reason, policy_version="2026-10-01.0", params=old.params
+    )
+    driver.act(FenceAttempt("overloaded", 1))
+    driver.ack()
+    driver.deliver(1, "z")
+    driver.complete()
+    return driver
+
+
+SCENARIOS: dict[str, Callable[[], ModelDriver]] = {
+    "clean_completion": clean_completion,
+    "retry_before_first_delta": retry_before_first_delta,
+    "decode_interrupted": decode_interrupted,
+    "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
+    "client_disconnect": client_disconnect,
+    "tool_call_replayed": tool_call_replayed,
+    "divergent_soft_timeout_migrated": divergent_soft_timeout_migrated,
+}
+
+if __name__ == "__main__":
+    for name, scenario in SCENARIOS.items():
+        path = HERE / f"{name}.jsonl"
+        path.write_text("".join(dump_trace(scenario().events, {"source": "tests/traces/generate.py"})))
+        print(f"wrote {path.relative_to(HERE.parents[1])}")
