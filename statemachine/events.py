@@ -93,6 +93,7 @@ class RequestAccepted(RequestScoped):
     idempotency_key: str | None
     max_attempts: int  # the per-request retry budget in force when accepted
     seed: int | None
+    gateway: str | None = None  # the gateway process that owns the request (for recovery)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,7 +432,5 @@ for _cls in EVENT_TYPES.values():
     _hints = typing.get_type_hints(_cls)
     _fields = dataclasses.fields(_cls)
     _PARSERS[_cls] = {field.name: _parser_for(_hints[field.name]) for field in _fields}
-    _BODY_FIELDS[_cls] = tuple(
-        field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE
-    )
+    _BODY_FIELDS[_cls] = tuple(field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE)
     _OPTIONAL[_cls] = frozenset(field.name for field in _fields if field.default is not dataclasses.MISSING)

@@ -28,9 +28,7 @@ class Divergence:
     recomputed: tuple[dict[str, Any], ...]
 
     def describe(self) -> str:
-        return (
-            f"at seq {self.seq}: recorded {_summary(self.recorded)}, recomputed {_summary(self.recomputed)}"
-        )
+        return f"at seq {self.seq}: recorded {_summary(self.recorded)}, recomputed {_summary(self.recomputed)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,9 +57,7 @@ def parse_trace(lines: Iterable[str]) -> Trace:
         if events is None:
             raise TraceError(number, f"request {event.request_id} is not listed in the header")
         if event.seq != len(events) + 1:
-            raise TraceError(
-                number, f"seq {event.seq} of request {event.request_id} does not follow seq {len(events)}"
-            )
+            raise TraceError(number, f"seq {event.seq} of request {event.request_id} does not follow seq {len(events)}")
         events.append(event)
     empty = [request_id for request_id, events in requests.items() if not events]
     if empty:

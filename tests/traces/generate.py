@@ -88,9 +88,7 @@ def divergent_soft_timeout_migrated() -> ModelDriver:
     old = as_decided(
         FenceAttempt("overloaded", 1), request_id=driver.request_id, seq=driver.state.seq + 1, occurred_at=T0
     )
-    driver.record(
-        ev.Decided, action=old.action, reason=old.reason, policy_version="2026-10-01.0", params=old.params
-    )
+    driver.record(ev.Decided, action=old.action, reason=old.reason, policy_version="2026-10-01.0", params=old.params)
     driver.act(FenceAttempt("overloaded", 1))
     driver.ack()
     driver.deliver(1, "z")
