@@ -83,9 +83,7 @@ class ModelDriver:
 
     def record(self, cls: type[Event], **fields: Any) -> Event:
         seq = self.state.seq + 1
-        event = cls(
-            request_id=self.request_id, seq=seq, occurred_at=T0 + timedelta(milliseconds=seq), **fields
-        )
+        event = cls(request_id=self.request_id, seq=seq, occurred_at=T0 + timedelta(milliseconds=seq), **fields)
         self.state = apply(self.state, event)
         self.events.append(event)
         return event
@@ -215,9 +213,7 @@ class ModelDriver:
         return self.step()
 
     def complete(self) -> None:
-        self.record(
-            ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 12, "completion_tokens": 4}
-        )
+        self.record(ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 12, "completion_tokens": 4})
         self.step()
 
 

@@ -83,9 +83,7 @@ def test_enums_and_times_are_plain_json() -> None:
     micros=st.integers(min_value=0, max_value=10**12),
     offset_minutes=st.integers(min_value=-600, max_value=600),
 )
-def test_round_trip_holds_for_any_text_seq_and_time(
-    detail: str, seq: int, micros: int, offset_minutes: int
-) -> None:
+def test_round_trip_holds_for_any_text_seq_and_time(detail: str, seq: int, micros: int, offset_minutes: int) -> None:
     tz = timezone(timedelta(minutes=offset_minutes))
     event = dataclasses.replace(
         sample_event(EVENT_TYPES["UpstreamFailed"]),
@@ -96,9 +94,7 @@ def test_round_trip_holds_for_any_text_seq_and_time(
     assert from_json(json.loads(json.dumps(to_json(event)))) == event
 
 
-def _broken(
-    change: dict[str, Any], body_change: dict[str, Any] | None = None, drop: str | None = None
-) -> Any:
+def _broken(change: dict[str, Any], body_change: dict[str, Any] | None = None, drop: str | None = None) -> Any:
     data = to_json(sample_event(EVENT_TYPES["DeltasDelivered"]))
     data.update(change)
     if body_change:

@@ -101,9 +101,7 @@ def test_every_pair_of_the_table(phase: Phase, type_name: str) -> None:
 
 
 def test_the_expected_table_is_the_table() -> None:
-    actual = {
-        (phase, cls.__name__): target for phase, row in TRANSITIONS.items() for cls, target in row.items()
-    }
+    actual = {(phase, cls.__name__): target for phase, row in TRANSITIONS.items() for cls, target in row.items()}
     assert actual == LEGAL
 
 
@@ -170,13 +168,9 @@ def test_attempt_numbers_and_epochs_must_grow() -> None:
     start = dict(replica_id="w2", lease_expires_at=driver.events[0].occurred_at, request_id=driver.request_id)
     seq = before.seq + 1
     with pytest.raises(IllegalTransition, match="is not attempt 2"):
-        apply(
-            before, ev.AttemptStarted(seq=seq, occurred_at=ev_time(driver), attempt=3, lease_epoch=5, **start)
-        )
+        apply(before, ev.AttemptStarted(seq=seq, occurred_at=ev_time(driver), attempt=3, lease_epoch=5, **start))
     with pytest.raises(IllegalTransition, match="lease epoch does not increase"):
-        apply(
-            before, ev.AttemptStarted(seq=seq, occurred_at=ev_time(driver), attempt=2, lease_epoch=1, **start)
-        )
+        apply(before, ev.AttemptStarted(seq=seq, occurred_at=ev_time(driver), attempt=2, lease_epoch=1, **start))
 
 
 def ev_time(driver: ModelDriver):  # type: ignore[no-untyped-def]
@@ -188,9 +182,7 @@ def test_stale_lease_epochs_and_unknown_attempts_are_refused() -> None:
     assert_illegal(
         driver, next_event(driver, ev.FirstTokenReceived, attempt=1, lease_epoch=7), "lease epoch 7 is not 1"
     )
-    assert_illegal(
-        driver, next_event(driver, ev.FirstTokenReceived, attempt=4, lease_epoch=1), "never started"
-    )
+    assert_illegal(driver, next_event(driver, ev.FirstTokenReceived, attempt=4, lease_epoch=1), "never started")
 
 
 def test_only_the_committing_attempt_delivers_and_without_gaps() -> None:
@@ -240,18 +232,14 @@ def test_no_splice_a_retried_attempt_cannot_deliver_after_another_committed() ->
 def test_failures_name_the_running_attempt() -> None:
     driver = running()
     driver.fail(FailureKind.REPLICA_EXITED)  # attempt 1 dead, attempt 2 running
-    stale = next_event(
-        driver, ev.UpstreamFailed, attempt=1, lease_epoch=1, kind=FailureKind.REPLICA_EXITED, detail="x"
-    )
+    stale = next_event(driver, ev.UpstreamFailed, attempt=1, lease_epoch=1, kind=FailureKind.REPLICA_EXITED, detail="x")
     assert_illegal(driver, stale, "attempt 1 is not the running attempt")
 
 
 def test_cancel_ack_needs_a_cancel_and_release_needs_its_cause() -> None:
     driver = running()
     scope = driver.scoped()
-    assert_illegal(
-        driver, next_event(driver, ev.CancelAcked, **scope, generated_tokens=1), "no cancel was sent"
-    )
+    assert_illegal(driver, next_event(driver, ev.CancelAcked, **scope, generated_tokens=1), "no cancel was sent")
     released = next_event(driver, ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
     assert_illegal(driver, released, "cancel ack that was not recorded")
     released = next_event(driver, ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
@@ -331,9 +319,7 @@ def test_tool_call_keys_are_request_and_call_ids() -> None:
 
 def test_refused_starts_need_a_decided_start() -> None:
     driver = running()
-    assert_illegal(
-        driver, next_event(driver, ev.RetryBudgetDenied, scope="global"), "no attempt start was decided"
-    )
+    assert_illegal(driver, next_event(driver, ev.RetryBudgetDenied, scope="global"), "no attempt start was decided")
 
 
 def test_accepted_budget_must_be_positive() -> None:
@@ -362,9 +348,7 @@ def test_a_completed_request_records_its_outcome_and_attempt_ends() -> None:
 def test_an_old_attempt_cannot_publish_after_a_retry() -> None:
     driver = running()
     driver.fail(FailureKind.REPLICA_EXITED)
-    assert_illegal(
-        driver, next_event(driver, ev.FirstTokenReceived, attempt=1, lease_epoch=1), "not the live attempt"
-    )
+    assert_illegal(driver, next_event(driver, ev.FirstTokenReceived, attempt=1, lease_epoch=1), "not the live attempt")
 
 
 def test_attempts_say_how_they_ended() -> None:

@@ -49,9 +49,7 @@ def test_nothing_to_decide_while_an_attempt_runs_well() -> None:
 
 @pytest.mark.parametrize("kind", [FailureKind.REPLICA_EXITED, FailureKind.REJECTED])
 @pytest.mark.parametrize("after_first_token", [False, True])
-def test_dead_source_before_first_delta_retries_on_another_replica(
-    kind: FailureKind, after_first_token: bool
-) -> None:
+def test_dead_source_before_first_delta_retries_on_another_replica(kind: FailureKind, after_first_token: bool) -> None:
     driver = ModelDriver()
     if after_first_token:  # computed upstream, never delivered: still retryable
         driver.first_token()
@@ -189,9 +187,7 @@ def test_client_gone_after_the_source_died_only_cancels_the_request() -> None:
 
 def test_upstream_refusal_is_passed_on_and_not_retried() -> None:
     driver = ModelDriver()
-    actions = driver.fail(
-        FailureKind.REQUEST_REFUSED, upstream_status=400, upstream_code="context_length_exceeded"
-    )
+    actions = driver.fail(FailureKind.REQUEST_REFUSED, upstream_status=400, upstream_code="context_length_exceeded")
     assert actions == [
         FailRequest(
             reason="upstream_refused_request",

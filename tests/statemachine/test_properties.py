@@ -88,12 +88,7 @@ class RequestLifecycle(RuleBasedStateMachine):
 
     def cancel_outstanding(self) -> bool:
         current = self.driver.state.current_attempt
-        return (
-            current is not None
-            and current.cancel_sent
-            and not current.cancel_acked
-            and current.released is None
-        )
+        return current is not None and current.cancel_sent and not current.cancel_acked and current.released is None
 
     @precondition(cancel_outstanding)
     @rule()
@@ -112,9 +107,7 @@ class RequestLifecycle(RuleBasedStateMachine):
     def lease_expires(self) -> None:
         self.driver.lease_expires()
 
-    @precondition(
-        lambda self: self.driver.state.phase is not Phase.TERMINATED and not self.driver.state.client_gone
-    )
+    @precondition(lambda self: self.driver.state.phase is not Phase.TERMINATED and not self.driver.state.client_gone)
     @rule()
     def client_disconnects(self) -> None:
         self.driver.client_gone()
@@ -144,9 +137,7 @@ class RequestLifecycle(RuleBasedStateMachine):
         ended: set[int] = set()
         for event in self.driver.events:
             if isinstance(event, ev.AttemptStarted):
-                assert ended == set(range(1, event.attempt)), (
-                    f"attempt {event.attempt} started beside a live one"
-                )
+                assert ended == set(range(1, event.attempt)), f"attempt {event.attempt} started beside a live one"
             elif isinstance(event, ev.AttemptReleased) or (
                 isinstance(event, ev.UpstreamFailed) and event.kind in DEAD_KINDS
             ):
@@ -155,26 +146,21 @@ class RequestLifecycle(RuleBasedStateMachine):
     @invariant()
     def only_one_attempt_ever_delivers(self) -> None:
         publishers = {
-            e.attempt
-            for e in self.driver.events
-            if isinstance(e, ev.DeltasDelivered | ev.FirstDeltaCommitted)
+            e.attempt for e in self.driver.events if isinstance(e, ev.DeltasDelivered | ev.FirstDeltaCommitted)
         }
         assert len(publishers) <= 1
 
     @invariant()
     def at_most_one_terminal_event(self) -> None:
         terminals = [
-            e
-            for e in self.driver.events
-            if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled)
+            e for e in self.driver.events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled)
         ]
         assert len(terminals) <= 1
         if terminals:
             assert self.driver.state.phase is Phase.TERMINATED
             after = self.driver.events[self.driver.events.index(terminals[0]) + 1 :]
             assert all(
-                isinstance(e, ev.CancelSent | ev.CancelAcked | ev.LeaseExpired | ev.AttemptReleased)
-                for e in after
+                isinstance(e, ev.CancelSent | ev.CancelAcked | ev.LeaseExpired | ev.AttemptReleased) for e in after
             )
 
     @invariant()

@@ -169,10 +169,7 @@ def test_bad_traces_name_the_line(mangle, message: str) -> None:  # type: ignore
 
 def test_blank_lines_are_ignored() -> None:
     lines = trace_lines()
-    assert (
-        parse_trace([lines[0], "\n", *lines[1:], "  \n"]).requests["req_lines"]
-        == ModelDriver("req_lines").events
-    )
+    assert parse_trace([lines[0], "\n", *lines[1:], "  \n"]).requests["req_lines"] == ModelDriver("req_lines").events
 
 
 def test_trace_lines_are_event_json() -> None:
@@ -182,9 +179,7 @@ def test_trace_lines_are_event_json() -> None:
 
 def test_a_recorded_decision_where_none_was_due_is_a_divergence() -> None:
     driver = ModelDriver("req_extra")
-    extra = ev.Decided(
-        driver.request_id, driver.state.seq + 1, driver.events[-1].occurred_at, "wait", "x", "old", {}
-    )
+    extra = ev.Decided(driver.request_id, driver.state.seq + 1, driver.events[-1].occurred_at, "wait", "x", "old", {})
     result = replay([*driver.events, extra])
     assert result.divergence is not None
     assert result.divergence.describe() == f"at seq {extra.seq}: recorded wait(x), recomputed no action"
