@@ -1,0 +1,281 @@
+"""The HTTP API: OpenAI-compatible generation, models, health, readiness, metrics.
+
+How a generation request is served: authenticate, read and validate the body
+(every refusal is an OpenAI-style error with a stable code, counted, and never
+reaches a replica), accept it into the log, then pull the driver's outputs until
+the first thing the client should get. Headers are held back until then, so a
+failure before any output is a real HTTP status (400 for an upstream refusal, 502
+or 503 when retries are spent) rather than an error inside a 200 stream. A
+streamed request then commits its first delta durably and hands the rest of the
+driver's outputs to sse-starlette; a non-streamed one collects the whole answer,
+commits, and answers once. While headers are held back a watcher notices a client
+that leaves, which cancels upstream through the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, ServiceUnavailable, Unauthorized
+from app.api.schemas import CHAT, COMPLETIONS, GenerationRequest, parse_request
+from app.api.sse import DONE, ResponseShape, sse_event
+from app.driver.context import GatewayContext
+from app.driver.driver import Cancelled, Delta, Failed, Finished, Output, RequestDriver, Restarted
+from app.store.errors import StoreUnavailable
+
+log = logging.getLogger("phasegate.api")
+
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody reads it
+
+
+def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
+    api = _Api(ctx)
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/readyz", api.readyz, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    handlers = {HTTPException: _http_error, Exception: _unexpected_error}
+    return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)  # type: ignore[arg-type]
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:24]}"
+
+
+class _Api:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETIONS)
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        request_id = new_request_id()
+        headers = {"x-request-id": request_id}
+        try:
+            tenant = self._authenticate(request)
+            generation = parse_request(
+                endpoint, await _json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
+            )
+            if generation.model not in self.ctx.config.models:
+                raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
+        except ApiError as error:
+            self.ctx.metrics.rejected.labels(code=error.code).inc()
+            log.info("rejected request %s: %s %s", request_id, error.code, error.message)
+            return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        driver = RequestDriver(self.ctx, request_id, generation, tenant)
+        driver.accept()
+        try:
+            first = await _unless_client_leaves(request, driver, self._until_response(driver))
+        except StoreUnavailable:
+            log.error("request %s refused: the event log is unavailable", request_id)
+            error = ServiceUnavailable(
+                "the request log is unavailable; try again shortly", code="event_log_unavailable"
+            )
+            return JSONResponse(error.body(request_id), status_code=503, headers=headers)
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED, headers=headers)
+        if isinstance(first, Failed):
+            return JSONResponse(first.body, status_code=first.status, headers=headers)
+        if isinstance(first, JSONResponse):
+            first.headers.update(headers)
+            return first
+        assert isinstance(first, Delta | Finished)
+        shape = ResponseShape(generation, _response_id(generation, request_id), int(time.time()))
+        return EventSourceResponse(
+            _stream_body(driver, shape, first), headers=headers, ping=15, send_timeout=30, sep="\n"
+        )
+
+    async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
+        """Pull until the response can start: a failure, the first delta (committed), or
+        for a non-streamed request the whole answer."""
+        async for output in driver.outputs:
+            if isinstance(output, Restarted):
+                continue
+            if isinstance(output, Failed | Cancelled):
+                return output
+            if not driver.request.stream:
+                return await _whole_answer(driver, output)
+            await driver.commit()
+            return output
+        raise RuntimeError("the driver ended without an outcome")  # pragma: no cover
+
+    def _authenticate(self, request: Request) -> str:
+        keys = self.ctx.config.api_keys
+        if not keys:
+            return "default"
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        for key, tenant in keys.items():
+            if hmac.compare_digest(key.encode(), token.encode()):
+                return tenant
+        raise Unauthorized("incorrect API key")
+
+    async def models(self, request: Request) -> Response:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "phasegate", "root": revision}
+            for name, revision in self.ctx.config.models.items()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        problems = []
+        try:
+            await self.ctx.store.ping()
+        except Exception as exc:
+            problems.append(f"event log: {exc}")
+        if not self.ctx.pool.any_available():
+            problems.append("no healthy replica")
+        if problems:
+            return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _unless_client_leaves(request: Request, driver: RequestDriver, work: Any) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it and tell the driver."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    driver.client_gone()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
+    texts: dict[int, list[str]] = {}
+    while not isinstance(output, Finished):
+        if isinstance(output, Failed | Cancelled):
+            return output
+        if isinstance(output, Delta):
+            texts.setdefault(output.choice, []).append(output.text)
+        elif isinstance(output, Restarted):
+            texts.clear()  # the failed attempt's text never reached the client
+        output = await anext(driver.outputs)
+    await driver.commit()
+    for choice in sorted(texts):
+        for text in texts[choice]:
+            driver.delivered(text)
+    for calls in output.tool_calls.values():
+        driver.delivered(json.dumps(calls), tokens=0)
+    await driver.complete(output)
+    request = driver.request
+    shape = ResponseShape(request, _response_id(request, driver.request_id), int(time.time()))
+    choices = range(len(output.finish_reasons))
+    body = shape.completion(
+        ["".join(texts.get(c, ())) for c in choices],
+        list(output.finish_reasons),
+        output.usage,
+        [output.tool_calls.get(c, []) for c in choices],
+    )
+    return JSONResponse(body)
+
+
+async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Output) -> AsyncIterator[bytes]:
+    event_id = 0
+    started = False
+    try:
+        while True:
+            if type(output) is Delta:
+                yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
+                event_id += 1
+                started = True
+                driver.delivered(output.text)
+            elif isinstance(output, Finished):
+                for choice, calls in sorted(output.tool_calls.items()):
+                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
+                    event_id += 1
+                    driver.delivered(json.dumps(calls), tokens=0)
+                await driver.complete(output)
+                for choice, reason in enumerate(output.finish_reasons):
+                    yield sse_event(event_id, shape.finish_chunk(reason, choice))
+                    event_id += 1
+                if driver.request.include_usage:
+                    yield sse_event(event_id, shape.usage_chunk(output.usage))
+                yield DONE
+                return
+            elif isinstance(output, Failed):
+                yield sse_event(event_id, json.dumps(output.body))
+                yield DONE
+                return
+            elif isinstance(output, Cancelled):
+                return
+            output = await anext(driver.outputs)
+    except (asyncio.CancelledError, GeneratorExit):
+        driver.client_gone()
+        raise
+
+
+def _response_id(request: GenerationRequest, request_id: str) -> str:
+    prefix = "chatcmpl" if request.endpoint == CHAT else "cmpl"
+    return f"{prefix}-{request_id.removeprefix('req_')}"
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = ApiError(exc.detail if isinstance(exc.detail, str) else "error")
+    error.status = exc.status_code
+    error.type = "invalid_request_error"
+    error.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(error.body(new_request_id()), status_code=exc.status_code)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    request_id = new_request_id()
+    log.exception("unexpected error serving %s (%s)", request.url.path, request_id, exc_info=exc)
+    error = ApiError("the gateway hit an internal error")
+    return JSONResponse(error.body(request_id), status_code=500, headers={"x-request-id": request_id})

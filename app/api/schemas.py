@@ -1,0 +1,324 @@
+"""Request bodies of the OpenAI API, validated into one frozen ``GenerationRequest``.
+
+Validation is strict where a silent fallback would surprise: a wrong type, an
+out-of-range value, an unknown or unsupported parameter is a 400 naming the
+parameter (``param``), before anything reaches a replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.api.errors import InvalidRequest, UnsupportedParameter
+from app.config import Limits
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+# Parameters of the OpenAI API that phasegate knows and deliberately does not serve.
+UNSUPPORTED = {
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "parallel_tool_calls",
+    "store",
+    "metadata",
+    "service_tier",
+    "best_of",
+    "echo",
+    "suffix",
+    "web_search_options",
+    "reasoning_effort",
+}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_N = 8
+MAX_STOP = 4
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    endpoint: str
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def guided(self) -> bool:
+        return self.response_format is not None and self.response_format.get("type") != "text"
+
+    @property
+    def prompt_text(self) -> str:
+        if self.prompt is not None:
+            return self.prompt
+        assert self.messages is not None
+        return "\n".join(_content_text(m.get("content")) for m in self.messages)
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        """A tokenizer-free estimate (about four characters a token) for the cost guard."""
+        return math.ceil(len(self.prompt_text) / 4)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters as replicas take them (OpenAI names)."""
+        params: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.seed is not None:
+            params["seed"] = self.seed
+        if self.tools:
+            params["tools"] = list(self.tools)
+        if self.tool_choice is not None:
+            params["tool_choice"] = self.tool_choice
+        if self.response_format is not None:
+            params["response_format"] = self.response_format
+        return params
+
+    def params_digest(self) -> str:
+        canonical = json.dumps(self.raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest:
+    """Validate a decoded JSON body for ``endpoint`` (CHAT or COMPLETIONS)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    allowed = CHAT_FIELDS if endpoint == CHAT else COMPLETION_FIELDS
+    for name in body:
+        if name in UNSUPPORTED:
+            raise UnsupportedParameter(f"phasegate does not support '{name}'", param=name)
+        if name not in allowed:
+            raise UnsupportedParameter(f"unrecognized request argument supplied: {name}", param=name)
+    model = _required(body, "model", str)
+    if not model:
+        raise InvalidRequest("'model' must not be empty", param="model")
+    stream = _optional(body, "stream", bool, False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise InvalidRequest("'stream_options' takes only 'include_usage'", param="stream_options")
+        include_usage = _optional(options, "include_usage", bool, False, param="stream_options.include_usage")
+    max_tokens = _max_tokens(body, limits)
+    common: dict[str, Any] = {
+        "endpoint": endpoint,
+        "model": model,
+        "stream": stream,
+        "include_usage": include_usage,
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        "n": _integer(body, "n", 1, 1, MAX_N),
+        "stop": _stop(body),
+        "seed": _optional(body, "seed", int, None),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "user": _optional(body, "user", str, None),
+        "raw": body,
+    }
+    if endpoint == CHAT:
+        return GenerationRequest(
+            **common,
+            messages=_messages(body),
+            tools=_tools(body),
+            tool_choice=_tool_choice(body),
+            response_format=_response_format(body),
+        )
+    return GenerationRequest(**common, prompt=_prompt(body))
+
+
+# --- fields ------------------------------------------------------------------------------
+
+
+def _type_name(expected: type) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", list: "an array", dict: "an object"}[expected]
+
+
+def _is(value: Any, expected: type) -> bool:
+    # JSON true is not an integer here, though Python thinks so
+    return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+
+
+def _required(body: dict[str, Any], name: str, expected: type) -> Any:
+    if name not in body:
+        raise InvalidRequest(f"'{name}' is required", param=name)
+    return _optional(body, name, expected, None)
+
+
+def _optional(body: dict[str, Any], name: str, expected: type, default: Any, *, param: str | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is(value, expected):
+        raise InvalidRequest(f"'{param or name}' must be {_type_name(expected)}", param=param or name)
+    return value
+
+
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool = False
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"'{name}' must be a number", param=name)
+    if value > high or value < low or (open_low and value == low):
+        bound = f"({low}" if open_low else f"[{low}"
+        raise InvalidRequest(f"'{name}' must be in {bound}, {high}]", param=name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = _optional(body, name, int, default)
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{name}' must be between {low} and {high}", param=name)
+    return int(value)
+
+
+def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = _optional(body, name, int, None)
+    if value is None:
+        return min(limits.default_max_tokens, limits.max_tokens)
+    if not 1 <= value <= limits.max_tokens:
+        raise InvalidRequest(f"'{name}' must be between 1 and {limits.max_tokens}", param=name)
+    return int(value)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise InvalidRequest("'stop' must be a non-empty string or an array of them", param="stop")
+    if len(value) > MAX_STOP:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP} sequences", param="stop")
+    return tuple(value)
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    messages = _required(body, "messages", list)
+    if not messages:
+        raise InvalidRequest("'messages' must not be empty", param="messages")
+    for index, message in enumerate(messages):
+        param = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"'{param}' must be an object", param=param)
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"'{param}.role' must be one of {', '.join(sorted(ROLES))}", param=f"{param}.role")
+        content = message.get("content")
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise InvalidRequest(f"'{param}.content' is required", param=f"{param}.content")
+        text_parts = isinstance(content, list) and all(_is_text_part(part) for part in content)
+        if content is not None and not isinstance(content, str) and not text_parts:
+            raise InvalidRequest(
+                f"'{param}.content' must be a string or an array of text parts", param=f"{param}.content"
+            )
+    return tuple(messages)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
+
+
+def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    tools = _optional(body, "tools", list, [])
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise InvalidRequest(
+                f"'tools[{index}]' must be {{'type': 'function', 'function': {{'name': …}}}}",
+                param=f"tools[{index}]",
+            )
+    return tuple(tools)
+
+
+def _tool_choice(body: dict[str, Any]) -> str | dict[str, Any] | None:
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice  # type: ignore[no-any-return]
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        return choice
+    raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("'response_format.type' must be text, json_object or json_schema", param="response_format")
+    return value
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one is one prompt
+    if isinstance(prompt, list):
+        raise UnsupportedParameter("a batch of prompts is not supported; send one prompt a request", param="prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequest("'prompt' is required and must be a non-empty string", param="prompt")
+    return prompt

@@ -1,0 +1,104 @@
+"""OpenAI response bodies and their SSE framing.
+
+Chunks are built from a per-request JSON prefix and suffix around the one part that
+changes (the delta), so the per-token cost is a single ``json.dumps`` of the text.
+SSE events are encoded here as bytes (``id:`` then ``data:``) and handed to
+sse-starlette as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.api.schemas import CHAT, GenerationRequest
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(event_id: int | str, payload: str) -> bytes:
+    """One SSE event; ``payload`` is JSON text, which never holds a raw newline."""
+    return f"id: {event_id}\ndata: {payload}\n\n".encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class ResponseShape:
+    """Builds the bodies of one request's response, streamed or not."""
+
+    def __init__(self, request: GenerationRequest, response_id: str, created: int) -> None:
+        self.request = request
+        self.chat = request.endpoint == CHAT
+        self.response_id = response_id
+        self.created = created
+        head = {
+            "id": response_id,
+            "object": self._object(stream=True),
+            "created": created,
+            "model": request.model,
+        }
+        self._head = _dumps(head)[:-1]  # without the closing brace
+        self._usage_tail = ',"usage":null}' if request.include_usage else "}"
+
+    def _object(self, *, stream: bool) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if stream else "chat.completion"
+        return "text_completion"
+
+    def content_chunk(self, text: str, choice: int = 0, *, first: bool = False) -> str:
+        """A chunk carrying generated text."""
+        if self.chat:
+            role = '"role":"assistant",' if first else ""
+            delta = f'"delta":{{{role}"content":{_dumps(text)}}}'
+        else:
+            delta = f'"text":{_dumps(text)}'
+        return (
+            f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":null,"finish_reason":null}}]'
+            f"{self._usage_tail}"
+        )
+
+    def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0, *, first: bool = False) -> str:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        choices = [{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}]
+        return f'{self._head},"choices":{_dumps(choices)}{self._usage_tail}'
+
+    def finish_chunk(self, finish_reason: str, choice: int = 0) -> str:
+        body: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            body["delta"] = {}
+        else:
+            body["text"] = ""
+        return f'{self._head},"choices":[{_dumps(body)}]{self._usage_tail}'
+
+    def usage_chunk(self, usage: dict[str, int]) -> str:
+        return f'{self._head},"choices":[],"usage":{_dumps(usage)}}}'
+
+    def completion(
+        self,
+        texts: list[str],
+        finish_reasons: list[str],
+        usage: dict[str, int],
+        tool_calls: list[list[dict[str, Any]]] | None = None,
+    ) -> dict[str, Any]:
+        """The whole non-streamed response."""
+        choices: list[dict[str, Any]] = []
+        for index, (text, finish_reason) in enumerate(zip(texts, finish_reasons, strict=True)):
+            calls = tool_calls[index] if tool_calls else []
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        return {
+            "id": self.response_id,
+            "object": self._object(stream=False),
+            "created": self.created,
+            "model": self.request.model,
+            "choices": choices,
+            "usage": usage,
+        }

@@ -1,0 +1,150 @@
+"""phasegate's configuration: defaults, a TOML file, environment and flags.
+
+Precedence, lowest first: the defaults below, the file given with ``--config``,
+environment variables (``DATABASE_URL``, ``PHASEGATE_DATA_DIR``), command-line flags.
+Every setting is validated at load time; a bad one stops the start with a message
+naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statemachine.policy import PolicyConfig
+
+REPLICA_KINDS = ("worker", "openai")
+CONTENT_POLICIES = ("full", "digest", "none")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_tokens: int = 4096  # the most a request may ask for
+    default_max_tokens: int = 256  # used when a request does not say
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    id: str
+    url: str
+    kind: str = "worker"  # "worker": phasegate worker; "openai": any OpenAI-compatible server
+    models: tuple[str, ...] = ()  # empty: every configured model
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    lease_ttl_s: float = 5.0  # an attempt's lease; renewed every third of it while read
+    stall_s: float = 2.0  # no frame at all for this long: liveness uncertain
+    first_token_soft_s: float = 10.0  # queued this long: recorded, never migrated
+    first_token_hard_s: float = 60.0  # queued this long: fenced and retried elsewhere
+    connect_s: float = 2.0  # opening a connection to a replica
+    cancel_ack_s: float = 2.0  # waiting for a worker's cancel acknowledgement
+    upstream_response_s: float = 10.0  # an OpenAI upstream that sends no headers in time
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    database_url: str | None = None  # None: the embedded PostgreSQL
+    data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
+    replicas: tuple[ReplicaConfig, ...] = ()
+    models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open, tenant "default"
+    admin_token: str | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
+    content_policy: str = "full"  # how delivered text is kept in the log: full, digest or none
+    max_body_bytes: int = 1 << 20
+    retry_budget_burst: int = 20  # global retries available at once
+    retry_budget_per_s: float = 5.0  # and refilled at this rate
+    delivery_batch_tokens: int = 16  # deltas recorded per DeltasDelivered event at most
+    delivery_batch_ms: float = 20.0  # and no older than this
+    health_interval_s: float = 5.0
+    eject_after_failures: int = 3
+    ejection_s: float = 5.0  # first ejection; doubles to ejection_max_s while failures go on
+    ejection_max_s: float = 60.0
+    tool_webhook_url: str | None = None  # where tool calls are executed, once per idempotency key
+    apply_migrations: bool = True
+
+    def __post_init__(self) -> None:
+        if self.content_policy not in CONTENT_POLICIES:
+            raise ConfigError(f"content_policy must be one of {', '.join(CONTENT_POLICIES)}")
+        ids = [replica.id for replica in self.replicas]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("replica ids must be unique")
+        for replica in self.replicas:
+            if replica.kind not in REPLICA_KINDS:
+                raise ConfigError(f"replica {replica.id}: kind must be one of {', '.join(REPLICA_KINDS)}")
+            if not replica.url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica {replica.id}: url must be http(s)://…")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
+        if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
+            raise ConfigError("timeouts must be positive")
+        if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
+            raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
+
+    def model_revision(self, model: str) -> str | None:
+        return self.models.get(model)
+
+
+def parse_replica(text: str, index: int) -> ReplicaConfig:
+    """``[KIND=]URL[#ID]`` from a flag, e.g. ``openai=http://127.0.0.1:8100#vllm``."""
+    kind, _, rest = text.partition("=") if "=" in text.split("://")[0] else ("worker", "", text)
+    url, _, replica_id = rest.partition("#")
+    return ReplicaConfig(id=replica_id or f"r{index}", url=url.rstrip("/"), kind=kind)
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Defaults, then ``path`` (TOML), then the environment, then ``overrides``."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            values = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+    if os.environ.get("DATABASE_URL"):
+        values["database_url"] = os.environ["DATABASE_URL"]
+    if os.environ.get("PHASEGATE_DATA_DIR"):
+        values["data_dir"] = os.environ["PHASEGATE_DATA_DIR"]
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    return _build(values)
+
+
+def _build(values: dict[str, Any]) -> GatewayConfig:
+    known = {f.name for f in dataclasses.fields(GatewayConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(unknown)}")
+    try:
+        if "replicas" in values:
+            values["replicas"] = tuple(
+                r if isinstance(r, ReplicaConfig) else ReplicaConfig(**{**r, "models": tuple(r.get("models", ()))})
+                for r in values["replicas"]
+            )
+        if isinstance(values.get("policy"), dict):
+            values["policy"] = PolicyConfig.from_mapping(values["policy"])
+        if isinstance(values.get("timeouts"), dict):
+            values["timeouts"] = Timeouts(**values["timeouts"])
+        if isinstance(values.get("limits"), dict):
+            values["limits"] = Limits(**values["limits"])
+        if values.get("data_dir") is not None:
+            values["data_dir"] = Path(values["data_dir"])
+        return GatewayConfig(**values)
+    except TypeError as exc:
+        raise ConfigError(f"bad setting: {exc}") from None

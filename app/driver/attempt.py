@@ -1,0 +1,141 @@
+"""One attempt on one replica: its stream, its lease, its timers.
+
+How this works: ``open`` starts the attempt on the replica. While the driver reads,
+a background task renews the lease every third of its TTL. ``next_frame`` reads the
+next frame under a stall timer: a worker sends heartbeats while queued, so silence
+means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
+so before its first token only the hard first-token deadline applies. Heartbeats
+that show queueing turn into the soft and then the hard first-token deadline, each
+reported once (``deadline_due``). ``release`` stops renewing and closes the stream;
+the lease then lapses on the replica unless a cancel ends it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from app.driver.context import GatewayContext
+from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, UpstreamFailure
+from app.replicas.pool import Replica
+from statemachine.events import Deadline, FailureKind
+
+log = logging.getLogger("phasegate.driver")
+
+
+class AttemptRun:
+    def __init__(self, ctx: GatewayContext, replica: Replica, request: AttemptRequest) -> None:
+        self.ctx = ctx
+        self.replica = replica
+        self.request = request
+        self.started_at = ctx.clock()
+        self.renewed_at = self.started_at
+        self.first_token_seen = False
+        self.deadlines_reported: set[Deadline] = set()
+        self.generated_tokens = 0
+        self._stream: AttemptStream | None = None
+        self._frames: AsyncIterator[Frame] | None = None
+        self._renewals: asyncio.Task[None] | None = None
+        self._released = False
+        replica.outstanding += 1
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempt
+
+    @property
+    def lease_epoch(self) -> int:
+        return self.request.lease_epoch
+
+    @property
+    def lease_expires_in(self) -> float:
+        """Seconds until the lease lapses on the replica (from the last renewal)."""
+        return self.renewed_at + self.request.lease_ttl_s - self.ctx.clock()
+
+    async def open(self) -> None:
+        """Start the attempt on the replica; raises :class:`UpstreamFailure` if it cannot."""
+        self._stream = await self.replica.client.start(self.request)
+        self._frames = aiter(self._stream.frames())
+        self._renewals = asyncio.get_running_loop().create_task(
+            self._renew_lease(), name=f"renew {self.request.request_id}/{self.attempt}"
+        )
+
+    async def _renew_lease(self) -> None:
+        client, request = self.replica.client, self.request
+        interval = request.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                renewed = await asyncio.wait_for(
+                    client.renew(request.request_id, request.attempt, request.lease_epoch, request.lease_ttl_s),
+                    timeout=interval,
+                )
+            except (TimeoutError, UpstreamFailure, OSError) as exc:
+                log.info("lease renewal of %s/%d failed: %r", request.request_id, request.attempt, exc)
+                continue
+            if renewed:
+                self.renewed_at = self.ctx.clock()
+
+    async def next_frame(self) -> Frame:
+        """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
+        assert self._frames is not None, "open() first"
+        timeouts = self.ctx.config.timeouts
+        silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
+        limit = timeouts.first_token_hard_s if silent_prefill else timeouts.stall_s
+        try:
+            async with asyncio.timeout(limit):
+                frame = await anext(self._frames)
+        except TimeoutError:
+            what = "no first token" if silent_prefill else "no frame"
+            raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"{what} for {limit:g}s") from None
+        except StopAsyncIteration:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before the attempt finished") from None
+        if not isinstance(frame, Heartbeat):
+            self.first_token_seen = True
+        return frame
+
+    def deadline_due(self) -> Deadline | None:
+        """A first-token deadline that has passed and was not reported yet."""
+        if self.first_token_seen:
+            return None
+        waited = self.ctx.clock() - self.started_at
+        timeouts = self.ctx.config.timeouts
+        for deadline, limit in (
+            (Deadline.HARD, timeouts.first_token_hard_s),
+            (Deadline.SOFT, timeouts.first_token_soft_s),
+        ):
+            if waited >= limit and deadline not in self.deadlines_reported:
+                self.deadlines_reported.update({deadline, Deadline.SOFT})
+                return deadline
+        return None
+
+    async def release(self) -> None:
+        """Stop renewing, stop reading, give the replica's slot back. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.replica.outstanding -= 1
+        if self._renewals is not None:
+            self._renewals.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewals
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                await self._stream.close()
+
+    async def cancel(self) -> int | None:
+        """Ask the replica to abort; its generated token count once it confirmed, or
+        ``None`` when no acknowledgement came in time (or the replica gives none)."""
+        client, request = self.replica.client, self.request
+        if not client.acknowledges_cancel:
+            return None
+        try:
+            return await asyncio.wait_for(
+                client.cancel(request.request_id, request.attempt, request.lease_epoch),
+                timeout=self.ctx.config.timeouts.cancel_ack_s,
+            )
+        except (TimeoutError, UpstreamFailure, OSError) as exc:
+            log.info("cancel of %s/%d got no acknowledgement: %r", request.request_id, request.attempt, exc)
+            return None

@@ -1,0 +1,65 @@
+"""What every request driver shares: the store, the pool, the budget, the clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from app.config import GatewayConfig
+from app.driver.budget import RetryBudget
+from app.metrics import Metrics
+from app.replicas.pool import ReplicaPool
+from app.store.base import EventStore
+
+log = logging.getLogger("phasegate.driver")
+
+ToolRunner = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class GatewayContext:
+    config: GatewayConfig
+    store: EventStore
+    pool: ReplicaPool
+    budget: RetryBudget
+    metrics: Metrics
+    # The wall clock stamps events; the monotonic clock measures timeouts. Both are
+    # inputs so that tests can control them; statemachine/ never reads either.
+    wall_clock: Callable[[], datetime] = utc_now
+    clock: Callable[[], float] = time.monotonic
+    gateway_id: str = "gateway"  # recorded on every request it accepts, for recovery
+    tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    drivers: dict[str, Any] = field(default_factory=dict)  # request id -> live RequestDriver
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run bookkeeping that must outlive the HTTP exchange (fences after the end,
+        cancels after a disconnect); the gateway awaits these on shutdown."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self.background.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for background bookkeeping, then cancel what is left."""
+        if not self.background:
+            return
+        _, pending = await asyncio.wait(set(self.background), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

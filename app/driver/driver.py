@@ -1,0 +1,474 @@
+"""The per-request loop: observe -> decide -> act -> append.
+
+How this works: ``outputs`` is one async generator that runs the whole request. It
+asks ``decide()``, records each action as ``Decided``, carries the actions out, then
+reads the running attempt's next frame and records what it observed; it yields
+what the client should receive next (:class:`Delta`, :class:`Finished`,
+:class:`Failed`, :class:`Cancelled`; :class:`Restarted` when a retry replaced an
+attempt whose output was never delivered). The HTTP layer pulls from it and calls
+back: ``commit()`` before the first content byte, ``delivered()`` after each write,
+``complete()`` before the last bytes, ``client_gone()`` when the client left.
+
+Every action's events are recorded synchronously, before any await, so a
+cancellation (a client that leaves) never finds a decision half carried out; the
+awaited parts (appends, opening a stream, waiting for a fence) come after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from app.api.errors import policy_error_body
+from app.api.schemas import GenerationRequest
+from app.driver.attempt import AttemptRun
+from app.driver.context import GatewayContext
+from app.driver.recorder import Recorder
+from app.replicas.base import AttemptRequest, Done, Heartbeat, Token, ToolCall, UpstreamFailure
+from statemachine import events as ev
+from statemachine.events import FailureKind, ReleaseReason
+from statemachine.phases import Phase
+from statemachine.policy import (
+    Action,
+    CancelAttempt,
+    CancelRequest,
+    FailRequest,
+    FenceAttempt,
+    StartAttempt,
+    Wait,
+    decide,
+)
+from statemachine.state import DEAD_KINDS, RequestState
+
+log = logging.getLogger("phasegate.driver")
+
+LEASE_EXPIRY_MARGIN_S = 0.05  # clocks differ a little: wait past the replica's expiry
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    choice: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """A new attempt replaced one whose output never reached the client: drop it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reasons: tuple[str, ...]
+    usage: dict[str, int]
+    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    status: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    reason: str
+
+
+Output = Delta | Restarted | Finished | Failed | Cancelled
+
+
+class RequestDriver:
+    def __init__(self, ctx: GatewayContext, request_id: str, request: GenerationRequest, tenant: str) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.tenant = tenant
+        self.recorder = Recorder(ctx, request_id)
+        self.run: AttemptRun | None = None
+        self.accepted_at = ctx.clock()
+        self.last_delivery_at: float | None = None
+        self.tool_calls: dict[int, list[dict[str, Any]]] = {}
+        self.outputs: AsyncIterator[Output] = self._drive()
+
+    @property
+    def request_id(self) -> str:
+        return self.recorder.request_id
+
+    @property
+    def state(self) -> RequestState:
+        return self.recorder.state
+
+    # --- acceptance ------------------------------------------------------------------
+
+    def accept(self) -> None:
+        """Record the request; its first pull appends it durably with the first attempt."""
+        request = self.request
+        self.recorder.record(
+            ev.RequestAccepted,
+            model=request.model,
+            model_revision=self.ctx.config.model_revision(request.model) or "unknown",
+            tenant=self.tenant,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            params_digest=request.params_digest(),
+            prompt_tokens=request.estimated_prompt_tokens,
+            n=request.n,
+            guided=request.guided,
+            tools=bool(request.tools),
+            idempotency_key=None,
+            max_attempts=self.ctx.config.policy.max_attempts,
+            seed=request.seed,
+            gateway=self.ctx.gateway_id,
+        )
+        self.ctx.drivers[self.request_id] = self
+        self.ctx.metrics.in_flight.inc()
+        # the input, for replaying an incident; off the path to the first token
+        self.ctx.spawn(
+            self.ctx.store.record_input(
+                self.request_id,
+                request.raw,
+                model_revision=self.ctx.config.model_revision(request.model),
+                seed=request.seed,
+            ),
+            name=f"input {self.request_id}",
+        )
+
+    # --- the loop --------------------------------------------------------------------
+
+    async def _drive(self) -> AsyncIterator[Output]:
+        while True:
+            ended = await self._decide_and_act()
+            if ended is not None:
+                yield ended
+                return
+            run = self.run
+            if run is None or self.state.phase is Phase.TERMINATED:
+                return
+            try:
+                frame = await run.next_frame()
+            except UpstreamFailure as failure:
+                await self._observe_failure(run, failure)
+                continue
+            if type(frame) is Token:
+                if run.generated_tokens == 0:
+                    self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
+                run.generated_tokens += 1
+                yield Delta(frame.text, frame.choice)
+            elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
+                deadline = run.deadline_due()
+                if deadline is not None:
+                    waited = self.ctx.clock() - run.started_at
+                    self.recorder.record(
+                        ev.UpstreamFailed,
+                        attempt=run.attempt,
+                        lease_epoch=run.lease_epoch,
+                        kind=FailureKind.OVERLOADED,
+                        detail=f"queued for {waited:.1f}s",
+                        deadline=deadline,
+                    )
+            elif type(frame) is ToolCall:
+                await self._tool_call(run, frame)
+            elif type(frame) is Done:
+                yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls)
+                return
+
+    async def _decide_and_act(self) -> Output | None:
+        """Decide and carry out until the policy has nothing to add."""
+        while True:
+            actions = decide(self.state, self.ctx.config.policy)
+            if not actions:
+                return None
+            for action in actions:
+                self.recorder.record_decided(action)
+            # record every action's events first, then await their side effects
+            effects = [self._record_action(action) for action in actions]
+            outcome: Output | None = None
+            for effect in effects:
+                result = await effect() if effect is not None else None
+                outcome = result or outcome
+            if outcome is not None:
+                return outcome
+            if all(isinstance(action, Wait) for action in actions):
+                return None
+
+    def _record_action(self, action: Action) -> Callable[[], Awaitable[Output | None]] | None:
+        if isinstance(action, StartAttempt):
+            return self._start_attempt(action)
+        if isinstance(action, FenceAttempt):
+            return self._fence(action)
+        if isinstance(action, CancelAttempt):
+            return self._cancel_attempt()
+        if isinstance(action, FailRequest):
+            return self._fail(action)
+        if isinstance(action, CancelRequest):
+            return self._cancel_request(action)
+        return None  # Wait: nothing to do but keep reading
+
+    # --- actions: each records its events now and returns what is left to await --------
+
+    def _start_attempt(self, action: StartAttempt) -> Callable[[], Awaitable[Output | None]] | None:
+        ctx, request = self.ctx, self.request
+        if action.attempt > 1 and not ctx.budget.try_take():
+            self.recorder.record(ev.RetryBudgetDenied, scope="global")
+            return None
+        replica = ctx.pool.choose(request.model, action.exclude_replicas)
+        if replica is None:
+            self.recorder.record(
+                ev.NoReplicaAvailable,
+                excluded=action.exclude_replicas,
+                detail=f"no healthy replica serves {request.model}",
+            )
+            return None
+        if action.migration is not None:
+            ctx.metrics.migrations.labels(model=request.model, migration_type=action.migration).inc()
+        ttl = ctx.config.timeouts.lease_ttl_s
+        self.recorder.record(
+            ev.AttemptStarted,
+            attempt=action.attempt,
+            lease_epoch=action.attempt,
+            replica_id=replica.id,
+            lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
+        )
+        run = AttemptRun(
+            ctx,
+            replica,
+            AttemptRequest(
+                request_id=self.request_id,
+                attempt=action.attempt,
+                lease_epoch=action.attempt,
+                lease_ttl_s=ttl,
+                endpoint=request.endpoint,
+                model=request.model,
+                messages=request.messages,
+                prompt=request.prompt,
+                sampling=request.sampling(),
+            ),
+        )
+        self.run = run
+        self.tool_calls = {}
+
+        async def open_attempt() -> Output | None:
+            # the first attempt's grant is durable with its acceptance, before the replica hears of it
+            await self.recorder.flush(durable=action.attempt == 1)
+            try:
+                await run.open()
+            except UpstreamFailure as failure:
+                await self._observe_failure(run, failure)
+                return None
+            return Restarted() if action.attempt > 1 else None
+
+        return open_attempt
+
+    def _fence(self, action: FenceAttempt) -> Callable[[], Awaitable[Output | None]]:
+        run = self.run
+        assert run is not None and run.attempt == action.attempt
+        waiting_for = "cancel_ack_or_lease_expiry" if run.replica.client.acknowledges_cancel else "lease_expiry"
+        self.recorder.record(
+            ev.AttemptFenced, attempt=run.attempt, lease_epoch=run.lease_epoch, waiting_for=waiting_for
+        )
+        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
+        self.run = None
+        fence = self.ctx.spawn(self._settle(run, fenced=True), name=f"fence {self.request_id}/{run.attempt}")
+        if self.state.first_delta_sent:
+            return _nothing  # the stream ends now; the fence completes as bookkeeping
+
+        async def wait_for_fence() -> Output | None:
+            await self.recorder.flush(durable=False)
+            await asyncio.shield(fence)
+            return None
+
+        return wait_for_fence
+
+    def _cancel_attempt(self) -> Callable[[], Awaitable[Output | None]] | None:
+        run = self.run
+        if run is None:
+            return None
+        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
+        self.run = None
+        self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
+        return None
+
+    async def _settle(self, run: AttemptRun, *, fenced: bool) -> None:
+        """Stop the attempt for good: cancel acknowledged, or its lease run out."""
+        generated = await run.cancel()  # before the stream closes: the ack names the attempt
+        await run.release()
+        scope = {"attempt": run.attempt, "lease_epoch": run.lease_epoch}
+        if generated is not None:
+            self.recorder.record(ev.CancelAcked, **scope, generated_tokens=generated)
+            self.recorder.record(ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
+        else:
+            await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
+            self.recorder.record(ev.LeaseExpired, **scope)
+            self.recorder.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
+        if fenced:
+            released_by = "cancel_ack" if generated is not None else "lease_expiry"
+            self.ctx.metrics.fences.labels(released_by=released_by).inc()
+        await self.recorder.flush(durable=False)
+        self._maybe_forget()
+
+    def _fail(self, action: FailRequest) -> Callable[[], Awaitable[Output | None]]:
+        self.recorder.record(
+            ev.RequestFailed,
+            code=action.code,
+            message=action.message,
+            partial_output=action.partial_output,
+            delivered_output_tokens=action.delivered_output_tokens,
+            retryable=action.retryable,
+        )
+        model = self.request.model
+        if action.code == "upstream_decode_interrupted":
+            self.ctx.metrics.decode_interruptions.labels(model=model).inc()
+        if action.code == "retry_cost_exceeded":
+            self.ctx.metrics.cost_guard.labels(model=model).inc()
+        body = policy_error_body(
+            self.request_id,
+            code=action.code,
+            message=action.message,
+            partial_output=action.partial_output,
+            delivered_output_tokens=action.delivered_output_tokens,
+            retryable=action.retryable,
+            status=action.http_status,
+        )
+
+        async def finish() -> Output | None:
+            await self._end("failed")
+            return Failed(action.http_status, body)
+
+        return finish
+
+    def _cancel_request(self, action: CancelRequest) -> Callable[[], Awaitable[Output | None]]:
+        self.recorder.record(ev.RequestCancelled, reason=action.reason)
+
+        async def finish() -> Output | None:
+            await self._end("cancelled")
+            return Cancelled(action.reason)
+
+        return finish
+
+    # --- observations ----------------------------------------------------------------
+
+    async def _observe_failure(self, run: AttemptRun, failure: UpstreamFailure) -> None:
+        self.recorder.record(
+            ev.UpstreamFailed,
+            attempt=run.attempt,
+            lease_epoch=run.lease_epoch,
+            kind=failure.kind,
+            detail=failure.detail,
+            upstream_status=failure.status,
+            upstream_code=failure.code,
+        )
+        pool = self.ctx.pool
+        if failure.retry_after_s:
+            pool.cool_down(run.replica, failure.retry_after_s)
+        if failure.kind is FailureKind.REQUEST_REFUSED:
+            pool.succeeded(run.replica)  # the replica is fine; the request was not
+        elif failure.kind in (FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN):
+            pool.failed(run.replica, failure.detail)
+        if failure.kind in DEAD_KINDS:
+            self.run = None
+            await run.release()
+
+    async def _tool_call(self, run: AttemptRun, frame: ToolCall) -> None:
+        # The gateway names tool calls itself, the same way for every attempt, so a
+        # retried attempt that asks for the same call meets the same ledger entry.
+        digest = hashlib.sha256(f"{self.request_id}:{frame.choice}:{frame.index}".encode()).hexdigest()
+        tool_call_id = f"call_{digest[:24]}"
+        key = f"{self.request_id}:{tool_call_id}"
+        self.recorder.record(
+            ev.ToolCallEmitted,
+            attempt=run.attempt,
+            lease_epoch=run.lease_epoch,
+            index=frame.index,
+            tool_call_id=tool_call_id,
+            name=frame.name,
+            arguments=frame.arguments,
+            idempotency_key=key,
+        )
+        call = {"id": tool_call_id, "type": "function", "function": {"name": frame.name, "arguments": frame.arguments}}
+        self.tool_calls.setdefault(frame.choice, []).append(call)
+        runner = self.ctx.tool_runner
+        if runner is not None:
+            store = self.ctx.store
+            if await store.claim_tool_execution(
+                key, self.request_id, run.attempt, tool_call_id, frame.name, frame.arguments
+            ):
+                self.ctx.spawn(self._execute_tool(runner, key, call), name=f"tool {key}")
+
+    async def _execute_tool(
+        self, runner: Callable[[dict[str, Any]], Awaitable[Any]], key: str, call: dict[str, Any]
+    ) -> None:
+        try:
+            result = await runner({"idempotency_key": key, "request_id": self.request_id, **call})
+        except Exception as exc:
+            await self.ctx.store.record_tool_result(key, error=repr(exc))
+        else:
+            await self.ctx.store.record_tool_result(key, result=result)
+
+    # --- the client's side: called by the HTTP layer ---------------------------------
+
+    async def commit(self) -> None:
+        """The commit point: durable before the first content byte is written."""
+        run = self.run
+        assert run is not None, "commit needs the attempt whose output is delivered"
+        self.recorder.record(ev.FirstDeltaCommitted, attempt=run.attempt, lease_epoch=run.lease_epoch)
+        await self.recorder.flush(durable=True)
+        self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
+
+    def delivered(self, text: str, tokens: int = 1) -> None:
+        """A delta was written to the client."""
+        run = self.run
+        assert run is not None
+        now = self.ctx.clock()
+        if self.last_delivery_at is not None:
+            self.ctx.metrics.inter_token.labels(model=self.request.model).observe(now - self.last_delivery_at)
+        self.last_delivery_at = now
+        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text)
+
+    async def complete(self, finished: Finished) -> None:
+        """Record the completion durably, before the final bytes go out."""
+        self.recorder.record(
+            ev.RequestCompleted,
+            finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",
+            usage=finished.usage,
+        )
+        run, self.run = self.run, None
+        if run is not None:
+            self.ctx.pool.succeeded(run.replica)
+            await run.release()
+        await self._end("completed")
+
+    async def _end(self, outcome: str) -> None:
+        await self.recorder.flush(durable=True)
+        metrics = self.ctx.metrics
+        metrics.requests.labels(model=self.request.model, outcome=outcome).inc()
+        metrics.attempts.observe(len(self.state.attempts))
+        metrics.in_flight.dec()
+        run, self.run = self.run, None
+        if run is not None:
+            await run.release()
+        self._maybe_forget()
+
+    def _maybe_forget(self) -> None:
+        if self.state.phase is Phase.TERMINATED and not any(a.live for a in self.state.attempts):
+            self.ctx.drivers.pop(self.request_id, None)
+
+    def client_gone(self) -> None:
+        """The client left: cancel upstream, start nothing new (in the background)."""
+        if self.state.phase is not Phase.TERMINATED and not self.state.client_gone:
+            self.ctx.spawn(self._after_client_gone(), name=f"client gone {self.request_id}")
+
+    async def _after_client_gone(self) -> None:
+        try:
+            await self.outputs.aclose()  # the loop is abandoned where it stood
+        except RuntimeError:  # pragma: no cover - still running: it ends on its own cancellation
+            log.warning("request %s: the loop was still running when its client left", self.request_id)
+        self.recorder.record(ev.ClientDisconnected)
+        await self._decide_and_act()
+
+
+async def _nothing() -> Output | None:
+    return None

@@ -1,0 +1,142 @@
+"""A request's side of the log: build each event, fold it in, append it in order.
+
+How this works: ``record`` stamps an event with the next seq and the wall clock,
+applies it to the request's state at once (an illegal event raises here, before
+anything is written) and queues it. ``flush`` hands the queue to the store, awaited
+(``durable=True``) for the commit point and terminal events, group-committed
+otherwise. Deliveries are coalesced: consecutive deltas of one attempt become one
+``DeltasDelivered`` of up to ``delivery_batch_tokens`` deltas or
+``delivery_batch_ms`` old, cut early by any other event so the log's order is the
+order things happened.
+
+Appends run shielded: a client that disconnects mid-append cancels the HTTP task,
+not the append. While PostgreSQL is down, a durable flush retries for
+``store_outage_grace_s`` before it gives up; the events stay queued either way and
+the next flush retries them, so nothing recorded is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Any
+
+from app.driver.context import GatewayContext
+from app.store.errors import StoreUnavailable
+from statemachine.events import DeltasDelivered, Event
+from statemachine.policy import Action, as_decided
+from statemachine.state import RequestState, apply
+
+log = logging.getLogger("phasegate.driver")
+
+STORE_OUTAGE_GRACE_S = 10.0
+
+
+class Recorder:
+    def __init__(self, ctx: GatewayContext, request_id: str) -> None:
+        self.ctx = ctx
+        self.state = RequestState(request_id=request_id)
+        self.appended_version = 0
+        self._queued: list[Event] = []
+        self._lock = asyncio.Lock()
+        # the open delivery batch: (attempt, lease_epoch, from_index, tokens, texts, opened_at)
+        self._batch: list[Any] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    # --- building events -------------------------------------------------------------
+
+    def record(self, cls: type[Event], **fields: Any) -> Event:
+        """Stamp, apply and queue one event; an open delivery batch is closed first."""
+        self._close_batch()
+        return self._queue(cls, fields)
+
+    def record_decided(self, action: Action) -> None:
+        self._close_batch()
+        decided = as_decided(
+            action, request_id=self.request_id, seq=self.state.seq + 1, occurred_at=self.ctx.wall_clock()
+        )
+        self.state = apply(self.state, decided)
+        self._queued.append(decided)
+
+    def _queue(self, cls: type[Event], fields: dict[str, Any]) -> Event:
+        event = cls(request_id=self.request_id, seq=self.state.seq + 1, occurred_at=self.ctx.wall_clock(), **fields)
+        self.state = apply(self.state, event)
+        self._queued.append(event)
+        return event
+
+    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str) -> None:
+        """One delta written to the client; recorded in batches."""
+        batch = self._batch
+        if batch is not None and batch[0] != attempt:
+            self._close_batch()
+            batch = None
+        if batch is None:
+            self._batch = [attempt, lease_epoch, self.state.delivered_deltas, 0, [], self.ctx.clock()]
+            batch = self._batch
+        batch[3] += tokens
+        batch[4].append(text)
+        config = self.ctx.config
+        if len(batch[4]) >= config.delivery_batch_tokens or (
+            self.ctx.clock() - batch[5] >= config.delivery_batch_ms / 1000
+        ):
+            self._close_batch()
+
+    def _close_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        attempt, lease_epoch, from_index, tokens, texts, _ = batch
+        text = "".join(texts)
+        policy = self.ctx.config.content_policy
+        self._queue(
+            DeltasDelivered,
+            {
+                "attempt": attempt,
+                "lease_epoch": lease_epoch,
+                "from_index": from_index,
+                "to_index": from_index + len(texts),
+                "tokens": tokens,
+                "text": text if policy == "full" else None,
+                "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
+            },
+        )
+
+    @property
+    def has_unflushed(self) -> bool:
+        return bool(self._queued) or self._batch is not None
+
+    # --- appending -------------------------------------------------------------------
+
+    async def flush(self, *, durable: bool, close_batch: bool = True) -> None:
+        """Append everything queued; with ``durable`` wait for the commit."""
+        if close_batch:
+            self._close_batch()
+        if not self._queued:
+            return
+        await asyncio.shield(self._append(durable))
+
+    async def _append(self, durable: bool) -> None:
+        async with self._lock:
+            deadline = self.ctx.clock() + (STORE_OUTAGE_GRACE_S if durable else 0.0)
+            delay = 0.05
+            while self._queued:
+                events = list(self._queued)
+                started = self.ctx.clock()
+                try:
+                    version = await self.ctx.store.append(
+                        self.request_id, self.appended_version, events, durable=durable
+                    )
+                except StoreUnavailable:
+                    if self.ctx.clock() + delay > deadline:
+                        raise
+                    log.warning("event log unavailable; request %s retries its append", self.request_id)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                self.ctx.metrics.append_seconds.labels(durable=str(durable).lower()).observe(self.ctx.clock() - started)
+                del self._queued[: len(events)]
+                self.appended_version = version

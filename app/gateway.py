@@ -1,0 +1,123 @@
+"""The composition root: one gateway process's store, pool, probes and app.
+
+``Gateway.open(config, database_url)`` connects the event log (applying migrations
+when asked), builds a client per configured replica, and returns a gateway whose
+``app`` is the Starlette application. Its lifespan starts the background health
+probes and the recovery pass, and on shutdown waits for in-flight bookkeeping
+(fences that complete after a stream ended), then flushes and closes the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+
+from app.api.routes import build_app
+from app.config import GatewayConfig, ReplicaConfig
+from app.driver.budget import RetryBudget
+from app.driver.context import GatewayContext, ToolRunner
+from app.driver.recovery import recover_lost_requests
+from app.metrics import Metrics
+from app.replicas.base import ReplicaClient
+from app.replicas.openai_upstream import OpenAIUpstream
+from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.worker import WorkerReplica
+from app.store.base import EventStore
+from app.store.migrate import upgrade_async
+from app.store.postgres import PostgresEventStore
+
+log = logging.getLogger("phasegate.gateway")
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+def default_gateway_id(config: GatewayConfig) -> str:
+    return f"{socket.gethostname()}:{config.port}"
+
+
+def replica_client(replica: ReplicaConfig, config: GatewayConfig) -> ReplicaClient:
+    timeouts = config.timeouts
+    if replica.kind == "openai":
+        models = replica.models or tuple(config.models)
+        return OpenAIUpstream(
+            replica.id,
+            replica.url,
+            health_model=models[0] if models else "default",
+            connect_timeout_s=timeouts.connect_s,
+            response_timeout_s=timeouts.upstream_response_s,
+        )
+    return WorkerReplica(replica.id, replica.url, connect_timeout_s=timeouts.connect_s)
+
+
+class Gateway:
+    def __init__(self, ctx: GatewayContext, gateway_id: str) -> None:
+        self.ctx = ctx
+        self.gateway_id = gateway_id
+        self._probes: asyncio.Task[None] | None = None
+        self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
+
+    @classmethod
+    async def open(
+        cls,
+        config: GatewayConfig,
+        database_url: str,
+        *,
+        gateway_id: str | None = None,
+        tool_runner: ToolRunner | None = None,
+        store: EventStore | None = None,
+    ) -> Gateway:
+        if config.apply_migrations:
+            await upgrade_async(database_url)
+        store = store or await PostgresEventStore.connect(database_url)
+        metrics = Metrics()
+        pool = ReplicaPool(
+            [Replica(replica, replica_client(replica, config)) for replica in config.replicas],
+            eject_after_failures=config.eject_after_failures,
+            ejection_s=config.ejection_s,
+            ejection_max_s=config.ejection_max_s,
+        )
+        pool.on_health_change = lambda replica: metrics.replica_healthy.labels(replica=replica.id).set(
+            1 if replica.healthy else 0
+        )
+        ctx = GatewayContext(
+            config=config,
+            store=store,
+            pool=pool,
+            budget=RetryBudget(config.retry_budget_burst, config.retry_budget_per_s),
+            metrics=metrics,
+            tool_runner=tool_runner,
+            gateway_id=gateway_id or default_gateway_id(config),
+        )
+        return cls(ctx, ctx.gateway_id)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        await self.start()
+        try:
+            yield {}
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        await self.ctx.pool.probe_all()
+        self._probes = asyncio.get_running_loop().create_task(
+            self.ctx.pool.run_probes(self.ctx.config.health_interval_s), name="replica probes"
+        )
+        closed = await recover_lost_requests(self.ctx)
+        if closed:
+            log.warning("closed %d request(s) a previous run of gateway %s left open", closed, self.gateway_id)
+
+    async def stop(self) -> None:
+        if self._probes is not None:
+            self._probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probes
+        await self.ctx.drain(SHUTDOWN_GRACE_S)
+        await self.ctx.store.close()
+        await self.ctx.pool.close()

@@ -1,0 +1,74 @@
+"""The gateway's Prometheus metrics, on a registry of their own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+APPEND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("phasegate_requests", "Requests by model and outcome", ["model", "outcome"], registry=r)
+        self.rejected = Counter(
+            "phasegate_requests_rejected", "Requests refused before acceptance, by error code", ["code"], registry=r
+        )
+        self.migrations = Counter(
+            "phasegate_migration",
+            "Attempts re-run on another replica before the first delta",
+            ["model", "migration_type"],
+            registry=r,
+        )
+        self.cost_guard = Counter(
+            "phasegate_migration_max_seq_len_exceeded",
+            "Retries refused by the cost guard (prompt over the retry limit)",
+            ["model"],
+            registry=r,
+        )
+        self.decode_interruptions = Counter(
+            "phasegate_decode_interrupted", "Streams ended by upstream_decode_interrupted", ["model"], registry=r
+        )
+        self.fences = Counter(
+            "phasegate_fenced_attempts", "Fenced attempts by how they were released", ["released_by"], registry=r
+        )
+        self.ttft = Histogram(
+            "phasegate_time_to_first_token_seconds",
+            "Acceptance to the first delta written to the client",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "phasegate_inter_token_latency_seconds",
+            "Gap between deltas written to the client",
+            ["model"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.attempts = Histogram(
+            "phasegate_attempts_per_request", "Attempts per finished request", buckets=(1, 2, 3, 4, 5), registry=r
+        )
+        self.append_seconds = Histogram(
+            "phasegate_eventlog_append_seconds",
+            "Event-log appends as the driver waits for them",
+            ["durable"],
+            buckets=APPEND_BUCKETS,
+            registry=r,
+        )
+        self.append_batch = Histogram(
+            "phasegate_eventlog_group_commit_events",
+            "Events per group-committed transaction",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
+        )
+        self.in_flight = Gauge("phasegate_requests_in_flight", "Requests being served", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

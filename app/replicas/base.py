@@ -1,0 +1,121 @@
+"""What the driver needs from a replica, whatever kind it is.
+
+Two kinds implement :class:`ReplicaClient`: a ``phasegate worker`` (leases, cancel
+acknowledgements, heartbeats) and any OpenAI-compatible server such as ``vllm
+serve`` (no acknowledgement: a cancel is only a closed connection, so a fence on
+such a replica always waits for the lease to expire).
+
+A started attempt is an async iterator of frames. Everything that goes wrong is an
+:class:`UpstreamFailure` carrying the failure kind of DESIGN.md §4, so the driver
+records what it observed without knowing which client observed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from statemachine.events import FailureKind
+
+# Frames are plain slotted classes (not frozen: built once per token on the hot path).
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """The replica is alive and has produced nothing yet: ``phase`` queued or prefill."""
+
+    phase: str
+    queue_position: int | None = None
+
+
+@dataclass(slots=True)
+class Token:
+    choice: int
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    choice: int
+    index: int
+    id: str  # the replica's id for it; the gateway names tool calls itself
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Done:
+    finish_reason: str
+    finish_reasons: list[str]  # one per choice
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+Frame = Heartbeat | Token | ToolCall | Done
+
+
+class UpstreamFailure(Exception):
+    """Anything that stopped an attempt, as the kind the policy reasons about."""
+
+    def __init__(
+        self,
+        kind: FailureKind,
+        detail: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRequest:
+    """What one attempt asks of a replica."""
+
+    request_id: str
+    attempt: int
+    lease_epoch: int
+    lease_ttl_s: float
+    endpoint: str  # "chat.completions" or "completions"
+    model: str
+    messages: tuple[dict[str, Any], ...] | None
+    prompt: str | None
+    sampling: dict[str, Any]
+
+
+class AttemptStream(Protocol):
+    def frames(self) -> AsyncIterator[Frame]: ...
+
+    async def close(self) -> None: ...
+
+
+class ReplicaClient(Protocol):
+    replica_id: str
+    kind: str
+    acknowledges_cancel: bool  # False: a fence waits for the lease to expire
+    sends_heartbeats: bool  # False: silence before the first token is not a stall
+
+    async def start(self, request: AttemptRequest) -> AttemptStream:
+        """Open the attempt; raises :class:`UpstreamFailure` if it cannot start."""
+        ...
+
+    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
+        """Extend the lease; ``False`` when the replica refused (stale epoch, unknown attempt)."""
+        ...
+
+    async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
+        """Cancel; the generated token count once the engine confirmed the abort, or
+        ``None`` when no acknowledgement came (or this kind gives none)."""
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,227 @@
+"""A replica that is any OpenAI-compatible server, such as ``vllm serve``.
+
+Such a server knows nothing of leases: renewing is a no-op, and a cancel is only
+the closed connection (vLLM aborts a request whose client went away) with no
+acknowledgement, so a fence on this kind always waits for the gateway-side lease
+to run out. It sends nothing while it queues or prefills, so before the first token
+only the hard first-token deadline applies (see ``AttemptRun.next_frame``).
+
+Upstream behaviour mapped to the failure kinds of DESIGN.md §4:
+
+    connection refused / connect timeout          rejected (nothing started)
+    429 (Retry-After honoured), 5xx before start  rejected
+    4xx such as context_length_exceeded           request_refused, reason passed on
+    no response headers within the deadline       liveness_uncertain
+    connection reset / EOF mid-stream             replica_exited
+    a malformed chunk                             liveness_uncertain (fence, then retry)
+    an error object inside the stream             replica_exited
+    every choice finished (and usage sent)        completes, without waiting for [DONE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
+from statemachine.events import FailureKind
+
+# After every choice finished, how long to wait for the usage chunk before completing
+# without it: an upstream that never sends [DONE] must not hold the answer back.
+USAGE_GRACE_S = 0.5
+
+
+class OpenAIUpstream:
+    acknowledges_cancel = False
+    sends_heartbeats = False
+    kind = "openai"
+
+    def __init__(
+        self,
+        replica_id: str,
+        base_url: str,
+        *,
+        health_model: str,
+        connect_timeout_s: float = 2.0,
+        response_timeout_s: float = 10.0,
+        api_key: str | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.base_url = base_url.rstrip("/")
+        self.health_model = health_model
+        self.response_timeout_s = response_timeout_s
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=None, write=10.0, pool=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def start(self, request: AttemptRequest) -> _OpenAIStream:
+        body: dict[str, Any] = {
+            "model": request.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **request.sampling,
+        }
+        if request.endpoint == "chat.completions":
+            body["messages"] = list(request.messages or ())
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = request.prompt
+            path = "/v1/completions"
+        http_request = self._client.build_request("POST", path, json=body)
+        try:
+            response = await self._send(http_request)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
+        except TimeoutError:
+            raise UpstreamFailure(
+                FailureKind.LIVENESS_UNCERTAIN, f"no response within {self.response_timeout_s:g}s"
+            ) from None
+        except httpx.TransportError as exc:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"connection failed: {exc!r}") from None
+        if response.status_code != 200:
+            raise await _refusal(response)
+        return _OpenAIStream(response, choices=int(request.sampling.get("n", 1)))
+
+    async def _send(self, http_request: httpx.Request) -> httpx.Response:
+        async with asyncio.timeout(self.response_timeout_s):
+            return await self._client.send(http_request, stream=True)
+
+    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
+        return True  # no lease upstream; the gateway's lease is the bound a fence waits for
+
+    async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
+        return None  # closing the stream is the only cancel; it is never acknowledged
+
+    async def health(self) -> bool:
+        """A real 1-token generation."""
+        body = {"model": self.health_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        try:
+            response = await self._client.post("/v1/completions", json=body, timeout=self.response_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def _refusal(response: httpx.Response) -> UpstreamFailure:
+    """The failure an upstream's non-200 answer means, with its reason passed on."""
+    try:
+        await response.aread()
+        payload = response.json()
+    except (httpx.HTTPError, ValueError):
+        payload = {}
+    finally:
+        await response.aclose()
+    error = payload.get("error", payload) if isinstance(payload, dict) else {}
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    message = str(error.get("message") or response.reason_phrase or "upstream error")
+    code = error.get("code") if isinstance(error.get("code"), str) else None
+    status = response.status_code
+    if status == 429 or status >= 500:
+        retry_after = _retry_after(response.headers.get("retry-after"))
+        return UpstreamFailure(
+            FailureKind.REJECTED, f"{status}: {message}", status=status, code=code, retry_after_s=retry_after
+        )
+    return UpstreamFailure(FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message))
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(float(value), 0.0) if value else None
+    except ValueError:
+        return None
+
+
+def _code_for(status: int, message: str) -> str:
+    if "maximum context length" in message or "context length" in message:
+        return "context_length_exceeded"
+    return {400: "upstream_bad_request", 404: "model_not_found", 413: "request_too_large"}.get(
+        status, "upstream_refused_request"
+    )
+
+
+class _OpenAIStream:
+    def __init__(self, response: httpx.Response, choices: int) -> None:
+        self._response = response
+        self._choices = choices
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        finish_reasons: dict[int, str] = {}
+        usage: dict[str, int] | None = None
+        pending_calls: dict[tuple[int, int], dict[str, str]] = {}
+        index = 0
+        lines = aiter(self._response.aiter_lines())
+        try:
+            while True:
+                finished = len(finish_reasons) >= self._choices
+                if finished and usage is not None:
+                    break  # everything is here: do not wait for [DONE]
+                try:
+                    if finished:  # only the usage chunk may still come
+                        async with asyncio.timeout(USAGE_GRACE_S):
+                            line = await anext(lines)
+                    else:
+                        line = await anext(lines)
+                except (StopAsyncIteration, TimeoutError):
+                    break
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = _parse_chunk(data)
+                if isinstance(chunk.get("usage"), dict):
+                    usage = {k: v for k, v in chunk["usage"].items() if type(v) is int}
+                for choice in chunk.get("choices") or ():
+                    number = choice.get("index", 0)
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if "delta" in choice else choice.get("text")
+                    if text:
+                        yield Token(number, index, text)
+                        index += 1
+                    for call in delta.get("tool_calls") or ():
+                        slot = pending_calls.setdefault(
+                            (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+                        )
+                        slot["id"] = slot["id"] or call.get("id") or ""
+                        function = call.get("function") or {}
+                        slot["name"] += function.get("name") or ""
+                        slot["arguments"] += function.get("arguments") or ""
+                    if choice.get("finish_reason"):
+                        finish_reasons[number] = choice["finish_reason"]
+        except httpx.TransportError as exc:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
+        if len(finish_reasons) < self._choices:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
+        for (number, call_index), call in sorted(pending_calls.items()):
+            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"])
+        reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
+        yield Done(reasons[0], reasons, usage or {})
+
+    async def close(self) -> None:
+        await self._response.aclose()
+
+
+def _parse_chunk(data: str) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}") from None
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
+    if "error" in chunk:
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
+    return chunk

@@ -1,0 +1,136 @@
+"""The replica pool: which replica takes the next attempt, and which are out.
+
+How this works: each replica has a count of outstanding attempts, a health flag
+from background probes (a real 1-token generation), a circuit breaker, and a
+cool-down from ``Retry-After``. ``choose`` takes the healthy replica with the fewest
+outstanding attempts that serves the model and is not excluded (the policy never
+retries on a replica the request already tried). After ``eject_after_failures``
+failures in a row a replica is ejected for a back-off that doubles while it keeps
+failing; the background probe lets it back in as soon as one probe succeeds.
+The clock is injected so tests can move time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from app.config import ReplicaConfig
+from app.replicas.base import ReplicaClient
+
+log = logging.getLogger("phasegate.pool")
+
+
+@dataclass(slots=True)
+class Replica:
+    config: ReplicaConfig
+    client: ReplicaClient
+    outstanding: int = 0
+    healthy: bool | None = None  # None until the first probe answers
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    ejection_s: float = 0.0
+    cooldown_until: float = 0.0  # from an upstream Retry-After
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        replicas: Iterable[Replica],
+        *,
+        eject_after_failures: int = 3,
+        ejection_s: float = 5.0,
+        ejection_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replicas = {replica.id: replica for replica in replicas}
+        self.eject_after_failures = eject_after_failures
+        self.first_ejection_s = ejection_s
+        self.ejection_max_s = ejection_max_s
+        self.clock = clock
+        self.on_health_change: Callable[[Replica], None] = lambda replica: None
+
+    def available(self, replica: Replica, model: str | None = None) -> bool:
+        """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
+        now = self.clock()
+        return (
+            replica.healthy is not False
+            and (model is None or replica.config.serves(model))
+            and replica.ejected_until <= now
+            and replica.cooldown_until <= now
+        )
+
+    def choose(self, model: str, exclude: Iterable[str] = ()) -> Replica | None:
+        """The least-loaded available replica for ``model`` outside ``exclude``."""
+        excluded = set(exclude)
+        candidates = [r for r in self.replicas.values() if r.id not in excluded and self.available(r, model)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.outstanding, r.id))
+
+    def any_available(self, model: str | None = None) -> bool:
+        return any(self.available(replica, model) for replica in self.replicas.values())
+
+    # --- what drivers and probes report --------------------------------------------
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        replica.ejection_s = 0.0
+        if replica.healthy is not True:
+            replica.healthy = True
+            self.on_health_change(replica)
+
+    def failed(self, replica: Replica, detail: str) -> None:
+        replica.consecutive_failures += 1
+        if replica.consecutive_failures >= self.eject_after_failures:
+            replica.ejection_s = min(max(replica.ejection_s * 2, self.first_ejection_s), self.ejection_max_s)
+            replica.ejected_until = self.clock() + replica.ejection_s
+            log.warning(
+                "replica %s ejected for %.1fs after %d failures: %s",
+                replica.id,
+                replica.ejection_s,
+                replica.consecutive_failures,
+                detail,
+            )
+            if replica.healthy is not False:
+                replica.healthy = False
+                self.on_health_change(replica)
+
+    def cool_down(self, replica: Replica, seconds: float) -> None:
+        """Honour ``Retry-After``: send this replica nothing new for ``seconds``."""
+        replica.cooldown_until = max(replica.cooldown_until, self.clock() + seconds)
+
+    # --- background probes -----------------------------------------------------------
+
+    async def probe(self, replica: Replica) -> bool:
+        try:
+            ok = await replica.client.health()
+        except Exception as exc:  # a probe must never take the loop down
+            log.warning("health probe of %s raised %r", replica.id, exc)
+            ok = False
+        if ok:
+            replica.ejected_until = 0.0
+            self.succeeded(replica)
+        else:
+            replica.consecutive_failures = max(replica.consecutive_failures, self.eject_after_failures - 1)
+            self.failed(replica, "health probe failed")
+        return ok
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(replica) for replica in self.replicas.values()))
+
+    async def run_probes(self, interval_s: float) -> None:
+        """Probe every replica every ``interval_s`` until cancelled."""
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))

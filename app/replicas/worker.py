@@ -1,0 +1,108 @@
+"""A ``phasegate worker`` replica: the worker protocol's client behind ``ReplicaClient``.
+
+The client (``worker_client.py``) already names each error's failure kind. One
+refinement happens here, at the start of an attempt: whatever stops the start
+request before the worker accepted it (connection refused or timed out, 429, 503,
+the worker exiting) means nothing started, so it is recorded as ``rejected`` — a
+retry elsewhere is then a new-request migration, as DESIGN.md §4 counts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from app.replicas.base import AttemptRequest, Frame, UpstreamFailure
+from app.replicas.worker_client import (
+    AttemptStream,
+    ConnectTimedOut,
+    RequestRefused,
+    WorkerClient,
+    WorkerError,
+)
+from statemachine.events import FailureKind
+
+
+def _failure(error: WorkerError, kind: FailureKind | None = None) -> UpstreamFailure:
+    return UpstreamFailure(
+        kind or error.kind,
+        error.message,
+        status=error.status,
+        code=error.code,
+        retry_after_s=getattr(error, "retry_after", None),
+    )
+
+
+class WorkerReplica:
+    kind = "worker"
+    acknowledges_cancel = True
+    sends_heartbeats = True
+
+    def __init__(self, replica_id: str, base_url: str, *, connect_timeout_s: float = 2.0) -> None:
+        self.replica_id = replica_id
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        # Reads are bounded by the driver's own stall timer, not by httpx.
+        self.client = WorkerClient(
+            base_url, http=self._http, connect_timeout=connect_timeout_s, read_timeout=3600.0, control_timeout=10.0
+        )
+
+    async def start(self, request: AttemptRequest) -> _WorkerStream:
+        try:
+            stream = await self.client.start(
+                request_id=request.request_id,
+                attempt=request.attempt,
+                lease_epoch=request.lease_epoch,
+                lease_ttl_s=request.lease_ttl_s,
+                model=request.model,
+                messages=request.messages,
+                prompt=request.prompt,
+                params=request.sampling,
+            )
+        except RequestRefused as error:
+            raise _failure(error) from None
+        except ConnectTimedOut as error:
+            raise _failure(error, FailureKind.REJECTED) from None
+        except WorkerError as error:
+            raise _failure(error, FailureKind.REJECTED if error.released else None) from None
+        return _WorkerStream(stream)
+
+    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
+        try:
+            await self.client.renew(request_id, attempt, lease_epoch, lease_ttl_s)
+        except WorkerError as error:
+            if error.kind is FailureKind.LIVENESS_UNCERTAIN:
+                raise _failure(error) from None  # unanswered: the lease may still run
+            return False
+        return True
+
+    async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
+        try:
+            ack = await self.client.cancel(request_id, attempt, lease_epoch)
+        except WorkerError as error:
+            raise _failure(error) from None
+        return ack.generated_tokens
+
+    async def health(self) -> bool:
+        try:
+            return (await self.client.health()).healthy
+        except WorkerError:
+            return False
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class _WorkerStream:
+    def __init__(self, stream: AttemptStream) -> None:
+        self._stream = stream
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        try:
+            async for frame in self._stream:
+                yield frame
+        except WorkerError as error:
+            raise _failure(error) from None
+
+    async def close(self) -> None:
+        await self._stream.aclose()

@@ -1,0 +1,132 @@
+"""``phasegate serve``: the gateway, with everything it needs when nothing is configured.
+
+With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
+starts two simulated workers as child processes. Ctrl-C (or SIGTERM) stops the
+gateway gracefully, then the workers and the database it started: nothing it
+started is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
+from app.gateway import Gateway
+from app.store.database import sqlalchemy_url
+from app.store.embedded import EmbeddedPostgres
+from app.supervisor import Child, run_dir, start_worker
+
+log = logging.getLogger("phasegate.serve")
+
+DEMO_MODEL = "phasegate-sim"
+DEMO_REVISION = "sim-1"
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the gateway (embedded PostgreSQL and simulated workers by default)")
+    p.add_argument("--config", type=Path, help="a TOML file of settings (see docs/configuration.md)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="[KIND=]URL[#ID]",
+        help="a replica: worker=http://… (default kind) or openai=http://… (repeatable)",
+    )
+    p.add_argument("--model", action="append", default=[], metavar="NAME[=REVISION]", help="a served model")
+    p.add_argument("--sim-workers", type=int, default=2, help="simulated workers to start when no replica is set")
+    p.add_argument("--log-level", default="info")
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port}
+    if args.replica:
+        overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
+    if args.model:
+        overrides["models"] = dict(_model(text) for text in args.model)
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        print(f"phasegate serve: {exc}")
+        return 2
+    children: list[Child] = []
+    database: EmbeddedPostgres | None = None
+    workdir = run_dir()
+    try:
+        if not config.replicas:
+            config, children = _with_sim_workers(config, args.sim_workers, workdir)
+        if config.database_url:
+            url = sqlalchemy_url(config.database_url)
+        else:
+            database = EmbeddedPostgres(config.data_dir)
+            url = database.start()
+            log.info("embedded PostgreSQL in %s", database.data_dir)
+        asyncio.run(_run(config, url))
+    finally:
+        for child in children:
+            child.stop()
+        if database is not None:
+            database.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def _model(text: str) -> tuple[str, str]:
+    name, _, revision = text.partition("=")
+    return name, revision or "unknown"
+
+
+def _with_sim_workers(config: GatewayConfig, count: int, workdir: Path) -> tuple[GatewayConfig, list[Child]]:
+    models = config.models or {DEMO_MODEL: DEMO_REVISION}
+    names = [arg for name in models for arg in ("--model", name)]
+    children: list[Child] = []
+    for number in range(1, count + 1):
+        worker_id = f"sim-{number}"
+        children.append(start_worker(worker_id, ["--engine", "sim", "--worker-id", worker_id, *names], run_dir=workdir))
+    replicas = tuple(ReplicaConfig(id=child.name, url=child.url) for child in children)
+    return load_config(None, **{**_as_dict(config), "replicas": replicas, "models": models}), children
+
+
+def _as_dict(config: GatewayConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+async def _run(config: GatewayConfig, url: str) -> None:
+    gateway = await Gateway.open(config, url)
+    server = uvicorn.Server(
+        uvicorn.Config(gateway.app, host=config.host, port=config.port, log_level="warning", lifespan="on")
+    )
+    banner = asyncio.get_running_loop().create_task(_announce(server, config))
+    try:
+        await server.serve()
+    finally:
+        banner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await banner
+
+
+async def _announce(server: uvicorn.Server, config: GatewayConfig) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    base = f"http://{config.host}:{config.port}"
+    model = next(iter(config.models), DEMO_MODEL)
+    print(
+        f"phasegate is serving {base} ({len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)})"
+    )
+    print("try:")
+    print(
+        f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
+        f'-d \'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\''
+    )
+    print("Ctrl-C stops the gateway and everything it started.", flush=True)

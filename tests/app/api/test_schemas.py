@@ -1,0 +1,137 @@
+"""Request validation: every bad input is a 400 naming its parameter, with a stable code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.api.errors import InvalidRequest, UnsupportedParameter
+from app.api.schemas import CHAT, COMPLETIONS, parse_request
+from app.config import Limits
+
+LIMITS = Limits(max_tokens=1000, default_max_tokens=64)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_a_minimal_chat_request_gets_defaults() -> None:
+    request = parse_request(CHAT, chat(), LIMITS)
+    assert (request.model, request.stream, request.include_usage, request.max_tokens, request.n) == (
+        "m",
+        False,
+        False,
+        64,
+        1,
+    )
+    assert request.sampling() == {
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "n": 1,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
+    assert request.prompt_text == "hi" and request.estimated_prompt_tokens == 1
+    assert not request.guided
+
+
+def test_a_full_chat_request_is_carried_through() -> None:
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    request = parse_request(
+        CHAT,
+        chat(
+            stream=True,
+            stream_options={"include_usage": True},
+            max_completion_tokens=10,
+            temperature=0,
+            top_p=0.5,
+            n=2,
+            stop="END",
+            seed=7,
+            tools=tools,
+            tool_choice="auto",
+            response_format={"type": "json_object"},
+            user="u1",
+        ),
+        LIMITS,
+    )
+    assert request.include_usage and request.max_tokens == 10 and request.guided
+    sampling = request.sampling()
+    assert sampling["stop"] == ["END"] and sampling["seed"] == 7 and sampling["tools"] == tools
+    assert sampling["tool_choice"] == "auto" and sampling["response_format"] == {"type": "json_object"}
+    assert request.params_digest().startswith("sha256:")
+    assert request.params_digest() == parse_request(CHAT, request.raw, LIMITS).params_digest()
+
+
+def test_completions_take_a_prompt_or_a_batch_of_one() -> None:
+    assert parse_request(COMPLETIONS, {"model": "m", "prompt": "x"}, LIMITS).prompt == "x"
+    assert parse_request(COMPLETIONS, {"model": "m", "prompt": ["y"]}, LIMITS).prompt_text == "y"
+
+
+def test_text_parts_are_accepted_as_content() -> None:
+    message = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert parse_request(CHAT, chat(messages=[message]), LIMITS).prompt_text == "ab"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "code", "message"),
+    [
+        (CHAT, [], None, "invalid_request", "must be a JSON object"),
+        (CHAT, {"messages": []}, "model", "invalid_request", "'model' is required"),
+        (CHAT, chat(model=""), "model", "invalid_request", "must not be empty"),
+        (CHAT, chat(model=3), "model", "invalid_request", "'model' must be a string"),
+        (CHAT, {"model": "m"}, "messages", "invalid_request", "'messages' is required"),
+        (CHAT, chat(messages=[]), "messages", "invalid_request", "must not be empty"),
+        (CHAT, chat(messages="hi"), "messages", "invalid_request", "must be an array"),
+        (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_request", "must be an object"),
+        (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "invalid_request", "role"),
+        (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_request", "is required"),
+        (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_request", "text parts"),
+        (CHAT, chat(stream="yes"), "stream", "invalid_request", "must be a boolean"),
+        (CHAT, chat(stream_options={"include_usage": True}), "stream_options", "invalid_request", "only allowed"),
+        (CHAT, chat(stream=True, stream_options={"x": 1}), "stream_options", "invalid_request", "only 'include_usage'"),
+        (CHAT, chat(max_tokens=0), "max_tokens", "invalid_request", "between 1 and 1000"),
+        (CHAT, chat(max_tokens=1001), "max_tokens", "invalid_request", "between 1 and 1000"),
+        (CHAT, chat(max_tokens=True), "max_tokens", "invalid_request", "must be an integer"),
+        (CHAT, chat(max_tokens=2.5), "max_tokens", "invalid_request", "must be an integer"),
+        (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens", "invalid_request", "between"),
+        (CHAT, chat(temperature=3), "temperature", "invalid_request", r"in \[0.0, 2.0\]"),
+        (CHAT, chat(temperature="hot"), "temperature", "invalid_request", "must be a number"),
+        (CHAT, chat(top_p=0), "top_p", "invalid_request", r"in \(0.0, 1.0\]"),
+        (CHAT, chat(n=0), "n", "invalid_request", "between 1 and 8"),
+        (CHAT, chat(n=9), "n", "invalid_request", "between 1 and 8"),
+        (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_request", "at most 4"),
+        (CHAT, chat(stop=[""]), "stop", "invalid_request", "non-empty string"),
+        (CHAT, chat(seed="1"), "seed", "invalid_request", "must be an integer"),
+        (CHAT, chat(presence_penalty=-3), "presence_penalty", "invalid_request", "in"),
+        (CHAT, chat(tools=[{"type": "function"}]), "tools[0]", "invalid_request", "must be"),
+        (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),
+        (CHAT, chat(response_format={"type": "yaml"}), "response_format", "invalid_request", "json_schema"),
+        (CHAT, chat(logprobs=True), "logprobs", "unsupported_parameter", "does not support 'logprobs'"),
+        (CHAT, chat(frobnicate=1), "frobnicate", "unsupported_parameter", "unrecognized request argument"),
+        (CHAT, chat(prompt="x"), "prompt", "unsupported_parameter", "unrecognized"),
+        (COMPLETIONS, {"model": "m"}, "prompt", "invalid_request", "'prompt' is required"),
+        (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt", "unsupported_parameter", "batch"),
+        (
+            COMPLETIONS,
+            {"model": "m", "prompt": "x", "messages": []},
+            "messages",
+            "unsupported_parameter",
+            "unrecognized",
+        ),
+    ],
+)
+def test_bad_input_is_named(endpoint: str, body: Any, param: str | None, code: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        parse_request(endpoint, body, LIMITS)
+    error = caught.value
+    assert (error.param, error.code, error.status) == (param, code, 400)
+    body_json = error.body("req_x")["error"]
+    assert body_json["type"] == "invalid_request_error" and body_json["request_id"] == "req_x"
+
+
+def test_unsupported_is_a_kind_of_invalid() -> None:
+    assert issubclass(UnsupportedParameter, InvalidRequest)

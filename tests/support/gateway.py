@@ -1,0 +1,136 @@
+"""A real gateway for tests: uvicorn on a free port, in a thread with its own loop.
+
+The gateway talks to real worker processes and real PostgreSQL; tests talk to it
+over real sockets (the ``openai`` client, httpx, raw SSE). Running it in-process
+lets a test read the log through the gateway's own store and wait for its
+background bookkeeping::
+
+    with running_gateway(database_url, [worker_a, worker_b]) as gateway:
+        client = gateway.openai()
+        ...
+        events = gateway.events(request_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import uvicorn
+
+from app.config import GatewayConfig, ReplicaConfig, load_config
+from app.driver.context import ToolRunner
+from app.gateway import Gateway
+from statemachine.events import Event
+
+T = TypeVar("T")
+
+MODEL = "sim"
+REVISION = "sim-rev-1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    loop: asyncio.AbstractEventLoop
+    url: str
+    config: GatewayConfig
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coroutine`` on the gateway's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def openai(self, **options: Any) -> openai.OpenAI:
+        options.setdefault("api_key", "test-key")
+        options.setdefault("max_retries", 0)
+        options.setdefault("timeout", 30.0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", **options)
+
+    def http(self, **options: Any) -> httpx.Client:
+        options.setdefault("timeout", 30.0)
+        return httpx.Client(base_url=self.url, **options)
+
+    def settle(self, timeout: float = 20.0) -> None:
+        """Wait until no request is in flight and no bookkeeping is pending, then flush the log."""
+        ctx = self.gateway.ctx
+        deadline = time.monotonic() + timeout
+        while ctx.drivers or ctx.background:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still busy after {timeout}s: {sorted(ctx.drivers)} {ctx.background}")
+            time.sleep(0.02)
+        self.call(ctx.store.flush())
+
+    def events(self, request_id: str) -> list[Event]:
+        """The request's committed events, after its bookkeeping settled."""
+        self.settle()
+        return self.call(self.gateway.ctx.store.read(request_id))
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.gateway.ctx.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+
+@contextlib.contextmanager
+def running_gateway(
+    database_url: str,
+    replicas: Sequence[ReplicaConfig | Any],
+    *,
+    tool_runner: ToolRunner | None = None,
+    **overrides: Any,
+) -> Iterator[RunningGateway]:
+    """A gateway over ``replicas`` (ReplicaConfigs, or objects with ``base_url``)."""
+    configs = tuple(
+        r if isinstance(r, ReplicaConfig) else ReplicaConfig(id=f"w{i}", url=r.base_url)
+        for i, r in enumerate(replicas, start=1)
+    )
+    overrides.setdefault("models", {MODEL: REVISION})
+    overrides.setdefault("health_interval_s", 0.5)
+    config = load_config(None, port=free_port(), replicas=configs, apply_migrations=False, **overrides)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def serve() -> None:
+        try:
+            gateway = await Gateway.open(
+                config, database_url, gateway_id=f"test:{config.port}", tool_runner=tool_runner
+            )
+            server = uvicorn.Server(
+                uvicorn.Config(gateway.app, host="127.0.0.1", port=config.port, log_level="warning", lifespan="on")
+            )
+            holder.update(gateway=gateway, server=server)
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            started.set()
+            await serving
+        except BaseException as exc:
+            holder["error"] = exc
+            started.set()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    started.wait(60)
+    if "error" in holder:
+        raise RuntimeError("the gateway did not start") from holder["error"]
+    running = RunningGateway(holder["gateway"], loop, f"http://127.0.0.1:{config.port}", config)
+    try:
+        yield running
+    finally:
+        holder["server"].should_exit = True
+        thread.join(30)
+        loop.close()

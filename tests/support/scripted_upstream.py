@@ -1,0 +1,136 @@
+"""A scripted OpenAI-compatible server: the upstream HTTP behaviours a gateway must handle.
+
+vLLM's own server cannot be told to misbehave, so the gateway's handling of 429s,
+4xx refusals, 5xx, malformed chunks, streams without ``[DONE]`` and upstreams that
+never answer is tested against this small server, run as its own process on a real
+socket. It streams deterministic text for any prompt; ``POST /admin/script`` queues
+behaviours that the next requests consume one each; ``GET /admin/requests`` counts
+the generation requests it received. Run: ``python -m tests.support.scripted_upstream
+--port P``.
+
+Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
+"context_length_exceeded", "message": "…"}``, ``{"malformed_at": k}``,
+``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+def answer(prompt: str, max_tokens: int) -> list[str]:
+    """The deterministic answer to ``prompt``: the same on every upstream of this kind."""
+    seed = sum(prompt.encode())
+    return [WORDS[(seed + i * 7) % len(WORDS)] + " " for i in range(max_tokens)]
+
+
+class Upstream:
+    def __init__(self, token_delay_s: float) -> None:
+        self.script: deque[dict[str, Any]] = deque()
+        self.requests = 0
+        self.token_delay_s = token_delay_s
+
+    async def admin_script(self, request: Request) -> Response:
+        self.script.extend(await request.json())
+        return JSONResponse({"queued": len(self.script)})
+
+    async def admin_requests(self, request: Request) -> Response:
+        return JSONResponse({"requests": self.requests})
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        chat = request.url.path.endswith("/chat/completions")
+        if body.get("max_tokens") == 1 and body.get("prompt") == "ping":
+            return JSONResponse({"choices": [{"text": "pong", "finish_reason": "length"}]})  # health probe
+        self.requests += 1
+        behaviour = self.script.popleft() if self.script else {}
+        if behaviour.get("hang"):
+            await asyncio.sleep(3600)
+        status = behaviour.get("status")
+        if status:
+            error = {
+                "message": behaviour.get("message", f"scripted {status}"),
+                "type": "error",
+                "code": behaviour.get("code"),
+            }
+            headers = {"retry-after": str(behaviour["retry_after"])} if "retry_after" in behaviour else None
+            return JSONResponse({"error": error}, status_code=status, headers=headers)
+        prompt = "\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        words = answer(prompt, int(body.get("max_tokens") or 16))
+        return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
+
+    async def _chunks(
+        self, chat: bool, model: str, words: list[str], behaviour: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
+        head = {
+            "id": "cmpl-scripted",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        if chat:
+            yield _sse(
+                {
+                    **head,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
+        for index, word in enumerate(words):
+            if behaviour.get("malformed_at") == index:
+                yield b"data: {this is not json\n\n"
+            if behaviour.get("cut_at") == index:
+                raise ConnectionResetError("scripted cut")  # uvicorn drops the connection mid-body
+            await asyncio.sleep(self.token_delay_s)
+            choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
+        last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        yield _sse({**head, "choices": [{**last, "finish_reason": "length"}]})
+        yield _sse(
+            {
+                **head,
+                "choices": [],
+                "usage": {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)},
+            }
+        )
+        if behaviour.get("no_done") == "hold":
+            await asyncio.sleep(3600)  # never says [DONE]; the connection stays open
+        if not behaviour.get("no_done"):
+            yield b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def build(token_delay_s: float = 0.002) -> Starlette:
+    upstream = Upstream(token_delay_s)
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", upstream.generate, methods=["POST"]),
+            Route("/v1/completions", upstream.generate, methods=["POST"]),
+            Route("/admin/script", upstream.admin_script, methods=["POST"]),
+            Route("/admin/requests", upstream.admin_requests, methods=["GET"]),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token-delay-s", type=float, default=0.002)
+    options = parser.parse_args()
+    uvicorn.run(build(options.token_delay_s), host="127.0.0.1", port=options.port, log_level="warning")
