@@ -115,6 +115,8 @@ class PostgresEventStore(EventStore):
             try:
                 async with self._connection() as connection:
                     batch = await cursor.next_batch(connection, batch_size)
+            except StoreClosed:
+                return
             except StoreUnavailable:
                 await asyncio.sleep(self.poll_interval * 4)
                 continue

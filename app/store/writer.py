@@ -131,6 +131,11 @@ class GroupCommitWriter:
     def available(self) -> bool:
         return self._unavailable is None
 
+    @property
+    def queued_events(self) -> int:
+        """Events accepted and not yet taken into a transaction."""
+        return self._queued_events
+
     async def submit(
         self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool
     ) -> None:
@@ -349,6 +354,7 @@ class GroupCommitWriter:
                 entry.done.set_exception(error)  # type: ignore[union-attr]
         kept = [entry for entry in batch if entry.done is None]
         self._queue = collections.deque(entry for entry in (*kept, *self._queue) if entry.done is None)
+        self._in_flight = []  # what it held is back in the queue
         self._queued_events = sum(len(entry.rows) for entry in self._queue)
         self._durable_queued = 0
         self._room.set()  # appends waiting for room wake up and fail fast

@@ -1,0 +1,85 @@
+"""PostgreSQL goes away under the store, then comes back: typed errors, then recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.store import PostgresEventStore, StoreUnavailable
+from app.store.embedded import EmbeddedPostgres
+from tests.app.store import traces
+
+
+@pytest.fixture
+def server(postgres_server: EmbeddedPostgres | None, database_url: str) -> Iterator[EmbeddedPostgres]:
+    """The session's embedded server, restarted after the test whatever it did to it.
+
+    It depends on ``database_url`` so that the restart comes before that database is dropped.
+    """
+    if postgres_server is None:
+        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL is set)")
+    try:
+        yield postgres_server
+    finally:
+        if not postgres_server.is_running():
+            postgres_server.start()
+
+
+async def wait_until(condition: object, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_outage_gives_typed_errors_then_the_store_recovers(
+    server: EmbeddedPostgres, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="phasegate.store")
+    store = await PostgresEventStore.connect(database_url, flush_delay=60.0)
+    queued, durable = traces.completed("req_queued"), traces.completed("req_durable")
+    try:
+        await store.append("req_durable", 0, durable.events[:3])
+        await store.append("req_queued", 0, queued.events[:6], durable=False)  # acknowledged, not yet written
+        server.stop(mode="immediate")
+
+        with pytest.raises(StoreUnavailable):
+            await store.append("req_durable", 3, durable.events[3:5])  # takes the queued ones along
+        with pytest.raises(StoreUnavailable):
+            await store.append("req_durable", 3, durable.events[3:5], durable=False)  # fails fast meanwhile
+        with pytest.raises(StoreUnavailable):
+            await store.read("req_durable")
+
+        server.start()
+        await wait_until(lambda: store.writer.available)
+        await store.append("req_durable", 3, durable.events[3:])  # the caller's retry
+        await store.append("req_queued", 6, queued.events[6:])
+        assert await store.read("req_durable") == durable.events
+        assert await store.read("req_queued") == queued.events  # nothing acknowledged was lost
+    finally:
+        await store.close()
+    logged = caplog.text
+    assert "PostgreSQL unavailable" in logged
+    assert "PostgreSQL available again" in logged
+
+
+async def test_close_reports_what_an_outage_kept_it_from_writing(
+    server: EmbeddedPostgres, database_url: str
+) -> None:
+    store = await PostgresEventStore.connect(database_url, flush_delay=60.0)
+    trace = traces.completed("req_lost")
+    await store.append("req_lost", 0, trace.events[:3])
+    await store.append("req_lost", 3, trace.events[3:], durable=False)
+    server.stop(mode="immediate")
+    with pytest.raises(StoreUnavailable, match=f"{len(trace.events) - 3} accepted events"):
+        await store.writer.close(timeout=1.0)
+    await store.close()
+
+
+async def test_connecting_while_postgresql_is_down_is_a_typed_error(tmp_path: object) -> None:
+    with pytest.raises(StoreUnavailable):
+        await PostgresEventStore.connect(f"postgresql+asyncpg://postgres@/postgres?host={tmp_path}")
