@@ -215,12 +215,40 @@ class EmbeddedPostgres:
             logger.info(
                 "PostgreSQL cluster created in %s in %.2f s", self.pgdata, time.perf_counter() - began
             )
-        # A pid file whose process is gone (or is something else now) would make the
-        # new postmaster refuse to start.
-        with contextlib.suppress(FileNotFoundError):
-            (self.pgdata / "postmaster.pid").unlink()
+        self._clear_stale_pid_file()
+
+    def _clear_stale_pid_file(self) -> None:
+        """Make a crashed server's ``postmaster.pid`` one that PostgreSQL itself sees as stale.
+
+        PostgreSQL refuses to start while the pid in that file is alive, which a killed
+        postmaster still is as a zombie until init reaps it (a second or more in some
+        containers): wait for that. A pid now used by some other program is removed.
+        The file itself is otherwise left to PostgreSQL, which also checks that no
+        orphaned backend still uses the old shared memory.
+        """
+        pid_file = self.pgdata / "postmaster.pid"
+        pid = _read_pid(pid_file)
+        if pid is None:
+            return
+        deadline = time.monotonic() + 10.0
+        while _process_state(pid) == "zombie" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _process_state(pid) == "other":
+            pid_file.unlink(missing_ok=True)
 
     def _launch(self) -> None:
+        # Right after a crash the old backends may still hold the old shared memory
+        # for a moment, and PostgreSQL refuses to start until they are gone: retry.
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                return self._pg_ctl_start()
+            except EmbeddedPostgresError:
+                if time.monotonic() > deadline or "still in use" not in self._log_tail(5):
+                    raise
+            time.sleep(0.2)
+
+    def _pg_ctl_start(self) -> None:
         options = {
             "listen_addresses": "",
             "unix_socket_directories": str(self.socket_dir),
@@ -239,12 +267,7 @@ class EmbeddedPostgres:
     def _postmaster_pid(self) -> int | None:
         """The pid of the postmaster of this data directory, if one is running."""
         pid = _read_pid(self.pgdata / "postmaster.pid")
-        if pid is None or not _alive(pid):
-            return None
-        cmdline = Path(f"/proc/{pid}/cmdline")
-        if cmdline.exists() and b"postgres" not in cmdline.read_bytes():
-            return None  # the pid was reused by an unrelated process
-        return pid
+        return pid if pid is not None and _process_state(pid) == "postgres" else None
 
     def _answers(self) -> bool:
         probe = [
@@ -254,6 +277,8 @@ class EmbeddedPostgres:
             str(self.socket_dir),
             "-p",
             str(PORT),
+            "-U",
+            "postgres",
             "-t",
             "3",
         ]
@@ -329,20 +354,31 @@ def _read_pid(path: Path) -> int | None:
     return int(first) if first.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
+def _process_state(pid: int) -> str:
+    """``gone``, ``zombie`` (or exiting), ``postgres`` or ``other`` (a pid reused by another program)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "gone"
     except PermissionError:
-        return True
-    # A stopped postmaster is nobody's child here: it stays a zombie until init reaps
-    # it, which in some containers takes a second or more.
+        pass
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return "postgres"  # no /proc to ask (not Linux): trust the pid
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        # A stopped postmaster is nobody's child here: it stays a zombie until init
+        # reaps it, which in some containers takes a second or more. A process on its
+        # way out has already lost its command line.
+        cmdline = (proc / "cmdline").read_bytes()
+        if not cmdline or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return "zombie"
+        return "postgres" if b"postgres" in cmdline else "other"
     except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
+        return "gone"
+
+
+def _alive(pid: int) -> bool:
+    return _process_state(pid) not in ("gone", "zombie")
 
 
 def _wait_gone(pid: int, *, timeout: float) -> None:
