@@ -212,8 +212,11 @@ class Trace:
 
 
 def completed(request_id: str, replica: str = "w1", *, at: datetime = T0, model: str = "tiny-llm",
-              texts: tuple[str, ...] = ("Hel", "lo", "!"), ttft_ms: float = 20.0) -> Trace:  # fmt: skip
-    trace = Trace(request_id, at=at, model=model).start(replica).first_token(ttft_ms).first_delta()
+              tenant: str = "acme", texts: tuple[str, ...] = ("Hel", "lo", "!"), ttft_ms: float = 20.0,
+              ) -> Trace:  # fmt: skip
+    trace = (
+        Trace(request_id, at=at, model=model, tenant=tenant).start(replica).first_token(ttft_ms).first_delta()
+    )
     for text in texts:
         trace.deliver(text)
     return trace.completed()
