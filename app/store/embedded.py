@@ -201,17 +201,8 @@ class EmbeddedPostgres:
                 os.chown(path, user.pw_uid, user.pw_gid)
         if not (self.pgdata / "PG_VERSION").exists():
             began = time.perf_counter()
-            self._run(
-                "initdb",
-                "-D",
-                str(self.pgdata),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--no-locale",
-                "--no-instructions",
-            )
+            options = "-U postgres --auth=trust --encoding=UTF8 --no-locale --no-instructions"
+            self._run("initdb", "-D", str(self.pgdata), *options.split())
             logger.info(
                 "PostgreSQL cluster created in %s in %.2f s", self.pgdata, time.perf_counter() - began
             )
@@ -270,19 +261,11 @@ class EmbeddedPostgres:
         return pid if pid is not None and _process_state(pid) == "postgres" else None
 
     def _answers(self) -> bool:
-        probe = [
-            str(self.bin_dir / "pg_isready"),
-            "-q",
-            "-h",
-            str(self.socket_dir),
-            "-p",
-            str(PORT),
-            "-U",
-            "postgres",
-            "-t",
-            "3",
-        ]
-        return subprocess.run(probe, check=False, timeout=10).returncode == 0
+        probe = [str(self.bin_dir / "pg_isready"), "-h", str(self.socket_dir), "-p", str(PORT)]
+        return (
+            subprocess.run([*probe, "-q", "-U", "postgres", "-t", "3"], check=False, timeout=10).returncode
+            == 0
+        )
 
     def _pg_ctl(self, *args: str, check: bool = True) -> None:
         self._run("pg_ctl", "-D", str(self.pgdata), *args, check=check)

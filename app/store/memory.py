@@ -70,7 +70,7 @@ class InMemoryEventStore(EventStore):
         self._check_open()
         return [event for _, event in self._streams.get(request_id, [])]
 
-    async def follow(self, after_position: int = 0) -> AsyncIterator[tuple[int, Event]]:  # type: ignore[override]
+    async def follow(self, after_position: int = 0) -> AsyncIterator[tuple[int, Event]]:
         if not 0 <= after_position <= len(self._log):
             raise ValueError(f"position {after_position} is not in the log")
         position = after_position

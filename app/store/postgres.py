@@ -101,7 +101,7 @@ class PostgresEventStore(EventStore):
             rows = (await connection.execute(query)).all()
         return [from_row(*row) for row in rows]
 
-    async def follow(  # type: ignore[override]
+    async def follow(
         self, after_position: int = 0, *, batch_size: int = 1000
     ) -> AsyncIterator[tuple[int, Event]]:
         """See :meth:`EventStore.follow` and :mod:`app.store.follow`; ends when the store closes.

@@ -6,7 +6,8 @@ own transaction: one round trip and one WAL flush for the whole batch, the read
 models projected by the trigger in the same transaction. A small batch is an
 ``INSERT … SELECT FROM unnest(…)``; a large one a binary ``COPY``, which costs half
 the CPU per event on both sides. Raw asyncpg, not SQLAlchemy, because this is the
-hot path (``ops/bench/eventlog.py --compare-core`` measures the difference).
+hot path (``ops/bench/eventlog.py --compare-core`` measures the difference);
+:mod:`app.store.insert` holds the statements.
 
 - A durable append is written at once (nothing lingers while one waits) and its
   caller resumes after the commit; whatever was queued ahead of it is committed in
@@ -32,26 +33,16 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
 
 from app.store.codec import EventRow
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, StreamConflict, is_unavailable
+from app.store.insert import insert_rows
 
 logger = logging.getLogger("phasegate.store.writer")
-
-INSERT_EVENTS = """
-INSERT INTO request_events
-    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
-SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb
-  FROM unnest($1::text[], $2::integer[], $3::uuid[], $4::text[], $5::smallint[],
-              $6::integer[], $7::integer[], $8::timestamptz[], $9::text[])
-       AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
-ON CONFLICT (event_id) DO NOTHING
-"""
-COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
 
 # A gap in a stream, raised by the projection trigger (migrations/versions/0001).
 STREAM_GAP_SQLSTATE = "PG409"
@@ -283,12 +274,7 @@ class GroupCommitWriter:
             try:
                 if self._conn is None:
                     raise StoreUnavailable("not connected")
-                if len(rows) >= COPY_FROM:
-                    await self._conn.copy_records_to_table(
-                        "request_events", records=rows, columns=EventRow._fields
-                    )
-                else:
-                    await self._conn.execute(INSERT_EVENTS, *_columns(rows))
+                await insert_rows(self._conn, rows, copy=True)
             except asyncpg.PostgresError as exc:
                 if is_unavailable(exc):
                     raise
@@ -318,7 +304,7 @@ class GroupCommitWriter:
                     continue
                 try:
                     async with self._conn.transaction():
-                        await self._conn.execute(INSERT_EVENTS, *_columns(entry.rows))
+                        await insert_rows(self._conn, entry.rows, copy=False)
                 except asyncpg.PostgresError as exc:
                     if is_unavailable(exc):
                         raise
@@ -383,15 +369,6 @@ class GroupCommitWriter:
             time.monotonic() - began,
             self._queued_events,
         )
-
-
-def _columns(rows: Iterable[EventRow]) -> list[list[object]]:
-    """Rows to the INSERT's column arrays."""
-    columns: list[list[object]] = [[] for _ in EventRow._fields]
-    for row in rows:
-        for column, value in zip(columns, row, strict=True):
-            column.append(value)
-    return columns
 
 
 def _rejection(entry: PendingAppend, exc: asyncpg.PostgresError) -> StoreError:

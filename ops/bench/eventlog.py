@@ -21,24 +21,21 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from app.store import migrate  # noqa: E402
-from app.store.codec import to_row  # noqa: E402
-from app.store.database import asyncpg_dsn, sqlalchemy_url  # noqa: E402
-from app.store.embedded import EmbeddedPostgres  # noqa: E402
-from app.store.postgres import PostgresEventStore  # noqa: E402
-from app.store.writer import INSERT_EVENTS, _columns  # noqa: E402
-from statemachine.events import (  # noqa: E402
+from app.store import migrate
+from app.store.codec import to_row
+from app.store.database import asyncpg_dsn, sqlalchemy_url
+from app.store.embedded import EmbeddedPostgres
+from app.store.insert import INSERT_EVENT
+from app.store.postgres import PostgresEventStore
+from statemachine.events import (
     AttemptStarted,
     DeltasDelivered,
     Event,
@@ -51,11 +48,13 @@ T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
 
 def opening(request_id: str) -> list[Event]:
     """Accepted, attempt 1 started, first delta committed: deliveries may follow."""
+    accepted = RequestAccepted(
+        request_id=request_id, seq=1, occurred_at=T0, model="bench-model", model_revision="r1",
+        tenant="bench", endpoint="chat.completions", stream=True, params_digest="d", prompt_tokens=32,
+        n=1, guided=False, tools=False, idempotency_key=None, max_attempts=2, seed=None,
+    )  # fmt: skip
     return [
-        RequestAccepted(
-            request_id, 1, T0, "bench-model", "r1", "bench", "chat.completions", True, "d", 32, 1,
-            False, False, None, 2, None,
-        ),  # fmt: skip
+        accepted,
         AttemptStarted(request_id, 2, T0, 1, 1, "w1", T0 + timedelta(seconds=30)),
         FirstDeltaCommitted(request_id, 3, T0, 1, 1),
     ]
@@ -130,20 +129,23 @@ async def bench_follow_lag(store: PostgresEventStore, count: int) -> list[float]
 
 
 async def bench_core(url: str, count: int) -> list[float]:
+    """The writer's single-event INSERT, run through SQLAlchemy Core instead of asyncpg."""
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
     engine = create_async_engine(sqlalchemy_url(url))
-    # the writer's statement with named parameters: "$1::text[]" -> "CAST(:p1 AS text[])"
-    insert = text(re.sub(r"\$(\d+)::([a-z\[\]]+)", r"CAST(:p\1 AS \2)", INSERT_EVENTS))
+    # "$1" -> ":p1", "$9::text" -> "CAST(:p9 AS text)": the same statement, named parameters
+    named = re.sub(r"\$(\d+)::(\w+)", r"CAST(:p\1 AS \2)", INSERT_EVENT)
+    insert = text(re.sub(r"\$(\d+)", r":p\1", named))
     latencies = []
     try:
         async with engine.connect() as connection:
-            await connection.execute(insert, _params(opening("core")))
+            for event in opening("core"):
+                await connection.execute(insert, _params(event))
             await connection.commit()
             for index in range(count):
                 began = time.perf_counter()
-                await connection.execute(insert, _params([delivery("core", index)]))
+                await connection.execute(insert, _params(delivery("core", index)))
                 await connection.commit()
                 latencies.append(time.perf_counter() - began)
     finally:
@@ -151,8 +153,8 @@ async def bench_core(url: str, count: int) -> list[float]:
     return latencies
 
 
-def _params(events: list[Event]) -> dict[str, list[object]]:
-    return {f"p{n}": column for n, column in enumerate(_columns(to_row(e) for e in events), start=1)}
+def _params(event: Event) -> dict[str, object]:
+    return {f"p{n}": value for n, value in enumerate(to_row(event), start=1)}
 
 
 async def _last_position(store: PostgresEventStore) -> int:
@@ -193,16 +195,18 @@ async def run(args: argparse.Namespace, url: str) -> None:
             f"{batches} transactions, {total / max(batches, 1):.0f} events each)"
         )
         lags = await bench_follow_lag(store, args.lag)
+        p50, p99 = percentile(lags, 0.5) * ms, percentile(lags, 0.99) * ms
         print(
-            f"follow lag          p50 {percentile(lags, 0.5) * ms:.3f} ms   p99 {percentile(lags, 0.99) * ms:.3f} ms"
-            f"   max {max(lags) * ms:.3f} ms   ({len(lags)} events, same process)"
+            f"follow lag          p50 {p50:.3f} ms   p99 {p99:.3f} ms   max {max(lags) * ms:.3f} ms"
+            f"   ({len(lags)} events, same process)"
         )
     finally:
         await store.close()
     if args.compare_core:
         core = await bench_core(bench_url, args.durable)
+        p50, p99 = percentile(core, 0.5) * ms, percentile(core, 0.99) * ms
         print(
-            f"core durable append p50 {percentile(core, 0.5) * ms:.3f} ms   p99 {percentile(core, 0.99) * ms:.3f} ms"
+            f"core durable append p50 {p50:.3f} ms   p99 {p99:.3f} ms"
             f"   (SQLAlchemy Core, same INSERT; mean {statistics.fmean(core) * ms:.3f} ms)"
         )
 
@@ -233,6 +237,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import asyncpg
 from app.store import PostgresEventStore
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
-from app.store.writer import INSERT_EVENTS, _columns
+from app.store.insert import INSERT_EVENTS, columns
 from statemachine.events import Event
 from tests.app.store import traces
 from tests.app.store.contract import collect
@@ -26,7 +26,7 @@ async def test_an_event_committed_after_later_positions_is_not_missed(
     try:
         transaction = other_writer.transaction()
         await transaction.start()
-        await other_writer.execute(INSERT_EVENTS, *_columns([to_row(slow.events[0])]))  # takes a position
+        await other_writer.execute(INSERT_EVENTS, *columns([to_row(slow.events[0])]))  # takes a position
         await event_store.append("req_fast", 0, fast.events)  # later positions, committed first
         follower = asyncio.create_task(collect(event_store, 0, 1 + len(fast.events)))
         await asyncio.sleep(0.3)

@@ -12,7 +12,7 @@ import pytest
 
 from app.store import PostgresEventStore, StreamConflict
 from app.store.database import asyncpg_dsn
-from app.store.writer import COPY_FROM
+from app.store.insert import COPY_FROM
 from tests.app.store import traces
 from tests.app.store.contract import other_delivery
 
