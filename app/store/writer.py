@@ -47,6 +47,9 @@ logger = logging.getLogger("phasegate.store.writer")
 # A gap in a stream, raised by the projection trigger (migrations/versions/0001).
 STREAM_GAP_SQLSTATE = "PG409"
 _FAILURES_KEPT = 10_000  # failed requests remembered, oldest forgotten first
+# What PostgreSQL, or asyncpg before sending, refuses about the rows themselves (a
+# conflict, a value out of range): it fails the offending append, never the writer.
+_REJECTIONS = (asyncpg.PostgresError, asyncpg.DataError)
 
 
 @dataclass(eq=False, slots=True)
@@ -81,6 +84,7 @@ class GroupCommitWriter:
         max_queued_events: int = 20_000,
         on_commit: Callable[[], None] | None = None,
         connect_timeout: float = 5.0,
+        command_timeout: float = 60.0,
         reconnect_max_delay: float = 1.0,
     ) -> None:
         self._dsn = dsn
@@ -89,6 +93,7 @@ class GroupCommitWriter:
         self._max_queued_events = max_queued_events
         self._on_commit = on_commit or (lambda: None)
         self._connect_timeout = connect_timeout
+        self._command_timeout = command_timeout  # a hung connection is an outage, not a wait forever
         self._reconnect_max_delay = reconnect_max_delay
         self._conn: asyncpg.Connection | None = None
         self._queue: collections.deque[PendingAppend] = collections.deque()
@@ -111,12 +116,17 @@ class GroupCommitWriter:
     async def start(self) -> None:
         """Connect (raising ``StoreUnavailable`` if PostgreSQL is not there) and start."""
         try:
-            self._conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
+            self._conn = await self._connect()
         except Exception as exc:
             if is_unavailable(exc):
                 raise StoreUnavailable(f"PostgreSQL is unreachable: {exc}") from exc
             raise
         self._task = asyncio.create_task(self._run(), name="phasegate-store-writer")
+
+    async def _connect(self) -> asyncpg.Connection:
+        return await asyncpg.connect(
+            self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout
+        )
 
     @property
     def available(self) -> bool:
@@ -275,7 +285,7 @@ class GroupCommitWriter:
                 if self._conn is None:
                     raise StoreUnavailable("not connected")
                 await insert_rows(self._conn, rows, copy=True)
-            except asyncpg.PostgresError as exc:
+            except _REJECTIONS as exc:
                 if is_unavailable(exc):
                     raise
                 await self._write_one_by_one(writable)
@@ -305,7 +315,7 @@ class GroupCommitWriter:
                 try:
                     async with self._conn.transaction():
                         await insert_rows(self._conn, entry.rows, copy=False)
-                except asyncpg.PostgresError as exc:
+                except _REJECTIONS as exc:
                     if is_unavailable(exc):
                         raise
                     entry.error = _rejection(entry, exc)
@@ -357,7 +367,7 @@ class GroupCommitWriter:
         delay = 0.05
         while True:
             try:
-                self._conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
+                self._conn = await self._connect()
                 break
             except Exception as exc:
                 logger.debug("reconnecting to PostgreSQL: %s", exc)
@@ -371,7 +381,7 @@ class GroupCommitWriter:
         )
 
 
-def _rejection(entry: PendingAppend, exc: asyncpg.PostgresError) -> StoreError:
+def _rejection(entry: PendingAppend, exc: Exception) -> StoreError:
     sqlstate = getattr(exc, "sqlstate", "") or ""
     if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
         return StreamConflict(entry.request_id, entry.expected_version, str(exc))

@@ -160,7 +160,7 @@ def _params(event: Event) -> dict[str, object]:
 async def _last_position(store: PostgresEventStore) -> int:
     connection = await asyncpg.connect(asyncpg_dsn(store.url))
     try:
-        return await connection.fetchval("SELECT coalesce(max(position), 0) FROM request_events")
+        return int(await connection.fetchval("SELECT coalesce(max(position), 0) FROM request_events"))
     finally:
         await connection.close()
 

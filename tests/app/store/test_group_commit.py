@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Callable
 import asyncpg
 import pytest
 
-from app.store import PostgresEventStore, StreamConflict
+from app.store import PostgresEventStore, StoreError, StreamConflict
 from app.store.database import asyncpg_dsn
 from app.store.insert import COPY_FROM
+from statemachine.events import DeltasDelivered
 from tests.app.store import traces
 from tests.app.store.contract import other_delivery
 
@@ -179,3 +180,14 @@ async def test_two_stores_racing_for_the_same_versions(open_store: StoreFactory)
         assert {type(mine).__name__, type(rival).__name__} == {"int", "StreamConflict"}
         winner = trace.events[5] if mine == 6 else other_delivery(trace, 6)
         assert await first.read(trace.request_id) == [*trace.events[:5], winner]
+
+
+async def test_a_row_postgresql_cannot_take_fails_its_own_append_only(open_store: StoreFactory) -> None:
+    store = await open_store(flush_delay=0.05)
+    fine = traces.completed("req_fine")
+    huge = DeltasDelivered("req_huge", 2**31, traces.T0, 1, 1, 0, 1, 1, "x", None)  # no int4 holds it
+    await store.append("req_fine", 0, fine.events[:4], durable=False)
+    with pytest.raises(StoreError):
+        await store.append("req_huge", 2**31 - 1, [huge])
+    await store.append("req_fine", 4, fine.events[4:])
+    assert await store.read("req_fine") == fine.events

@@ -83,3 +83,36 @@ async def test_close_reports_what_an_outage_kept_it_from_writing(
 async def test_connecting_while_postgresql_is_down_is_a_typed_error(tmp_path: object) -> None:
     with pytest.raises(StoreUnavailable):
         await PostgresEventStore.connect(f"postgresql+asyncpg://postgres@/postgres?host={tmp_path}")
+
+
+async def test_a_restart_under_load_loses_nothing_acknowledged(
+    server: EmbeddedPostgres, database_url: str
+) -> None:
+    store = await PostgresEventStore.connect(database_url, flush_delay=0.002)
+    scenario = [traces.completed(f"req_{n}", texts=tuple(f"t{i}" for i in range(150))) for n in range(20)]
+    outages = 0
+
+    async def drive(trace: traces.Trace) -> None:
+        nonlocal outages
+        for seq, event in enumerate(trace.events):
+            durable = seq < 5 or seq == len(trace.events) - 1  # the commit point and the terminal event
+            while True:
+                try:
+                    await store.append(trace.request_id, seq, [event], durable=durable)
+                    break
+                except StoreUnavailable:  # retrying the same event is safe, recorded or not
+                    outages += 1
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.003)
+
+    try:
+        driving = asyncio.gather(*(drive(trace) for trace in scenario))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.restart)
+        await asyncio.wait_for(driving, 60)
+        await store.flush()
+        for trace in scenario:
+            assert await store.read(trace.request_id) == trace.events
+    finally:
+        await store.close()
+    assert outages > 0  # the restart did land in the middle of the load
