@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from app.store.errors import InvalidAppend
-from statemachine.events import Event
+from statemachine.events import Event, RequestAccepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +142,8 @@ def check_append(request_id: str, expected_version: int, events: Sequence[Event]
             )
         if event.occurred_at.tzinfo is None:
             raise InvalidAppend(f"{type(event).__name__} occurred_at has no UTC offset")
+        if isinstance(event, RequestAccepted) != (event.seq == 1):
+            # the read models are keyed by what RequestAccepted says about the request
+            raise InvalidAppend(
+                f"a request's stream begins with RequestAccepted, and only there (seq {event.seq})"
+            )

@@ -33,7 +33,15 @@ logger = logging.getLogger("phasegate.store")
 
 
 class PostgresEventStore(EventStore):
-    """The log in PostgreSQL; open it with :meth:`connect`, end it with :meth:`close`."""
+    """The log in PostgreSQL; open it with :meth:`connect`, end it with :meth:`close`.
+
+    ``flush_delay``: the longest a non-durable append waits for company before its
+    batch is written (seconds). ``max_batch_events``: events per transaction at most.
+    ``max_queued_events``: accepted but unwritten events at most; appends wait beyond.
+    ``poll_interval``: how often followers look for commits made by other processes
+    (this process's own commits wake them at once). ``pool_size``: connections for
+    reads, follows and the tool ledger (the writer has its own).
+    """
 
     def __init__(
         self,

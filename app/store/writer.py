@@ -218,6 +218,7 @@ class GroupCommitWriter:
     # --- the writer task ---------------------------------------------------------------
 
     async def _run(self) -> None:
+        batch: list[PendingAppend] = []
         try:
             while self._queue or not self._closing:
                 if not self._queue:
@@ -225,9 +226,9 @@ class GroupCommitWriter:
                     await self._work.wait()
                     continue
                 await self._linger()
-                self._in_flight = self._take_batch()
+                batch = self._in_flight = self._take_batch()
                 try:
-                    await self._write(self._in_flight)
+                    await self._write(batch)
                 finally:
                     self._in_flight = []
                     self._progress.set()
@@ -236,7 +237,7 @@ class GroupCommitWriter:
             # than leave callers waiting forever.
             logger.exception("the event store's writer stopped")
             self._unavailable = StoreError("the event store's writer stopped; see the log")
-            for entry in (*self._in_flight, *self._queue):
+            for entry in (*batch, *self._queue):
                 if entry.done is not None and not entry.done.done():
                     entry.done.set_exception(self._unavailable)
             self._queue.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -101,6 +102,14 @@ class EventStoreContract:
         with pytest.raises(InvalidAppend):
             await store.append(request_id, expected_version, trace.events[first : first + count])
         assert issubclass(InvalidAppend, ValueError)
+
+    async def test_a_stream_begins_with_request_accepted_and_only_there(self, store: EventStore) -> None:
+        accepted, decided = traces.completed("req_first").events[:2]
+        with pytest.raises(InvalidAppend, match="begins with RequestAccepted"):
+            await store.append("req_first", 0, [dataclasses.replace(decided, seq=1)])
+        await store.append("req_first", 0, [accepted])
+        with pytest.raises(InvalidAppend, match="begins with RequestAccepted"):
+            await store.append("req_first", 1, [dataclasses.replace(accepted, seq=2)])
 
     async def test_two_writers_racing_for_one_version_one_wins(self, store: EventStore) -> None:
         trace = traces.completed("req_race")
