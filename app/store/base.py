@@ -18,7 +18,7 @@ order even when cheap deliveries are followed by a durable terminal event:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -71,11 +71,12 @@ class EventStore(abc.ABC):
         """The request's committed events in seq order (empty for an unknown request)."""
 
     @abc.abstractmethod
-    def follow(self, after_position: int = 0) -> AsyncIterator[tuple[int, Event]]:
+    def follow(self, after_position: int = 0) -> AsyncGenerator[tuple[int, Event], None]:
         """Every committed event after ``after_position``, each once, as ``(position, event)``.
 
         ``after_position`` is 0 or a position this iterator returned. The iterator
-        waits for new events and never ends by itself.
+        waits for new events and ends only when the store closes (or when closed
+        with ``aclose()``).
         """
 
     @abc.abstractmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -70,7 +70,7 @@ class InMemoryEventStore(EventStore):
         self._check_open()
         return [event for _, event in self._streams.get(request_id, [])]
 
-    async def follow(self, after_position: int = 0) -> AsyncIterator[tuple[int, Event]]:
+    async def follow(self, after_position: int = 0) -> AsyncGenerator[tuple[int, Event], None]:
         if not 0 <= after_position <= len(self._log):
             raise ValueError(f"position {after_position} is not in the log")
         position = after_position

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -111,7 +111,7 @@ class PostgresEventStore(EventStore):
 
     async def follow(
         self, after_position: int = 0, *, batch_size: int = 1000
-    ) -> AsyncIterator[tuple[int, Event]]:
+    ) -> AsyncGenerator[tuple[int, Event], None]:
         """See :meth:`EventStore.follow` and :mod:`app.store.follow`; ends when the store closes.
 
         While PostgreSQL is unavailable it waits and retries.

@@ -23,7 +23,7 @@ async def collect(
 ) -> list[tuple[int, Event]]:
     """The next ``count`` events the store's follower yields after ``after``."""
     seen: list[tuple[int, Event]] = []
-    async with asyncio.timeout(timeout), contextlib.aclosing(store.follow(after)) as stream:  # type: ignore[type-var]
+    async with asyncio.timeout(timeout), contextlib.aclosing(store.follow(after)) as stream:
         async for item in stream:
             seen.append(item)
             if len(seen) == count:

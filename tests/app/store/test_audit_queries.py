@@ -20,7 +20,7 @@ import pytest
 
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
-from statemachine.events import AttemptFenced, AttemptReleased, Decided, FirstDeltaCommitted
+from statemachine.events import AttemptFenced, AttemptReleased, Decided, DeltasDelivered, FirstDeltaCommitted
 from tests.app.store import traces
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
@@ -69,13 +69,13 @@ def bind(sql: str) -> tuple[str, list[Any]]:
     return re.sub(r":'(\w+)'", number, sql), [PARAMETERS[name] for name in names]
 
 
-def first(trace: traces.Trace, kind: type) -> Any:
+def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
     return next(event for event in trace.events if isinstance(event, kind))
 
 
 def fence_ms(trace: traces.Trace) -> float:
     elapsed = first(trace, AttemptReleased).occurred_at - first(trace, AttemptFenced).occurred_at
-    return round(elapsed / timedelta(milliseconds=1), 1)
+    return round(float(elapsed / timedelta(milliseconds=1)), 1)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -87,9 +87,8 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def ttft_ms(trace: traces.Trace) -> float:
-    return (first(trace, FirstDeltaCommitted).occurred_at - trace.events[0].occurred_at) / timedelta(
-        milliseconds=1
-    )
+    elapsed = first(trace, FirstDeltaCommitted).occurred_at - trace.events[0].occurred_at
+    return float(elapsed / timedelta(milliseconds=1))
 
 
 def rows(result: list[asyncpg.Record]) -> list[tuple[Any, ...]]:
@@ -113,7 +112,7 @@ def expect_interrupted(result: list[asyncpg.Record]) -> None:
 
 
 def expect_deliveries(result: list[asyncpg.Record]) -> None:
-    deliveries = [event for event in LOG["req_cut_1"].events if type(event).__name__ == "DeltasDelivered"]
+    deliveries = [event for event in LOG["req_cut_1"].events if isinstance(event, DeltasDelivered)]
     assert rows(result) == [
         (e.seq, e.occurred_at, 1, e.from_index, e.to_index, e.tokens, e.text) for e in deliveries
     ]

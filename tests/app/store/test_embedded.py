@@ -57,7 +57,7 @@ def answers(url: str) -> bool:
     async def ask() -> bool:
         connection = await asyncpg.connect(asyncpg_dsn(url), timeout=5)
         try:
-            return await connection.fetchval("SELECT 1") == 1
+            return bool(await connection.fetchval("SELECT 1") == 1)
         finally:
             await connection.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 import pytest
@@ -17,7 +17,7 @@ from statemachine.events import DeltasDelivered
 from tests.app.store import traces
 from tests.app.store.contract import other_delivery
 
-StoreFactory = Callable[..., "asyncio.Future[PostgresEventStore]"]
+StoreFactory = Callable[..., Awaitable[PostgresEventStore]]
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ async def open_store(database_url: str) -> AsyncIterator[StoreFactory]:
         opened.append(store)
         return store
 
-    yield open_  # type: ignore[misc]
+    yield open_
     for store in opened:
         await store.close()
 
@@ -38,9 +38,10 @@ async def open_store(database_url: str) -> AsyncIterator[StoreFactory]:
 async def visible(database_url: str, request_id: str) -> int:
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        return await connection.fetchval(
+        count = await connection.fetchval(
             "SELECT count(*) FROM request_events WHERE request_id = $1", request_id
         )
+        return int(count)
     finally:
         await connection.close()
 

@@ -12,7 +12,7 @@ from tests.app.store.contract import EventStoreContract
 
 class TestInMemoryEventStore(EventStoreContract):
     @pytest.fixture
-    async def store(self) -> AsyncIterator[EventStore]:  # type: ignore[override]
+    async def store(self) -> AsyncIterator[EventStore]:
         store = InMemoryEventStore()
         yield store
         await store.close()

@@ -12,5 +12,5 @@ from tests.app.store.contract import EventStoreContract
 
 class TestPostgresEventStore(EventStoreContract):
     @pytest.fixture
-    async def store(self, event_store: PostgresEventStore) -> AsyncIterator[EventStore]:  # type: ignore[override]
+    async def store(self, event_store: PostgresEventStore) -> AsyncIterator[EventStore]:
         yield event_store

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store import PostgresEventStore
 from app.store.audit import fold_disagreements
+from statemachine.events import FirstDeltaCommitted
 from tests.app.store import traces
 
 SCENARIOS = [
@@ -62,7 +63,7 @@ async def test_a_fenced_retry_as_the_read_models_tell_it(
     await event_store.append("req_fenced", 0, trace.events)
     request = (await db.execute(text("SELECT * FROM requests"))).mappings().one()
     state = trace.state
-    first_delta_at = next(e.occurred_at for e in trace.events if type(e).__name__ == "FirstDeltaCommitted")
+    first_delta_at = next(e.occurred_at for e in trace.events if isinstance(e, FirstDeltaCommitted))
     expected = {
         "phase": "terminated",
         "outcome": "completed",
