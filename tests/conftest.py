@@ -38,7 +38,7 @@ from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from app.store.postgres import PostgresEventStore
 
-TEMPLATE = "phasegate_template"
+TEMPLATE = f"phasegate_template_{os.getpid()}"  # two runs may share one server
 _names = itertools.count(1)
 
 
@@ -64,6 +64,7 @@ def postgres_server() -> Iterator[EmbeddedPostgres | None]:
     os.chmod(data_dir, 0o755)  # ours: the server's user must be able to enter it
     server = EmbeddedPostgres(data_dir, settings={"fsync": "off", "full_page_writes": "off"})
     server.start()
+    server.stop_on_signals()  # a terminated run leaves no server behind
     try:
         yield server
     finally:
