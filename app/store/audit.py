@@ -100,7 +100,11 @@ def _compare(
             ("replica_id", attempt.replica_id, projected_attempt.replica_id),
             ("ended", attempt.ended, projected_attempt.ended),
             ("failure_kind", attempt.failure, projected_attempt.failure_kind),
+            ("first_token", attempt.first_token_received, projected_attempt.first_token_at is not None),
             ("fenced", attempt.fenced, projected_attempt.fenced_at is not None),
+            ("cancel_sent", attempt.cancel_sent, projected_attempt.cancel_sent_at is not None),
+            ("cancel_acked", attempt.cancel_acked, projected_attempt.cancel_acked_at is not None),
+            ("lease_expired", attempt.lease_expired, projected_attempt.lease_expired_at is not None),
             ("released_because", attempt.released, projected_attempt.released_because),
         ):
             if folded != projected:
@@ -120,6 +124,7 @@ def _request_fields(state: RequestState, row: Any) -> list[tuple[str, Any, Any]]
         ("delivered_deltas", state.delivered_deltas, row.delivered_deltas),
         ("delivered_output_tokens", state.delivered_output_tokens, row.delivered_output_tokens),
         ("tool_calls", len(state.tool_calls), row.tool_calls),
+        ("client_gone", state.client_gone, row.client_disconnected_at is not None),
         ("last_seq", state.seq, row.last_seq),
         ("tenant", state.tenant, row.tenant),
         ("model", state.model, row.model),

@@ -43,6 +43,7 @@ requests = Table(
     Column("delivered_deltas", Integer),
     Column("delivered_output_tokens", Integer),
     Column("tool_calls", Integer),
+    Column("client_disconnected_at", DateTime(timezone=True)),
     Column("last_seq", Integer),
 )
 
@@ -53,8 +54,12 @@ request_attempts = Table(
     Column("attempt", Integer, primary_key=True),
     Column("lease_epoch", Integer),
     Column("replica_id", Text),
+    Column("first_token_at", DateTime(timezone=True)),
     Column("failure_kind", Text),
     Column("fenced_at", DateTime(timezone=True)),
+    Column("cancel_sent_at", DateTime(timezone=True)),
+    Column("cancel_acked_at", DateTime(timezone=True)),
+    Column("lease_expired_at", DateTime(timezone=True)),
     Column("released_because", Text),
     Column("ended", Text),
 )
