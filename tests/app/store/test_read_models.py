@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from datetime import timedelta
 
 import pytest
@@ -88,3 +89,26 @@ async def test_a_fenced_retry_as_the_read_models_tell_it(
     assert fenced["waiting_for"] == "cancel_ack_or_lease_expiry"
     assert (retry["replica_id"], retry["lease_epoch"], retry["ended"]) == ("w3", 2, "completed")
     assert retry["completed_at"] == trace.events[-1].occurred_at
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_the_read_models_agree_whatever_the_batches(
+    event_store: PostgresEventStore, db: AsyncConnection, seed: int
+) -> None:
+    """Appends of random sizes, durable or not, interleaved across requests."""
+    shuffle = random.Random(seed)
+    pending = {f"req_{n}": scenario(f"req_{n}").events for n, scenario in enumerate(SCENARIOS * 2)}
+    written = dict.fromkeys(pending, 0)
+    while pending:
+        request_id = shuffle.choice(sorted(pending))
+        events = pending[request_id]
+        size = shuffle.randint(1, 6)
+        start = written[request_id]
+        await event_store.append(
+            request_id, start, events[start : start + size], durable=shuffle.random() < 0.3
+        )
+        written[request_id] = min(start + size, len(events))
+        if written[request_id] == len(events):
+            del pending[request_id]
+    await event_store.flush()
+    assert await fold_disagreements(db) == []
