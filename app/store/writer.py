@@ -3,11 +3,10 @@
 How this works: appends join one FIFO queue. One task takes a prefix of the queue
 (at most ``max_batch_events`` events) and writes it in one statement, which is its
 own transaction: one round trip and one WAL flush for the whole batch, the read
-models projected by the trigger in the same transaction. A small batch is an
-``INSERT … SELECT FROM unnest(…)``; a large one a binary ``COPY``, which costs half
-the CPU per event on both sides. Raw asyncpg, not SQLAlchemy, because this is the
-hot path (``ops/bench/eventlog.py --compare-core`` measures the difference);
-:mod:`app.store.insert` holds the statements.
+models projected by the trigger in the same transaction (:mod:`app.store.insert`
+picks the statement: VALUES, unnest arrays or a binary COPY, by batch size). Raw
+asyncpg, not SQLAlchemy, because this is the hot path: ``ops/bench/eventlog.py
+--compare-core`` measures the same durable append at ~0.42 ms against ~0.65 ms.
 
 - A durable append is written at once (nothing lingers while one waits) and its
   caller resumes after the commit; whatever was queued ahead of it is committed in
