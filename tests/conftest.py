@@ -74,11 +74,7 @@ def postgres_server() -> Iterator[EmbeddedPostgres | None]:
 
 @pytest.fixture(scope="session")
 def admin_url(postgres_server: EmbeddedPostgres | None) -> Iterator[str]:
-    url = (
-        sqlalchemy_url(os.environ["PHASEGATE_TEST_DATABASE_URL"])
-        if postgres_server is None
-        else postgres_server.url
-    )
+    url = sqlalchemy_url(os.environ["PHASEGATE_TEST_DATABASE_URL"]) if postgres_server is None else postgres_server.url
 
     async def make_template() -> None:
         await _recreate(url, TEMPLATE)

@@ -56,9 +56,7 @@ async def fold_disagreements(
     streams: dict[str, list[Event]] = {}
     for row in await connection.execute(query):
         streams.setdefault(row.request_id, []).append(from_row(*row))
-    requests = {
-        row.request_id: row for row in await connection.execute(_select(schema.requests, request_ids))
-    }
+    requests = {row.request_id: row for row in await connection.execute(_select(schema.requests, request_ids))}
     attempts: dict[str, list[Any]] = {}
     for row in await connection.execute(_select(schema.request_attempts, request_ids)):
         attempts.setdefault(row.request_id, []).append(row)
@@ -75,9 +73,7 @@ def _select(table: Any, request_ids: Sequence[str] | None) -> Any:
     return query.order_by(*table.primary_key.columns)
 
 
-def _compare(
-    request_id: str, events: list[Event], row: Any, attempts: dict[str, list[Any]]
-) -> list[Disagreement]:
+def _compare(request_id: str, events: list[Event], row: Any, attempts: dict[str, list[Any]]) -> list[Disagreement]:
     if not events:
         return [Disagreement(request_id, "events", "none", "a requests row")]
     if row is None:

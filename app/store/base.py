@@ -80,6 +80,13 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def unfinished_requests(self, *, gateway: str | None = None) -> list[str]:
+        """Requests with no terminal event, oldest first; only ``gateway``'s when it is given.
+
+        A restarted gateway uses it to find and close the requests it left behind.
+        """
+
+    @abc.abstractmethod
     async def flush(self) -> None:
         """Wait until every append made so far is committed."""
 
@@ -100,9 +107,7 @@ class EventStore(abc.ABC):
         """Claim the tool action; ``True`` only for the first claimer of ``idempotency_key``."""
 
     @abc.abstractmethod
-    async def record_tool_result(
-        self, idempotency_key: str, *, result: Any = None, error: str | None = None
-    ) -> None:
+    async def record_tool_result(self, idempotency_key: str, *, result: Any = None, error: str | None = None) -> None:
         """Record how a claimed tool action ended: its JSON ``result``, or an ``error``."""
 
     @abc.abstractmethod
@@ -133,9 +138,7 @@ def check_append(request_id: str, expected_version: int, events: Sequence[Event]
         raise InvalidAppend("append needs at least one event")
     for offset, event in enumerate(events, start=1):
         if event.request_id != request_id:
-            raise InvalidAppend(
-                f"{type(event).__name__} belongs to request {event.request_id}, not {request_id}"
-            )
+            raise InvalidAppend(f"{type(event).__name__} belongs to request {event.request_id}, not {request_id}")
         if event.seq != expected_version + offset:
             raise InvalidAppend(
                 f"{type(event).__name__} has seq {event.seq}, expected {expected_version + offset} "
@@ -145,6 +148,4 @@ def check_append(request_id: str, expected_version: int, events: Sequence[Event]
             raise InvalidAppend(f"{type(event).__name__} occurred_at has no UTC offset")
         if isinstance(event, RequestAccepted) != (event.seq == 1):
             # the read models are keyed by what RequestAccepted says about the request
-            raise InvalidAppend(
-                f"a request's stream begins with RequestAccepted, and only there (seq {event.seq})"
-            )
+            raise InvalidAppend(f"a request's stream begins with RequestAccepted, and only there (seq {event.seq})")

@@ -80,9 +80,16 @@ def to_row(event: Event) -> EventRow:
     millis = int(at.timestamp() * 1000) & 0xFFFF_FFFF_FFFF
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     return EventRow(
-        event.request_id, event.seq, f"{millis:012x}{digest[:20]}", layout.name, layout.schema_version,
-        attempt, lease_epoch, at, body,
-    )  # fmt: skip
+        event.request_id,
+        event.seq,
+        f"{millis:012x}{digest[:20]}",
+        layout.name,
+        layout.schema_version,
+        attempt,
+        lease_epoch,
+        at,
+        body,
+    )
 
 
 def event_id(event: Event) -> uuid.UUID:

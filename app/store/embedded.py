@@ -120,9 +120,7 @@ class EmbeddedPostgres:
                     logger.warning("adopting PostgreSQL pid %d left running by process %s", running, holder)
             else:
                 if running is not None:
-                    logger.warning(
-                        "PostgreSQL pid %d in %s does not answer: stopping it", running, self.pgdata
-                    )
+                    logger.warning("PostgreSQL pid %d in %s does not answer: stopping it", running, self.pgdata)
                     self._pg_ctl("stop", "-m", "immediate", check=False)
                     _wait_gone(running, timeout=10.0)
                 self._prepare()
@@ -203,9 +201,7 @@ class EmbeddedPostgres:
             began = time.perf_counter()
             options = "-U postgres --auth=trust --encoding=UTF8 --no-locale --no-instructions"
             self._run("initdb", "-D", str(self.pgdata), *options.split())
-            logger.info(
-                "PostgreSQL cluster created in %s in %.2f s", self.pgdata, time.perf_counter() - began
-            )
+            logger.info("PostgreSQL cluster created in %s in %.2f s", self.pgdata, time.perf_counter() - began)
         self._clear_stale_pid_file()
 
     def _clear_stale_pid_file(self) -> None:
@@ -249,9 +245,7 @@ class EmbeddedPostgres:
         }
         flags = " ".join(f"-c {shlex.quote(f'{name}={value}')}" for name, value in options.items())
         try:
-            self._pg_ctl(
-                "start", "-w", "-t", str(int(self.start_timeout)), "-l", str(self.log_file), "-o", flags
-            )
+            self._pg_ctl("start", "-w", "-t", str(int(self.start_timeout)), "-l", str(self.log_file), "-o", flags)
         except EmbeddedPostgresError as exc:
             raise EmbeddedPostgresError(f"{exc}\n--- {self.log_file} ---\n{self._log_tail()}") from None
 
@@ -262,10 +256,7 @@ class EmbeddedPostgres:
 
     def _answers(self) -> bool:
         probe = [str(self.bin_dir / "pg_isready"), "-h", str(self.socket_dir), "-p", str(PORT)]
-        return (
-            subprocess.run([*probe, "-q", "-U", "postgres", "-t", "3"], check=False, timeout=10).returncode
-            == 0
-        )
+        return subprocess.run([*probe, "-q", "-U", "postgres", "-t", "3"], check=False, timeout=10).returncode == 0
 
     def _pg_ctl(self, *args: str, check: bool = True) -> None:
         self._run("pg_ctl", "-D", str(self.pgdata), *args, check=check)

@@ -35,9 +35,7 @@ class StreamConflict(StoreError):
         self.request_id = request_id
         self.expected_version = expected_version
         self.detail = detail
-        super().__init__(
-            f"request {request_id}: append at expected version {expected_version} conflicts: {detail}"
-        )
+        super().__init__(f"request {request_id}: append at expected version {expected_version} conflicts: {detail}")
 
 
 class StoreUnavailable(StoreError):

@@ -17,7 +17,7 @@ from typing import Any
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import to_row
 from app.store.errors import StoreClosed, StoreError, StreamConflict
-from statemachine.events import Event
+from statemachine.events import TERMINAL_EVENT_TYPES, Event, RequestAccepted
 
 
 class InMemoryEventStore(EventStore):
@@ -81,6 +81,17 @@ class InMemoryEventStore(EventStore):
             async with self._appended:
                 await self._appended.wait_for(functools.partial(self._moved_past, position))
 
+    async def unfinished_requests(self, *, gateway: str | None = None) -> list[str]:
+        self._check_open()
+        unfinished = []
+        for request_id, stream in self._streams.items():
+            accepted = stream[0][1]
+            assert isinstance(accepted, RequestAccepted)
+            ended = any(type(event) in TERMINAL_EVENT_TYPES for _, event in stream)
+            if not ended and (gateway is None or accepted.gateway == gateway):
+                unfinished.append((accepted.occurred_at, request_id))
+        return [request_id for _, request_id in sorted(unfinished)]
+
     def _moved_past(self, position: int) -> bool:
         return position < len(self._log) or self._closed
 
@@ -105,14 +116,21 @@ class InMemoryEventStore(EventStore):
         if idempotency_key in self._ledger:
             return False
         self._ledger[idempotency_key] = ToolExecution(
-            idempotency_key, request_id, attempt, tool_call_id, name, arguments, "claimed",
-            result=None, error=None, claimed_at=_now(), finished_at=None,
-        )  # fmt: skip
+            idempotency_key,
+            request_id,
+            attempt,
+            tool_call_id,
+            name,
+            arguments,
+            "claimed",
+            result=None,
+            error=None,
+            claimed_at=_now(),
+            finished_at=None,
+        )
         return True
 
-    async def record_tool_result(
-        self, idempotency_key: str, *, result: Any = None, error: str | None = None
-    ) -> None:
+    async def record_tool_result(self, idempotency_key: str, *, result: Any = None, error: str | None = None) -> None:
         self._check_open()
         claimed = self._ledger.get(idempotency_key)
         if claimed is None:

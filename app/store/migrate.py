@@ -25,9 +25,7 @@ _LOCK_KEY = 0x70686173_6567  # "phaseg": the advisory lock that serialises upgra
 
 def alembic_config() -> Config:
     if not (MIGRATIONS / "env.py").exists():
-        raise RuntimeError(
-            f"phasegate's migrations are not at {MIGRATIONS}; install phasegate from its checkout"
-        )
+        raise RuntimeError(f"phasegate's migrations are not at {MIGRATIONS}; install phasegate from its checkout")
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     return config
@@ -48,9 +46,7 @@ async def current_revision_async(url: str) -> str | None:
     engine = create_async_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
-            return await connection.run_sync(
-                lambda sync: MigrationContext.configure(sync).get_current_revision()
-            )
+            return await connection.run_sync(lambda sync: MigrationContext.configure(sync).get_current_revision())
     finally:
         await engine.dispose()
 

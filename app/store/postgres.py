@@ -133,6 +133,14 @@ class PostgresEventStore(EventStore):
             if len(batch) < batch_size:
                 await asyncio.wait([signal], timeout=self.poll_interval)
 
+    async def unfinished_requests(self, *, gateway: str | None = None) -> list[str]:
+        requests = schema.requests.c
+        query = select(requests.request_id).where(requests.outcome.is_(None)).order_by(requests.accepted_at)
+        if gateway is not None:
+            query = query.where(requests.gateway == gateway)
+        async with self._connection() as connection:
+            return list((await connection.scalars(query)).all())
+
     async def flush(self) -> None:
         await self.writer.flush()
 
@@ -174,9 +182,7 @@ class PostgresEventStore(EventStore):
         async with self._connection(commit=True) as connection:
             return (await connection.execute(claim)).first() is not None
 
-    async def record_tool_result(
-        self, idempotency_key: str, *, result: Any = None, error: str | None = None
-    ) -> None:
+    async def record_tool_result(self, idempotency_key: str, *, result: Any = None, error: str | None = None) -> None:
         ledger = schema.tool_executions
         finish = (
             update(ledger)

@@ -32,6 +32,8 @@ requests = Table(
     metadata,
     Column("request_id", Text, primary_key=True),
     Column("tenant", Text),
+    Column("gateway", Text),
+    Column("accepted_at", DateTime(timezone=True)),
     Column("model", Text),
     Column("phase", Text),
     Column("outcome", Text),

@@ -123,9 +123,7 @@ class GroupCommitWriter:
         self._task = asyncio.create_task(self._run(), name="phasegate-store-writer")
 
     async def _connect(self) -> asyncpg.Connection:
-        return await asyncpg.connect(
-            self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout
-        )
+        return await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
 
     @property
     def available(self) -> bool:
@@ -136,9 +134,7 @@ class GroupCommitWriter:
         """Events accepted and not yet taken into a transaction."""
         return self._queued_events
 
-    async def submit(
-        self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool
-    ) -> None:
+    async def submit(self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool) -> None:
         """Queue an append; a durable one returns after its commit."""
         while True:
             self._check_accepting(request_id)
@@ -321,9 +317,7 @@ class GroupCommitWriter:
                     entry.error = _rejection(entry, exc)
                     failed[entry.request_id] = entry.error
 
-    def _settle(
-        self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False
-    ) -> None:
+    def _settle(self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False) -> None:
         durable = entry.done is not None
         if error is not None and not behind_failure:
             self._failures[entry.request_id] = _Failure(error, self._tickets, reported=durable)

@@ -62,6 +62,7 @@ CREATE TABLE requests (
     max_attempts            integer     NOT NULL,
     idempotency_key         text,
     seed                    bigint,
+    gateway                 text,       -- the gateway process that owns the request
     phase                   text        NOT NULL,   -- statemachine.phases.Phase
     outcome                 text,                   -- completed | failed | cancelled
     error_code              text,                   -- RequestFailed.code or RequestCancelled.reason
@@ -93,6 +94,8 @@ CREATE INDEX requests_accepted_idx ON requests (accepted_at);
 CREATE INDEX requests_model_idx ON requests (model, accepted_at);
 CREATE INDEX requests_tenant_idx ON requests (tenant, accepted_at);
 CREATE INDEX requests_error_idx ON requests (error_code, finished_at) WHERE error_code IS NOT NULL;
+-- what a restarted gateway looks for: its requests that never ended
+CREATE INDEX requests_unfinished_idx ON requests (gateway, accepted_at) WHERE outcome IS NULL;
 
 CREATE TABLE request_attempts (
     request_id       text        NOT NULL REFERENCES requests ON DELETE CASCADE,
@@ -183,12 +186,12 @@ BEGIN
     IF has_accepted THEN
         INSERT INTO requests (request_id, tenant, model, model_revision, endpoint, stream,
                               prompt_tokens, n, guided, tools, max_attempts, idempotency_key, seed,
-                              phase, accepted_at, last_event_at, last_seq)
+                              gateway, phase, accepted_at, last_event_at, last_seq)
         SELECT request_id, body->>'tenant', body->>'model', body->>'model_revision',
                body->>'endpoint', (body->>'stream')::boolean, (body->>'prompt_tokens')::integer,
                (body->>'n')::integer, (body->>'guided')::boolean, (body->>'tools')::boolean,
                (body->>'max_attempts')::integer, body->>'idempotency_key', (body->>'seed')::bigint,
-               'new', occurred_at, occurred_at, 0
+               body->>'gateway', 'new', occurred_at, occurred_at, 0
           FROM new_events WHERE type = 'RequestAccepted';
     END IF;
 

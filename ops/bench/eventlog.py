@@ -50,10 +50,23 @@ T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
 def opening(request_id: str) -> list[Event]:
     """Accepted, attempt 1 started, first delta committed: deliveries may follow."""
     accepted = RequestAccepted(
-        request_id=request_id, seq=1, occurred_at=T0, model="bench-model", model_revision="r1",
-        tenant="bench", endpoint="chat.completions", stream=True, params_digest="d", prompt_tokens=32,
-        n=1, guided=False, tools=False, idempotency_key=None, max_attempts=2, seed=None,
-    )  # fmt: skip
+        request_id=request_id,
+        seq=1,
+        occurred_at=T0,
+        model="bench-model",
+        model_revision="r1",
+        tenant="bench",
+        endpoint="chat.completions",
+        stream=True,
+        params_digest="d",
+        prompt_tokens=32,
+        n=1,
+        guided=False,
+        tools=False,
+        idempotency_key=None,
+        max_attempts=2,
+        seed=None,
+    )
     return [
         accepted,
         AttemptStarted(request_id, 2, T0, 1, 1, "w1", T0 + timedelta(seconds=30)),

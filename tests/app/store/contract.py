@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import pytest
 
@@ -18,9 +19,7 @@ from statemachine.events import DeltasDelivered, Event, RequestCompleted
 from tests.app.store import traces
 
 
-async def collect(
-    store: EventStore, after: int, count: int, timeout: float = 10.0
-) -> list[tuple[int, Event]]:
+async def collect(store: EventStore, after: int, count: int, timeout: float = 10.0) -> list[tuple[int, Event]]:
     """The next ``count`` events the store's follower yields after ``after``."""
     seen: list[tuple[int, Event]] = []
     async with asyncio.timeout(timeout), contextlib.aclosing(store.follow(after)) as stream:
@@ -90,11 +89,14 @@ class EventStoreContract:
     @pytest.mark.parametrize(
         ("request_id", "expected_version", "first", "count"),
         [
-            ("req_other", 0, 0, 1), ("req_bad", 1, 0, 2), ("req_bad", 0, 1, 1), ("req_bad", -1, 0, 1),
+            ("req_other", 0, 0, 1),
+            ("req_bad", 1, 0, 2),
+            ("req_bad", 0, 1, 1),
+            ("req_bad", -1, 0, 1),
             ("req_bad", 0, 0, 0),
         ],
         ids=["wrong request", "seq behind", "seq ahead", "negative version", "no events"],
-    )  # fmt: skip
+    )
     async def test_events_that_do_not_fit_the_append_are_refused(
         self, store: EventStore, request_id: str, expected_version: int, first: int, count: int
     ) -> None:
@@ -175,9 +177,7 @@ class EventStoreContract:
         for trace in scenario:
             assert [event for _, event in seen if event.request_id == trace.request_id] == trace.events
 
-    async def test_a_follower_waits_for_new_events_and_resumes_after_a_position(
-        self, store: EventStore
-    ) -> None:
+    async def test_a_follower_waits_for_new_events_and_resumes_after_a_position(self, store: EventStore) -> None:
         trace = traces.completed("req_wait")
         await store.append("req_wait", 0, trace.events[:3])
         first = await collect(store, 0, 3)
@@ -193,6 +193,19 @@ class EventStoreContract:
         with pytest.raises(ValueError, match="not in the log"):
             await collect(store, 10**12, 1)
 
+    async def test_unfinished_requests_are_found_per_gateway(self, store: EventStore) -> None:
+        later = traces.T0 + timedelta(seconds=1)
+        for trace in (
+            traces.in_flight("req_b2", at=later, gateway="gw-b"),
+            traces.in_flight("req_a1", gateway="gw-a"),
+            traces.in_flight("req_b1", gateway="gw-b"),
+            traces.completed("req_done"),
+        ):
+            await store.append(trace.request_id, 0, trace.events)
+        assert await store.unfinished_requests(gateway="gw-b") == ["req_b1", "req_b2"]
+        assert sorted(await store.unfinished_requests()) == ["req_a1", "req_b1", "req_b2"]
+        assert await store.unfinished_requests(gateway="gw-z") == []
+
     # --- the tool ledger and recorded inputs ---------------------------------------------
 
     async def test_a_tool_execution_is_claimed_once(self, store: EventStore) -> None:
@@ -207,9 +220,7 @@ class EventStoreContract:
         assert await store.tool_execution("req_t:call_2") is None
 
     async def test_a_tool_result_is_recorded_once(self, store: EventStore) -> None:
-        await store.claim_tool_execution(
-            "req_t:call_1", "req_t", 1, "call_1", "get_weather", '{"city": "Oslo"}'
-        )
+        await store.claim_tool_execution("req_t:call_1", "req_t", 1, "call_1", "get_weather", '{"city": "Oslo"}')
         await store.record_tool_result("req_t:call_1", result={"celsius": -3})
         await store.record_tool_result("req_t:call_1", error="a second outcome is ignored")
         done = await store.tool_execution("req_t:call_1")

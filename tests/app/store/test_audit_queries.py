@@ -113,9 +113,7 @@ def expect_interrupted(result: list[asyncpg.Record]) -> None:
 
 def expect_deliveries(result: list[asyncpg.Record]) -> None:
     deliveries = [event for event in LOG["req_cut_1"].events if isinstance(event, DeltasDelivered)]
-    assert rows(result) == [
-        (e.seq, e.occurred_at, 1, e.from_index, e.to_index, e.tokens, e.text) for e in deliveries
-    ]
+    assert rows(result) == [(e.seq, e.occurred_at, 1, e.from_index, e.to_index, e.tokens, e.text) for e in deliveries]
     assert [record["text"] for record in result] == ["The answer", " is"]
 
 
@@ -129,9 +127,7 @@ def expect_fences(result: list[asyncpg.Record]) -> None:
         ("req_fence", 1, "w2", "cancel_ack_or_lease_expiry", "lease_expired", fence_ms(fenced), "completed"),
         ("req_stall", 1, "w3", "cancel_ack_or_lease_expiry", "cancel_acked", fence_ms(stalled), "failed"),
     ]
-    assert [r["fenced_at"] for r in result] == [
-        first(trace, AttemptFenced).occurred_at for trace in (fenced, stalled)
-    ]
+    assert [r["fenced_at"] for r in result] == [first(trace, AttemptFenced).occurred_at for trace in (fenced, stalled)]
 
 
 def expect_ttft(result: list[asyncpg.Record]) -> None:
@@ -144,8 +140,7 @@ def expect_ttft(result: list[asyncpg.Record]) -> None:
         for model, values in sorted(by_model.items())
     ]
     assert [(r[0], r[1], *(float(value) for value in r[2:])) for r in rows(result)] == [
-        (model, count, *(pytest.approx(value, abs=0.051) for value in values))
-        for model, count, *values in expected
+        (model, count, *(pytest.approx(value, abs=0.051) for value in values)) for model, count, *values in expected
     ]
 
 
@@ -173,8 +168,8 @@ def expect_outcomes(result: list[asyncpg.Record]) -> None:
 
 def expect_quiet(result: list[asyncpg.Record]) -> None:
     live = LOG["req_live"]
-    assert [r[:6] for r in rows(result)] == [
-        ("req_live", "decode", 1, ["w1"], at(120), live.events[-1].occurred_at)
+    assert [r[:7] for r in rows(result)] == [
+        ("req_live", "gw-1", "decode", 1, ["w1"], at(120), live.events[-1].occurred_at)
     ]
 
 

@@ -41,9 +41,7 @@ def one_of_each() -> list[Event]:
     for event in (
         RetryBudgetDenied("req_codec", 9, T0, "global"),
         NoReplicaAvailable("req_codec", 9, T0, ("w1", "w2"), "all ejected"),
-        UpstreamFailed(
-            "req_codec", 9, T0, 2, 3, FailureKind.OVERLOADED, "queued", Deadline.SOFT, 503, "busy"
-        ),
+        UpstreamFailed("req_codec", 9, T0, 2, 3, FailureKind.OVERLOADED, "queued", Deadline.SOFT, 503, "busy"),
     ):
         samples[type(event).__name__] = event
     assert set(samples) == set(EVENT_TYPES)
@@ -62,15 +60,24 @@ def test_a_row_holds_the_events_json_form_and_reads_back_equal(event: Event) -> 
         form["v"],
     )
     assert (row.attempt, row.lease_epoch) == (form.get("attempt"), form.get("lease_epoch"))
-    stored = from_row(row.request_id, row.version, row.type, row.schema_version, row.attempt, row.lease_epoch,
-                      row.occurred_at, row.body)  # fmt: skip
+    stored = from_row(
+        row.request_id,
+        row.version,
+        row.type,
+        row.schema_version,
+        row.attempt,
+        row.lease_epoch,
+        row.occurred_at,
+        row.body,
+    )
     assert stored == event
 
 
 def test_an_events_id_is_its_content() -> None:
     fenced = AttemptFenced("req_id", 5, T0, 1, 1, "cancel_ack_or_lease_expiry")
-    same_instant_elsewhere = AttemptFenced("req_id", 5, T0.astimezone(timezone(timedelta(hours=5))), 1, 1,
-                                           "cancel_ack_or_lease_expiry")  # fmt: skip
+    same_instant_elsewhere = AttemptFenced(
+        "req_id", 5, T0.astimezone(timezone(timedelta(hours=5))), 1, 1, "cancel_ack_or_lease_expiry"
+    )
     assert event_id(fenced) == event_id(same_instant_elsewhere)  # PostgreSQL keeps the instant only
     for different in (
         AttemptFenced("req_id", 5, T0 + timedelta(microseconds=1), 1, 1, "cancel_ack_or_lease_expiry"),

@@ -54,9 +54,7 @@ async def test_followers_see_every_event_once_while_writers_overlap(database_url
             seq = 0
             while seq < len(trace.events):
                 size = shuffle.randint(1, 4)
-                await store.append(
-                    trace.request_id, seq, trace.events[seq : seq + size], durable=size % 2 == 0
-                )
+                await store.append(trace.request_id, seq, trace.events[seq : seq + size], durable=size % 2 == 0)
                 seq += size
                 await asyncio.sleep(0)
 

@@ -38,9 +38,7 @@ async def open_store(database_url: str) -> AsyncIterator[StoreFactory]:
 async def visible(database_url: str, request_id: str) -> int:
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        count = await connection.fetchval(
-            "SELECT count(*) FROM request_events WHERE request_id = $1", request_id
-        )
+        count = await connection.fetchval("SELECT count(*) FROM request_events WHERE request_id = $1", request_id)
         return int(count)
     finally:
         await connection.close()
@@ -51,9 +49,7 @@ def test_the_default_flush_delay_is_at_most_ten_milliseconds() -> None:
     assert 0 < default <= 0.010
 
 
-async def test_queued_appends_are_committed_within_the_flush_delay(
-    open_store: StoreFactory, database_url: str
-) -> None:
+async def test_queued_appends_are_committed_within_the_flush_delay(open_store: StoreFactory, database_url: str) -> None:
     store = await open_store(flush_delay=0.2)
     trace = traces.completed("req_delay")
     began = time.monotonic()
@@ -99,18 +95,14 @@ async def test_close_commits_every_accepted_append(open_store: StoreFactory, dat
         assert await reader.read(trace.request_id) == trace.events
 
 
-async def test_appends_wait_for_room_while_postgresql_is_slow(
-    open_store: StoreFactory, database_url: str
-) -> None:
+async def test_appends_wait_for_room_while_postgresql_is_slow(open_store: StoreFactory, database_url: str) -> None:
     store = await open_store(max_queued_events=8, flush_delay=0.001)
     trace = traces.completed("req_slow", texts=tuple(str(n) for n in range(40)))
     await store.append("req_slow", 0, trace.events[:5])
     blocker = await asyncpg.connect(asyncpg_dsn(database_url))
     transaction = blocker.transaction()
     await transaction.start()
-    await blocker.execute(
-        "SELECT * FROM requests WHERE request_id = 'req_slow' FOR UPDATE"
-    )  # stalls the trigger
+    await blocker.execute("SELECT * FROM requests WHERE request_id = 'req_slow' FOR UPDATE")  # stalls the trigger
 
     async def deliver() -> None:
         for seq in range(5, len(trace.events)):

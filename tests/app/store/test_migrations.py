@@ -115,7 +115,5 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     environment = {**os.environ, "DATABASE_URL": empty_database_url}
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    current = subprocess.run(
-        [*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT
-    )
+    current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
     assert "0001 (head)" in current.stdout.decode()

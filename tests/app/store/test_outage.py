@@ -67,9 +67,7 @@ async def test_an_outage_gives_typed_errors_then_the_store_recovers(
     assert "PostgreSQL available again" in logged
 
 
-async def test_close_reports_what_an_outage_kept_it_from_writing(
-    server: EmbeddedPostgres, database_url: str
-) -> None:
+async def test_close_reports_what_an_outage_kept_it_from_writing(server: EmbeddedPostgres, database_url: str) -> None:
     store = await PostgresEventStore.connect(database_url, flush_delay=60.0)
     trace = traces.completed("req_lost")
     await store.append("req_lost", 0, trace.events[:3])
@@ -85,9 +83,7 @@ async def test_connecting_while_postgresql_is_down_is_a_typed_error(tmp_path: ob
         await PostgresEventStore.connect(f"postgresql+asyncpg://postgres@/postgres?host={tmp_path}")
 
 
-async def test_a_restart_under_load_loses_nothing_acknowledged(
-    server: EmbeddedPostgres, database_url: str
-) -> None:
+async def test_a_restart_under_load_loses_nothing_acknowledged(server: EmbeddedPostgres, database_url: str) -> None:
     store = await PostgresEventStore.connect(database_url, flush_delay=0.002)
     scenario = [traces.completed(f"req_{n}", texts=tuple(f"t{i}" for i in range(150))) for n in range(20)]
     outages = 0

@@ -48,18 +48,14 @@ async def test_the_read_models_agree_with_the_fold(
     assert (await db.execute(text("SELECT count(*) FROM requests"))).scalar() == len(SCENARIOS)
 
 
-async def test_the_check_finds_a_read_model_that_drifted(
-    event_store: PostgresEventStore, db: AsyncConnection
-) -> None:
+async def test_the_check_finds_a_read_model_that_drifted(event_store: PostgresEventStore, db: AsyncConnection) -> None:
     await event_store.append("req_drift", 0, traces.completed("req_drift").events)
     await db.execute(text("UPDATE requests SET delivered_output_tokens = 99, phase = 'decode'"))
     found = {(found.field, found.folded, found.projected) for found in await fold_disagreements(db)}
     assert found == {("delivered_output_tokens", 3, 99), ("phase", "terminated", "decode")}
 
 
-async def test_a_fenced_retry_as_the_read_models_tell_it(
-    event_store: PostgresEventStore, db: AsyncConnection
-) -> None:
+async def test_a_fenced_retry_as_the_read_models_tell_it(event_store: PostgresEventStore, db: AsyncConnection) -> None:
     trace = traces.fenced_then_retried("req_fenced")
     await event_store.append("req_fenced", 0, trace.events)
     request = (await db.execute(text("SELECT * FROM requests"))).mappings().one()
@@ -104,9 +100,7 @@ async def test_the_read_models_agree_whatever_the_batches(
         events = pending[request_id]
         size = shuffle.randint(1, 6)
         start = written[request_id]
-        await event_store.append(
-            request_id, start, events[start : start + size], durable=shuffle.random() < 0.3
-        )
+        await event_store.append(request_id, start, events[start : start + size], durable=shuffle.random() < 0.3)
         written[request_id] = min(start + size, len(events))
         if written[request_id] == len(events):
             del pending[request_id]

@@ -41,13 +41,21 @@ T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
 class Trace:
     """One request's events; each method appends the event it names."""
 
-    def __init__(self, request_id: str, *, at: datetime = T0, model: str = "tiny-llm", tenant: str = "acme"):
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        at: datetime = T0,
+        model: str = "tiny-llm",
+        tenant: str = "acme",
+        gateway: str | None = "gw-1",
+    ):
         self.request_id = request_id
         self.clock = at
         self.events: list[Event] = []
         self.state = RequestState(request_id=request_id)
         self.actions: list[Action] = []
-        self._accept(model, tenant)
+        self._accept(model, tenant, gateway)
 
     # --- the envelope ------------------------------------------------------------------
 
@@ -65,7 +73,7 @@ class Trace:
 
     # --- steps -------------------------------------------------------------------------
 
-    def _accept(self, model: str, tenant: str) -> None:
+    def _accept(self, model: str, tenant: str, gateway: str | None) -> None:
         self.add(
             RequestAccepted,
             after_ms=0,
@@ -82,6 +90,7 @@ class Trace:
             idempotency_key=None,
             max_attempts=2,
             seed=7,
+            gateway=gateway,
         )
 
     def decide(self, after_ms: float = 0.2) -> list[Action]:
@@ -155,9 +164,7 @@ class Trace:
         self.add(CancelSent, 0.2, **self._scope())
         return self
 
-    def cancel_acked(
-        self, attempt: int, after_ms: float = 30.0, *, generated_tokens: int | None = 3
-    ) -> Trace:
+    def cancel_acked(self, attempt: int, after_ms: float = 30.0, *, generated_tokens: int | None = 3) -> Trace:
         epoch = self._epoch(attempt)
         self.add(CancelAcked, after_ms, attempt=attempt, lease_epoch=epoch, generated_tokens=generated_tokens)
         return self
@@ -167,9 +174,7 @@ class Trace:
         return self
 
     def released(self, attempt: int, because: ReleaseReason, after_ms: float = 0.2) -> Trace:
-        self.add(
-            AttemptReleased, after_ms, attempt=attempt, lease_epoch=self._epoch(attempt), because=because
-        )
+        self.add(AttemptReleased, after_ms, attempt=attempt, lease_epoch=self._epoch(attempt), because=because)
         return self
 
     def completed(self, after_ms: float = 5.0) -> Trace:
@@ -211,12 +216,17 @@ class Trace:
 # --- scenarios --------------------------------------------------------------------------
 
 
-def completed(request_id: str, replica: str = "w1", *, at: datetime = T0, model: str = "tiny-llm",
-              tenant: str = "acme", texts: tuple[str, ...] = ("Hel", "lo", "!"), ttft_ms: float = 20.0,
-              ) -> Trace:  # fmt: skip
-    trace = (
-        Trace(request_id, at=at, model=model, tenant=tenant).start(replica).first_token(ttft_ms).first_delta()
-    )
+def completed(
+    request_id: str,
+    replica: str = "w1",
+    *,
+    at: datetime = T0,
+    model: str = "tiny-llm",
+    tenant: str = "acme",
+    texts: tuple[str, ...] = ("Hel", "lo", "!"),
+    ttft_ms: float = 20.0,
+) -> Trace:
+    trace = Trace(request_id, at=at, model=model, tenant=tenant).start(replica).first_token(ttft_ms).first_delta()
     for text in texts:
         trace.deliver(text)
     return trace.completed()
@@ -224,18 +234,14 @@ def completed(request_id: str, replica: str = "w1", *, at: datetime = T0, model:
 
 def retried_before_first_delta(request_id: str, *, at: datetime = T0) -> Trace:
     """w1 exits during prefill; the retry on w2 answers."""
-    trace = (
-        Trace(request_id, at=at).start("w1").upstream_failed(FailureKind.REPLICA_EXITED, "connection reset")
-    )
+    trace = Trace(request_id, at=at).start("w1").upstream_failed(FailureKind.REPLICA_EXITED, "connection reset")
     trace.start("w2").first_token(40).first_delta().deliver("Hi").deliver(" there")
     return trace.completed()
 
 
 def fenced_then_retried(request_id: str, *, at: datetime = T0) -> Trace:
     """w2 stalls in prefill: fenced, its lease expires, then the retry on w3 answers."""
-    trace = (
-        Trace(request_id, at=at).start("w2").upstream_failed(FailureKind.LIVENESS_UNCERTAIN, "read timeout")
-    )
+    trace = Trace(request_id, at=at).start("w2").upstream_failed(FailureKind.LIVENESS_UNCERTAIN, "read timeout")
     trace.fence().lease_expired(1, after_ms=4200).released(1, ReleaseReason.LEASE_EXPIRED)
     trace.start("w3").first_token(30).first_delta().deliver("Ok")
     return trace.completed()
@@ -270,6 +276,6 @@ def with_tool_call(request_id: str, *, at: datetime = T0) -> Trace:
     return trace.completed()
 
 
-def in_flight(request_id: str, *, at: datetime = T0) -> Trace:
+def in_flight(request_id: str, *, at: datetime = T0, gateway: str = "gw-1") -> Trace:
     """Still decoding: no terminal event yet."""
-    return Trace(request_id, at=at).start("w1").first_token().first_delta().deliver("Still")
+    return Trace(request_id, at=at, gateway=gateway).start("w1").first_token().first_delta().deliver("Still")
