@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -12,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.store import PostgresEventStore
 from app.store.audit import fold_disagreements
 from statemachine.events import FirstDeltaCommitted
+from statemachine.trace import parse_trace
 from tests.app.store import traces
 
 SCENARIOS = [
@@ -105,4 +107,18 @@ async def test_the_read_models_agree_whatever_the_batches(
         if written[request_id] == len(events):
             del pending[request_id]
     await event_store.flush()
+    assert await fold_disagreements(db) == []
+
+
+TRACES = sorted((Path(__file__).resolve().parents[2] / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda path: path.stem)
+async def test_recorded_traces_round_trip_and_project_as_they_fold(
+    event_store: PostgresEventStore, db: AsyncConnection, path: Path
+) -> None:
+    recorded = parse_trace(path.read_text().splitlines())
+    for request_id, events in recorded.requests.items():
+        await event_store.append(request_id, 0, events)
+        assert await event_store.read(request_id) == events
     assert await fold_disagreements(db) == []
