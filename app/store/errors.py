@@ -1,0 +1,75 @@
+"""Every error the event store raises, in one tree.
+
+    StoreError
+    ├── StreamConflict       the request's stream is not where the append expected it:
+    │                        a second writer got there first, or the expected version
+    │                        skips or repeats versions. Never retried by the store.
+    ├── StoreUnavailable     PostgreSQL cannot be reached (down, restarting, network).
+    │                        The store logs it once and reconnects by itself; an append
+    │                        that failed so may or may not have been recorded, and
+    │                        retrying the same events is safe (a no-op if it was).
+    ├── StoreClosed          the store was closed; nothing more is accepted.
+    └── InvalidAppend        the events cannot be appended as given (wrong request,
+                             seq not following the expected version): a caller's bug.
+                             Also a ValueError.
+
+Anything else PostgreSQL reports is raised as a plain ``StoreError`` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+from sqlalchemy import exc as sa_exc
+
+
+class StoreError(Exception):
+    """Base of every error raised by :mod:`app.store`."""
+
+
+class StreamConflict(StoreError):
+    """Another event already holds a version this append needs, or a version was skipped."""
+
+    def __init__(self, request_id: str, expected_version: int, detail: str) -> None:
+        self.request_id = request_id
+        self.expected_version = expected_version
+        self.detail = detail
+        super().__init__(f"request {request_id}: append at expected version {expected_version} conflicts: {detail}")
+
+
+class StoreUnavailable(StoreError):
+    """PostgreSQL cannot be reached now; the store keeps trying to reconnect."""
+
+
+class StoreClosed(StoreError):
+    """The store was closed."""
+
+
+class InvalidAppend(StoreError, ValueError):
+    """The events given to ``append`` do not fit the request and version given."""
+
+
+# SQLSTATE classes that mean "the server is not there for us now": connection
+# exceptions (08), operator intervention such as shutdown or restart (57), and
+# system errors such as an I/O error (58).
+_UNAVAILABLE_CLASSES = ("08", "57", "58")
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` (from asyncpg or SQLAlchemy) means PostgreSQL is unreachable."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return True
+        if isinstance(current, OSError | asyncio.TimeoutError | asyncpg.PostgresConnectionError):
+            return True
+        if isinstance(current, asyncpg.InterfaceError) and "connection is closed" in str(current):
+            return True
+        sqlstate = getattr(current, "sqlstate", None)
+        if isinstance(sqlstate, str) and sqlstate[:2] in _UNAVAILABLE_CLASSES:
+            return True
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return False

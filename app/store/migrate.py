@@ -1,0 +1,81 @@
+"""Apply the schema's migrations (``migrations/``) from Python.
+
+``phasegate db upgrade`` and the server at start call these. The async forms run
+inside an event loop; the plain ones start their own. Concurrent upgrades (two
+gateways starting at once) queue on an advisory lock instead of racing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from app.store.database import sqlalchemy_url
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+_LOCK_KEY = 0x70686173_6567  # "phaseg": the advisory lock that serialises upgrades
+
+
+def alembic_config() -> Config:
+    if not (MIGRATIONS / "env.py").exists():
+        raise RuntimeError(f"phasegate's migrations are not at {MIGRATIONS}; install phasegate from its checkout")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+async def upgrade_async(url: str, revision: str = "head") -> None:
+    """Migrate the database at ``url`` up to ``revision``."""
+    await _run(url, lambda config: command.upgrade(config, revision))
+
+
+async def downgrade_async(url: str, revision: str = "base") -> None:
+    """Migrate the database at ``url`` down to ``revision`` (``base`` drops everything)."""
+    await _run(url, lambda config: command.downgrade(config, revision))
+
+
+async def current_revision_async(url: str) -> str | None:
+    """The revision the database is at, or ``None`` before the first migration."""
+    engine = create_async_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(lambda sync: MigrationContext.configure(sync).get_current_revision())
+    finally:
+        await engine.dispose()
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    asyncio.run(upgrade_async(url, revision))
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    asyncio.run(downgrade_async(url, revision))
+
+
+def current_revision(url: str) -> str | None:
+    return asyncio.run(current_revision_async(url))
+
+
+async def _run(url: str, step: Callable[[Config], None]) -> None:
+    engine = create_async_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    try:
+        async with engine.connect() as connection:
+
+            def migrate(sync: Connection) -> None:
+                # held to the end of the one transaction all the migrations run in
+                sync.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
+                config = alembic_config()
+                config.attributes["connection"] = sync
+                step(config)
+
+            await connection.run_sync(migrate)
+            await connection.commit()
+    finally:
+        await engine.dispose()

@@ -1,0 +1,277 @@
+"""The event store on PostgreSQL.
+
+Appends go through one :class:`GroupCommitWriter` (raw asyncpg, its own connection);
+everything else (reads, the follower's polls, the tool ledger, recorded inputs) is
+SQLAlchemy Core on a pooled engine that pings connections before use, so after a
+PostgreSQL restart the first query reconnects by itself. Lost connections surface
+as :class:`StoreUnavailable`, logged once per outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from app.store import schema
+from app.store.base import EventStore, RequestInput, ToolExecution, check_append
+from app.store.codec import from_row, to_row
+from app.store.database import asyncpg_dsn, sqlalchemy_url
+from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable
+from app.store.follow import FollowCursor
+from app.store.writer import GroupCommitWriter
+from statemachine.events import Event
+
+logger = logging.getLogger("phasegate.store")
+
+
+class PostgresEventStore(EventStore):
+    """The log in PostgreSQL; open it with :meth:`connect`, end it with :meth:`close`.
+
+    ``flush_delay``: the longest a non-durable append waits for company before its
+    batch is written (seconds). ``max_batch_events``: events per transaction at most.
+    ``max_queued_events``: accepted but unwritten events at most; appends wait beyond.
+    ``poll_interval``: how often followers look for commits made by other processes
+    (this process's own commits wake them at once). ``pool_size``: connections for
+    reads, follows and the tool ledger (the writer has its own).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        flush_delay: float = 0.005,
+        max_batch_events: int = 2000,
+        max_queued_events: int = 20_000,
+        poll_interval: float = 0.05,
+        pool_size: int = 5,
+    ) -> None:
+        self.url = sqlalchemy_url(url)
+        self.poll_interval = poll_interval
+        self._engine: AsyncEngine = create_async_engine(
+            self.url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True
+        )
+        self.writer = GroupCommitWriter(
+            asyncpg_dsn(url),
+            flush_delay=flush_delay,
+            max_batch_events=max_batch_events,
+            max_queued_events=max_queued_events,
+            on_commit=self._committed,
+        )
+        self._commit_signal: asyncio.Future[None] | None = None
+        self._closed = False
+        self._outage = False
+
+    @classmethod
+    async def connect(cls, url: str, **options: Any) -> PostgresEventStore:
+        """A started store; ``StoreUnavailable`` if PostgreSQL cannot be reached."""
+        store = cls(url, **options)
+        try:
+            await store.writer.start()
+        except BaseException:
+            await store._engine.dispose()
+            raise
+        return store
+
+    # --- the log -------------------------------------------------------------------------
+
+    async def append(
+        self, request_id: str, expected_version: int, events: Sequence[Event], *, durable: bool = True
+    ) -> int:
+        check_append(request_id, expected_version, events)
+        await self.writer.submit(request_id, expected_version, [to_row(event) for event in events], durable)
+        return expected_version + len(events)
+
+    async def read(self, request_id: str) -> list[Event]:
+        events = schema.request_events.c
+        query = (
+            select(
+                events.request_id,
+                events.version,
+                events.type,
+                events.schema_version,
+                events.attempt,
+                events.lease_epoch,
+                events.occurred_at,
+                events.body,
+            )
+            .where(events.request_id == request_id)
+            .order_by(events.version)
+        )
+        async with self._connection() as connection:
+            rows = (await connection.execute(query)).all()
+        return [from_row(*row) for row in rows]
+
+    async def follow(
+        self, after_position: int = 0, *, batch_size: int = 1000
+    ) -> AsyncGenerator[tuple[int, Event], None]:
+        """See :meth:`EventStore.follow` and :mod:`app.store.follow`; ends when the store closes.
+
+        While PostgreSQL is unavailable it waits and retries.
+        """
+        async with self._connection() as connection:
+            cursor = await FollowCursor.after(connection, after_position)
+        while not self._closed:
+            signal = self._next_commit()
+            try:
+                async with self._connection() as connection:
+                    batch = await cursor.next_batch(connection, batch_size)
+            except StoreClosed:
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(self.poll_interval * 4)
+                continue
+            for item in batch:
+                yield item
+            if len(batch) < batch_size:
+                await asyncio.wait([signal], timeout=self.poll_interval)
+
+    async def unfinished_requests(self, *, gateway: str | None = None) -> list[str]:
+        requests = schema.requests.c
+        query = select(requests.request_id).where(requests.outcome.is_(None)).order_by(requests.accepted_at)
+        if gateway is not None:
+            query = query.where(requests.gateway == gateway)
+        async with self._connection() as connection:
+            return list((await connection.scalars(query)).all())
+
+    async def flush(self) -> None:
+        await self.writer.flush()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._committed()  # wake followers so that they end
+        try:
+            await self.writer.close()
+        finally:
+            await self._engine.dispose()
+
+    # --- the tool ledger -----------------------------------------------------------------
+
+    async def claim_tool_execution(
+        self,
+        idempotency_key: str,
+        request_id: str,
+        attempt: int,
+        tool_call_id: str,
+        name: str,
+        arguments: str,
+    ) -> bool:
+        ledger = schema.tool_executions
+        claim = (
+            insert(ledger)
+            .values(
+                idempotency_key=idempotency_key,
+                request_id=request_id,
+                attempt=attempt,
+                tool_call_id=tool_call_id,
+                name=name,
+                arguments=arguments,
+            )
+            .on_conflict_do_nothing(index_elements=[ledger.c.idempotency_key])
+            .returning(ledger.c.idempotency_key)
+        )
+        async with self._connection(commit=True) as connection:
+            return (await connection.execute(claim)).first() is not None
+
+    async def record_tool_result(self, idempotency_key: str, *, result: Any = None, error: str | None = None) -> None:
+        ledger = schema.tool_executions
+        finish = (
+            update(ledger)
+            .where(ledger.c.idempotency_key == idempotency_key, ledger.c.status == "claimed")
+            .values(
+                status="failed" if error is not None else "succeeded",
+                result=result,
+                error=error,
+                finished_at=func.now(),
+            )
+        )
+        async with self._connection(commit=True) as connection:
+            finished = (await connection.execute(finish)).rowcount
+            if not finished:
+                claimed = select(ledger.c.idempotency_key).where(ledger.c.idempotency_key == idempotency_key)
+                if (await connection.execute(claimed)).first() is None:
+                    raise StoreError(f"tool execution {idempotency_key} was never claimed")
+                # already finished: the first recorded outcome stands
+
+    async def tool_execution(self, idempotency_key: str) -> ToolExecution | None:
+        ledger = schema.tool_executions
+        query = select(*(ledger.c[field.name] for field in dataclasses.fields(ToolExecution))).where(
+            ledger.c.idempotency_key == idempotency_key
+        )
+        async with self._connection() as connection:
+            row = (await connection.execute(query)).first()
+        return None if row is None else ToolExecution(*row)
+
+    # --- recorded inputs -----------------------------------------------------------------
+
+    async def record_input(
+        self,
+        request_id: str,
+        body: dict[str, Any],
+        *,
+        model_revision: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        inputs = schema.request_inputs
+        keep = (
+            insert(inputs)
+            .values(request_id=request_id, body=body, model_revision=model_revision, seed=seed)
+            .on_conflict_do_nothing(index_elements=[inputs.c.request_id])
+        )
+        async with self._connection(commit=True) as connection:
+            await connection.execute(keep)
+
+    async def read_input(self, request_id: str) -> RequestInput | None:
+        inputs = schema.request_inputs.c
+        query = select(inputs.request_id, inputs.body, inputs.model_revision, inputs.seed).where(
+            inputs.request_id == request_id
+        )
+        async with self._connection() as connection:
+            row = (await connection.execute(query)).first()
+        return None if row is None else RequestInput(*row)
+
+    # --- internals -----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, *, commit: bool = False) -> AsyncIterator[Any]:
+        if self._closed:
+            raise StoreClosed("the event store is closed")
+        try:
+            async with self._engine.begin() if commit else self._engine.connect() as connection:
+                yield connection
+        except StoreError:
+            raise
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            if not self._outage:
+                self._outage = True
+                logger.error("PostgreSQL unavailable: %s; queries fail until it returns", _first_line(exc))
+            raise StoreUnavailable(f"PostgreSQL is unreachable: {_first_line(exc)}") from exc
+        if self._outage:
+            self._outage = False
+            logger.warning("PostgreSQL available again")
+
+    def _next_commit(self) -> asyncio.Future[None]:
+        if self._commit_signal is None:
+            self._commit_signal = asyncio.get_running_loop().create_future()
+        return self._commit_signal
+
+    def _committed(self) -> None:
+        signal, self._commit_signal = self._commit_signal, None
+        if signal is not None and not signal.done():
+            signal.set_result(None)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

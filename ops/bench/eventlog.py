@@ -1,0 +1,259 @@
+"""Benchmark the event log: durable append latency, group-commit throughput, follow lag.
+
+    python ops/bench/eventlog.py [--url URL] [--streams 50] [--events 4000] [--compare-core]
+
+Without ``--url`` (or ``DATABASE_URL``) it starts the embedded PostgreSQL in a
+temporary directory with its default, durable settings (fsync on). It creates a
+scratch database, migrates it, measures, and drops it.
+
+- durable append: one event per append, awaited to its commit, one after another;
+- group commit: ``--streams`` concurrent requests each appending ``--events`` token
+  deliveries non-durably (one event per append, as the driver does), until flushed;
+  the rate includes building the events;
+- follow lag: a follower reads the log while one writer appends a durable event
+  every 2 ms; lag is from the append's return to the follower's receipt.
+- ``--compare-core``: the same durable single-event INSERT through SQLAlchemy Core,
+  the reason the writer's hot path uses raw asyncpg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from app.store import migrate
+from app.store.codec import to_row
+from app.store.database import asyncpg_dsn, sqlalchemy_url
+from app.store.embedded import EmbeddedPostgres
+from app.store.insert import INSERT_EVENT
+from app.store.postgres import PostgresEventStore
+from statemachine.events import (
+    AttemptStarted,
+    DeltasDelivered,
+    Event,
+    FirstDeltaCommitted,
+    RequestAccepted,
+)
+
+T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
+
+
+def opening(request_id: str) -> list[Event]:
+    """Accepted, attempt 1 started, first delta committed: deliveries may follow."""
+    accepted = RequestAccepted(
+        request_id=request_id,
+        seq=1,
+        occurred_at=T0,
+        model="bench-model",
+        model_revision="r1",
+        tenant="bench",
+        endpoint="chat.completions",
+        stream=True,
+        params_digest="d",
+        prompt_tokens=32,
+        n=1,
+        guided=False,
+        tools=False,
+        idempotency_key=None,
+        max_attempts=2,
+        seed=None,
+    )
+    return [
+        accepted,
+        AttemptStarted(request_id, 2, T0, 1, 1, "w1", T0 + timedelta(seconds=30)),
+        FirstDeltaCommitted(request_id, 3, T0, 1, 1),
+    ]
+
+
+def delivery(request_id: str, index: int) -> DeltasDelivered:
+    """The ``index``-th delivery (0-based), seq ``4 + index``."""
+    at = T0 + timedelta(microseconds=index)
+    return DeltasDelivered(request_id, 4 + index, at, 1, 1, index, index + 1, 1, " tok", None)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def bench_durable(store: PostgresEventStore, count: int) -> list[float]:
+    await store.append("durable", 0, opening("durable"))
+    latencies = []
+    for index in range(count):
+        event = delivery("durable", index)
+        began = time.perf_counter()
+        await store.append("durable", 3 + index, [event])
+        latencies.append(time.perf_counter() - began)
+    return latencies
+
+
+async def bench_group_commit(store: PostgresEventStore, streams: int, events: int) -> tuple[float, int]:
+    names = [f"gc-{n}" for n in range(streams)]
+    for name in names:
+        await store.append(name, 0, opening(name))
+
+    async def stream(name: str) -> None:
+        for index in range(events):
+            # built as it is appended, as the driver does (and then dropped: holding
+            # every event of the run alive would make the benchmark about the GC)
+            await store.append(name, 3 + index, [delivery(name, index)], durable=False)
+            if index % 64 == 63:
+                await asyncio.sleep(0)  # a token stream yields between deliveries
+
+    batches_before = store.writer.batches
+    began = time.perf_counter()
+    await asyncio.gather(*(stream(name) for name in names))
+    await store.flush()
+    elapsed = time.perf_counter() - began
+    return streams * events / elapsed, store.writer.batches - batches_before
+
+
+async def bench_follow_lag(store: PostgresEventStore, count: int) -> list[float]:
+    start_position = await _last_position(store)
+    appended: dict[int, float] = {}
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def follower() -> None:
+        async for _, event in store.follow(start_position):
+            if event.request_id == "lag" and event.seq > 3:
+                lags.append(time.perf_counter() - appended[event.seq])
+                if len(lags) == count:
+                    done.set()
+                    return
+
+    task = asyncio.create_task(follower())
+    await store.append("lag", 0, opening("lag"))
+    for index in range(count):
+        event = delivery("lag", index)
+        await store.append("lag", 3 + index, [event])
+        appended[event.seq] = time.perf_counter()
+        await asyncio.sleep(0.002)
+    await asyncio.wait_for(done.wait(), 30)
+    await task
+    return lags
+
+
+async def bench_core(url: str, count: int) -> list[float]:
+    """The writer's single-event INSERT, run through SQLAlchemy Core instead of asyncpg."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(sqlalchemy_url(url))
+    # "$1" -> ":p1", "$9::text" -> "CAST(:p9 AS text)": the same statement, named parameters
+    named = re.sub(r"\$(\d+)::(\w+)", r"CAST(:p\1 AS \2)", INSERT_EVENT)
+    insert = text(re.sub(r"\$(\d+)", r":p\1", named))
+    latencies = []
+    try:
+        async with engine.connect() as connection:
+            for event in opening("core"):
+                await connection.execute(insert, _params(event))
+            await connection.commit()
+            for index in range(count):
+                began = time.perf_counter()
+                await connection.execute(insert, _params(delivery("core", index)))
+                await connection.commit()
+                latencies.append(time.perf_counter() - began)
+    finally:
+        await engine.dispose()
+    return latencies
+
+
+def _params(event: Event) -> dict[str, object]:
+    return {f"p{n}": value for n, value in enumerate(to_row(event), start=1)}
+
+
+async def _last_position(store: PostgresEventStore) -> int:
+    connection = await asyncpg.connect(asyncpg_dsn(store.url))
+    try:
+        return int(await connection.fetchval("SELECT coalesce(max(position), 0) FROM request_events"))
+    finally:
+        await connection.close()
+
+
+async def scratch_database(url: str, name: str) -> str:
+    admin = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    from sqlalchemy.engine import make_url
+
+    return make_url(sqlalchemy_url(url)).set(database=name).render_as_string(hide_password=False)
+
+
+async def run(args: argparse.Namespace, url: str) -> None:
+    bench_url = await scratch_database(url, "phasegate_bench")
+    await migrate.upgrade_async(bench_url)
+    store = await PostgresEventStore.connect(bench_url, flush_delay=args.flush_delay)
+    ms = 1000.0
+    try:
+        latencies = await bench_durable(store, args.durable)
+        print(
+            f"durable append      p50 {percentile(latencies, 0.5) * ms:.3f} ms   "
+            f"p99 {percentile(latencies, 0.99) * ms:.3f} ms   ({len(latencies)} single-event appends)"
+        )
+        rate, batches = await bench_group_commit(store, args.streams, args.events)
+        total = args.streams * args.events
+        print(
+            f"group commit        {rate:,.0f} events/s   ({args.streams} streams x {args.events} deliveries, "
+            f"{batches} transactions, {total / max(batches, 1):.0f} events each)"
+        )
+        lags = await bench_follow_lag(store, args.lag)
+        p50, p99 = percentile(lags, 0.5) * ms, percentile(lags, 0.99) * ms
+        print(
+            f"follow lag          p50 {p50:.3f} ms   p99 {p99:.3f} ms   max {max(lags) * ms:.3f} ms"
+            f"   ({len(lags)} events, same process)"
+        )
+    finally:
+        await store.close()
+    if args.compare_core:
+        core = await bench_core(bench_url, args.durable)
+        p50, p99 = percentile(core, 0.5) * ms, percentile(core, 0.99) * ms
+        print(
+            f"core durable append p50 {p50:.3f} ms   p99 {p99:.3f} ms"
+            f"   (SQLAlchemy Core, same INSERT; mean {statistics.fmean(core) * ms:.3f} ms)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default=os.environ.get("DATABASE_URL"))
+    parser.add_argument("--durable", type=int, default=3000, help="durable single-event appends")
+    parser.add_argument("--streams", type=int, default=50)
+    parser.add_argument("--events", type=int, default=4000, help="deliveries per stream")
+    parser.add_argument("--lag", type=int, default=1000, help="events for the follow-lag test")
+    parser.add_argument("--flush-delay", type=float, default=0.005)
+    parser.add_argument("--compare-core", action="store_true")
+    args = parser.parse_args()
+    server = None
+    url = args.url
+    if not url:
+        data_dir = tempfile.mkdtemp(prefix="phasegate-bench-")
+        os.chmod(data_dir, 0o755)  # ours: the server's user must enter it
+        server = EmbeddedPostgres(data_dir)
+        began = time.perf_counter()
+        url = server.start()
+        print(f"embedded PostgreSQL started in {time.perf_counter() - began:.2f} s (with initdb)")
+        server.restart()
+        print(f"embedded PostgreSQL restarted, start took {server.last_start_seconds:.2f} s")
+    try:
+        asyncio.run(run(args, url))
+    finally:
+        if server is not None:
+            server.stop()
+            shutil.rmtree(server.data_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

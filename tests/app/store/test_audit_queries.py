@@ -1,0 +1,254 @@
+"""Every query of docs/audit.md runs against a realistic log and returns what it should.
+
+The queries are read from the document itself, so the document and this test cannot
+drift apart: a query without an expectation here, or an expectation without its
+query, fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from app.store import PostgresEventStore
+from app.store.database import asyncpg_dsn
+from statemachine.events import AttemptFenced, AttemptReleased, Decided, DeltasDelivered, FirstDeltaCommitted
+from tests.app.store import traces
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
+QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)
+BASE = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)  # in the past, for the "quiet for a minute" query
+HOUR = timedelta(hours=1)
+
+
+def at(minutes: float) -> datetime:
+    return BASE + timedelta(minutes=minutes)
+
+
+LOG = {
+    trace.request_id: trace
+    for trace in (
+        traces.completed("req_ok_1", "w1", at=at(0)),
+        traces.completed("req_ok_2", "w2", at=at(5), ttft_ms=40),
+        traces.completed("req_ok_3", "w1", at=at(10), model="big-llm", tenant="globex", ttft_ms=100),
+        traces.retried_before_first_delta("req_retry", at=at(20)),
+        traces.fenced_then_retried("req_fence", at=at(30)),
+        traces.interrupted_in_decode("req_cut_1", "w1", at=at(40)),
+        traces.interrupted_in_decode("req_cut_2", "w1", at=at(75)),
+        traces.interrupted_in_decode("req_cut_3", "w2", at=at(80)),
+        traces.stalled_in_decode("req_stall", "w3", at=at(90)),
+        traces.cancelled_by_client("req_gone", at=at(100)),
+        traces.with_tool_call("req_tool", at=at(110)),
+        traces.in_flight("req_live", at=at(120)),
+    )
+}
+PARAMETERS = {"request_id": "req_cut_1", "since": BASE}
+
+
+def doc_queries() -> dict[int, tuple[str, str]]:
+    return {int(number): (title, sql) for number, title, sql in QUERY.findall(DOC.read_text())}
+
+
+def bind(sql: str) -> tuple[str, list[Any]]:
+    """psql's ``:'name'`` variables as numbered parameters."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r":'(\w+)'", number, sql), [PARAMETERS[name] for name in names]
+
+
+def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
+    return next(event for event in trace.events if isinstance(event, kind))
+
+
+def fence_ms(trace: traces.Trace) -> float:
+    elapsed = first(trace, AttemptReleased).occurred_at - first(trace, AttemptFenced).occurred_at
+    return round(float(elapsed / timedelta(milliseconds=1)), 1)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    rank = fraction * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ttft_ms(trace: traces.Trace) -> float:
+    elapsed = first(trace, FirstDeltaCommitted).occurred_at - trace.events[0].occurred_at
+    return float(elapsed / timedelta(milliseconds=1))
+
+
+def rows(result: list[asyncpg.Record]) -> list[tuple[Any, ...]]:
+    return [tuple(record.values()) for record in result]
+
+
+def expect_retried(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == [
+        ("req_retry", 2, ["w1", "w2"], "completed", at(20)),
+        ("req_fence", 2, ["w2", "w3"], "completed", at(30)),
+    ]
+
+
+def expect_interrupted(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == [
+        ("w1", BASE, 1, 3),
+        ("w1", BASE + HOUR, 1, 3),
+        ("w2", BASE + HOUR, 1, 3),
+        ("w3", BASE + HOUR, 1, 1),
+    ]
+
+
+def expect_deliveries(result: list[asyncpg.Record]) -> None:
+    deliveries = [event for event in LOG["req_cut_1"].events if isinstance(event, DeltasDelivered)]
+    assert rows(result) == [(e.seq, e.occurred_at, 1, e.from_index, e.to_index, e.tokens, e.text) for e in deliveries]
+    assert [record["text"] for record in result] == ["The answer", " is"]
+
+
+def expect_answer(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == [("req_cut_1", "The answer is", 3, "failed", "upstream_decode_interrupted")]
+
+
+def expect_fences(result: list[asyncpg.Record]) -> None:
+    fenced, stalled = LOG["req_fence"], LOG["req_stall"]
+    assert [(*r[:3], r[4], r[5], float(r[6]), r[7]) for r in rows(result)] == [
+        ("req_fence", 1, "w2", "cancel_ack_or_lease_expiry", "lease_expired", fence_ms(fenced), "completed"),
+        ("req_stall", 1, "w3", "cancel_ack_or_lease_expiry", "cancel_acked", fence_ms(stalled), "failed"),
+    ]
+    assert [r["fenced_at"] for r in result] == [first(trace, AttemptFenced).occurred_at for trace in (fenced, stalled)]
+
+
+def expect_ttft(result: list[asyncpg.Record]) -> None:
+    by_model: dict[str, list[float]] = {}
+    for trace in LOG.values():
+        if trace.state.first_delta_sent:
+            by_model.setdefault(trace.state.model, []).append(ttft_ms(trace))
+    expected = [
+        (model, len(values), *(round(percentile(values, q), 1) for q in (0.5, 0.9, 0.99)))
+        for model, values in sorted(by_model.items())
+    ]
+    assert [(r[0], r[1], *(float(value) for value in r[2:])) for r in rows(result)] == [
+        (model, count, *(pytest.approx(value, abs=0.051) for value in values)) for model, count, *values in expected
+    ]
+
+
+def expect_nothing(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == []
+
+
+def expect_failures(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == [
+        ("w1", "replica_exited", 3, 0),
+        ("w2", "liveness_uncertain", 1, 1),
+        ("w2", "replica_exited", 1, 0),
+        ("w3", "liveness_uncertain", 1, 1),
+    ]
+
+
+def expect_outcomes(result: list[asyncpg.Record]) -> None:
+    assert [(*r[:7], float(r[7])) for r in rows(result)] == [
+        ("acme", BASE, 5, 4, 1, 0, 0, 20.0),
+        ("acme", BASE + HOUR, 5, 1, 3, 1, 0, 60.0),
+        ("acme", BASE + 2 * HOUR, 1, 0, 0, 0, 1, 0.0),
+        ("globex", BASE, 1, 1, 0, 0, 0, 0.0),
+    ]
+
+
+def expect_quiet(result: list[asyncpg.Record]) -> None:
+    live = LOG["req_live"]
+    assert [r[:7] for r in rows(result)] == [
+        ("req_live", "gw-1", "decode", 1, ["w1"], at(120), live.events[-1].occurred_at)
+    ]
+
+
+def expect_tool_calls(result: list[asyncpg.Record]) -> None:
+    assert [(*r[:6], json.loads(r[6])) for r in rows(result)] == [
+        ("req_tool", 1, "call_1", "get_weather", 1, "succeeded", {"celsius": 21})
+    ]
+
+
+def expect_decisions(result: list[asyncpg.Record]) -> None:
+    counted = Counter(
+        (event.action, event.reason, event.policy_version)
+        for trace in LOG.values()
+        for event in trace.events
+        if isinstance(event, Decided)
+    )
+    assert {(r[0], r[1], r[2]): r[3] for r in rows(result)} == counted
+    assert [r[3] for r in rows(result)] == sorted((r[3] for r in rows(result)), reverse=True)
+
+
+def expect_timeline(result: list[asyncpg.Record]) -> None:
+    trace = LOG["req_cut_1"]
+    start = trace.events[0].occurred_at
+    assert [(r["seq"], r["type"], r["attempt"]) for r in result] == [
+        (e.seq, type(e).__name__, getattr(e, "attempt", None)) for e in trace.events
+    ]
+    assert [float(r["at_ms"]) for r in result] == [
+        pytest.approx((e.occurred_at - start) / timedelta(milliseconds=1), abs=0.051) for e in trace.events
+    ]
+
+
+EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
+    1: expect_retried,
+    2: expect_interrupted,
+    3: expect_deliveries,
+    4: expect_answer,
+    5: expect_fences,
+    6: expect_ttft,
+    7: expect_nothing,
+    8: expect_failures,
+    9: expect_nothing,
+    10: expect_nothing,
+    11: expect_outcomes,
+    12: expect_quiet,
+    13: expect_tool_calls,
+    14: expect_decisions,
+    15: expect_timeline,
+}
+
+
+@pytest.fixture
+async def audited(event_store: PostgresEventStore, database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """The log above, written as the driver would, and a connection to query it."""
+    for number, trace in enumerate(LOG.values()):
+        durable = number % 2 == 0
+        for seq, event in enumerate(trace.events):
+            await event_store.append(trace.request_id, seq, [event], durable=durable)
+    await event_store.claim_tool_execution("req_tool:call_1", "req_tool", 1, "call_1", "get_weather", "{}")
+    await event_store.record_tool_result("req_tool:call_1", result={"celsius": 21})
+    await event_store.flush()
+    connection = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+def test_every_query_has_an_expectation() -> None:
+    assert len(doc_queries()) >= 10
+    assert set(doc_queries()) == set(EXPECTATIONS)
+
+
+@pytest.mark.parametrize("number", sorted(EXPECTATIONS), ids=lambda n: f"{n}. {doc_queries()[n][0]}")
+async def test_the_documented_query_returns_what_it_should(audited: asyncpg.Connection, number: int) -> None:
+    sql, parameters = bind(doc_queries()[number][1])
+    EXPECTATIONS[number](await audited.fetch(sql, *parameters))
+
+
+async def test_the_disagreement_query_finds_a_drifted_read_model(audited: asyncpg.Connection) -> None:
+    await audited.execute("UPDATE requests SET delivered_output_tokens = 0 WHERE request_id = 'req_cut_2'")
+    sql, parameters = bind(doc_queries()[7][1])
+    assert [record["request_id"] for record in await audited.fetch(sql, *parameters)] == ["req_cut_2"]

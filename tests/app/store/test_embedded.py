@@ -1,0 +1,151 @@
+"""The embedded PostgreSQL: start, stop, restart, and the holders that die on it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from app.store.database import asyncpg_dsn
+from app.store.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres, EmbeddedPostgresError
+
+ROOT = Path(__file__).resolve().parents[3]
+HOLDER = """
+import sys, time
+from app.store.embedded import EmbeddedPostgres
+server = EmbeddedPostgres(sys.argv[1])
+server.start()
+if sys.argv[2] == "stop-on-sigterm":
+    server.stop_on_signals()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Iterator[Path]:
+    """One data directory for this module's tests (created once: initdb takes a while)."""
+    path = Path(tempfile.mkdtemp(prefix="phasegate-embedded-"))
+    path.chmod(0o755)  # ours: the server's user must be able to enter it
+    yield path
+    server = EmbeddedPostgres(path)
+    if server.is_running():
+        server.restart()  # take it over, whoever held it
+        server.stop()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def server(data_dir: Path) -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres(data_dir)
+    yield server
+    if server.is_running():
+        server.restart()
+        server.stop()
+
+
+def answers(url: str) -> bool:
+    async def ask() -> bool:
+        connection = await asyncpg.connect(asyncpg_dsn(url), timeout=5)
+        try:
+            return bool(await connection.fetchval("SELECT 1") == 1)
+        finally:
+            await connection.close()
+
+    return asyncio.run(ask())
+
+
+def holder(data_dir: Path, mode: str = "plain") -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(data_dir), mode], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    return process
+
+
+def end(process: subprocess.Popen[str], signum: signal.Signals) -> int:
+    process.send_signal(signum)
+    try:
+        return process.wait(timeout=30)
+    finally:
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def postmaster(server: EmbeddedPostgres) -> int:
+    return int((server.pgdata / "postmaster.pid").read_text().split()[0])
+
+
+def test_start_stop_and_restart(server: EmbeddedPostgres) -> None:
+    url = server.start()
+    assert url == f"postgresql+asyncpg://postgres@/postgres?host={server.socket_dir}"
+    assert answers(url) and server.is_running() and server.owns_server
+    assert server.last_start_seconds is not None and server.last_start_seconds < 30
+    first = postmaster(server)
+    server.restart()
+    assert answers(url) and postmaster(server) != first
+    server.stop()
+    assert not server.is_running()
+    assert not (server.data_dir / "holder.pid").exists()
+
+
+def test_the_server_of_a_killed_holder_is_adopted(server: EmbeddedPostgres) -> None:
+    process = holder(server.data_dir)
+    running = postmaster(server)
+    end(process, signal.SIGKILL)
+    assert server.is_running()  # a SIGKILL leaves the server behind
+    server.start()
+    assert server.owns_server and postmaster(server) == running  # reused, not restarted
+    server.stop()
+    assert not server.is_running()
+
+
+def test_sigterm_of_the_holder_stops_its_server(server: EmbeddedPostgres) -> None:
+    process = holder(server.data_dir, "stop-on-sigterm")
+    assert server.is_running()
+    assert end(process, signal.SIGTERM) == -signal.SIGTERM  # the default action ran after the stop
+    assert not server.is_running()
+
+
+def test_a_live_holders_server_is_shared_not_stopped(server: EmbeddedPostgres) -> None:
+    process = holder(server.data_dir, "stop-on-sigterm")
+    try:
+        server.start()
+        assert not server.owns_server
+        server.stop()
+        assert server.is_running()  # still the other holder's
+    finally:
+        end(process, signal.SIGTERM)
+    assert not server.is_running()
+
+
+def test_a_crashed_server_is_started_again(server: EmbeddedPostgres) -> None:
+    server.start()
+    os.kill(postmaster(server), signal.SIGKILL)  # leaves postmaster.pid behind
+    server.start()
+    assert answers(server.url)
+    server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as another user only under root")
+def test_a_data_directory_the_server_cannot_reach_is_named(tmp_path: Path) -> None:
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(EmbeddedPostgresError, match=str(closed)):
+        EmbeddedPostgres(closed / "data").start()
+
+
+def test_the_data_directory_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHASEGATE_DATA_DIR", raising=False)
+    assert EmbeddedPostgres().data_dir == DEFAULT_DATA_DIR == Path("/var/lib/phasegate")
+    monkeypatch.setenv("PHASEGATE_DATA_DIR", "/srv/phasegate")
+    assert EmbeddedPostgres().pgdata == Path("/srv/phasegate/pgdata")

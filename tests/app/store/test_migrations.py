@@ -1,0 +1,119 @@
+"""The schema's migrations: up and down, on empty and populated databases."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+import pytest
+from alembic.script import ScriptDirectory
+
+from app import cli
+from app.store import PostgresEventStore, migrate
+from app.store.database import asyncpg_dsn
+from tests.app.store import traces
+
+ROOT = Path(__file__).resolve().parents[3]
+OURS = {"request_events", "requests", "request_attempts", "tool_executions", "request_inputs"}
+
+
+async def tables(url: str) -> set[str]:
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        rows = await connection.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+    finally:
+        await connection.close()
+    return {row[0] for row in rows} - {"alembic_version"}
+
+
+async def populate(url: str) -> None:
+    store = await PostgresEventStore.connect(url)
+    try:
+        for number, scenario in enumerate((traces.completed, traces.fenced_then_retried, traces.in_flight)):
+            trace = scenario(f"req_{number}")
+            await store.append(trace.request_id, 0, trace.events)
+        await store.claim_tool_execution("req_0:call_1", "req_0", 1, "call_1", "f", "{}")
+        await store.record_input("req_0", {"model": "tiny-llm"})
+    finally:
+        await store.close()
+
+
+async def test_up_and_down_on_an_empty_database(empty_database_url: str) -> None:
+    url = empty_database_url
+    await migrate.upgrade_async(url)
+    assert await tables(url) == OURS
+    assert (
+        await migrate.current_revision_async(url)
+        == ScriptDirectory.from_config(migrate.alembic_config()).get_current_head()
+    )
+    await migrate.downgrade_async(url, "base")
+    assert await tables(url) == set()
+    assert await migrate.current_revision_async(url) is None
+    await migrate.upgrade_async(url)
+    assert await tables(url) == OURS
+
+
+async def test_down_and_up_on_a_populated_database(database_url: str) -> None:
+    await populate(database_url)
+    await migrate.upgrade_async(database_url)  # already at head: nothing to do, nothing lost
+    store = await PostgresEventStore.connect(database_url)
+    assert len(await store.read("req_1")) == len(traces.fenced_then_retried("req_1").events)
+    await store.close()
+    await migrate.downgrade_async(database_url, "base")
+    assert await tables(database_url) == set()
+    await migrate.upgrade_async(database_url)
+    await populate(database_url)  # usable again
+
+
+async def test_every_revision_steps_up_and_back_down(empty_database_url: str) -> None:
+    script = ScriptDirectory.from_config(migrate.alembic_config())
+    revisions = list(reversed(list(script.walk_revisions())))
+    for revision in revisions:
+        await migrate.upgrade_async(empty_database_url, revision.revision)
+        assert not isinstance(revision.down_revision, tuple | list), "a merge: step it by hand"
+        await migrate.downgrade_async(empty_database_url, revision.down_revision or "base")
+        await migrate.upgrade_async(empty_database_url, revision.revision)
+    assert await migrate.current_revision_async(empty_database_url) == script.get_current_head()
+
+
+async def test_concurrent_upgrades_wait_for_each_other(empty_database_url: str) -> None:
+    await asyncio.gather(*(migrate.upgrade_async(empty_database_url) for _ in range(3)))
+    assert await tables(empty_database_url) == OURS
+
+
+async def test_other_tables_in_the_database_are_left_alone(empty_database_url: str) -> None:
+    connection = await asyncpg.connect(asyncpg_dsn(empty_database_url))
+    try:
+        await connection.execute("CREATE TABLE someone_elses (id int); INSERT INTO someone_elses VALUES (1)")
+        await migrate.upgrade_async(empty_database_url)
+        await migrate.downgrade_async(empty_database_url, "base")
+        assert await connection.fetchval("SELECT count(*) FROM someone_elses") == 1
+    finally:
+        await connection.close()
+
+
+def test_phasegate_db_upgrade_and_check(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", empty_database_url)
+    assert cli.main(["db", "upgrade"]) == 0
+    assert cli.main(["db", "current"]) == 0
+    assert cli.main(["db", "check"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "schema at revision 0001",
+        "0001",
+        "0 disagreements between the read models and the log",
+    ]
+    assert cli.main(["db", "downgrade", "base"]) == 0
+
+
+def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> None:
+    environment = {**os.environ, "DATABASE_URL": empty_database_url}
+    alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
+    subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
+    current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
+    assert "0001 (head)" in current.stdout.decode()

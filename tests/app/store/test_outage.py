@@ -1,0 +1,114 @@
+"""PostgreSQL goes away under the store, then comes back: typed errors, then recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.store import PostgresEventStore, StoreUnavailable
+from app.store.embedded import EmbeddedPostgres
+from tests.app.store import traces
+
+
+@pytest.fixture
+def server(postgres_server: EmbeddedPostgres | None, database_url: str) -> Iterator[EmbeddedPostgres]:
+    """The session's embedded server, restarted after the test whatever it did to it.
+
+    It depends on ``database_url`` so that the restart comes before that database is dropped.
+    """
+    if postgres_server is None:
+        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL is set)")
+    try:
+        yield postgres_server
+    finally:
+        if not postgres_server.is_running():
+            postgres_server.start()
+
+
+async def wait_until(condition: object, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_outage_gives_typed_errors_then_the_store_recovers(
+    server: EmbeddedPostgres, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="phasegate.store")
+    store = await PostgresEventStore.connect(database_url, flush_delay=60.0)
+    queued, durable = traces.completed("req_queued"), traces.completed("req_durable")
+    try:
+        await store.append("req_durable", 0, durable.events[:3])
+        await store.append("req_queued", 0, queued.events[:6], durable=False)  # acknowledged, not yet written
+        server.stop(mode="immediate")
+
+        with pytest.raises(StoreUnavailable):
+            await store.append("req_durable", 3, durable.events[3:5])  # takes the queued ones along
+        with pytest.raises(StoreUnavailable):
+            await store.append("req_durable", 3, durable.events[3:5], durable=False)  # fails fast meanwhile
+        with pytest.raises(StoreUnavailable):
+            await store.read("req_durable")
+
+        server.start()
+        await wait_until(lambda: store.writer.available)
+        await store.append("req_durable", 3, durable.events[3:])  # the caller's retry
+        await store.append("req_queued", 6, queued.events[6:])
+        assert await store.read("req_durable") == durable.events
+        assert await store.read("req_queued") == queued.events  # nothing acknowledged was lost
+    finally:
+        await store.close()
+    logged = caplog.text
+    assert "PostgreSQL unavailable" in logged
+    assert "PostgreSQL available again" in logged
+
+
+async def test_close_reports_what_an_outage_kept_it_from_writing(server: EmbeddedPostgres, database_url: str) -> None:
+    store = await PostgresEventStore.connect(database_url, flush_delay=60.0)
+    trace = traces.completed("req_lost")
+    await store.append("req_lost", 0, trace.events[:3])
+    await store.append("req_lost", 3, trace.events[3:], durable=False)
+    server.stop(mode="immediate")
+    with pytest.raises(StoreUnavailable, match=f"{len(trace.events) - 3} accepted events"):
+        await store.writer.close(timeout=1.0)
+    await store.close()
+
+
+async def test_connecting_while_postgresql_is_down_is_a_typed_error(tmp_path: object) -> None:
+    with pytest.raises(StoreUnavailable):
+        await PostgresEventStore.connect(f"postgresql+asyncpg://postgres@/postgres?host={tmp_path}")
+
+
+async def test_a_restart_under_load_loses_nothing_acknowledged(server: EmbeddedPostgres, database_url: str) -> None:
+    store = await PostgresEventStore.connect(database_url, flush_delay=0.002)
+    scenario = [traces.completed(f"req_{n}", texts=tuple(f"t{i}" for i in range(150))) for n in range(20)]
+    outages = 0
+
+    async def drive(trace: traces.Trace) -> None:
+        nonlocal outages
+        for seq, event in enumerate(trace.events):
+            durable = seq < 5 or seq == len(trace.events) - 1  # the commit point and the terminal event
+            while True:
+                try:
+                    await store.append(trace.request_id, seq, [event], durable=durable)
+                    break
+                except StoreUnavailable:  # retrying the same event is safe, recorded or not
+                    outages += 1
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.003)
+
+    try:
+        driving = asyncio.gather(*(drive(trace) for trace in scenario))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(server.restart)
+        await asyncio.wait_for(driving, 60)
+        await store.flush()
+        for trace in scenario:
+            assert await store.read(trace.request_id) == trace.events
+    finally:
+        await store.close()
+    assert outages > 0  # the restart did land in the middle of the load

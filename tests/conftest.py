@@ -1,0 +1,128 @@
+"""Fixtures for every test. The database ones start PostgreSQL only when a test asks.
+
+PostgreSQL comes from the project's own embedded server (app/store/embedded.py), so
+``pytest`` needs nothing installed. Pure tests request none of these and run
+without a database.
+
+- ``postgres_server`` (session): the one embedded server of the run, in a temporary
+  directory, with fsync off (tests need no crash safety). A test may stop or restart
+  it (``postgres_server.restart()``, ``stop(mode="immediate")``) but must leave it
+  running. With ``PHASEGATE_TEST_DATABASE_URL`` set, that server is used instead and
+  this fixture is ``None``.
+- ``admin_url`` (session): URL of the server's ``postgres`` database, for tests that
+  create their own databases.
+- ``database_url`` (function): URL of a fresh database migrated to head, copied from
+  a migrated template (tens of milliseconds), dropped after the test.
+- ``empty_database_url`` (function): a fresh database with no schema at all.
+- ``event_store`` (function): a ``PostgresEventStore`` on ``database_url``, closed
+  (flushed) after the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from app.store import migrate
+from app.store.database import asyncpg_dsn, sqlalchemy_url
+from app.store.embedded import EmbeddedPostgres
+from app.store.postgres import PostgresEventStore
+
+TEMPLATE = f"phasegate_template_{os.getpid()}"  # two runs may share one server
+_names = itertools.count(1)
+
+
+def run_sync(coroutine_function: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run a coroutine to completion from synchronous code, on a thread of its own.
+
+    A thread keeps it off the event loop pytest-asyncio manages for the tests.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine_function()).result()
+
+
+def url_of(url: str, database: str) -> str:
+    return make_url(url).set(database=database).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[EmbeddedPostgres | None]:
+    if os.environ.get("PHASEGATE_TEST_DATABASE_URL"):
+        yield None
+        return
+    data_dir = tempfile.mkdtemp(prefix="phasegate-test-pg-")
+    os.chmod(data_dir, 0o755)  # ours: the server's user must be able to enter it
+    server = EmbeddedPostgres(data_dir, settings={"fsync": "off", "full_page_writes": "off"})
+    server.start()
+    server.stop_on_signals()  # a terminated run leaves no server behind
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def admin_url(postgres_server: EmbeddedPostgres | None) -> Iterator[str]:
+    url = sqlalchemy_url(os.environ["PHASEGATE_TEST_DATABASE_URL"]) if postgres_server is None else postgres_server.url
+
+    async def make_template() -> None:
+        await _recreate(url, TEMPLATE)
+        await migrate.upgrade_async(url_of(url, TEMPLATE))
+
+    run_sync(make_template)
+    yield url
+    run_sync(lambda: _drop(url, TEMPLATE))
+
+
+@pytest.fixture
+async def database_url(admin_url: str) -> AsyncIterator[str]:
+    name = f"phasegate_test_{os.getpid()}_{next(_names)}"
+    await _recreate(admin_url, name, template=TEMPLATE)
+    yield url_of(admin_url, name)
+    await _drop(admin_url, name)
+
+
+@pytest.fixture
+async def empty_database_url(admin_url: str) -> AsyncIterator[str]:
+    name = f"phasegate_empty_{os.getpid()}_{next(_names)}"
+    await _recreate(admin_url, name)
+    yield url_of(admin_url, name)
+    await _drop(admin_url, name)
+
+
+@pytest.fixture
+async def event_store(database_url: str) -> AsyncIterator[PostgresEventStore]:
+    store = await PostgresEventStore.connect(database_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _recreate(admin_url: str, name: str, *, template: str | None = None) -> None:
+    admin = await asyncpg.connect(asyncpg_dsn(admin_url))
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        copy = f' TEMPLATE "{template}"' if template else ""
+        await admin.execute(f'CREATE DATABASE "{name}"{copy}')
+    finally:
+        await admin.close()
+
+
+async def _drop(admin_url: str, name: str) -> None:
+    admin = await asyncpg.connect(asyncpg_dsn(admin_url))
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
