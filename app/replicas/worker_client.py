@@ -26,6 +26,7 @@ The per-frame path is one ``json.loads`` and one small object per line.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -195,6 +196,7 @@ class Health:
 # --- the stream --------------------------------------------------------------------------
 
 _loads = json.loads
+_YIELD_EVERY = 16
 
 
 class AttemptStream:
@@ -211,6 +213,7 @@ class AttemptStream:
         self._raw = response.aiter_raw()
         self._lines: deque[bytes] = deque()
         self._tail = b""
+        self._until_yield = _YIELD_EVERY
 
     async def __aenter__(self) -> AttemptStream:
         return self
@@ -225,6 +228,12 @@ class AttemptStream:
         return self
 
     async def __anext__(self) -> Frame:
+        self._until_yield -= 1
+        if not self._until_yield:
+            # Reading buffered frames never suspends; without this a fast stream would
+            # starve the caller's other tasks (its lease renewals above all).
+            self._until_yield = _YIELD_EVERY
+            await asyncio.sleep(0)
         if self._lines:
             return await self._frame(self._lines.popleft())
         if self.done:

@@ -55,6 +55,7 @@ _STOP_MESSAGES = {
     Stop.REPLICA_EXITING: "the replica is shutting down",
     Stop.ENGINE_ERROR: "the engine failed on this request",
 }
+_YIELD_EVERY = 16
 _MALFORMED_FRAME = b'{"type":"token","choice":0,"index":\n'
 
 
@@ -193,12 +194,14 @@ class Worker:
         if not attempt.live:
             return
         attempt.stop = reason
+        attempt.stopped_at = time.monotonic()
         self.stats.stopped[reason] = self.stats.stopped.get(reason, 0) + 1
         if reason is Stop.LEASE_EXPIRED:
             self.stats.lease_expiries += 1
         if attempt.timer is not None:
             attempt.timer.cancel()
-        attempt.stop_signal.set_result(None)
+        if not attempt.stop_signal.done():
+            attempt.stop_signal.set_result(None)
         if attempt in self._waiting:
             self._waiting.remove(attempt)
         if attempt.engine_started:
@@ -293,7 +296,8 @@ class Worker:
                 attempt.phase = "prefill"
                 yield heartbeat_frame("prefill", None)
                 if fault is not None:
-                    await self._prefill_fault(attempt, fault)
+                    async for frame in self._prefill_fault(attempt, fault):
+                        yield frame
                 if self._may_publish(attempt):
                     outputs = self.engine.generate(attempt.engine_request_id, attempt.prepared)
                     attempt.engine_started = True
@@ -357,13 +361,19 @@ class Worker:
         except ValueError:
             return 0
 
-    async def _prefill_fault(self, attempt: Attempt, fault: Fault) -> None:
+    async def _prefill_fault(self, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
+        """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
         if fault.action is Action.DIE and fault.point is Point.PREFILL:
             await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
             die()
         if fault.action is Action.SLOW_PREFILL:
-            # the heartbeats go on in the caller's loop: hold the engine back meanwhile
-            await asyncio.wait((attempt.stop_signal,), timeout=fault.prefill_ms / 1000)
+            interval = attempt.spec.heartbeat_s * 0.9
+            until = time.monotonic() + fault.prefill_ms / 1000
+            while (left := until - time.monotonic()) > 0:
+                await asyncio.wait((attempt.stop_signal,), timeout=min(interval, left))
+                if not self._may_publish(attempt) or time.monotonic() >= until:
+                    return
+                yield heartbeat_frame("prefill", None)
 
     async def _decode(
         self, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
@@ -377,15 +387,24 @@ class Worker:
         fault_at = fault.at_token if fault is not None else -1
         stats = self.stats
         monotonic = time.monotonic
+        until_yield = _YIELD_EVERY
         while True:
+            until_yield -= 1
+            if not until_yield:
+                # buffered engine outputs and socket writes never suspend: let renewals,
+                # cancels and lease timers in now and then
+                until_yield = _YIELD_EVERY
+                await asyncio.sleep(0)
             token_count = len(output.token_ids)
             attempt.generated_tokens += token_count
             stats.tokens_generated += token_count
             if attempt.stop is not None:
                 return
-            if monotonic() >= attempt.expires_at:
+            now = monotonic()
+            if now >= attempt.expires_at:
                 self._stop(attempt, Stop.LEASE_EXPIRED)
                 return
+            attempt.last_frame_at = now
             choice = output.choice
             die_after = False
             if output.tool_call is not None:
@@ -400,7 +419,9 @@ class Worker:
                             die()
                         die_after = fault.point is Point.AFTER_FRAME
                     elif action is Action.STALL:
-                        await attempt.stop_signal  # cancel, lease expiry or drain ends it
+                        # cancel, lease expiry or drain ends it (wait(), not await: a
+                        # cancelled reader must not cancel the shared signal)
+                        await asyncio.wait((attempt.stop_signal,))
                         yield None
                         return
                     elif action is Action.MALFORMED_FRAME:

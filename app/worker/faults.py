@@ -171,8 +171,9 @@ def parse_fault(raw: Mapping[str, Any], fault_id: int) -> Fault:
         fault.tool_arguments = str(raw.get("tool_arguments", fault.tool_arguments))
     elif "at_token" in raw and action not in _ACTIONS_WITH_TOKEN:
         raise _bad("at_token", f"a {action} fault has no token position")
-    times = raw.get("times", 1)
-    fault.remaining = None if times is None else _opt_int(raw, "times", 1, 1_000_000)
+    # times: how many matching attempts it applies to (default 1); null: all of them
+    unlimited = "times" in raw and raw["times"] is None
+    fault.remaining = None if unlimited else (_opt_int(raw, "times", 1, 1_000_000) or 1)
     match = raw.get("match") or {}
     if not isinstance(match, Mapping) or set(match) - {"prompt_contains", "request_id", "attempt"}:
         raise _bad("match", "may hold prompt_contains, request_id and attempt")

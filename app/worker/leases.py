@@ -50,6 +50,7 @@ class Attempt:
         "finished_at",
         "generated_tokens",
         "has_slot",
+        "last_frame_at",
         "lease_epoch",
         "phase",
         "prepared",
@@ -59,6 +60,7 @@ class Attempt:
         "spec",
         "stop",
         "stop_signal",
+        "stopped_at",
         "timer",
     )
 
@@ -84,6 +86,9 @@ class Attempt:
         self.generated_tokens = 0  # tokens the worker received from the engine
         self.published_tokens = 0
         self.finished_at: float | None = None
+        # when the last token or tool_call frame passed its lease check
+        self.last_frame_at: float | None = None
+        self.stopped_at: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -100,6 +105,9 @@ class Attempt:
         return self.generated_tokens
 
     def describe(self, now: float) -> dict[str, object]:
+        def since_created(at: float | None) -> int | None:
+            return None if at is None else round((at - self.created_at) * 1000)
+
         return {
             "request_id": self.spec.request_id,
             "attempt": self.spec.attempt,
@@ -111,6 +119,10 @@ class Attempt:
             "generated_tokens": self.generated(),
             "published_tokens": self.published_tokens,
             "fault": None if self.fault is None else self.fault.id,
+            # the attempt's timeline on the worker's clock, in ms since it was admitted
+            "lease_ends_ms": since_created(self.expires_at),
+            "last_frame_ms": since_created(self.last_frame_at),
+            "stopped_ms": since_created(self.stopped_at),
         }
 
 

@@ -106,18 +106,21 @@ class SimEngine:
         running = _Running()
         self._running[engine_request_id] = running
         running.task = asyncio.get_running_loop().create_task(self._run(running, prepared))
+        running.task.add_done_callback(lambda _: self._forget(engine_request_id, running))
         return self._drain(engine_request_id, running)
 
+    def _forget(self, engine_request_id: str, running: _Running) -> None:
+        if self._running.get(engine_request_id) is running:
+            del self._running[engine_request_id]
+
     async def _drain(self, engine_request_id: str, running: _Running) -> AsyncIterator[EngineOutput]:
+        # The reader going away does not stop the request (as in vLLM): only abort does.
         queue = running.queue
-        try:
-            while True:
-                output = queue.get_nowait() if queue.qsize() else await queue.get()
-                if output is _FINISHED:
-                    return
-                yield output
-        finally:
-            self._running.pop(engine_request_id, None)
+        while True:
+            output = queue.get_nowait() if queue.qsize() else await queue.get()
+            if output is _FINISHED:
+                return
+            yield output
 
     async def abort(self, engine_request_id: str) -> int | None:
         running = self._running.pop(engine_request_id, None)
