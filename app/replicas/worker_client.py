@@ -280,6 +280,7 @@ class AttemptStream:
                 raise KeyError(kind)
         except (ValueError, KeyError, TypeError) as exc:
             await self.aclose()
+            line = line.rstrip(b"\n")
             raise MalformedFrame(f"not a protocol frame ({exc!r}): {line[:200]!r}", line=line) from None
         await self.aclose()
         if code == "replica_exiting":
