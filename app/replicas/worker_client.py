@@ -1,25 +1,17 @@
 """The gateway's client for the worker protocol (docs/worker-protocol.md), on httpx.
 
-Errors. Each carries ``kind``, the :class:`FailureKind` the driver records for it, and
-``released``: whether the error itself proves the attempt will publish nothing more
-(so the driver need not fence it). The tree::
+``WorkerClient.start`` returns an :class:`AttemptStream` of typed frames (:class:`Heartbeat`,
+:class:`Token`, :class:`ToolCall`, :class:`Done`); ``renew``, ``cancel`` and ``health``
+are plain calls. Every failure is a :class:`WorkerError` from ``worker_errors.py``,
+re-exported here, whose tree maps each observation onto a ``FailureKind``::
 
     WorkerError
-    ├── ReplicaExited          replica_exited, released: the process is gone or going
-    │   ├── ConnectFailed        connection refused: nothing listens there
-    │   ├── StreamBroken         connection reset, or EOF before a done or error frame
-    │   └── ReplicaExiting       503 replica_exiting, or an error frame replica_exiting
-    ├── LivenessUncertain      liveness_uncertain, not released: fence before a retry
-    │   ├── ConnectTimedOut      no TCP connection within the connect timeout
-    │   ├── ReadStalled          no frame within the read timeout
-    │   ├── MalformedFrame       a line that is not a protocol frame
-    │   └── ControlUnanswered    renew or cancel unanswered in time, or 504 abort_unconfirmed
-    ├── Rejected               rejected: refused before starting (429, 503, 5xx); retry_after
-    ├── RequestRefused         request_refused: a 4xx on the start request itself
-    └── AttemptEnded           replica_exited, released: the worker ended the attempt itself
-        │                        (error frame lease_expired, lease_revoked, cancelled, engine_error)
-        └── LeaseLost            renew refused (unknown_attempt, lease_expired, …); a stale
-                                 epoch is the one case that is not released
+    ├── ReplicaExited (ConnectFailed, StreamBroken, ReplicaExiting)        replica_exited
+    ├── LivenessUncertain (ConnectTimedOut, ReadStalled, MalformedFrame,
+    │                      ControlUnanswered)                              liveness_uncertain
+    ├── Rejected                                                           rejected
+    ├── RequestRefused                                                     request_refused
+    └── AttemptEnded (LeaseLost)                                           replica_exited
 
 The per-frame path is one ``json.loads`` and one small object per line.
 """
@@ -35,99 +27,49 @@ from typing import Any
 
 import httpx
 
-from statemachine.events import FailureKind
+from app.replicas.worker_errors import (
+    AttemptEnded,
+    ConnectFailed,
+    ConnectTimedOut,
+    ControlUnanswered,
+    LeaseLost,
+    LivenessUncertain,
+    MalformedFrame,
+    ReadStalled,
+    Rejected,
+    ReplicaExited,
+    ReplicaExiting,
+    RequestRefused,
+    StreamBroken,
+    WorkerError,
+)
 
-# --- errors ------------------------------------------------------------------------------
-
-
-class WorkerError(Exception):
-    """Base of every error the client raises; see the tree in the module docstring."""
-
-    kind: FailureKind
-    released = False
-
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-
-
-class ReplicaExited(WorkerError):
-    kind = FailureKind.REPLICA_EXITED
-    released = True
-
-
-class ConnectFailed(ReplicaExited):
-    pass
-
-
-class StreamBroken(ReplicaExited):
-    pass
-
-
-class ReplicaExiting(ReplicaExited):
-    pass
-
-
-class LivenessUncertain(WorkerError):
-    kind = FailureKind.LIVENESS_UNCERTAIN
-
-
-class ConnectTimedOut(LivenessUncertain):
-    pass
-
-
-class ReadStalled(LivenessUncertain):
-    pass
-
-
-class MalformedFrame(LivenessUncertain):
-    def __init__(self, message: str, *, line: bytes) -> None:
-        super().__init__(message)
-        self.line = line
-
-
-class ControlUnanswered(LivenessUncertain):
-    pass
-
-
-class Rejected(WorkerError):
-    kind = FailureKind.REJECTED
-    released = True
-
-    def __init__(
-        self, message: str, *, status: int | None, code: str | None, retry_after: float | None
-    ) -> None:
-        super().__init__(message, status=status, code=code)
-        self.retry_after = retry_after
-
-
-class RequestRefused(WorkerError):
-    kind = FailureKind.REQUEST_REFUSED
-    released = True
-
-    def __init__(self, message: str, *, status: int, code: str | None, field: str | None) -> None:
-        super().__init__(message, status=status, code=code)
-        self.field = field
-
-
-class AttemptEnded(WorkerError):
-    kind = FailureKind.REPLICA_EXITED
-    released = True
-
-    def __init__(
-        self, message: str, *, code: str, status: int | None = None, generated_tokens: int | None = None
-    ):
-        super().__init__(message, status=status, code=code)
-        self.generated_tokens = generated_tokens
-
-
-class LeaseLost(AttemptEnded):
-    def __init__(self, message: str, *, code: str, status: int) -> None:
-        super().__init__(message, code=code, status=status)
-        self.released = code != "stale_lease_epoch"
-
+__all__ = [
+    "AttemptEnded",
+    "AttemptStream",
+    "CancelAck",
+    "ConnectFailed",
+    "ConnectTimedOut",
+    "ControlUnanswered",
+    "Done",
+    "Frame",
+    "Health",
+    "Heartbeat",
+    "LeaseLost",
+    "LeaseRenewed",
+    "LivenessUncertain",
+    "MalformedFrame",
+    "ReadStalled",
+    "Rejected",
+    "ReplicaExited",
+    "ReplicaExiting",
+    "RequestRefused",
+    "StreamBroken",
+    "Token",
+    "ToolCall",
+    "WorkerClient",
+    "WorkerError",
+]
 
 # --- frames ------------------------------------------------------------------------------
 
