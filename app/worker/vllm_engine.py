@@ -22,6 +22,7 @@ does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -118,9 +119,14 @@ class VllmEngine:
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         engine_input, params = prepared.payload
         try:
-            async for request_output in self._llm.generate(engine_input, params, engine_request_id):
-                for c in request_output.outputs:
-                    yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason)
+            # aclosing: when the worker closes this stream, vLLM's generator is closed now
+            # (it aborts its request then), not whenever it is garbage-collected
+            async with contextlib.aclosing(
+                self._llm.generate(engine_input, params, engine_request_id)
+            ) as outputs:
+                async for request_output in outputs:
+                    for c in request_output.outputs:
+                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
