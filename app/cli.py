@@ -1,25 +1,39 @@
-"""The ``phasegate`` command line."""
+"""The ``phasegate`` command line.
+
+    phasegate serve     the gateway (embedded PostgreSQL and simulated workers by default)
+    phasegate worker    a replica: one engine behind the lease protocol
+    phasegate db        the log's schema: upgrade, downgrade, current, check
+
+Each subcommand's module is imported only when it runs, so ``phasegate worker`` does
+not load the gateway and ``phasegate serve`` does not load vLLM.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from app.serve import add_serve_parser
 from app.store.commands import add_db_parser
+from app.worker.config import add_worker_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="phasegate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="phasegate", description="An OpenAI-compatible gateway that never splices.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run the gateway (not yet: the gateway issue builds it)")
+    add_serve_parser(sub)
+    add_worker_parser(sub)
     add_db_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "db":
-        return int(args.run(args))
     if args.command == "serve":
-        print("phasegate serve: not yet built; see the gateway issue", file=sys.stderr)
-        return 2
-    return 0  # pragma: no cover
+        from app.serve import serve
+
+        return serve(args)
+    if args.command == "worker":
+        from app.worker.server import main as worker_main
+
+        return worker_main(args)
+    return int(args.run(args))  # db
 
 
 if __name__ == "__main__":

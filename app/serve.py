@@ -17,12 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
-from app.gateway import Gateway
-from app.store.database import sqlalchemy_url
-from app.store.embedded import EmbeddedPostgres
 from app.supervisor import Child, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
@@ -60,6 +55,9 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"phasegate serve: {exc}")
         return 2
+    from app.store.database import sqlalchemy_url
+    from app.store.embedded import EmbeddedPostgres
+
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
@@ -103,6 +101,10 @@ def _as_dict(config: GatewayConfig) -> dict[str, Any]:
 
 
 async def _run(config: GatewayConfig, url: str) -> None:
+    import uvicorn
+
+    from app.gateway import Gateway
+
     gateway = await Gateway.open(config, url)
     server = uvicorn.Server(
         uvicorn.Config(gateway.app, host=config.host, port=config.port, log_level="warning", lifespan="on")
@@ -116,7 +118,7 @@ async def _run(config: GatewayConfig, url: str) -> None:
             await banner
 
 
-async def _announce(server: uvicorn.Server, config: GatewayConfig) -> None:
+async def _announce(server: Any, config: GatewayConfig) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     base = f"http://{config.host}:{config.port}"

@@ -1,0 +1,432 @@
+"""The gateway's client for the worker protocol (docs/worker-protocol.md), on httpx.
+
+``WorkerClient.start`` returns an :class:`AttemptStream` of typed frames (:class:`Heartbeat`,
+:class:`Token`, :class:`ToolCall`, :class:`Done`); ``renew``, ``cancel`` and ``health``
+are plain calls. Every failure is a :class:`WorkerError` from ``worker_errors.py``,
+re-exported here, whose tree maps each observation onto a ``FailureKind``::
+
+    WorkerError
+    ├── ReplicaExited (ConnectFailed, StreamBroken, ReplicaExiting)        replica_exited
+    ├── LivenessUncertain (ConnectTimedOut, ReadStalled, MalformedFrame,
+    │                      ControlUnanswered)                              liveness_uncertain
+    ├── Rejected                                                           rejected
+    ├── RequestRefused                                                     request_refused
+    └── AttemptEnded (LeaseLost)                                           replica_exited
+
+The per-frame path is one ``json.loads`` and one small object per line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from app.replicas.worker_errors import (
+    AttemptEnded,
+    ConnectFailed,
+    ConnectTimedOut,
+    ControlUnanswered,
+    LeaseLost,
+    LivenessUncertain,
+    MalformedFrame,
+    ReadStalled,
+    Rejected,
+    ReplicaExited,
+    ReplicaExiting,
+    RequestRefused,
+    StreamBroken,
+    WorkerError,
+)
+
+__all__ = [
+    "AttemptEnded",
+    "AttemptStream",
+    "CancelAck",
+    "ConnectFailed",
+    "ConnectTimedOut",
+    "ControlUnanswered",
+    "Done",
+    "Frame",
+    "Health",
+    "Heartbeat",
+    "LeaseLost",
+    "LeaseRenewed",
+    "LivenessUncertain",
+    "MalformedFrame",
+    "ReadStalled",
+    "Rejected",
+    "ReplicaExited",
+    "ReplicaExiting",
+    "RequestRefused",
+    "StreamBroken",
+    "Token",
+    "ToolCall",
+    "WorkerClient",
+    "WorkerError",
+]
+
+# --- frames ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    phase: str  # "queued" or "prefill"
+    queue_position: int | None
+
+
+@dataclass(slots=True)
+class Token:
+    choice: int
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    choice: int
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Done:
+    finish_reason: str
+    finish_reasons: list[str]
+    usage: dict[str, int]
+
+
+Frame = Heartbeat | Token | ToolCall | Done
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    lease_epoch: int
+    lease_ttl_ms: int
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAck:
+    """The worker's answer to a cancel, sent once the engine confirmed the abort.
+
+    ``state``: ``aborted`` (stopped now, or earlier for ``stop``), ``finished`` (it had
+    completed) or ``never_started`` (unknown here; a late start will be refused).
+    """
+
+    state: str
+    generated_tokens: int
+    stop: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    healthy: bool
+    status: int
+    code: str | None
+    details: dict[str, Any]
+
+
+# --- the stream --------------------------------------------------------------------------
+
+_loads = json.loads
+_YIELD_EVERY = 16
+
+
+class AttemptStream:
+    """The frames of one started attempt; iterate it, then it closes itself.
+
+    Iteration ends after :class:`Done`; an ``error`` frame or a transport failure raises a
+    :class:`WorkerError`. Use ``async with`` (or ``aclose``) if you stop reading early.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.worker_id = response.headers.get("x-phasegate-worker")
+        self.done = False
+        self._raw = response.aiter_raw()
+        self._lines: deque[bytes] = deque()
+        self._tail = b""
+        self._until_yield = _YIELD_EVERY
+
+    async def __aenter__(self) -> AttemptStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+    def __aiter__(self) -> AttemptStream:
+        return self
+
+    async def __anext__(self) -> Frame:
+        self._until_yield -= 1
+        if not self._until_yield:
+            # Reading buffered frames never suspends; without this a fast stream would
+            # starve the caller's other tasks (its lease renewals above all).
+            self._until_yield = _YIELD_EVERY
+            await asyncio.sleep(0)
+        if self._lines:
+            return await self._frame(self._lines.popleft())
+        if self.done:
+            raise StopAsyncIteration
+        while True:
+            try:
+                chunk = await self._raw.__anext__()
+            except StopAsyncIteration:
+                await self.aclose()
+                if self._tail:
+                    raise MalformedFrame("the stream ended inside a frame", line=self._tail) from None
+                raise StreamBroken("the stream ended without a done or error frame") from None
+            except httpx.HTTPError as exc:
+                await self.aclose()
+                raise _transport_error(exc) from exc
+            if not self._tail and chunk.find(b"\n") == len(chunk) - 1:
+                return await self._frame(chunk)  # the usual case: one whole frame per chunk
+            lines = (self._tail + chunk).split(b"\n")
+            self._tail = lines.pop()
+            if lines:
+                self._lines.extend(lines)
+                return await self._frame(self._lines.popleft())
+
+    async def _frame(self, line: bytes) -> Frame:
+        try:
+            obj = _loads(line)
+            kind = obj["type"]
+            if kind == "token":
+                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"])
+            if kind == "heartbeat":
+                return Heartbeat(obj["phase"], obj["queue_position"])
+            if kind == "tool_call":
+                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
+            if kind == "done":
+                frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
+                self.done = True
+                self._lines.clear()
+                await self.aclose()
+                return frame
+            if kind == "error":
+                code, message = obj["code"], obj["message"]
+                generated = obj.get("generated_tokens")
+            else:
+                raise KeyError(kind)
+        except (ValueError, KeyError, TypeError) as exc:
+            await self.aclose()
+            line = line.rstrip(b"\n")
+            raise MalformedFrame(f"not a protocol frame ({exc!r}): {line[:200]!r}", line=line) from None
+        await self.aclose()
+        if code == "replica_exiting":
+            raise ReplicaExiting(message, code=code)
+        raise AttemptEnded(message, code=code, generated_tokens=generated)
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+def _transport_error(exc: httpx.HTTPError) -> WorkerError:
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectTimedOut(f"no connection within the timeout: {exc!r}")
+    if isinstance(exc, httpx.PoolTimeout):
+        return Rejected(
+            f"no free connection in the client's pool: {exc!r}", status=None, code=None, retry_after=None
+        )
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectFailed(f"cannot connect: {exc!r}")
+    if isinstance(exc, httpx.TimeoutException):
+        return ReadStalled(f"no data within the read timeout: {exc!r}")
+    return StreamBroken(f"the connection broke: {exc!r}")
+
+
+def _error_body(response: httpx.Response) -> tuple[str | None, str, str | None]:
+    try:
+        error = response.json()["error"]
+        return error.get("code"), error.get("message", ""), error.get("field")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, response.text[:200], None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+class WorkerClient:
+    """Talks to one worker at ``base_url``; share one ``httpx.AsyncClient`` across workers."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        http: httpx.AsyncClient | None = None,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 5.0,
+        control_timeout: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.control_timeout = control_timeout
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self._http.aclose()
+
+    async def start(
+        self,
+        *,
+        request_id: str,
+        attempt: int,
+        lease_epoch: int,
+        lease_ttl_s: float,
+        model: str,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        heartbeat_s: float | None = None,
+        read_timeout: float | None = None,
+    ) -> AttemptStream:
+        """Start an attempt; return its frames once the worker accepted it.
+
+        A refusal raises before any frame: :class:`Rejected`, :class:`ReplicaExiting` or
+        :class:`RequestRefused`. ``read_timeout`` bounds each wait for the next frame
+        (heartbeats come every ``heartbeat_s`` while queued or in prefill).
+        """
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "attempt": attempt,
+            "lease_epoch": lease_epoch,
+            "lease_ttl_ms": round(lease_ttl_s * 1000),
+            "model": model,
+        }
+        if messages is not None:
+            body["messages"] = list(messages)
+        if prompt is not None:
+            body["prompt"] = prompt
+        if params:
+            body["params"] = dict(params)
+        if heartbeat_s is not None:
+            body["heartbeat_ms"] = round(heartbeat_s * 1000)
+        timeout = httpx.Timeout(
+            self.control_timeout,
+            connect=self.connect_timeout,
+            read=self.read_timeout if read_timeout is None else read_timeout,
+        )
+        request = self._http.build_request("POST", self.base_url + "/v1/attempts", json=body, timeout=timeout)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        if response.status_code == 200:
+            return AttemptStream(response)
+        try:
+            await response.aread()
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        finally:
+            await response.aclose()
+        status = response.status_code
+        code, message, field = _error_body(response)
+        if code == "replica_exiting":
+            raise ReplicaExiting(message, status=status, code=code)
+        if status == 429 or status >= 500:
+            raise Rejected(message, status=status, code=code, retry_after=_retry_after(response))
+        raise RequestRefused(message, status=status, code=code, field=field)
+
+    async def _control(self, path: str, body: Mapping[str, Any], timeout: float | None) -> httpx.Response:
+        limit = self.control_timeout if timeout is None else timeout
+        try:
+            return await self._http.post(
+                self.base_url + path, json=body, timeout=httpx.Timeout(limit, connect=self.connect_timeout)
+            )
+        except httpx.ConnectError as exc:
+            raise _transport_error(exc) from exc
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise _transport_error(exc) from exc
+            raise ControlUnanswered(f"{path}: no answer within {limit} s") from exc
+        except httpx.HTTPError as exc:
+            raise StreamBroken(f"{path}: the connection broke: {exc!r}") from exc
+
+    async def renew(
+        self,
+        request_id: str,
+        attempt: int,
+        lease_epoch: int,
+        lease_ttl_s: float,
+        *,
+        timeout: float | None = None,
+    ) -> LeaseRenewed:
+        """Extend the lease by ``lease_ttl_s`` from when the worker reads this; raises :class:`LeaseLost`."""
+        body = {
+            "request_id": request_id,
+            "attempt": attempt,
+            "lease_epoch": lease_epoch,
+            "lease_ttl_ms": round(lease_ttl_s * 1000),
+        }
+        response = await self._control("/v1/attempts/renew", body, timeout)
+        if response.status_code == 200:
+            data = response.json()
+            return LeaseRenewed(data["lease_epoch"], data["lease_ttl_ms"], data["phase"])
+        code, message, _ = _error_body(response)
+        if code == "replica_exiting":
+            raise ReplicaExiting(message, status=response.status_code, code=code)
+        raise LeaseLost(message, code=code or "unknown", status=response.status_code)
+
+    async def cancel(
+        self, request_id: str, attempt: int, lease_epoch: int, *, timeout: float | None = None
+    ) -> CancelAck:
+        """Cancel an attempt; the answer comes only after the engine confirmed the abort."""
+        body = {"request_id": request_id, "attempt": attempt, "lease_epoch": lease_epoch}
+        response = await self._control("/v1/attempts/cancel", body, timeout)
+        if response.status_code == 200:
+            data = response.json()
+            return CancelAck(data["state"], data["generated_tokens"], data["stop"])
+        code, message, field = _error_body(response)
+        if response.status_code >= 500:  # 504 abort_unconfirmed above all: the outcome is unknown
+            raise ControlUnanswered(message, status=response.status_code, code=code)
+        raise RequestRefused(message, status=response.status_code, code=code, field=field)
+
+    async def health(self, *, timeout: float | None = None) -> Health:
+        """The worker's health (a real one-token generation, cached briefly by the worker)."""
+        limit = self.control_timeout if timeout is None else timeout
+        try:
+            response = await self._http.get(
+                self.base_url + "/v1/health", timeout=httpx.Timeout(limit, connect=self.connect_timeout)
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+        return Health(response.status_code == 200, response.status_code, code, body)
+
+    async def ready(self) -> bool:
+        """Whether the worker accepts attempts now (engine loaded, not draining)."""
+        try:
+            response = await self._http.get(self.base_url + "/v1/ready", timeout=self.connect_timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def info(self) -> dict[str, Any]:
+        response = await self._http.get(self.base_url + "/v1/info", timeout=self.control_timeout)
+        result: dict[str, Any] = response.json()
+        return result

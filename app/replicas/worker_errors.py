@@ -1,0 +1,118 @@
+"""The worker client's errors, each mapped onto the :class:`FailureKind` the driver records.
+
+Each error carries ``kind`` and ``released``: whether the error itself proves the
+attempt will publish nothing more (so the driver need not fence it)::
+
+    WorkerError
+    ├── ReplicaExited          replica_exited, released: the process is gone or going
+    │   ├── ConnectFailed        connection refused: nothing listens there
+    │   ├── StreamBroken         connection reset, or EOF before a done or error frame
+    │   └── ReplicaExiting       503 replica_exiting, or an error frame replica_exiting
+    ├── LivenessUncertain      liveness_uncertain, not released: fence before a retry
+    │   ├── ConnectTimedOut      no TCP connection within the connect timeout
+    │   ├── ReadStalled          no frame within the read timeout
+    │   ├── MalformedFrame       a line that is not a protocol frame
+    │   └── ControlUnanswered    renew or cancel unanswered in time, or 504 abort_unconfirmed
+    ├── Rejected               rejected: refused before starting (429, 503, 5xx); retry_after
+    ├── RequestRefused         request_refused: a 4xx on the start request itself
+    └── AttemptEnded           replica_exited, released: the worker ended the attempt itself
+        │                        (error frame lease_expired, lease_revoked, cancelled, engine_error)
+        └── LeaseLost            renew refused (unknown_attempt, lease_expired, …); a stale
+                                 epoch is the one case that is not released
+
+``overloaded`` is not here: it is the driver's reading of heartbeats over time, not
+something one call observes.
+"""
+
+from __future__ import annotations
+
+from statemachine.events import FailureKind
+
+
+class WorkerError(Exception):
+    """Base of every error the client raises; see the tree in the module docstring."""
+
+    kind: FailureKind
+    released = False
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+class ReplicaExited(WorkerError):
+    kind = FailureKind.REPLICA_EXITED
+    released = True
+
+
+class ConnectFailed(ReplicaExited):
+    pass
+
+
+class StreamBroken(ReplicaExited):
+    pass
+
+
+class ReplicaExiting(ReplicaExited):
+    pass
+
+
+class LivenessUncertain(WorkerError):
+    kind = FailureKind.LIVENESS_UNCERTAIN
+
+
+class ConnectTimedOut(LivenessUncertain):
+    pass
+
+
+class ReadStalled(LivenessUncertain):
+    pass
+
+
+class MalformedFrame(LivenessUncertain):
+    def __init__(self, message: str, *, line: bytes) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+class ControlUnanswered(LivenessUncertain):
+    pass
+
+
+class Rejected(WorkerError):
+    kind = FailureKind.REJECTED
+    released = True
+
+    def __init__(
+        self, message: str, *, status: int | None, code: str | None, retry_after: float | None
+    ) -> None:
+        super().__init__(message, status=status, code=code)
+        self.retry_after = retry_after
+
+
+class RequestRefused(WorkerError):
+    kind = FailureKind.REQUEST_REFUSED
+    released = True
+
+    def __init__(self, message: str, *, status: int, code: str | None, field: str | None) -> None:
+        super().__init__(message, status=status, code=code)
+        self.field = field
+
+
+class AttemptEnded(WorkerError):
+    kind = FailureKind.REPLICA_EXITED
+    released = True
+
+    def __init__(
+        self, message: str, *, code: str, status: int | None = None, generated_tokens: int | None = None
+    ):
+        super().__init__(message, status=status, code=code)
+        self.generated_tokens = generated_tokens
+
+
+class LeaseLost(AttemptEnded):
+    def __init__(self, message: str, *, code: str, status: int) -> None:
+        super().__init__(message, code=code, status=status)
+        self.released = code != "stale_lease_epoch"

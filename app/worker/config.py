@@ -1,0 +1,134 @@
+"""``phasegate worker`` options and the engine they select."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.worker.engine import Engine
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port; its number goes to ready_file
+    worker_id: str = ""
+    engine: str = "sim"  # "sim" or "vllm"
+    models: tuple[str, ...] = ("sim",)  # the names start requests may use
+    max_running: int = 8
+    max_queued: int = 64
+    heartbeat_ms: int = 250
+    grace_s: float = 5.0
+    health_ttl_s: float = 1.0
+    health_timeout_s: float = 10.0
+    enable_faults: bool = False
+    faults: tuple[dict[str, Any], ...] = ()
+    ready_file: Path | None = None
+    log_level: str = "warning"
+    # sim engine
+    sim_prefill_ms_per_token: float = 0.1
+    sim_decode_ms_per_token: float = 2.0
+    sim_abort_ms: float = 0.0
+    # vllm engine
+    model_path: str | None = None
+    max_model_len: int = 512
+    dtype: str = "bfloat16"
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+def add_worker_parser(sub: Any) -> None:
+    """Add the ``worker`` subcommand to the CLI's subparsers."""
+    p = sub.add_parser("worker", help="run a replica worker: one engine behind the lease protocol")
+    d = WorkerConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (see --ready-file)")
+    p.add_argument("--worker-id", default=d.worker_id, help="name in metrics and headers (default host:pid)")
+    p.add_argument("--engine", choices=["sim", "vllm"], default=d.engine)
+    p.add_argument("--model", action="append", dest="models", help="served model name (repeatable)")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="engine slots")
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting attempts before 429")
+    p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="default heartbeat interval")
+    p.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: time running attempts get")
+    p.add_argument(
+        "--health-ttl-s", type=float, default=d.health_ttl_s, help="how long a health probe is reused"
+    )
+    p.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
+    p.add_argument("--enable-faults", action="store_true", help="accept scripted faults (tests only)")
+    p.add_argument(
+        "--fault", action="append", default=[], metavar="JSON", help="a fault at startup (repeatable)"
+    )
+    p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once listening")
+    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)
+    p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
+    p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
+    p.add_argument("--model-path", help="vllm: the model directory")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--vllm-args", default="{}", metavar="JSON", help="vllm: more AsyncEngineArgs fields")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    faults = tuple(json.loads(raw) for raw in args.fault)
+    if faults and not args.enable_faults:
+        raise SystemExit("phasegate worker: --fault needs --enable-faults")
+    if args.engine == "vllm" and not args.model_path:
+        raise SystemExit("phasegate worker: --engine vllm needs --model-path")
+    models = tuple(args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"]))
+    return WorkerConfig(
+        host=args.host,
+        port=args.port,
+        worker_id=args.worker_id,
+        engine=args.engine,
+        models=models,
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+        heartbeat_ms=args.heartbeat_ms,
+        grace_s=args.grace_s,
+        health_ttl_s=args.health_ttl_s,
+        health_timeout_s=args.health_timeout_s,
+        enable_faults=args.enable_faults,
+        faults=faults,
+        ready_file=args.ready_file,
+        log_level=args.log_level,
+        sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,
+        sim_decode_ms_per_token=args.sim_decode_ms_per_token,
+        sim_abort_ms=args.sim_abort_ms,
+        model_path=args.model_path,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        vllm_args=json.loads(args.vllm_args),
+    )
+
+
+def make_engine(config: WorkerConfig) -> Engine:
+    """The configured engine; vLLM is imported only here, only when asked for."""
+    if config.engine == "vllm":
+        from app.worker.vllm_engine import VllmEngine
+
+        assert config.model_path is not None
+        return VllmEngine(
+            config.model_path,
+            models=config.models,
+            max_model_len=config.max_model_len,
+            dtype=config.dtype,
+            max_num_seqs=config.max_running,
+            extra_args=config.vllm_args,
+        )
+    from app.worker.sim import SimEngine, SimTiming
+
+    timing = SimTiming(
+        prefill_s_per_token=config.sim_prefill_ms_per_token / 1000,
+        decode_s_per_token=config.sim_decode_ms_per_token / 1000,
+        abort_s=config.sim_abort_ms / 1000,
+    )
+    return SimEngine(models=config.models, timing=timing)

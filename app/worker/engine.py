@@ -1,0 +1,88 @@
+"""The port between the worker and the engine it owns.
+
+An engine turns a prepared prompt into a stream of :class:`EngineOutput` and can abort
+a request by id. It runs independently of whoever reads its stream (as vLLM does):
+``abort`` returns only once the engine has really stopped the request, and that return
+is what the worker's cancel acknowledgement waits for. Engines know nothing of leases,
+HTTP or faults; the worker (``attempts.py``) adds those around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.worker.protocol import AttemptSpec, Code, Refusal
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallOutput:
+    index: int
+    tool_call_id: str
+    name: str
+    arguments: str
+
+
+class EngineOutput:
+    """New output of one choice: token ids and their text, and the finish reason once done."""
+
+    __slots__ = ("choice", "finish_reason", "text", "token_ids", "tool_call")
+
+    def __init__(
+        self,
+        choice: int,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None = None,
+        tool_call: ToolCallOutput | None = None,
+    ) -> None:
+        self.choice = choice
+        self.token_ids = token_ids
+        self.text = text
+        self.finish_reason = finish_reason
+        self.tool_call = tool_call
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request the engine accepted: its prompt length and whatever the engine needs."""
+
+    spec: AttemptSpec
+    prompt_tokens: int
+    payload: Any = None
+
+
+class EngineFailed(Exception):
+    """The engine could not serve a request it had accepted (becomes an engine_error frame)."""
+
+
+class Engine(Protocol):
+    """What the worker needs from an engine."""
+
+    name: str
+    models: tuple[str, ...]
+
+    async def start(self) -> None:
+        """Load the model; the worker is ready once this returns."""
+
+    async def close(self) -> None:
+        """Stop the engine and any processes it started."""
+
+    def prepare(self, spec: AttemptSpec) -> Prepared:
+        """Render and tokenize the prompt; raise :class:`Refusal` if the engine cannot serve it."""
+
+    def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
+        """Start generating; the iterator ends after every choice has a finish reason or an abort."""
+
+    async def abort(self, engine_request_id: str) -> int | None:
+        """Stop the request; return once the engine confirmed it, with its generated token count if known."""
+
+
+def prompt_too_long(prompt_tokens: int, max_model_len: int) -> Refusal:
+    return Refusal(
+        400,
+        Code.PROMPT_TOO_LONG,
+        f"the prompt has {prompt_tokens} tokens; this model takes fewer than {max_model_len}",
+        field="messages",
+    )

@@ -1,0 +1,230 @@
+"""The frame loop: the response body of one started attempt.
+
+How this works. Heartbeats while the attempt waits for a slot (``queued``, with its
+position) and while the engine prefills; then one frame per engine output. Before every
+frame the lease is checked (``Worker.may_publish``, or inline on the token path) and a
+stopped attempt publishes nothing more. When the loop ends early it waits for the engine
+to confirm the abort, then writes the one ``error`` frame that says why. Scripted faults
+act at their token here. The per-token path is kept to a few attribute reads, one
+``time.monotonic()`` and one ``bytes`` formatting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from app.worker.engine import EngineFailed, EngineOutput
+from app.worker.faults import Action, Fault, Point
+from app.worker.leases import Attempt, Stop
+from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.sim import tool_call_id
+
+if TYPE_CHECKING:
+    from app.worker.attempts import Worker
+
+log = logging.getLogger("phasegate.worker")
+FIRST = asyncio.FIRST_COMPLETED
+
+_STOP_CODES = {
+    Stop.CANCELLED: Code.CANCELLED,
+    Stop.LEASE_EXPIRED: Code.LEASE_EXPIRED,
+    Stop.REVOKED: Code.LEASE_REVOKED,
+    Stop.REPLICA_EXITING: Code.REPLICA_EXITING,
+    Stop.ENGINE_ERROR: Code.ENGINE_ERROR,
+}
+_STOP_MESSAGES = {
+    Stop.CANCELLED: "the attempt was cancelled",
+    Stop.LEASE_EXPIRED: "the attempt's lease lapsed unrenewed",
+    Stop.REVOKED: "a newer lease epoch for this request started here",
+    Stop.REPLICA_EXITING: "the replica is shutting down",
+    Stop.ENGINE_ERROR: "the engine failed on this request",
+}
+_YIELD_EVERY = 16
+_MALFORMED_FRAME = b'{"type":"token","choice":0,"index":\n'
+
+
+def die() -> None:
+    """Real process death: SIGKILL our process group if we lead one (engine children too)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
+    """The response body of a started attempt (see the module docstring)."""
+    worker.streams_open += 1
+    outputs: AsyncIterator[EngineOutput] | None = None
+    pending: asyncio.Task[EngineOutput] | None = None
+    silent = False  # a stall publishes nothing, not even its end
+    try:
+        heartbeat_s = attempt.spec.heartbeat_s
+        while not attempt.has_slot and worker.may_publish(attempt):
+            yield heartbeat_frame("queued", worker.queue_position(attempt))
+            await asyncio.wait(
+                (attempt.slot, attempt.stop_signal), timeout=heartbeat_s * 0.9, return_when=FIRST
+            )
+        fault = attempt.fault
+        if worker.may_publish(attempt):
+            attempt.phase = "prefill"
+            yield heartbeat_frame("prefill", None)
+            if fault is not None:
+                async for frame in _prefill_fault(worker, attempt, fault):
+                    yield frame
+            if worker.may_publish(attempt):
+                outputs = worker.engine.generate(attempt.engine_request_id, attempt.prepared)
+                attempt.engine_started = True
+                pending = asyncio.ensure_future(anext(outputs))
+                while worker.may_publish(attempt):
+                    done, _ = await asyncio.wait(
+                        (pending, attempt.stop_signal), timeout=heartbeat_s * 0.9, return_when=FIRST
+                    )
+                    if pending in done or not worker.may_publish(attempt):
+                        break
+                    yield heartbeat_frame("prefill", None)
+        if pending is not None and pending.done() and attempt.stop is None:
+            assert outputs is not None
+            first = pending.result()  # may raise EngineFailed or StopAsyncIteration
+            pending = None
+            attempt.phase = "decode"
+            async for frame in _decode(worker, attempt, first, outputs):
+                if frame is None:
+                    silent = True
+                    break
+                yield frame
+        if attempt.stop is not None and not silent:
+            await worker.confirmed(attempt)
+            code = _STOP_CODES.get(attempt.stop)
+            if code is not None:
+                yield error_frame(code, _STOP_MESSAGES[attempt.stop], attempt.generated())
+    except Exception as exc:  # the engine's failure on this request, not ours: report it
+        log.error("engine failed on %s: %r", attempt.engine_request_id, exc)
+        worker.stop(attempt, Stop.ENGINE_ERROR)
+        await worker.confirmed(attempt)
+        yield error_frame(Code.ENGINE_ERROR, f"the engine failed: {exc!r}", attempt.generated())
+    finally:
+        worker.streams_open -= 1
+        if attempt.live:
+            worker.stop(attempt, Stop.DISCONNECTED)
+        if pending is not None and not pending.done():
+            pending.cancel()
+            await asyncio.wait((pending,))  # the engine stream is free to close only then
+        if outputs is not None:
+            await outputs.aclose()  # type: ignore[attr-defined]
+
+
+async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
+    """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
+    if fault.action is Action.DIE and fault.point is Point.PREFILL:
+        await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
+        die()
+    if fault.action is Action.SLOW_PREFILL:
+        interval = attempt.spec.heartbeat_s * 0.9
+        until = time.monotonic() + fault.prefill_ms / 1000
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.wait((attempt.stop_signal,), timeout=min(interval, left))
+            if not worker.may_publish(attempt) or time.monotonic() >= until:
+                return
+            yield heartbeat_frame("prefill", None)
+
+
+async def _decode(
+    worker: Worker, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
+) -> AsyncIterator[bytes | None]:
+    """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
+    n = attempt.spec.sampling.n
+    finish_reasons: list[str | None] = [None] * n
+    next_index = [0] * n
+    unfinished = n
+    fault = attempt.fault
+    fault_at = fault.at_token if fault is not None else -1
+    stats = worker.stats
+    monotonic = time.monotonic
+    until_yield = _YIELD_EVERY
+    while True:
+        until_yield -= 1
+        if not until_yield:
+            # buffered engine outputs and socket writes never suspend: let renewals,
+            # cancels and lease timers in now and then
+            until_yield = _YIELD_EVERY
+            await asyncio.sleep(0)
+        token_count = len(output.token_ids)
+        attempt.generated_tokens += token_count
+        stats.tokens_generated += token_count
+        if attempt.stop is not None:
+            return
+        now = monotonic()
+        if now >= attempt.expires_at:
+            worker.stop(attempt, Stop.LEASE_EXPIRED)
+            return
+        attempt.last_frame_at = now
+        choice = output.choice
+        die_after = False
+        if output.tool_call is not None:
+            call = output.tool_call
+            frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
+        elif token_count or output.text:
+            if attempt.published_tokens == fault_at:
+                assert fault is not None
+                action = fault.action
+                if action is Action.DIE:
+                    if fault.point is Point.BEFORE_FRAME:
+                        die()
+                    die_after = fault.point is Point.AFTER_FRAME
+                elif action is Action.STALL:
+                    # cancel, lease expiry or drain ends it (wait(), not await: a
+                    # cancelled reader must not cancel the shared signal)
+                    await asyncio.wait((attempt.stop_signal,))
+                    yield None
+                    return
+                elif action is Action.MALFORMED_FRAME:
+                    yield _MALFORMED_FRAME
+                    if not worker.may_publish(attempt):
+                        return
+                elif action is Action.CLOSE_WITHOUT_DONE:
+                    worker.stop(attempt, Stop.FAULT)
+                    return
+                elif action is Action.TOOL_CALL_THEN_DIE:
+                    call_id = tool_call_id(attempt.spec.request_id, 0, 0)
+                    yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
+                    await asyncio.sleep(0.02)  # let the frame leave
+                    die()
+            frame = token_frame(choice, next_index[choice], output.text, output.token_ids)
+            next_index[choice] += 1
+            attempt.published_tokens += 1
+            stats.tokens_published += token_count
+        else:
+            frame = None
+        if output.finish_reason is not None and finish_reasons[choice] is None:
+            finish_reasons[choice] = output.finish_reason
+            unfinished -= 1
+        if frame is not None:
+            stats.frames_published += 1
+            yield frame
+            if die_after:
+                await asyncio.sleep(0.02)  # let the frame leave
+                die()
+        if not unfinished:
+            break
+        try:
+            output = await anext(outputs)
+        except StopAsyncIteration:
+            raise EngineFailed("the engine ended the request without a finish reason") from None
+    worker.release(attempt)
+    if fault is not None and fault.action is Action.CLOSE_WITHOUT_DONE:
+        worker.stop(attempt, Stop.FAULT)
+    if not worker.may_publish(attempt):
+        return
+    attempt.phase = "done"
+    stats.finished += 1
+    usage = {
+        "prompt_tokens": attempt.prepared.prompt_tokens,
+        "completion_tokens": attempt.generated_tokens,
+        "total_tokens": attempt.prepared.prompt_tokens + attempt.generated_tokens,
+    }
+    yield done_frame([r or "stop" for r in finish_reasons], usage)

@@ -1,0 +1,402 @@
+"""The worker protocol's vocabulary: error codes, request parsing, frame encoding.
+
+Everything the worker reads from the network is parsed here into frozen dataclasses,
+and every refusal is a :class:`Refusal` with an HTTP status and a stable code from
+:class:`Code`. The frames it writes are encoded here too, one JSON object per line
+(``docs/worker-protocol.md`` is the contract; this module and the client follow it).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class Code(enum.StrEnum):
+    """Stable error codes: in HTTP error bodies and in ``error`` frames."""
+
+    # the request itself (4xx)
+    INVALID_JSON = "invalid_json"
+    MISSING_FIELD = "missing_field"
+    INVALID_FIELD = "invalid_field"
+    UNKNOWN_FIELD = "unknown_field"
+    UNKNOWN_MODEL = "unknown_model"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNKNOWN_ATTEMPT = "unknown_attempt"
+    DUPLICATE_ATTEMPT = "duplicate_attempt"
+    ATTEMPT_CANCELLED = "attempt_cancelled"
+    ATTEMPT_ENDED = "attempt_ended"
+    STALE_LEASE_EPOCH = "stale_lease_epoch"
+    LEASE_EXPIRED = "lease_expired"
+    FAULTS_DISABLED = "faults_disabled"
+    # the replica (429 / 5xx)
+    QUEUE_FULL = "queue_full"
+    REPLICA_EXITING = "replica_exiting"
+    NOT_READY = "not_ready"
+    ENGINE_UNHEALTHY = "engine_unhealthy"
+    ABORT_UNCONFIRMED = "abort_unconfirmed"
+    INTERNAL_ERROR = "internal_error"
+    # error frames only: why the worker ended a started attempt
+    LEASE_REVOKED = "lease_revoked"
+    CANCELLED = "cancelled"
+    ENGINE_ERROR = "engine_error"
+
+
+class Refusal(Exception):
+    """A request the worker will not serve; becomes a JSON error response."""
+
+    def __init__(
+        self,
+        status: int,
+        code: Code,
+        message: str,
+        *,
+        field: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": self.code.value, "message": self.message}
+        if self.field is not None:
+            error["field"] = self.field
+        return {"error": error}
+
+
+# --- requests ----------------------------------------------------------------------------
+
+SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "stop",
+        "seed",
+        "n",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+START_FIELDS = frozenset(
+    {
+        "request_id",
+        "attempt",
+        "lease_epoch",
+        "lease_ttl_ms",
+        "model",
+        "messages",
+        "prompt",
+        "params",
+        "heartbeat_ms",
+    }
+)
+MAX_N = 16
+MAX_STOP = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """OpenAI-style sampling parameters, checked for sense (not for the model's limits)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def tool_names(self) -> list[str]:
+        return [tool["function"]["name"] for tool in self.tools]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSpec:
+    """A parsed start request: which attempt, under which lease, generating what."""
+
+    request_id: str
+    attempt: int
+    lease_epoch: int
+    lease_ttl_s: float
+    model: str
+    messages: tuple[dict[str, Any], ...] | None
+    prompt: str | None
+    sampling: Sampling
+    heartbeat_s: float
+
+    def prompt_text(self) -> str:
+        """The prompt as plain text, for fault matchers and the sim engine's seed."""
+        if self.prompt is not None:
+            return self.prompt
+        assert self.messages is not None
+        return "\n".join(f"{m['role']}: {_content_text(m.get('content'))}" for m in self.messages)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRef:
+    """Names one attempt's lease: the body of renew and cancel."""
+
+    request_id: str
+    attempt: int
+    lease_epoch: int
+    lease_ttl_s: float | None  # renew only
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise Refusal(400, Code.INVALID_JSON, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise Refusal(400, Code.INVALID_JSON, "the body must be a JSON object")
+    return body
+
+
+def _bad(field: str, why: str) -> Refusal:
+    return Refusal(400, Code.INVALID_FIELD, f"{field}: {why}", field=field)
+
+
+def _required(body: Mapping[str, Any], field: str) -> Any:
+    if body.get(field) is None:
+        raise Refusal(400, Code.MISSING_FIELD, f"{field} is required", field=field)
+    return body[field]
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(field, f"must be an integer, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise _bad(field, f"must be between {low} and {high}, not {value}")
+    return value
+
+
+def _number(value: Any, field: str, low: float, high: float, *, low_open: bool = False) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise _bad(field, "must be a finite number")
+    if value < low or value > high or (low_open and value == low):
+        interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise _bad(field, f"must be in {interval}, not {value}")
+    return float(value)
+
+
+def _str(value: Any, field: str, max_len: int = 256) -> str:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise _bad(field, f"must be a non-empty string of at most {max_len} characters")
+    return value
+
+
+def parse_ref(body: Mapping[str, Any], *, with_ttl: bool) -> AttemptRef:
+    """The body of renew (``with_ttl``) or cancel."""
+    allowed = {"request_id", "attempt", "lease_epoch"} | ({"lease_ttl_ms"} if with_ttl else set())
+    _no_unknown(body, allowed, "")
+    ttl = None
+    if with_ttl:
+        ttl = _int(_required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
+    return AttemptRef(
+        request_id=_str(_required(body, "request_id"), "request_id"),
+        attempt=_int(_required(body, "attempt"), "attempt", 1, 1_000_000),
+        lease_epoch=_int(_required(body, "lease_epoch"), "lease_epoch", 0, 2**62),
+        lease_ttl_s=ttl,
+    )
+
+
+def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        field = prefix + unknown[0]
+        raise Refusal(400, Code.UNKNOWN_FIELD, f"unknown field {field!r}", field=field)
+
+
+def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> AttemptSpec:
+    """The body of a start request; raises :class:`Refusal` naming the first bad field."""
+    _no_unknown(body, START_FIELDS, "")
+    request_id = _str(_required(body, "request_id"), "request_id")
+    attempt = _int(_required(body, "attempt"), "attempt", 1, 1_000_000)
+    lease_epoch = _int(_required(body, "lease_epoch"), "lease_epoch", 0, 2**62)
+    lease_ttl_s = _int(_required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
+    model = _str(_required(body, "model"), "model")
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if messages is None and prompt is None:
+        raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
+    if messages is not None and prompt is not None:
+        raise _bad("prompt", "give messages or prompt, not both")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _bad("prompt", "must be a string")
+    heartbeat_s = default_heartbeat_s
+    if body.get("heartbeat_ms") is not None:
+        heartbeat_s = _int(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
+    params = body.get("params") or {}
+    if not isinstance(params, dict):
+        raise _bad("params", "must be an object")
+    return AttemptSpec(
+        request_id=request_id,
+        attempt=attempt,
+        lease_epoch=lease_epoch,
+        lease_ttl_s=lease_ttl_s,
+        model=model,
+        messages=None if messages is None else _messages(messages),
+        prompt=prompt,
+        sampling=parse_sampling(params),
+        heartbeat_s=heartbeat_s,
+    )
+
+
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", "must be a non-empty list")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad(f"messages[{i}]", "must be an object with a string role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _bad(f"messages[{i}].content", "must be a string, a list of parts or null")
+    return tuple(value)
+
+
+def parse_sampling(params: Mapping[str, Any]) -> Sampling:
+    _no_unknown(params, SAMPLING_FIELDS, "params.")
+    p = "params."
+    out: dict[str, Any] = {}
+    if params.get("max_tokens") is not None:
+        out["max_tokens"] = _int(params["max_tokens"], p + "max_tokens", 1, 1_000_000)
+    if params.get("temperature") is not None:
+        out["temperature"] = _number(params["temperature"], p + "temperature", 0.0, 100.0)
+    if params.get("top_p") is not None:
+        out["top_p"] = _number(params["top_p"], p + "top_p", 0.0, 1.0, low_open=True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if params.get(name) is not None:
+            out[name] = _number(params[name], p + name, -2.0, 2.0)
+    if params.get("seed") is not None:
+        out["seed"] = _int(params["seed"], p + "seed", -(2**63), 2**63 - 1)
+    if params.get("n") is not None:
+        out["n"] = _int(params["n"], p + "n", 1, MAX_N)
+    if params.get("ignore_eos") is not None:
+        if not isinstance(params["ignore_eos"], bool):
+            raise _bad(p + "ignore_eos", "must be a boolean")
+        out["ignore_eos"] = params["ignore_eos"]
+    stop = params.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if (
+            not isinstance(stops, list)
+            or len(stops) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise _bad(p + "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
+        out["stop"] = tuple(stops)
+    if params.get("tools") is not None:
+        out["tools"] = _tools(params["tools"])
+    if params.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(params["tool_choice"], out.get("tools", ()))
+    if params.get("response_format") is not None:
+        out["response_format"] = _response_format(params["response_format"])
+    return Sampling(**out)
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list):
+        raise _bad("params.tools", "must be a list")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+            raise _bad(f"params.tools[{i}]", 'must be {"type": "function", "function": {"name": …}}')
+    return tuple(value)
+
+
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
+    names = {tool["function"]["name"] for tool in tools}
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise _bad("params.tool_choice", "'required' needs tools")
+        return str(value)
+    name = value.get("function", {}).get("name") if isinstance(value, dict) else None
+    if name is None:
+        raise _bad("params.tool_choice", "must be none, auto, required or a named function")
+    if name not in names:
+        raise _bad("params.tool_choice", f"names {name!r}, which is not among the tools")
+    return dict(value)
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _bad("params.response_format", "type must be text, json_object or json_schema")
+    if kind == "json_schema" and not isinstance(value.get("json_schema", {}).get("schema"), dict):
+        raise _bad("params.response_format", "json_schema needs json_schema.schema")
+    return dict(value)
+
+
+# --- frames ------------------------------------------------------------------------------
+# One JSON object per line. The token frame is on every token's path, so it is built
+# by hand from json.dumps of its two free-form parts, not from a dict.
+
+_dumps = json.dumps
+
+
+def heartbeat_frame(phase: str, queue_position: int | None) -> bytes:
+    return b'{"type":"heartbeat","phase":"%s","queue_position":%s}\n' % (
+        phase.encode(),
+        b"null" if queue_position is None else str(queue_position).encode(),
+    )
+
+
+def token_frame(choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]}\n' % (
+        choice,
+        index,
+        _dumps(text).encode(),
+        ",".join(map(str, token_ids)).encode(),
+    )
+
+
+def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, arguments: str) -> bytes:
+    frame = {
+        "type": "tool_call",
+        "choice": choice,
+        "index": index,
+        "id": tool_call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+    return _dumps(frame).encode() + b"\n"
+
+
+def done_frame(finish_reasons: list[str], usage: Mapping[str, int]) -> bytes:
+    frame = {
+        "type": "done",
+        "finish_reason": finish_reasons[0],
+        "finish_reasons": finish_reasons,
+        "usage": dict(usage),
+    }
+    return _dumps(frame).encode() + b"\n"
+
+
+def error_frame(code: Code, message: str, generated_tokens: int) -> bytes:
+    frame = {"type": "error", "code": code.value, "message": message, "generated_tokens": generated_tokens}
+    return _dumps(frame).encode() + b"\n"

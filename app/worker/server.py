@@ -1,0 +1,263 @@
+"""The worker's HTTP face (Starlette on uvicorn) and its process lifecycle.
+
+``run_worker`` binds the socket first (so ``--port 0`` works and the port can be
+reported), serves at once, and loads the engine in the background: until it is loaded,
+readiness and starts answer 503 ``not_ready``. SIGTERM (or SIGINT) starts the drain of
+``Worker.drain``; when it is over the server stops, the engine is closed and the process
+exits 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app.worker.attempts import Worker
+from app.worker.config import WorkerConfig, make_engine
+from app.worker.faults import FaultBook
+from app.worker.health import HealthProbe
+from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
+from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_start
+
+log = logging.getLogger("phasegate.worker")
+
+
+def refusal_response(refusal: Refusal) -> JSONResponse:
+    headers = {} if refusal.retry_after is None else {"retry-after": str(refusal.retry_after)}
+    return JSONResponse(refusal.body(), status_code=refusal.status, headers=headers)
+
+
+async def _on_refusal(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refusal)
+    return refusal_response(exc)
+
+
+def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) -> Starlette:
+    """The worker's routes; see docs/worker-protocol.md."""
+    health = HealthProbe(worker.engine, config.health_ttl_s, config.health_timeout_s)
+    rate = TokenRate()
+    registry = make_registry(worker, rate, config.name)
+    default_heartbeat_s = config.heartbeat_ms / 1000
+    stream_headers = {"x-phasegate-worker": config.name, "cache-control": "no-store"}
+
+    async def start(request: Request) -> Response:
+        spec = parse_start(decode_json(await request.body()), default_heartbeat_s=default_heartbeat_s)
+        attempt = worker.admit(spec)
+        return StreamingResponse(
+            worker.frames(attempt), media_type="application/x-ndjson", headers=stream_headers
+        )
+
+    async def renew(request: Request) -> Response:
+        ref = parse_ref(decode_json(await request.body()), with_ttl=True)
+        return JSONResponse(worker.renew(ref))
+
+    async def cancel(request: Request) -> Response:
+        ref = parse_ref(decode_json(await request.body()), with_ttl=False)
+        return JSONResponse(await worker.cancel(ref))
+
+    def _unavailable() -> Refusal | None:
+        if worker.draining:
+            return Refusal(503, Code.REPLICA_EXITING, "the replica is shutting down")
+        if not worker.ready:
+            return Refusal(503, Code.NOT_READY, "the engine is still loading", retry_after=1)
+        return None
+
+    async def ready(request: Request) -> Response:
+        refusal = _unavailable()
+        return refusal_response(refusal) if refusal else JSONResponse({"ready": True})
+
+    async def health_check(request: Request) -> Response:
+        refusal = _unavailable()
+        if refusal:
+            return refusal_response(refusal)
+        ok, details = await health.check()
+        body = {
+            "status": "ok" if ok else "unhealthy",
+            **details,
+            "running": worker.running,
+            "queued": worker.queued,
+        }
+        if not ok:
+            body["error"] = {"code": Code.ENGINE_UNHEALTHY.value, "message": details.get("error", "")}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "worker_id": config.name,
+                "pid": os.getpid(),
+                "engine": worker.engine.name,
+                "models": list(worker.engine.models),
+                "max_running": worker.max_running,
+                "max_queued": worker.max_queued,
+                "faults_enabled": faults is not None,
+                "ready": worker.ready,
+                "draining": worker.draining,
+            }
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    async def attempts(request: Request) -> Response:
+        now = time.monotonic()
+        return JSONResponse({"attempts": [a.describe(now) for a in worker.table.attempts.values()]})
+
+    async def admin_faults(request: Request) -> Response:
+        if faults is None:
+            raise Refusal(403, Code.FAULTS_DISABLED, "this worker was started without --enable-faults")
+        if request.method == "POST":
+            try:
+                body = json.loads(await request.body() or b"{}")
+            except ValueError:
+                raise Refusal(400, Code.INVALID_JSON, "the body is not JSON") from None
+            specs = body.get("faults", [body]) if isinstance(body, dict) else body
+            added = [faults.add(spec).describe() for spec in specs]
+            return JSONResponse({"added": added})
+        if request.method == "DELETE":
+            return JSONResponse({"cleared": faults.clear()})
+        return JSONResponse({"faults": faults.describe()})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def housekeeping() -> None:
+            while True:
+                rate.sample(worker.stats.tokens_generated)
+                worker.prune()
+                await asyncio.sleep(1.0)
+
+        task = asyncio.get_running_loop().create_task(housekeeping())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    routes = [
+        Route("/v1/attempts", start, methods=["POST"]),
+        Route("/v1/attempts/renew", renew, methods=["POST"]),
+        Route("/v1/attempts/cancel", cancel, methods=["POST"]),
+        Route("/v1/health", health_check, methods=["GET"]),
+        Route("/v1/ready", ready, methods=["GET"]),
+        Route("/v1/info", info, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/attempts", attempts, methods=["GET"]),
+        Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT starting the worker's drain instead of a plain stop."""
+
+    def __init__(self, config: uvicorn.Config, worker: Worker, grace_s: float) -> None:
+        super().__init__(config)
+        self.worker = worker
+        self.grace_s = grace_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_task is None and self.loop is not None:
+            log.warning("signal %s: draining for up to %.1f s", signal.Signals(sig).name, self.grace_s)
+            self.loop.call_soon_threadsafe(self._start_drain)
+        elif sig == signal.SIGINT:
+            self.force_exit = self.should_exit = True
+
+    def _start_drain(self) -> None:
+        if self.drain_task is None:
+            self.drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self.worker.drain(self.grace_s)
+        self.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP,
+    # and without it every small frame after the first waits for the peer's delayed ACK.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(config: WorkerConfig) -> int:
+    engine = make_engine(config)
+    faults: FaultBook | None = None
+    if config.enable_faults:
+        faults = FaultBook()
+        for raw in config.faults:
+            faults.add(raw)
+    worker = Worker(engine, max_running=config.max_running, max_queued=config.max_queued, faults=faults)
+    app = build_app(worker, config, faults)
+    sock = _bind(config.host, config.port)
+    port = sock.getsockname()[1]
+    server = _Server(
+        uvicorn.Config(app, log_level=config.log_level, access_log=False, timeout_graceful_shutdown=5),
+        worker,
+        config.grace_s,
+    )
+    server.loop = asyncio.get_running_loop()
+    if config.ready_file is not None:
+        tmp = config.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"host": config.host, "port": port, "pid": os.getpid()}))
+        tmp.replace(config.ready_file)
+    exit_code = 0
+
+    async def load() -> None:
+        nonlocal exit_code
+        try:
+            await engine.start()
+        except Exception:
+            log.exception("the %s engine failed to start", engine.name)
+            exit_code = 1
+            server.should_exit = True
+            return
+        # The startup heap (vLLM, torch) is static from here on: freeze it so that full
+        # collections do not walk it, pausing the token loop for a tenth of a second.
+        gc.collect()
+        gc.freeze()
+        worker.ready = True
+        log.warning("worker %s ready on %s:%d (%s engine)", config.name, config.host, port, engine.name)
+
+    loader = asyncio.get_running_loop().create_task(load())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        loader.cancel()
+        await engine.close()
+    return exit_code
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run a worker until SIGTERM has drained it; the process's exit code."""
+    logging.basicConfig(
+        level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    return asyncio.run(_serve(config))
+
+
+def main(args: Any) -> int:
+    from app.worker.config import config_from_args
+
+    return run_worker(config_from_args(args))

@@ -1,0 +1,232 @@
+"""A deterministic simulated engine: seeded tokens with vLLM-like timing and abort.
+
+How this works: each request runs as its own task, as in a real engine where decoding
+goes on whether or not anyone reads: it sleeps the prefill time (per prompt token),
+then produces one token per choice per decode step into a queue that ``generate``
+drains. ``abort`` cancels that task and returns once it has stopped (after an optional
+delay that stands for the engine finishing its step in flight), with the number of
+tokens it had produced.
+
+The text is a pure function of the request: model, rendered prompt, seed, temperature,
+top_p and choice seed a ``random.Random``, so every replica produces the same tokens for
+the same request. Tool-call ids derive from the request id, so two attempts of one
+request emit the same id (and the same idempotency key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.worker.engine import EngineOutput, Prepared, ToolCallOutput, prompt_too_long
+from app.worker.protocol import AttemptSpec, Sampling
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+VOCAB_SIZE = 1000
+EOS_TOKEN_ID = VOCAB_SIZE  # never emitted as text
+_FINISHED = None  # queue sentinel
+
+
+def _word(token_id: int) -> str:
+    syllables = []
+    n = token_id + 1
+    while n:
+        n, r = divmod(n, len(_CONSONANTS) * len(_VOWELS))
+        syllables.append(_CONSONANTS[r // len(_VOWELS)] + _VOWELS[r % len(_VOWELS)])
+    return "".join(syllables)
+
+
+VOCAB = tuple(" " + _word(i) for i in range(VOCAB_SIZE))
+
+
+def tool_call_id(request_id: str, choice: int, index: int) -> str:
+    """The id of a tool call: the same for every attempt of one request."""
+    digest = hashlib.sha256(f"{request_id}\0{choice}\0{index}".encode()).hexdigest()
+    return "call_" + digest[:24]
+
+
+def render_prompt(spec: AttemptSpec) -> str:
+    """The sim's 'chat template': role-tagged lines, tools appended as JSON."""
+    text = spec.prompt_text()
+    if spec.sampling.tools:
+        text += "\ntools: " + json.dumps(spec.sampling.tools, sort_keys=True)
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class SimTiming:
+    prefill_s_per_token: float = 0.0001
+    decode_s_per_token: float = 0.002
+    abort_s: float = 0.0
+
+
+class _Running:
+    __slots__ = ("generated", "queue", "task")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        self.generated = 0
+        self.task: asyncio.Task[None] | None = None
+
+
+class SimEngine:
+    """The ``sim`` engine; see the module docstring."""
+
+    name = "sim"
+
+    def __init__(
+        self, models: tuple[str, ...] = ("sim",), timing: SimTiming | None = None, max_model_len: int = 32768
+    ) -> None:
+        self.models = models
+        self.timing = timing or SimTiming()
+        self.max_model_len = max_model_len
+        self._running: dict[str, _Running] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for rid in list(self._running):
+            await self.abort(rid)
+
+    def prepare(self, spec: AttemptSpec) -> Prepared:
+        text = render_prompt(spec)
+        prompt_tokens = max(1, len(text.split()))
+        if prompt_tokens >= self.max_model_len:
+            raise prompt_too_long(prompt_tokens, self.max_model_len)
+        return Prepared(spec=spec, prompt_tokens=prompt_tokens, payload=text)
+
+    def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
+        running = _Running()
+        self._running[engine_request_id] = running
+        running.task = asyncio.get_running_loop().create_task(self._run(running, prepared))
+        running.task.add_done_callback(lambda _: self._forget(engine_request_id, running))
+        return self._drain(engine_request_id, running)
+
+    def _forget(self, engine_request_id: str, running: _Running) -> None:
+        if self._running.get(engine_request_id) is running:
+            del self._running[engine_request_id]
+
+    async def _drain(self, engine_request_id: str, running: _Running) -> AsyncIterator[EngineOutput]:
+        # The reader going away does not stop the request (as in vLLM): only abort does.
+        queue = running.queue
+        while True:
+            output = queue.get_nowait() if queue.qsize() else await queue.get()
+            if output is _FINISHED:
+                return
+            yield output
+
+    async def abort(self, engine_request_id: str) -> int | None:
+        running = self._running.pop(engine_request_id, None)
+        if running is None or running.task is None:
+            return None
+        if self.timing.abort_s:
+            await asyncio.sleep(self.timing.abort_s)  # the step in flight finishes meanwhile
+        running.task.cancel()
+        await asyncio.wait({running.task})  # returns once the task has really stopped
+        running.queue.put_nowait(EngineOutput(0, [], "", "abort"))
+        running.queue.put_nowait(_FINISHED)
+        return running.generated
+
+    async def _run(self, running: _Running, prepared: Prepared) -> None:
+        timing, spec = self.timing, prepared.spec
+        put = running.queue.put_nowait
+        if timing.prefill_s_per_token:
+            await asyncio.sleep(timing.prefill_s_per_token * prepared.prompt_tokens)
+        choices = [
+            _Choice(spec, prepared.payload, c, self.max_model_len - prepared.prompt_tokens)
+            for c in range(spec.sampling.n)
+        ]
+        live = choices
+        while live:
+            if timing.decode_s_per_token:
+                await asyncio.sleep(timing.decode_s_per_token)
+            else:
+                await asyncio.sleep(0)
+            for choice in live:
+                output = choice.step()
+                running.generated += len(output.token_ids)
+                put(output)
+            live = [c for c in live if c.finish_reason is None]
+        put(_FINISHED)
+
+
+class _Choice:
+    """One choice's deterministic token stream."""
+
+    def __init__(self, spec: AttemptSpec, prompt: str, choice: int, room: int) -> None:
+        s: Sampling = spec.sampling
+        material = f"{spec.model}\0{prompt}\0{s.seed}\0{s.temperature}\0{s.top_p}\0{choice}"
+        self.rng = random.Random(hashlib.sha256(material.encode()).digest())
+        self.choice = choice
+        self.stop = s.stop
+        natural = self.rng.randint(16, 128)
+        self.length = (
+            min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
+        )
+        self.ends_by_length = s.ignore_eos or self.length < natural
+        self.produced = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.script = self._script(spec, s, choice)
+
+    def _script(
+        self, spec: AttemptSpec, s: Sampling, choice: int
+    ) -> list[tuple[int, str]] | ToolCallOutput | None:
+        if s.tools and s.tool_choice != "none":
+            chosen = s.tool_choice
+            name = chosen["function"]["name"] if isinstance(chosen, dict) else s.tool_names()[0]
+            schema = (
+                next(t["function"] for t in s.tools if t["function"]["name"] == name).get("parameters") or {}
+            )
+            arguments = json.dumps(self._arguments(schema), sort_keys=True)
+            return ToolCallOutput(0, tool_call_id(spec.request_id, choice, 0), name, arguments)
+        if s.response_format and s.response_format.get("type") != "text":
+            return [(VOCAB_SIZE + 1, '{"text": "')]
+        return None
+
+    def _arguments(self, schema: dict[str, Any]) -> dict[str, Any]:
+        properties = schema.get("properties") or {"query": {"type": "string"}}
+        out: dict[str, Any] = {}
+        for key, prop in sorted(properties.items()):
+            kind = prop.get("type") if isinstance(prop, dict) else None
+            if kind in ("integer", "number"):
+                out[key] = self.rng.randint(0, 100)
+            elif kind == "boolean":
+                out[key] = self.rng.random() < 0.5
+            else:
+                out[key] = (
+                    VOCAB[self.rng.randrange(VOCAB_SIZE)] + VOCAB[self.rng.randrange(VOCAB_SIZE)]
+                ).strip()
+        return out
+
+    def step(self) -> EngineOutput:
+        if isinstance(self.script, ToolCallOutput):
+            self.finish_reason = "tool_calls"
+            ids = [self.rng.randrange(VOCAB_SIZE) for _ in range(8)]
+            return EngineOutput(self.choice, ids, "", "tool_calls", self.script)
+        if self.script:
+            token_id, text = self.script.pop(0)
+        else:
+            token_id = self.rng.randrange(VOCAB_SIZE)
+            text = VOCAB[token_id]
+        self.produced += 1
+        before = len(self.text)
+        self.text += text
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+                return EngineOutput(self.choice, [token_id], self.text[before:], "stop")
+        if self.produced >= self.length:
+            self.finish_reason = "length" if self.ends_by_length else "stop"
+            if self.finish_reason == "stop" and self.text.startswith('{"text": "'):
+                text += '"}'
+        return EngineOutput(self.choice, [token_id], text, self.finish_reason)

@@ -1,0 +1,184 @@
+"""Every kind of bad input gets a clear JSON error with a stable code (and no stream)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from app.replicas.worker_client import RequestRefused, WorkerClient
+from statemachine.events import FailureKind
+from tests.app.worker.engines import EngineUnderTest
+from tests.support.workers import request_id
+
+
+def _start_body(engine: EngineUnderTest, **changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "request_id": request_id(),
+        "attempt": 1,
+        "lease_epoch": 1,
+        "lease_ttl_ms": 5000,
+        "model": engine.model,
+        "prompt": "hello",
+        "params": {"max_tokens": 4},
+    }
+    for key, value in changes.items():
+        if value is _DROP:
+            body.pop(key)
+        elif key == "params":
+            body["params"] = {**body["params"], **value}
+        else:
+            body[key] = value
+    return body
+
+
+_DROP = object()
+
+# (case id, changes to a valid start body, status, code, field)
+START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
+    ("no request_id", {"request_id": _DROP}, 400, "missing_field", "request_id"),
+    ("no attempt", {"attempt": _DROP}, 400, "missing_field", "attempt"),
+    ("no lease_epoch", {"lease_epoch": _DROP}, 400, "missing_field", "lease_epoch"),
+    ("no lease_ttl_ms", {"lease_ttl_ms": _DROP}, 400, "missing_field", "lease_ttl_ms"),
+    ("no model", {"model": _DROP}, 400, "missing_field", "model"),
+    ("no prompt nor messages", {"prompt": _DROP}, 400, "missing_field", "messages"),
+    ("prompt and messages", {"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_field", "prompt"),
+    ("attempt 0", {"attempt": 0}, 400, "invalid_field", "attempt"),
+    ("attempt a string", {"attempt": "1"}, 400, "invalid_field", "attempt"),
+    ("negative epoch", {"lease_epoch": -1}, 400, "invalid_field", "lease_epoch"),
+    ("ttl too short", {"lease_ttl_ms": 10}, 400, "invalid_field", "lease_ttl_ms"),
+    ("messages not a list", {"prompt": _DROP, "messages": "hi"}, 400, "invalid_field", "messages"),
+    (
+        "message without role",
+        {"prompt": _DROP, "messages": [{"content": "x"}]},
+        400,
+        "invalid_field",
+        "messages[0]",
+    ),
+    ("unknown model", {"model": "no-such-model"}, 404, "unknown_model", "model"),
+    ("unknown field", {"priority": 1}, 400, "unknown_field", "priority"),
+    ("unknown param", {"params": {"logit_bias": {}}}, 400, "unknown_field", "params.logit_bias"),
+    ("negative temperature", {"params": {"temperature": -0.5}}, 400, "invalid_field", "params.temperature"),
+    ("top_p zero", {"params": {"top_p": 0}}, 400, "invalid_field", "params.top_p"),
+    ("top_p above one", {"params": {"top_p": 1.5}}, 400, "invalid_field", "params.top_p"),
+    ("max_tokens zero", {"params": {"max_tokens": 0}}, 400, "invalid_field", "params.max_tokens"),
+    ("n zero", {"params": {"n": 0}}, 400, "invalid_field", "params.n"),
+    ("n huge", {"params": {"n": 1000}}, 400, "invalid_field", "params.n"),
+    ("seed a string", {"params": {"seed": "x"}}, 400, "invalid_field", "params.seed"),
+    ("empty stop", {"params": {"stop": [""]}}, 400, "invalid_field", "params.stop"),
+    (
+        "tool without name",
+        {"params": {"tools": [{"type": "function", "function": {}}]}},
+        400,
+        "invalid_field",
+        "params.tools[0]",
+    ),
+    (
+        "tool_choice not a tool",
+        {"params": {"tool_choice": {"type": "function", "function": {"name": "x"}}}},
+        400,
+        "invalid_field",
+        "params.tool_choice",
+    ),
+    (
+        "bad response_format",
+        {"params": {"response_format": {"type": "xml"}}},
+        400,
+        "invalid_field",
+        "params.response_format",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "status", "code", "field"), [c[1:] for c in START_CASES], ids=[c[0] for c in START_CASES]
+)
+async def test_a_bad_start_is_refused(
+    engine: EngineUnderTest, changes: dict[str, Any], status: int, code: str, field: str | None
+):
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            engine.worker.base_url + "/v1/attempts", json=_start_body(engine, **changes)
+        )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error.get("field")) == (code, field)
+    assert error["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""], ids=["broken", "array", "empty"])
+@pytest.mark.parametrize("path", ["/v1/attempts", "/v1/attempts/renew", "/v1/attempts/cancel"])
+async def test_a_body_that_is_not_a_json_object_is_refused(engine: EngineUnderTest, path: str, raw: bytes):
+    async with httpx.AsyncClient() as http:
+        response = await http.post(engine.worker.base_url + path, content=raw)
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code", "field"),
+    [
+        (
+            "/v1/attempts/renew",
+            {"request_id": "r", "attempt": 1, "lease_epoch": 1},
+            "missing_field",
+            "lease_ttl_ms",
+        ),
+        (
+            "/v1/attempts/renew",
+            {"attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 900},
+            "missing_field",
+            "request_id",
+        ),
+        ("/v1/attempts/cancel", {"request_id": "r", "attempt": 1}, "missing_field", "lease_epoch"),
+        (
+            "/v1/attempts/cancel",
+            {"request_id": "r", "attempt": 1, "lease_epoch": 1, "x": 1},
+            "unknown_field",
+            "x",
+        ),
+    ],
+)
+async def test_bad_renew_and_cancel_bodies(
+    engine: EngineUnderTest, path: str, body: dict[str, Any], code: str, field: str
+):
+    async with httpx.AsyncClient() as http:
+        response = await http.post(engine.worker.base_url + path, json=body)
+    assert response.status_code == 400
+    assert (response.json()["error"]["code"], response.json()["error"]["field"]) == (code, field)
+
+
+async def test_a_prompt_too_long_for_the_model_is_refused(engine: EngineUnderTest):
+    client = WorkerClient(engine.worker.base_url)
+    try:
+        with pytest.raises(RequestRefused) as refused:
+            await client.start(
+                request_id=request_id(),
+                attempt=1,
+                lease_epoch=1,
+                lease_ttl_s=5,
+                model=engine.model,
+                prompt=" ".join(["word"] * engine.max_prompt_words),
+            )
+    finally:
+        await client.aclose()
+    assert (refused.value.status, refused.value.code) == (400, "prompt_too_long")
+    assert refused.value.kind is FailureKind.REQUEST_REFUSED and refused.value.released
+
+
+async def test_the_client_surfaces_the_code_and_field(engine: EngineUnderTest):
+    client = WorkerClient(engine.worker.base_url)
+    try:
+        with pytest.raises(RequestRefused) as refused:
+            await client.start(
+                request_id=request_id(),
+                attempt=1,
+                lease_epoch=1,
+                lease_ttl_s=5,
+                model=engine.model,
+                prompt="x",
+                params={"temperature": -1},
+            )
+    finally:
+        await client.aclose()
+    assert (refused.value.code, refused.value.field) == ("invalid_field", "params.temperature")

@@ -1,0 +1,95 @@
+"""SIGTERM: stop accepting, let running attempts finish within the grace, end the rest, exit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from app.replicas.worker_client import ReplicaExiting, Token
+from statemachine.events import FailureKind
+from tests.app.worker.engines import ENGINES, EngineUnderTest
+from tests.support.streams import add_fault, collect
+from tests.support.workers import request_id
+
+GRACE_S = 3.0
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(
+    engine_name: str, engine_factory: Callable[[str, list[str]], EngineUnderTest]
+):
+    under_test = engine_factory(engine_name, ["--grace-s", str(GRACE_S), "--max-running", "4"])
+    worker, client, model = under_test.worker, under_test.worker.client(), under_test.model
+    try:
+        short_id, held_id, long_id = request_id("short"), request_id("held"), request_id("long")
+        # an attempt that cannot finish within the grace, whatever the engine's speed
+        await add_fault(
+            worker.base_url, action="slow_prefill", prefill_ms=60_000, match={"request_id": held_id}
+        )
+        held = await client.start(
+            request_id=held_id, attempt=1, lease_epoch=1, lease_ttl_s=30, model=model, prompt="x"
+        )
+        short = await client.start(
+            request_id=short_id,
+            attempt=1,
+            lease_epoch=1,
+            lease_ttl_s=30,
+            model=model,
+            prompt="short",
+            params=under_test.short(40),
+        )
+        long = None
+        if engine_name == "sim":  # only the sim is slow enough to be caught mid-decode for sure
+            long = await client.start(
+                request_id=long_id,
+                attempt=1,
+                lease_epoch=1,
+                lease_ttl_s=30,
+                model=model,
+                prompt="long",
+                params={"max_tokens": 100_000, "ignore_eos": True},
+            )
+            assert isinstance((await collect(long, max_frames=2)).frames[-1], Token)
+        await asyncio.sleep(0.05)
+        worker.signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        await asyncio.sleep(0.2)
+
+        with pytest.raises(ReplicaExiting) as exiting:
+            await client.start(
+                request_id=request_id(), attempt=1, lease_epoch=1, lease_ttl_s=30, model=model, prompt="x"
+            )
+        assert (exiting.value.status, exiting.value.code) == (503, "replica_exiting")
+        assert exiting.value.kind is FailureKind.REPLICA_EXITED
+        assert not await client.ready()
+        assert (await client.health()).code == "replica_exiting"
+        await client.renew(held_id, 1, 1, 30)  # leases are still kept during the drain
+
+        finished = await collect(short)
+        assert finished.done is not None and finished.error is None
+        for stream in [held] + ([long] if long is not None else []):
+            ended = await collect(stream)
+            assert isinstance(ended.error, ReplicaExiting) and ended.error.code == "replica_exiting"
+        assert GRACE_S - 0.1 < time.monotonic() - t_term < GRACE_S + under_test.jitter_s + 1.0
+
+        exit_code = await asyncio.to_thread(worker.wait, 60)
+        assert exit_code == 0, worker.logs()[-3000:]
+        deadline = time.monotonic() + 20
+        while not _group_gone(worker.pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert _group_gone(worker.pid), "the engine's processes outlived the worker"
+    finally:
+        await client.aclose()

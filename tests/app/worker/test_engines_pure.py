@@ -1,0 +1,128 @@
+"""The sim engine, the lease table and the parsers, in process (no sockets)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from app.worker.engine import EngineOutput
+from app.worker.faults import FaultBook
+from app.worker.leases import Attempt, AttemptTable
+from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal, Sampling, parse_sampling
+from app.worker.sim import SimEngine, SimTiming, tool_call_id
+from tests.support.workers import REPO
+
+FAST = SimTiming(0.0, 0.0, 0.0)
+
+
+def spec(
+    request_id: str = "r", prompt: str = "hello", *, attempt: int = 1, epoch: int = 1, **sampling
+) -> AttemptSpec:
+    return AttemptSpec(request_id, attempt, epoch, 5.0, "sim", None, prompt, Sampling(**sampling), 0.25)
+
+
+async def run(engine: SimEngine, s: AttemptSpec, rid: str = "e") -> list[EngineOutput]:
+    return [output async for output in engine.generate(rid, engine.prepare(s))]
+
+
+async def test_the_sim_is_a_function_of_the_request():
+    engine = SimEngine(timing=FAST)
+    one = await run(engine, spec("a", max_tokens=20, seed=3))
+    two = await run(engine, spec("b", max_tokens=20, seed=3))  # another request id, same content
+    other = await run(engine, spec("c", max_tokens=20, seed=4))
+    assert [o.token_ids for o in one] == [o.token_ids for o in two] != [o.token_ids for o in other]
+    assert one[-1].finish_reason in ("stop", "length") and all(o.finish_reason is None for o in one[:-1])
+
+
+async def test_the_sim_honours_max_tokens_stop_and_n():
+    engine = SimEngine(timing=FAST)
+    out = await run(engine, spec(max_tokens=7, ignore_eos=True, n=3))
+    assert sorted({o.choice for o in out}) == [0, 1, 2] and len(out) == 21
+    assert [o.finish_reason for o in out if o.finish_reason] == ["length"] * 3
+    full = "".join(o.text for o in await run(engine, spec(max_tokens=30, ignore_eos=True)))
+    stop = full.split()[5]
+    cut = await run(engine, spec(max_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert cut[-1].finish_reason == "stop" and stop not in "".join(o.text for o in cut)
+
+
+async def test_sim_tool_calls_have_ids_of_the_request():
+    engine = SimEngine(timing=FAST)
+    tools = (
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}},
+        },
+    )
+    out = await run(engine, spec("req_9", tools=tools))
+    (call,) = [o.tool_call for o in out if o.tool_call]
+    assert call.tool_call_id == tool_call_id("req_9", 0, 0) and call.name == "f" and '"n":' in call.arguments
+    assert out[-1].finish_reason == "tool_calls"
+
+
+async def test_a_sim_abort_waits_for_the_request_to_stop():
+    engine = SimEngine(timing=SimTiming(0.0, 0.001, 0.05))
+    outputs = engine.generate("x", engine.prepare(spec(max_tokens=10_000, ignore_eos=True)))
+    await anext(outputs)
+    generated = await engine.abort("x")
+    assert generated is not None and generated > 1
+    assert await engine.abort("x") is None  # already gone
+
+
+async def test_the_lease_table_fences():
+    table = AttemptTable(retain_s=60)
+    first = spec("r", epoch=5)
+    attempt = Attempt(first, None, None, now=0.0)  # type: ignore[arg-type]
+    table.add(attempt, 0.0)
+    with pytest.raises(Refusal) as refused:
+        table.check_start(first, 1.0)
+    assert refused.value.code is Code.DUPLICATE_ATTEMPT
+    with pytest.raises(Refusal) as refused:
+        table.check_start(spec("r", attempt=2, epoch=4), 1.0)
+    assert refused.value.code is Code.STALE_LEASE_EPOCH
+    assert table.check_start(spec("r", attempt=2, epoch=6), 1.0) == [attempt]  # to revoke
+    with pytest.raises(Refusal) as refused:
+        table.find(AttemptRef("r", 1, 4, None))
+    assert refused.value.code is Code.STALE_LEASE_EPOCH
+    table.tombstone(AttemptRef("q", 1, 1, None), 1.0)
+    with pytest.raises(Refusal) as refused:
+        table.check_start(spec("q"), 2.0)
+    assert refused.value.code is Code.ATTEMPT_CANCELLED
+    table.prune(1000.0)
+    assert table.check_start(spec("q"), 1000.0) == []  # tombstones are forgotten after retain_s
+
+
+def test_sampling_and_fault_parsing_name_the_bad_field():
+    with pytest.raises(Refusal) as refused:
+        parse_sampling({"top_p": 0})
+    assert refused.value.field == "params.top_p"
+    assert parse_sampling({"stop": "x"}).stop == ("x",)
+    book = FaultBook()
+    fault = book.add({"action": "stall", "at_token": 2, "match": {"prompt_contains": "zz"}, "times": 2})
+    assert book.take(spec(prompt="no")) is None
+    assert book.take(spec(prompt="a zz b")) is fault and fault.remaining == 1
+
+
+def test_only_the_vllm_engine_imports_vllm():
+    offenders = []
+    for path in sorted((REPO / "app").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                offenders.append(path.relative_to(REPO).as_posix())
+    assert set(offenders) == {"app/worker/vllm_engine.py"}
+    code = "import sys, app.cli, app.worker.server, app.replicas.worker_client; print('vllm' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_the_prompt_text_that_matchers_and_the_sim_see():
+    assert spec(prompt="x").prompt_text() == "x"
+    chat = AttemptSpec("r", 1, 1, 5.0, "sim", ({"role": "user", "content": "hi"},), None, Sampling(), 0.25)
+    assert chat.prompt_text() == "user: hi"
