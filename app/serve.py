@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ def add_serve_parser(sub: Any) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     overrides: dict[str, Any] = {"host": args.host, "port": args.port}
     if args.replica:
         overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
@@ -61,6 +63,9 @@ def serve(args: argparse.Namespace) -> int:
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler
+    # found at start: make that one unwind through the finally below, like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if not config.replicas:
             config, children = _with_sim_workers(config, args.sim_workers, workdir)
@@ -78,6 +83,10 @@ def serve(args: argparse.Namespace) -> int:
             database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _model(text: str) -> tuple[str, str]:

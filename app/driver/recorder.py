@@ -12,7 +12,8 @@ order things happened.
 Appends run shielded: a client that disconnects mid-append cancels the HTTP task,
 not the append. While PostgreSQL is down, a durable flush retries for
 ``store_outage_grace_s`` before it gives up; the events stay queued either way and
-the next flush retries them, so nothing recorded is dropped.
+the next flush retries them, so nothing recorded is dropped. A group-committed
+flush that meets an outage leaves its events queued and returns.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class Recorder:
                         self.request_id, self.appended_version, events, durable=durable
                     )
                 except StoreUnavailable:
+                    if not durable:
+                        return  # still queued here: the next flush takes them along
                     if self.ctx.clock() + delay > deadline:
                         raise
                     log.warning("event log unavailable; request %s retries its append", self.request_id)

@@ -57,7 +57,10 @@ Frame = Heartbeat | Token | ToolCall | Done
 
 
 class UpstreamFailure(Exception):
-    """Anything that stopped an attempt, as the kind the policy reasons about."""
+    """Anything that stopped an attempt, as the kind the policy reasons about.
+
+    Each client raises its own subclasses (``worker_errors.py``) or this class itself.
+    """
 
     def __init__(
         self,

@@ -1,37 +1,21 @@
 """A ``phasegate worker`` replica: the worker protocol's client behind ``ReplicaClient``.
 
-The client (``worker_client.py``) already names each error's failure kind. One
-refinement happens here, at the start of an attempt: whatever stops the start
-request before the worker accepted it (connection refused or timed out, 429, 503,
-the worker exiting) means nothing started, so it is recorded as ``rejected`` — a
-retry elsewhere is then a new-request migration, as DESIGN.md §4 counts it.
+The client's errors are already :class:`UpstreamFailure`\\ s naming their failure kind,
+and its frames are the driver's. One refinement happens here, at the start of an
+attempt: whatever stops the start request before the worker accepted it (connection
+refused or timed out, 429, 503, the worker exiting) means nothing started, so it is
+recorded as ``rejected`` and a retry elsewhere counts as a new-request migration
+(DESIGN.md §4).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 
-from app.replicas.base import AttemptRequest, Frame, UpstreamFailure
-from app.replicas.worker_client import (
-    AttemptStream,
-    ConnectTimedOut,
-    RequestRefused,
-    WorkerClient,
-    WorkerError,
-)
+from app.replicas.base import AttemptRequest, UpstreamFailure
+from app.replicas.worker_client import AttemptStream, WorkerClient
+from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
 from statemachine.events import FailureKind
-
-
-def _failure(error: WorkerError, kind: FailureKind | None = None) -> UpstreamFailure:
-    return UpstreamFailure(
-        kind or error.kind,
-        error.message,
-        status=error.status,
-        code=error.code,
-        retry_after_s=getattr(error, "retry_after", None),
-    )
 
 
 class WorkerReplica:
@@ -59,12 +43,18 @@ class WorkerReplica:
                 prompt=request.prompt,
                 params=request.sampling,
             )
-        except RequestRefused as error:
-            raise _failure(error) from None
-        except ConnectTimedOut as error:
-            raise _failure(error, FailureKind.REJECTED) from None
+        except RequestRefused:
+            raise
         except WorkerError as error:
-            raise _failure(error, FailureKind.REJECTED if error.released else None) from None
+            if error.released or isinstance(error, ConnectTimedOut):  # the attempt never began
+                raise UpstreamFailure(
+                    FailureKind.REJECTED,
+                    error.message,
+                    status=error.status,
+                    code=error.code,
+                    retry_after_s=error.retry_after_s,
+                ) from error
+            raise
         return _WorkerStream(stream)
 
     async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
@@ -72,15 +62,12 @@ class WorkerReplica:
             await self.client.renew(request_id, attempt, lease_epoch, lease_ttl_s)
         except WorkerError as error:
             if error.kind is FailureKind.LIVENESS_UNCERTAIN:
-                raise _failure(error) from None  # unanswered: the lease may still run
+                raise  # unanswered: the lease may still run
             return False
         return True
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
-        try:
-            ack = await self.client.cancel(request_id, attempt, lease_epoch)
-        except WorkerError as error:
-            raise _failure(error) from None
+        ack = await self.client.cancel(request_id, attempt, lease_epoch)
         return ack.generated_tokens
 
     async def health(self) -> bool:
@@ -97,12 +84,8 @@ class _WorkerStream:
     def __init__(self, stream: AttemptStream) -> None:
         self._stream = stream
 
-    async def frames(self) -> AsyncIterator[Frame]:
-        try:
-            async for frame in self._stream:
-                yield frame
-        except WorkerError as error:
-            raise _failure(error) from None
+    def frames(self) -> AttemptStream:
+        return self._stream  # an async iterator of the driver's frames, raising UpstreamFailures
 
     async def close(self) -> None:
         await self._stream.aclose()

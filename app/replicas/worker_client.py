@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
 from app.replicas.worker_errors import (
     AttemptEnded,
     ConnectFailed,
@@ -71,40 +72,7 @@ __all__ = [
     "WorkerError",
 ]
 
-# --- frames ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Heartbeat:
-    phase: str  # "queued" or "prefill"
-    queue_position: int | None
-
-
-@dataclass(slots=True)
-class Token:
-    choice: int
-    index: int
-    text: str
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
-class ToolCall:
-    choice: int
-    index: int
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(slots=True)
-class Done:
-    finish_reason: str
-    finish_reasons: list[str]
-    usage: dict[str, int]
-
-
-Frame = Heartbeat | Token | ToolCall | Done
+# --- frames: the driver's own (app/replicas/base.py), built here straight from each line ---
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +205,7 @@ def _transport_error(exc: httpx.HTTPError) -> WorkerError:
     if isinstance(exc, httpx.ConnectTimeout):
         return ConnectTimedOut(f"no connection within the timeout: {exc!r}")
     if isinstance(exc, httpx.PoolTimeout):
-        return Rejected(
-            f"no free connection in the client's pool: {exc!r}", status=None, code=None, retry_after=None
-        )
+        return Rejected(f"no free connection in the client's pool: {exc!r}", status=None, code=None, retry_after=None)
     if isinstance(exc, httpx.ConnectError):
         return ConnectFailed(f"cannot connect: {exc!r}")
     if isinstance(exc, httpx.TimeoutException):
@@ -276,9 +242,7 @@ class WorkerClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._own_http = http is None
-        self._http = http or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        )
+        self._http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.control_timeout = control_timeout

@@ -3,7 +3,7 @@
 Each error carries ``kind`` and ``released``: whether the error itself proves the
 attempt will publish nothing more (so the driver need not fence it)::
 
-    WorkerError
+    WorkerError                (an UpstreamFailure of app/replicas/base.py: what the driver catches)
     ├── ReplicaExited          replica_exited, released: the process is gone or going
     │   ├── ConnectFailed        connection refused: nothing listens there
     │   ├── StreamBroken         connection reset, or EOF before a done or error frame
@@ -26,20 +26,22 @@ something one call observes.
 
 from __future__ import annotations
 
+from app.replicas.base import UpstreamFailure
 from statemachine.events import FailureKind
 
 
-class WorkerError(Exception):
-    """Base of every error the client raises; see the tree in the module docstring."""
+class WorkerError(UpstreamFailure):
+    """Base of every error the client raises; see the tree in the module docstring.
+
+    An :class:`UpstreamFailure`, so the driver records it without knowing the client.
+    """
 
     kind: FailureKind
     released = False
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(type(self).kind, message, status=status, code=code)
         self.message = message
-        self.status = status
-        self.code = code
 
 
 class ReplicaExited(WorkerError):
@@ -85,11 +87,10 @@ class Rejected(WorkerError):
     kind = FailureKind.REJECTED
     released = True
 
-    def __init__(
-        self, message: str, *, status: int | None, code: str | None, retry_after: float | None
-    ) -> None:
+    def __init__(self, message: str, *, status: int | None, code: str | None, retry_after: float | None) -> None:
         super().__init__(message, status=status, code=code)
         self.retry_after = retry_after
+        self.retry_after_s = retry_after
 
 
 class RequestRefused(WorkerError):
@@ -105,9 +106,7 @@ class AttemptEnded(WorkerError):
     kind = FailureKind.REPLICA_EXITED
     released = True
 
-    def __init__(
-        self, message: str, *, code: str, status: int | None = None, generated_tokens: int | None = None
-    ):
+    def __init__(self, message: str, *, code: str, status: int | None = None, generated_tokens: int | None = None):
         super().__init__(message, status=status, code=code)
         self.generated_tokens = generated_tokens
 

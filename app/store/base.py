@@ -87,6 +87,10 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` unless the log can take appends now."""
+
+    @abc.abstractmethod
     async def flush(self) -> None:
         """Wait until every append made so far is committed."""
 

@@ -81,6 +81,9 @@ class InMemoryEventStore(EventStore):
             async with self._appended:
                 await self._appended.wait_for(functools.partial(self._moved_past, position))
 
+    async def ping(self) -> None:
+        self._check_open()
+
     async def unfinished_requests(self, *, gateway: str | None = None) -> list[str]:
         self._check_open()
         unfinished = []

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -140,6 +140,12 @@ class PostgresEventStore(EventStore):
             query = query.where(requests.gateway == gateway)
         async with self._connection() as connection:
             return list((await connection.scalars(query)).all())
+
+    async def ping(self) -> None:
+        async with self._connection() as connection:
+            read_only = await connection.scalar(text("SELECT pg_is_in_recovery()"))
+        if read_only:
+            raise StoreUnavailable("PostgreSQL is in recovery: the log is read-only")
 
     async def flush(self) -> None:
         await self.writer.flush()

@@ -93,17 +93,13 @@ class Worker:
         if not self.ready:
             raise Refusal(503, Code.NOT_READY, "the engine is still loading", retry_after=1)
         if spec.model not in self.engine.models:
-            raise Refusal(
-                404, Code.UNKNOWN_MODEL, f"this worker serves {list(self.engine.models)}", field="model"
-            )
+            raise Refusal(404, Code.UNKNOWN_MODEL, f"this worker serves {list(self.engine.models)}", field="model")
         now = time.monotonic()
         to_revoke = self.table.check_start(spec, now)
         prepared = self.engine.prepare(spec)
         has_slot = self._running < self.max_running and not self._waiting
         if not has_slot and len(self._waiting) >= self.max_queued:
-            raise Refusal(
-                429, Code.QUEUE_FULL, f"{self.max_queued} attempts already wait here", retry_after=1
-            )
+            raise Refusal(429, Code.QUEUE_FULL, f"{self.max_queued} attempts already wait here", retry_after=1)
         fault = self.faults.take(spec) if self.faults else None
         if fault is not None and fault.action is Action.REJECT:
             raise fault.reject()

@@ -58,14 +58,10 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting attempts before 429")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="default heartbeat interval")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: time running attempts get")
-    p.add_argument(
-        "--health-ttl-s", type=float, default=d.health_ttl_s, help="how long a health probe is reused"
-    )
+    p.add_argument("--health-ttl-s", type=float, default=d.health_ttl_s, help="how long a health probe is reused")
     p.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
     p.add_argument("--enable-faults", action="store_true", help="accept scripted faults (tests only)")
-    p.add_argument(
-        "--fault", action="append", default=[], metavar="JSON", help="a fault at startup (repeatable)"
-    )
+    p.add_argument("--fault", action="append", default=[], metavar="JSON", help="a fault at startup (repeatable)")
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once listening")
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)

@@ -158,9 +158,7 @@ def parse_fault(raw: Mapping[str, Any], fault_id: int) -> Fault:
     if action is Action.REJECT:
         fault.status = _opt_int(raw, "status", 400, 599) or 503
         try:
-            fault.code = (
-                Code(raw["code"]) if "code" in raw else _DEFAULT_REJECT_CODE.get(fault.status, Code.NOT_READY)
-            )
+            fault.code = Code(raw["code"]) if "code" in raw else _DEFAULT_REJECT_CODE.get(fault.status, Code.NOT_READY)
         except ValueError:
             raise _bad("code", "must be one of the protocol's error codes") from None
         fault.retry_after = _opt_int(raw, "retry_after", 0, 3600)

@@ -66,9 +66,7 @@ async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
         heartbeat_s = attempt.spec.heartbeat_s
         while not attempt.has_slot and worker.may_publish(attempt):
             yield heartbeat_frame("queued", worker.queue_position(attempt))
-            await asyncio.wait(
-                (attempt.slot, attempt.stop_signal), timeout=heartbeat_s * 0.9, return_when=FIRST
-            )
+            await asyncio.wait((attempt.slot, attempt.stop_signal), timeout=heartbeat_s * 0.9, return_when=FIRST)
         fault = attempt.fault
         if worker.may_publish(attempt):
             attempt.phase = "prefill"

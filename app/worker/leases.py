@@ -139,20 +139,15 @@ class AttemptTable:
         """Refuse a start that fencing forbids; else the older live attempts it revokes."""
         key = (spec.request_id, spec.attempt)
         if key in self.attempts:
-            raise Refusal(
-                409, Code.DUPLICATE_ATTEMPT, f"attempt {spec.attempt} of {spec.request_id} already exists"
-            )
+            raise Refusal(409, Code.DUPLICATE_ATTEMPT, f"attempt {spec.attempt} of {spec.request_id} already exists")
         if key in self._tombstones:
-            raise Refusal(
-                409, Code.ATTEMPT_CANCELLED, f"attempt {spec.attempt} was cancelled before it started"
-            )
+            raise Refusal(409, Code.ATTEMPT_CANCELLED, f"attempt {spec.attempt} was cancelled before it started")
         highest = self._epochs.get(spec.request_id, (-1, 0.0))[0]
         if spec.lease_epoch < highest:
             raise Refusal(
                 409,
                 Code.STALE_LEASE_EPOCH,
-                f"lease epoch {spec.lease_epoch} is older than epoch {highest} "
-                f"already seen for {spec.request_id}",
+                f"lease epoch {spec.lease_epoch} is older than epoch {highest} already seen for {spec.request_id}",
                 field="lease_epoch",
             )
         return [

@@ -303,11 +303,7 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
     stop = params.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if (
-            not isinstance(stops, list)
-            or len(stops) > MAX_STOP
-            or not all(isinstance(s, str) and s for s in stops)
-        ):
+        if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
             raise _bad(p + "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
         out["stop"] = tuple(stops)
     if params.get("tools") is not None:

@@ -60,9 +60,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
     async def start(request: Request) -> Response:
         spec = parse_start(decode_json(await request.body()), default_heartbeat_s=default_heartbeat_s)
         attempt = worker.admit(spec)
-        return StreamingResponse(
-            worker.frames(attempt), media_type="application/x-ndjson", headers=stream_headers
-        )
+        return StreamingResponse(worker.frames(attempt), media_type="application/x-ndjson", headers=stream_headers)
 
     async def renew(request: Request) -> Response:
         ref = parse_ref(decode_json(await request.body()), with_ttl=True)
@@ -251,9 +249,7 @@ async def _serve(config: WorkerConfig) -> int:
 
 def run_worker(config: WorkerConfig) -> int:
     """Run a worker until SIGTERM has drained it; the process's exit code."""
-    logging.basicConfig(
-        level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return asyncio.run(_serve(config))
 
 

@@ -167,24 +167,18 @@ class _Choice:
         self.choice = choice
         self.stop = s.stop
         natural = self.rng.randint(16, 128)
-        self.length = (
-            min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
-        )
+        self.length = min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
         self.ends_by_length = s.ignore_eos or self.length < natural
         self.produced = 0
         self.text = ""
         self.finish_reason: str | None = None
         self.script = self._script(spec, s, choice)
 
-    def _script(
-        self, spec: AttemptSpec, s: Sampling, choice: int
-    ) -> list[tuple[int, str]] | ToolCallOutput | None:
+    def _script(self, spec: AttemptSpec, s: Sampling, choice: int) -> list[tuple[int, str]] | ToolCallOutput | None:
         if s.tools and s.tool_choice != "none":
             chosen = s.tool_choice
             name = chosen["function"]["name"] if isinstance(chosen, dict) else s.tool_names()[0]
-            schema = (
-                next(t["function"] for t in s.tools if t["function"]["name"] == name).get("parameters") or {}
-            )
+            schema = next(t["function"] for t in s.tools if t["function"]["name"] == name).get("parameters") or {}
             arguments = json.dumps(self._arguments(schema), sort_keys=True)
             return ToolCallOutput(0, tool_call_id(spec.request_id, choice, 0), name, arguments)
         if s.response_format and s.response_format.get("type") != "text":
@@ -201,9 +195,7 @@ class _Choice:
             elif kind == "boolean":
                 out[key] = self.rng.random() < 0.5
             else:
-                out[key] = (
-                    VOCAB[self.rng.randrange(VOCAB_SIZE)] + VOCAB[self.rng.randrange(VOCAB_SIZE)]
-                ).strip()
+                out[key] = (VOCAB[self.rng.randrange(VOCAB_SIZE)] + VOCAB[self.rng.randrange(VOCAB_SIZE)]).strip()
         return out
 
     def step(self) -> EngineOutput:

@@ -121,9 +121,7 @@ class VllmEngine:
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
-            async with contextlib.aclosing(
-                self._llm.generate(engine_input, params, engine_request_id)
-            ) as outputs:
+            async with contextlib.aclosing(self._llm.generate(engine_input, params, engine_request_id)) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
                         yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason)

@@ -193,9 +193,7 @@ def worker_process(python: str, args: list[str], env: dict[str, str]) -> Iterato
 def bench_sim(requests: int, tokens: int, concurrency: int) -> tuple[Run, Run]:
     from app.worker.sim import SimEngine, SimTiming
 
-    alone = asyncio.run(
-        engine_alone(SimEngine(timing=SimTiming(0.0, 0.0, 0.0)), "sim", requests, tokens, concurrency)
-    )
+    alone = asyncio.run(engine_alone(SimEngine(timing=SimTiming(0.0, 0.0, 0.0)), "sim", requests, tokens, concurrency))
     args = ["--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0", "--max-running", "64"]
     with worker_process(sys.executable, args, {}) as (url, pid):
         via = asyncio.run(through_worker(url, pid, "sim", requests, tokens, concurrency))
@@ -250,9 +248,7 @@ def bench_vllm(
 def _vllm_alone_main(model: str, requests: int, tokens: int, concurrency: int, vllm_args: str) -> None:
     from app.worker.vllm_engine import VllmEngine
 
-    engine = VllmEngine(
-        model, models=("tiny",), max_num_seqs=max(concurrency, 2), extra_args=json.loads(vllm_args)
-    )
+    engine = VllmEngine(model, models=("tiny",), max_num_seqs=max(concurrency, 2), extra_args=json.loads(vllm_args))
     run = asyncio.run(engine_alone(engine, "tiny", requests, tokens, concurrency))
     print(json.dumps(dataclasses.asdict(run)))
 
@@ -269,9 +265,7 @@ def _report(title: str, alone: Run, via: Run) -> float:
     print(title)
     print(_row("engine alone", alone))
     print(_row("through the worker", via))
-    print(
-        f"  the worker's own CPU: {worker_us:.1f} µs per token (its process, less the engine's share there)"
-    )
+    print(f"  the worker's own CPU: {worker_us:.1f} µs per token (its process, less the engine's share there)")
     print(f"  the client's CPU (parse and all): {via.client_cpu_us_per_token:.1f} µs per token")
     return worker_us
 
@@ -281,23 +275,17 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=0, help="per request (default: sim 2000, vllm 480)")
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="repeat and keep the fastest round of each path"
-    )
+    parser.add_argument("--rounds", type=int, default=3, help="repeat and keep the fastest round of each path")
     parser.add_argument("--vllm-args", default='{"enforce_eager": true}')
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--engine-alone-vllm", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_alone_vllm:
-        _vllm_alone_main(
-            args.engine_alone_vllm, args.requests, args.tokens or 480, args.concurrency, args.vllm_args
-        )
+        _vllm_alone_main(args.engine_alone_vllm, args.requests, args.tokens or 480, args.concurrency, args.vllm_args)
         return 0
 
     def best(runs: list[tuple[Run, Run]]) -> tuple[Run, Run]:
-        return min((r[0] for r in runs), key=lambda r: r.seconds), min(
-            (r[1] for r in runs), key=lambda r: r.seconds
-        )
+        return min((r[0] for r in runs), key=lambda r: r.seconds), min((r[1] for r in runs), key=lambda r: r.seconds)
 
     print(
         f"worker benchmark: {args.requests} requests per round, concurrency {args.concurrency}, "
@@ -317,9 +305,7 @@ def main() -> int:
     v_alone, v_via = best(vllm_runs)
     worker_us = _report(f"vllm engine (tiny model, {args.vllm_args})", v_alone, v_via)
     ratio = worker_us / v_alone.us_per_token
-    e2e = statistics.median(
-        (via.us_per_token - alone.us_per_token) / alone.us_per_token for alone, via in vllm_runs
-    )
+    e2e = statistics.median((via.us_per_token - alone.us_per_token) / alone.us_per_token for alone, via in vllm_runs)
     print(
         f"  worker overhead / engine time per token: {worker_us:.1f} / {v_alone.us_per_token:.0f} µs"
         f" = {ratio:.1%}"

@@ -133,4 +133,8 @@ def running_gateway(
     finally:
         holder["server"].should_exit = True
         thread.join(30)
+        leftover = asyncio.all_tasks(loop)  # e.g. sse-starlette's shutdown watcher
+        for task in leftover:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
         loop.close()

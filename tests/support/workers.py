@@ -115,9 +115,7 @@ class WorkerProcess(ManagedProcess):
         return WorkerClient(self.base_url, **kwargs)
 
 
-def _spawn(
-    cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.TemporaryDirectory[str]
-) -> ManagedProcess:
+def _spawn(cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.TemporaryDirectory[str]) -> ManagedProcess:
     log_path = Path(tmp.name) / "process.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -186,14 +184,10 @@ def start_worker(
     while not ready_file.exists():
         if not process.alive() or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(
-                f"worker did not bind (exit {process.proc.returncode}):\n{process.logs()[-4000:]}"
-            )
+            raise RuntimeError(f"worker did not bind (exit {process.proc.returncode}):\n{process.logs()[-4000:]}")
         time.sleep(0.02)
     port = json.loads(ready_file.read_text())["port"]
-    worker = WorkerProcess(
-        process.proc, process.log_path, tmp, base_url=f"http://127.0.0.1:{port}", port=port
-    )
+    worker = WorkerProcess(process.proc, process.log_path, tmp, base_url=f"http://127.0.0.1:{port}", port=port)
     try:
         _wait_ready(worker, worker.base_url + "/v1/ready", max(1.0, deadline - time.monotonic()), "worker")
     except BaseException:

@@ -24,9 +24,7 @@ START = {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_s": 5.0, 
 
 
 @contextlib.asynccontextmanager
-async def scripted_peer(
-    pieces: Sequence[bytes], *, reset: bool = False, gap_s: float = 0.01
-) -> AsyncIterator[str]:
+async def scripted_peer(pieces: Sequence[bytes], *, reset: bool = False, gap_s: float = 0.01) -> AsyncIterator[str]:
     """An HTTP/1.1 peer that answers any request with 200, a chunked body made of ``pieces``
     (one chunk each, ``gap_s`` apart) and then closes, or resets the connection."""
 
@@ -44,17 +42,11 @@ async def scripted_peer(
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         length = next(
-            (
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            ),
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
             0,
         )
         await reader.readexactly(length)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
-        )
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
         for piece in pieces:
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
@@ -75,9 +67,7 @@ async def scripted_peer(
         await server.wait_closed()
 
 
-async def run(
-    pieces: Sequence[bytes], *, reset: bool = False
-) -> tuple[list[wc.Frame], wc.WorkerError | None]:
+async def run(pieces: Sequence[bytes], *, reset: bool = False) -> tuple[list[wc.Frame], wc.WorkerError | None]:
     async with scripted_peer(pieces, reset=reset) as url:
         client = wc.WorkerClient(url)
         try:
@@ -192,8 +182,6 @@ def test_the_error_tree_maps_every_error_onto_a_failure_kind():
     }
     for cls, kind in expected.items():
         assert issubclass(cls, wc.WorkerError) and cls.kind is kind
-    assert {kind for kind in FailureKind} - set(expected.values()) == {
-        FailureKind.OVERLOADED
-    }  # a timer's call
+    assert {kind for kind in FailureKind} - set(expected.values()) == {FailureKind.OVERLOADED}  # a timer's call
     assert wc.LeaseLost("x", code="stale_lease_epoch", status=409).released is False
     assert wc.LeaseLost("x", code="unknown_attempt", status=404).released is True

@@ -250,3 +250,8 @@ class EventStoreContract:
             await store.append("req_closed", 2, trace.events[2:3])
         with pytest.raises(StoreClosed):
             await store.read("req_closed")
+        with pytest.raises(StoreClosed):
+            await store.ping()
+
+    async def test_an_open_store_answers_a_ping(self, store: EventStore) -> None:
+        await store.ping()

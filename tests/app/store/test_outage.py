@@ -53,9 +53,12 @@ async def test_an_outage_gives_typed_errors_then_the_store_recovers(
             await store.append("req_durable", 3, durable.events[3:5], durable=False)  # fails fast meanwhile
         with pytest.raises(StoreUnavailable):
             await store.read("req_durable")
+        with pytest.raises(StoreUnavailable):
+            await store.ping()  # what /readyz asks
 
         server.start()
         await wait_until(lambda: store.writer.available)
+        await store.ping()
         await store.append("req_durable", 3, durable.events[3:])  # the caller's retry
         await store.append("req_queued", 6, queued.events[6:])
         assert await store.read("req_durable") == durable.events

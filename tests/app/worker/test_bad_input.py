@@ -98,9 +98,7 @@ async def test_a_bad_start_is_refused(
     engine: EngineUnderTest, changes: dict[str, Any], status: int, code: str, field: str | None
 ):
     async with httpx.AsyncClient() as http:
-        response = await http.post(
-            engine.worker.base_url + "/v1/attempts", json=_start_body(engine, **changes)
-        )
+        response = await http.post(engine.worker.base_url + "/v1/attempts", json=_start_body(engine, **changes))
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert (error["code"], error.get("field")) == (code, field)

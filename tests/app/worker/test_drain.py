@@ -36,12 +36,8 @@ async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(
     try:
         short_id, held_id, long_id = request_id("short"), request_id("held"), request_id("long")
         # an attempt that cannot finish within the grace, whatever the engine's speed
-        await add_fault(
-            worker.base_url, action="slow_prefill", prefill_ms=60_000, match={"request_id": held_id}
-        )
-        held = await client.start(
-            request_id=held_id, attempt=1, lease_epoch=1, lease_ttl_s=30, model=model, prompt="x"
-        )
+        await add_fault(worker.base_url, action="slow_prefill", prefill_ms=60_000, match={"request_id": held_id})
+        held = await client.start(request_id=held_id, attempt=1, lease_epoch=1, lease_ttl_s=30, model=model, prompt="x")
         short = await client.start(
             request_id=short_id,
             attempt=1,

@@ -18,9 +18,7 @@ from tests.support.workers import REPO
 FAST = SimTiming(0.0, 0.0, 0.0)
 
 
-def spec(
-    request_id: str = "r", prompt: str = "hello", *, attempt: int = 1, epoch: int = 1, **sampling
-) -> AttemptSpec:
+def spec(request_id: str = "r", prompt: str = "hello", *, attempt: int = 1, epoch: int = 1, **sampling) -> AttemptSpec:
     return AttemptSpec(request_id, attempt, epoch, 5.0, "sim", None, prompt, Sampling(**sampling), 0.25)
 
 
@@ -116,9 +114,7 @@ def test_only_the_vllm_engine_imports_vllm():
                 offenders.append(path.relative_to(REPO).as_posix())
     assert set(offenders) == {"app/worker/vllm_engine.py"}
     code = "import sys, app.cli, app.worker.server, app.replicas.worker_client; print('vllm' in sys.modules)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 

@@ -53,9 +53,7 @@ def _exit_signal(worker: WorkerProcess) -> int:
     ("at_token", "point", "tokens_seen"),
     [(0, "before_frame", 0), (3, "before_frame", 3), (3, "after_frame", 4)],
 )
-async def test_die_at_token_k_kills_the_process_before_or_after_its_frame(
-    at_token: int, point: str, tokens_seen: int
-):
+async def test_die_at_token_k_kills_the_process_before_or_after_its_frame(at_token: int, point: str, tokens_seen: int):
     fault = json.dumps({"action": "die", "at_token": at_token, "point": point})
     with running_worker(faults=True, args=["--fault", fault]) as worker:  # the startup flag
         client = worker.client()
@@ -113,9 +111,7 @@ async def test_a_tool_call_then_death_keeps_the_call_id_of_the_request():
     assert again.done is not None and again.done.finish_reason == "tool_calls"
 
 
-async def test_a_stall_publishes_nothing_yet_honours_cancel(
-    sim_worker: WorkerProcess, sim_client: WorkerClient
-):
+async def test_a_stall_publishes_nothing_yet_honours_cancel(sim_worker: WorkerProcess, sim_client: WorkerClient):
     rid = request_id()
     await add_fault(sim_worker.base_url, action="stall", at_token=2, match={"request_id": rid})
     stream = await begin(sim_client, rid)
@@ -125,15 +121,9 @@ async def test_a_stall_publishes_nothing_yet_honours_cancel(
     assert stalled["published_tokens"] == 2
     assert (await sim_client.health()).healthy  # alive, just silent
     ack = await sim_client.cancel(rid, 1, 1)
-    assert (ack.state, ack.stop) == ("aborted", "cancelled") and ack.generated_tokens >= stalled[
-        "generated_tokens"
-    ]
+    assert (ack.state, ack.stop) == ("aborted", "cancelled") and ack.generated_tokens >= stalled["generated_tokens"]
     state = await attempt_state(sim_worker.base_url, rid)
-    assert (
-        state["engine_over"]
-        and state["published_tokens"] == 2
-        and state["generated_tokens"] == ack.generated_tokens
-    )
+    assert state["engine_over"] and state["published_tokens"] == 2 and state["generated_tokens"] == ack.generated_tokens
     rest = await collect(stream)
     assert not rest.frames and isinstance(rest.error, StreamBroken)  # closed without a word
 
@@ -149,9 +139,7 @@ async def test_a_stall_is_a_read_stall_to_the_client(sim_worker: WorkerProcess, 
     assert (ack.state, ack.stop) == ("aborted", "disconnected")
 
 
-async def test_a_stalled_attempt_is_stopped_when_its_lease_lapses(
-    sim_worker: WorkerProcess, sim_client: WorkerClient
-):
+async def test_a_stalled_attempt_is_stopped_when_its_lease_lapses(sim_worker: WorkerProcess, sim_client: WorkerClient):
     rid = request_id()
     await add_fault(sim_worker.base_url, action="stall", at_token=1, match={"request_id": rid})
     stream = await sim_client.start(
@@ -190,9 +178,7 @@ async def test_reject_before_start(
     if "retry_after" in fault:
         assert rejected.value.retry_after == 2.0  # type: ignore[attr-defined]
     # used up: the same prompt starts now
-    assert (
-        await collect(await begin(sim_client, request_id(), prompt=f"{marker}", params={"max_tokens": 2}))
-    ).done
+    assert (await collect(await begin(sim_client, request_id(), prompt=f"{marker}", params={"max_tokens": 2}))).done
 
 
 async def test_a_malformed_frame(sim_worker: WorkerProcess, sim_client: WorkerClient):
@@ -216,21 +202,16 @@ async def test_a_stream_closed_without_done(sim_worker: WorkerProcess, sim_clien
 async def test_a_slow_prefill_heartbeats(sim_worker: WorkerProcess, sim_client: WorkerClient):
     rid = request_id()
     await add_fault(sim_worker.base_url, action="slow_prefill", prefill_ms=600, match={"request_id": rid})
-    got = await collect(
-        await begin(sim_client, rid, params={"max_tokens": 3}, heartbeat_s=0.1, read_timeout=0.3)
-    )
+    got = await collect(await begin(sim_client, rid, params={"max_tokens": 3}, heartbeat_s=0.1, read_timeout=0.3))
     assert got.done is not None and len(got.tokens) == 3
     before_first_token = got.frames[: got.frames.index(got.tokens[0])]
     assert len(before_first_token) >= 5 and all(h.phase == "prefill" for h in before_first_token)  # type: ignore[union-attr]
 
 
-async def test_matchers_next_n_attempts_and_attempt_number(
-    sim_worker: WorkerProcess, sim_client: WorkerClient
-):
+async def test_matchers_next_n_attempts_and_attempt_number(sim_worker: WorkerProcess, sim_client: WorkerClient):
     await add_fault(sim_worker.base_url, action="close_without_done", at_token=0, times=2)
     outcomes = [
-        (await collect(await begin(sim_client, request_id(), params={"max_tokens": 2}))).error
-        for _ in range(3)
+        (await collect(await begin(sim_client, request_id(), params={"max_tokens": 2}))).error for _ in range(3)
     ]
     assert [type(e) for e in outcomes] == [StreamBroken, StreamBroken, type(None)]
 
@@ -261,9 +242,7 @@ async def test_matchers_next_n_attempts_and_attempt_number(
         ({"action": "stall", "match": {"model": "x"}}, "invalid_field", "match"),
     ],
 )
-async def test_a_bad_fault_is_refused(
-    sim_worker: WorkerProcess, fault: dict[str, Any], code: str, field: str
-):
+async def test_a_bad_fault_is_refused(sim_worker: WorkerProcess, fault: dict[str, Any], code: str, field: str):
     async with httpx.AsyncClient() as http:
         response = await http.post(sim_worker.base_url + "/admin/faults", json=fault)
     assert response.status_code == 400
@@ -274,9 +253,7 @@ async def test_faults_are_refused_without_the_flag():
     with running_worker() as worker:
         async with httpx.AsyncClient() as http:
             for method in ("GET", "POST", "DELETE"):
-                response = await http.request(
-                    method, worker.base_url + "/admin/faults", json={"action": "stall"}
-                )
+                response = await http.request(method, worker.base_url + "/admin/faults", json={"action": "stall"})
                 assert (response.status_code, response.json()["error"]["code"]) == (403, "faults_disabled")
     cli = [sys.executable, "-m", "app.cli", "worker", "--fault", '{"action": "stall"}']
     result = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=30)

@@ -66,13 +66,9 @@ async def test_a_stream_is_heartbeats_then_tokens_then_done(engine: EngineUnderT
     assert state["phase"] == "done" and state["engine_over"]
 
 
-async def test_the_same_request_gives_the_same_tokens_on_every_attempt(
-    engine: EngineUnderTest, client: WorkerClient
-):
+async def test_the_same_request_gives_the_same_tokens_on_every_attempt(engine: EngineUnderTest, client: WorkerClient):
     runs = [
-        await collect(
-            await begin(client, engine, request_id(), prompt="Once upon a time", params=engine.short(16))
-        )
+        await collect(await begin(client, engine, request_id(), prompt="Once upon a time", params=engine.short(16)))
         for _ in range(2)
     ]
     assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 16
@@ -101,9 +97,7 @@ async def test_renewals_keep_an_attempt_going_past_its_ttl(engine: EngineUnderTe
     assert state["last_frame_ms"] > 5000 > 2 * ttl * 1000
 
 
-async def test_a_lapsed_lease_stops_the_tokens_and_aborts_the_engine(
-    engine: EngineUnderTest, client: WorkerClient
-):
+async def test_a_lapsed_lease_stops_the_tokens_and_aborts_the_engine(engine: EngineUnderTest, client: WorkerClient):
     rid, ttl = request_id(), 0.4
     expiries_before = await metric(engine.worker.base_url, "phasegate_worker_lease_expiries_total")
     t0 = time.monotonic()
@@ -122,14 +116,10 @@ async def test_a_lapsed_lease_stops_the_tokens_and_aborts_the_engine(
     with pytest.raises(LeaseLost) as lost:
         await client.renew(rid, 1, 1, 5.0)
     assert lost.value.code == "lease_expired" and lost.value.status == 410
-    assert (
-        await metric(engine.worker.base_url, "phasegate_worker_lease_expiries_total") == expiries_before + 1
-    )
+    assert await metric(engine.worker.base_url, "phasegate_worker_lease_expiries_total") == expiries_before + 1
 
 
-async def test_stale_epochs_are_refused_and_a_newer_epoch_revokes(
-    engine: EngineUnderTest, client: WorkerClient
-):
+async def test_stale_epochs_are_refused_and_a_newer_epoch_revokes(engine: EngineUnderTest, client: WorkerClient):
     rid = request_id()
     first = await begin(client, engine, rid, epoch=5, params=engine.long())
     assert isinstance((await collect(first, max_frames=2)).frames[-1], Token)
@@ -171,9 +161,7 @@ async def test_unknown_and_duplicate_attempts(engine: EngineUnderTest, client: W
     assert (ack.state, ack.generated_tokens) == ("finished", 3)
 
 
-async def test_cancel_is_acknowledged_once_the_engine_has_aborted(
-    engine: EngineUnderTest, client: WorkerClient
-):
+async def test_cancel_is_acknowledged_once_the_engine_has_aborted(engine: EngineUnderTest, client: WorkerClient):
     rid = request_id()
     stream = await begin(client, engine, rid, params=engine.long())
     before = await collect(stream, max_frames=6)
@@ -189,14 +177,10 @@ async def test_cancel_is_acknowledged_once_the_engine_has_aborted(
     assert (await attempt_state(engine.worker.base_url, rid))["generated_tokens"] == state["generated_tokens"]
 
 
-async def test_heartbeats_while_queued_then_429_when_the_queue_is_full(
-    engine: EngineUnderTest, client: WorkerClient
-):
+async def test_heartbeats_while_queued_then_429_when_the_queue_is_full(engine: EngineUnderTest, client: WorkerClient):
     holders = [request_id("holder") for _ in range(2)]
     for rid in holders:  # hold both engine slots in a long prefill
-        await add_fault(
-            engine.worker.base_url, action="slow_prefill", prefill_ms=20_000, match={"request_id": rid}
-        )
+        await add_fault(engine.worker.base_url, action="slow_prefill", prefill_ms=20_000, match={"request_id": rid})
     streams = [await begin(client, engine, rid) for rid in holders]
     waiting = [request_id("waiting") for _ in range(2)]
     queued = [await begin(client, engine, rid, params=engine.short(2), heartbeat_s=0.1) for rid in waiting]
@@ -238,11 +222,7 @@ async def test_health_is_a_real_generation_cached_briefly(engine: EngineUnderTes
 async def test_readiness_info_and_metrics(engine: EngineUnderTest, client: WorkerClient):
     assert await client.ready()
     info = await client.info()
-    assert (
-        info["engine"] == engine.engine
-        and engine.model in info["models"]
-        and info["pid"] == engine.worker.pid
-    )
+    assert info["engine"] == engine.engine and engine.model in info["models"] and info["pid"] == engine.worker.pid
     async with httpx.AsyncClient() as http:
         text = (await http.get(engine.worker.base_url + "/metrics")).text
     for name in ("running", "queued", "attempts_aborted_total", "lease_expiries_total", "tokens_per_second"):
