@@ -120,7 +120,8 @@ class _Api:
                 return await _whole_answer(driver, output)
             await driver.commit()
             return output
-        raise RuntimeError("the driver ended without an outcome")  # pragma: no cover
+        state = driver.state  # pragma: no cover - a bug in the driver if it happens
+        raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")
 
     def _authenticate(self, request: Request) -> str:
         keys = self.ctx.config.api_keys

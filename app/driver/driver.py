@@ -92,6 +92,7 @@ class RequestDriver:
         self.accepted_at = ctx.clock()
         self.last_delivery_at: float | None = None
         self.tool_calls: dict[int, list[dict[str, Any]]] = {}
+        self._restarted = False  # a retry opened: the consumer drops what it buffered
         self.outputs: AsyncIterator[Output] = self._drive()
 
     @property
@@ -142,6 +143,9 @@ class RequestDriver:
     async def _drive(self) -> AsyncIterator[Output]:
         while True:
             ended = await self._decide_and_act()
+            if self._restarted:
+                self._restarted = False
+                yield Restarted()
             if ended is not None:
                 yield ended
                 return
@@ -189,7 +193,7 @@ class RequestDriver:
             outcome: Output | None = None
             for effect in effects:
                 result = await effect() if effect is not None else None
-                outcome = result or outcome
+                outcome = outcome if result is None else result
             if outcome is not None:
                 return outcome
             if all(isinstance(action, Wait) for action in actions):
@@ -259,7 +263,8 @@ class RequestDriver:
             except UpstreamFailure as failure:
                 await self._observe_failure(run, failure)
                 return None
-            return Restarted() if action.attempt > 1 else None
+            self._restarted = action.attempt > 1
+            return None
 
         return open_attempt
 

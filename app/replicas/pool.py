@@ -1,6 +1,7 @@
 """The replica pool: which replica takes the next attempt, and which are out.
 
-How this works: each replica has a count of outstanding attempts, a health flag
+How this works: each replica has a count of outstanding attempts (ties go to the
+replica chosen least recently), a health flag
 from background probes (a real 1-token generation), a circuit breaker, and a
 cool-down from ``Retry-After``. ``choose`` takes the healthy replica with the fewest
 outstanding attempts that serves the model and is not excluded (the policy never
@@ -34,6 +35,7 @@ class Replica:
     ejected_until: float = 0.0
     ejection_s: float = 0.0
     cooldown_until: float = 0.0  # from an upstream Retry-After
+    last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
 
     @property
     def id(self) -> str:
@@ -56,6 +58,7 @@ class ReplicaPool:
         self.ejection_max_s = ejection_max_s
         self.clock = clock
         self.on_health_change: Callable[[Replica], None] = lambda replica: None
+        self._choices = 0
 
     def available(self, replica: Replica, model: str | None = None) -> bool:
         """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
@@ -73,7 +76,10 @@ class ReplicaPool:
         candidates = [r for r in self.replicas.values() if r.id not in excluded and self.available(r, model)]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.outstanding, r.id))
+        chosen = min(candidates, key=lambda r: (r.outstanding, r.last_chosen, r.id))
+        self._choices += 1
+        chosen.last_chosen = self._choices
+        return chosen
 
     def any_available(self, model: str | None = None) -> bool:
         return any(self.available(replica, model) for replica in self.replicas.values())

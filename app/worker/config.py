@@ -127,4 +127,4 @@ def make_engine(config: WorkerConfig) -> Engine:
         decode_s_per_token=config.sim_decode_ms_per_token / 1000,
         abort_s=config.sim_abort_ms / 1000,
     )
-    return SimEngine(models=config.models, timing=timing)
+    return SimEngine(models=config.models, timing=timing, max_model_len=config.max_model_len)

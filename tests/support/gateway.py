@@ -133,8 +133,12 @@ def running_gateway(
     finally:
         holder["server"].should_exit = True
         thread.join(30)
-        leftover = asyncio.all_tasks(loop)  # e.g. sse-starlette's shutdown watcher
-        for task in leftover:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        loop.run_until_complete(_cancel_leftovers())  # e.g. sse-starlette's shutdown watcher
         loop.close()
+
+
+async def _cancel_leftovers() -> None:
+    leftover = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in leftover:
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)

@@ -1,0 +1,77 @@
+"""The pool's choices, ejections and cool-downs, on an injected clock (no I/O: probes are not run)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from app.config import ReplicaConfig
+from app.replicas.base import ReplicaClient
+from app.replicas.pool import Replica, ReplicaPool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool(*ids: str, models: dict[str, tuple[str, ...]] | None = None, **options: Any) -> tuple[ReplicaPool, Clock]:
+    clock = Clock()
+    replicas = [
+        Replica(ReplicaConfig(id=i, url=f"http://{i}", models=(models or {}).get(i, ())), cast(ReplicaClient, None))
+        for i in ids
+    ]
+    return ReplicaPool(replicas, clock=clock, **options), clock
+
+
+def test_least_outstanding_first_then_the_one_idle_longest() -> None:
+    p, _ = pool("a", "b", "c")
+    p.replicas["a"].outstanding = 2
+    assert [p.choose("m").id for _ in range(4)] == ["b", "c", "b", "c"]
+    p.replicas["b"].outstanding = 5
+    p.replicas["c"].outstanding = 5
+    assert p.choose("m").id == "a"
+
+
+def test_excluded_and_non_serving_replicas_are_never_chosen() -> None:
+    p, _ = pool("a", "b", models={"a": ("other",)})
+    assert p.choose("m").id == "b"
+    assert p.choose("m", exclude=["b"]) is None
+    assert p.choose("other", exclude=["b"]).id == "a"
+
+
+def test_failures_in_a_row_eject_with_a_doubling_back_off_and_success_resets() -> None:
+    p, clock = pool("a", "b", eject_after_failures=2, ejection_s=5, ejection_max_s=12)
+    a = p.replicas["a"]
+    p.failed(a, "x")
+    assert p.available(a) and a.healthy is None
+    p.failed(a, "x")
+    assert not p.available(a) and a.healthy is False and a.ejection_s == 5
+    p.failed(a, "x")
+    assert a.ejection_s == 10
+    p.failed(a, "x")
+    assert a.ejection_s == 12  # capped
+    clock.now += 12.1
+    assert p.available(a) is False  # still marked unhealthy until a probe succeeds
+    p.succeeded(a)
+    assert p.available(a) and a.consecutive_failures == 0 and a.ejection_s == 0
+
+
+def test_retry_after_cools_a_replica_down_for_that_long() -> None:
+    p, clock = pool("a", "b")
+    p.cool_down(p.replicas["a"], 30)
+    assert {p.choose("m").id for _ in range(3)} == {"b"}
+    clock.now += 30
+    assert p.choose("m").id == "a"
+
+
+def test_health_changes_are_reported() -> None:
+    p, _ = pool("a", eject_after_failures=1)
+    seen: list[tuple[str, bool | None]] = []
+    p.on_health_change = lambda replica: seen.append((replica.id, replica.healthy))
+    p.succeeded(p.replicas["a"])
+    p.failed(p.replicas["a"], "down")
+    assert seen == [("a", True), ("a", False)]
+    assert not p.any_available() and not p.any_available("m")
