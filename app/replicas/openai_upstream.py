@@ -75,7 +75,9 @@ class OpenAIUpstream:
         else:
             body["prompt"] = request.prompt
             path = "/v1/completions"
-        http_request = self._client.build_request("POST", path, json=body)
+        # vLLM names its own request after this header: its logs then say which attempt it is
+        headers = {"x-request-id": f"{request.request_id}.{request.attempt}"}
+        http_request = self._client.build_request("POST", path, json=body, headers=headers)
         try:
             response = await self._send(http_request)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:

@@ -4,7 +4,8 @@ vLLM's own server cannot be told to misbehave, so the gateway's handling of 429s
 4xx refusals, 5xx, malformed chunks, streams without ``[DONE]`` and upstreams that
 never answer is tested against this small server, run as its own process on a real
 socket. It streams deterministic text for any prompt; ``POST /admin/script`` queues
-behaviours that the next requests consume one each; ``GET /admin/requests`` counts
+behaviours that the next requests consume one each (``"attempt": n`` keeps one for
+the gateway's n-th attempt of a request, read from the ``x-request-id`` it sends); ``GET /admin/requests`` counts
 the generation requests it received. Run: ``python -m tests.support.scripted_upstream
 --port P``.
 
@@ -17,12 +18,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,7 +54,10 @@ class Upstream:
         self.token_delay_s = token_delay_s
 
     async def admin_script(self, request: Request) -> Response:
-        self.script.extend(await request.json())
+        behaviours = await request.json()
+        if not behaviours:
+            self.script.clear()
+        self.script.extend(behaviours)
         return JSONResponse({"queued": len(self.script)})
 
     async def admin_requests(self, request: Request) -> Response:
@@ -57,7 +69,8 @@ class Upstream:
         if body.get("max_tokens") == 1 and body.get("prompt") == "ping":
             return JSONResponse({"choices": [{"text": "pong", "finish_reason": "length"}]})  # health probe
         self.requests += 1
-        behaviour = self.script.popleft() if self.script else {}
+        attempt = int(request.headers.get("x-request-id", "x.0").rsplit(".", 1)[-1] or 0)
+        behaviour = self._take(attempt)
         if behaviour.get("hang"):
             await asyncio.sleep(3600)
         status = behaviour.get("status")
@@ -72,6 +85,14 @@ class Upstream:
         prompt = "\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         words = answer(prompt, int(body.get("max_tokens") or 16))
         return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
+
+    def _take(self, attempt: int) -> dict[str, Any]:
+        """The first queued behaviour for this attempt number (or for any attempt)."""
+        for behaviour in self.script:
+            if behaviour.get("attempt") in (None, attempt):
+                self.script.remove(behaviour)
+                return behaviour
+        return {}
 
     async def _chunks(
         self, chat: bool, model: str, words: list[str], behaviour: dict[str, Any]
@@ -114,6 +135,49 @@ class Upstream:
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+@contextlib.contextmanager
+def running_scripted_upstream(token_delay_s: float = 0.002) -> Iterator[ScriptedUpstream]:
+    """The server in its own process on a free port; killed (with its group) on exit."""
+    port = free_port()
+    command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(port)]
+    command += ["--token-delay-s", str(token_delay_s)]
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    upstream = ScriptedUpstream(f"http://127.0.0.1:{port}", process)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(upstream.base_url + "/admin/requests").status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the scripted upstream did not start")
+            time.sleep(0.05)
+        yield upstream
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+@dataclass
+class ScriptedUpstream:
+    base_url: str
+    process: subprocess.Popen[bytes]
+
+    def script(self, *behaviours: dict[str, Any]) -> None:
+        httpx.post(self.base_url + "/admin/script", json=list(behaviours)).raise_for_status()
+
+    @property
+    def requests(self) -> int:
+        return int(httpx.get(self.base_url + "/admin/requests").json()["requests"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def build(token_delay_s: float = 0.002) -> Starlette:

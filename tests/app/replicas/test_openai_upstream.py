@@ -1,0 +1,165 @@
+"""OpenAI-compatible replicas (the kind ``vllm serve`` is): every upstream HTTP behaviour.
+
+The upstreams here are scripted servers in their own processes (vLLM cannot be told
+to misbehave); the vLLM server itself is exercised in the vllm-marked tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from app.config import ReplicaConfig, Timeouts
+from statemachine import events as ev
+from statemachine.events import FailureKind, ReleaseReason
+from statemachine.replay import replay
+from statemachine.state import Outcome, fold
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.scripted_upstream import ScriptedUpstream, answer, running_scripted_upstream
+
+TIMEOUTS = Timeouts(
+    stall_s=2.0,
+    lease_ttl_s=0.6,
+    cancel_ack_s=0.5,
+    first_token_soft_s=1.0,
+    first_token_hard_s=3.0,
+    upstream_response_s=1.0,
+)
+PROMPT = "the same prompt"
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> Iterator[list[ScriptedUpstream]]:
+    with running_scripted_upstream() as first, running_scripted_upstream() as second:
+        yield [first, second]
+
+
+@pytest.fixture
+def gateway(database_url: str, upstreams: list[ScriptedUpstream]) -> Iterator[RunningGateway]:
+    for upstream in upstreams:
+        upstream.script()  # nothing queued from an earlier test
+    replicas = [ReplicaConfig(id=f"u{n}", url=u.base_url, kind="openai") for n, u in enumerate(upstreams, start=1)]
+    with running_gateway(database_url, replicas, timeouts=TIMEOUTS) as running:
+        yield running
+
+
+def chat(gateway: RunningGateway, *, stream: bool = True, max_tokens: int = 6) -> tuple[str, str]:
+    client = gateway.openai()
+    messages = [{"role": "user", "content": PROMPT}]
+    if stream:
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=max_tokens)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return chunks.response.headers["x-request-id"], text
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens)
+    return raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
+
+
+def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
+    return [e for e in events if isinstance(e, cls)]
+
+
+def script_first(upstreams: list[ScriptedUpstream], behaviour: dict[str, object]) -> None:
+    """The next request's first attempt misbehaves, whichever upstream it lands on."""
+    for upstream in upstreams:
+        upstream.script({**behaviour, "attempt": 1})
+
+
+EXPECTED = "".join(answer(PROMPT, 6))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_openai_upstream_serves_streamed_and_whole_answers(gateway: RunningGateway, stream: bool) -> None:
+    request_id, text = chat(gateway, stream=stream)
+    assert text == EXPECTED
+    assert fold(gateway.events(request_id)).outcome is Outcome.COMPLETED
+
+
+def test_429_honours_retry_after_and_never_hammers(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
+    script_first(upstreams, {"status": 429, "retry_after": 30})
+    before = [u.requests for u in upstreams]
+    request_id, text = chat(gateway)
+    for upstream in upstreams:
+        upstream.script()  # drop the 429 the other upstream did not get to use
+    assert text == EXPECTED
+    events = gateway.events(request_id)
+    refused, served = (s.replica_id for s in of(events, ev.AttemptStarted))  # type: ignore[attr-defined]
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REJECTED and failed.upstream_status == 429  # type: ignore[attr-defined]
+    for _ in range(3):
+        later_id, _ = chat(gateway)
+        assert of(gateway.events(later_id), ev.AttemptStarted)[0].replica_id == served  # type: ignore[attr-defined]
+    index = int(refused[1:]) - 1
+    assert upstreams[index].requests - before[index] == 1  # asked once, then left alone
+
+
+def test_a_4xx_is_passed_on_and_not_retried(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
+    script_first(upstreams, {"status": 400, "code": "context_length_exceeded", "message": "prompt is too long"})
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(gateway)
+    assert caught.value.code == "context_length_exceeded"
+    assert "prompt is too long" in caught.value.message
+    events = gateway.events(caught.value.response.headers["x-request-id"])
+    assert len(of(events, ev.AttemptStarted)) == 1
+
+
+def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
+    script_first(upstreams, {"status": 500})
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    assert len(of(gateway.events(request_id), ev.AttemptStarted)) == 2
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "kind"),
+    [({"malformed_at": 0}, FailureKind.LIVENESS_UNCERTAIN), ({"hang": True}, FailureKind.LIVENESS_UNCERTAIN)],
+    ids=["malformed chunk", "never answers"],
+)
+def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], behaviour: dict[str, object], kind: FailureKind
+) -> None:
+    script_first(upstreams, behaviour)
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    events = gateway.events(request_id)
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is kind  # type: ignore[attr-defined]
+    order = [type(e).__name__ for e in events]
+    second = [i for i, e in enumerate(events) if isinstance(e, ev.AttemptStarted)][1]
+    # no acknowledgement exists for this kind: the fence waits out the lease
+    assert "CancelAcked" not in order
+    assert order.index("AttemptFenced") < order.index("LeaseExpired") < order.index("AttemptReleased") < second
+    (released,) = of(events, ev.AttemptReleased)
+    assert released.because is ReleaseReason.LEASE_EXPIRED  # type: ignore[attr-defined]
+    assert replay(events).ok
+
+
+@pytest.mark.parametrize("no_done", ["hold", "close"])
+def test_a_stream_without_done_completes_once_every_choice_finished(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], no_done: str
+) -> None:
+    script_first(upstreams, {"no_done": no_done})
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    events = gateway.events(request_id)
+    assert not of(events, ev.UpstreamFailed)  # no stall timer had to end it
+    assert fold(events).outcome is Outcome.COMPLETED
+
+
+def test_a_connection_cut_before_output_is_retried(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
+    script_first(upstreams, {"cut_at": 0})
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    (failed,) = of(gateway.events(request_id), ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REPLICA_EXITED  # type: ignore[attr-defined]
+
+
+def test_a_connection_cut_after_output_ends_the_stream(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"cut_at": 3})
+    with pytest.raises(openai.APIError) as caught:
+        chat(gateway)
+    assert caught.value.code == "upstream_decode_interrupted"
+    assert isinstance(caught.value.body, dict) and caught.value.body["delivered_output_tokens"] == 3
