@@ -36,7 +36,7 @@ class WorkerConfig:
     sim_abort_ms: float = 0.0
     # vllm engine
     model_path: str | None = None
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: 512 for vllm, the sim's 32768
     dtype: str = "bfloat16"
     vllm_args: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +68,7 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
     p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
     p.add_argument("--model-path", help="vllm: the model directory")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="default: 512 (vllm), 32768 (sim)")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--vllm-args", default="{}", metavar="JSON", help="vllm: more AsyncEngineArgs fields")
 
@@ -115,7 +115,7 @@ def make_engine(config: WorkerConfig) -> Engine:
         return VllmEngine(
             config.model_path,
             models=config.models,
-            max_model_len=config.max_model_len,
+            max_model_len=config.max_model_len or 512,
             dtype=config.dtype,
             max_num_seqs=config.max_running,
             extra_args=config.vllm_args,
@@ -127,4 +127,6 @@ def make_engine(config: WorkerConfig) -> Engine:
         decode_s_per_token=config.sim_decode_ms_per_token / 1000,
         abort_s=config.sim_abort_ms / 1000,
     )
+    if config.max_model_len is None:
+        return SimEngine(models=config.models, timing=timing)
     return SimEngine(models=config.models, timing=timing, max_model_len=config.max_model_len)

@@ -19,7 +19,7 @@ import pytest
 from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess, running_worker
 
-SIM_ARGS = ["--sim-decode-ms-per-token", "3", "--model", "sim", "--heartbeat-ms", "100"]
+SIM_ARGS = ["--sim-decode-ms-per-token", "3", "--model", "sim", "--heartbeat-ms", "100", "--max-model-len", "512"]
 
 
 def start_pair(stack: ExitStack, extra: list[str] | None = None) -> list[WorkerProcess]:
