@@ -85,6 +85,10 @@ class _Api:
             self.ctx.metrics.rejected.labels(code=error.code).inc()
             log.info("rejected request %s: %s %s", request_id, error.code, error.message)
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        if not self.ctx.store.accepting:
+            log.error("request %s refused: the event log is unavailable", request_id)
+            error = ServiceUnavailable("the request log is unavailable; retry shortly", code="event_log_unavailable")
+            return JSONResponse(error.body(request_id), status_code=503, headers=headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
         driver.accept()
         try:

@@ -90,6 +90,7 @@ class RequestDriver:
         self.recorder = Recorder(ctx, request_id)
         self.run: AttemptRun | None = None
         self.accepted_at = ctx.clock()
+        self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
         self.last_delivery_at: float | None = None
         self.tool_calls: dict[int, list[dict[str, Any]]] = {}
         self._restarted = False  # a retry opened: the consumer drops what it buffered
@@ -106,7 +107,7 @@ class RequestDriver:
     # --- acceptance ------------------------------------------------------------------
 
     def accept(self) -> None:
-        """Record the request; its first pull appends it durably with the first attempt."""
+        """Record the request; its first pull appends it with the first attempt (group-committed)."""
         request = self.request
         self.recorder.record(
             ev.RequestAccepted,
@@ -256,8 +257,9 @@ class RequestDriver:
         self.tool_calls = {}
 
         async def open_attempt() -> Output | None:
-            # the first attempt's grant is durable with its acceptance, before the replica hears of it
-            await self.recorder.flush(durable=action.attempt == 1)
+            # queued ahead of anything the replica's answer makes us record, so the log
+            # holds the grant before the commit point; durable only with the commit point
+            await self.recorder.flush(durable=False)
             try:
                 await run.open()
             except UpstreamFailure as failure:
@@ -429,7 +431,7 @@ class RequestDriver:
         assert run is not None
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
-            self.ctx.metrics.inter_token.labels(model=self.request.model).observe(now - self.last_delivery_at)
+            self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
         self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text)
 

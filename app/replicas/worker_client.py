@@ -19,6 +19,7 @@ The per-frame path is one ``json.loads`` and one small object per line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,7 @@ class Health:
 # --- the stream --------------------------------------------------------------------------
 
 _loads = json.loads
+_DRAIN_S = 0.5  # the worker ends the body right after done
 _YIELD_EVERY = 16
 
 
@@ -167,6 +169,15 @@ class AttemptStream:
                 self._lines.extend(lines)
                 return await self._frame(self._lines.popleft())
 
+    async def _finish(self) -> None:
+        """Read the body's end after ``done``, so the connection goes back to the pool
+        (closing a response mid-body discards its connection), then close."""
+        with contextlib.suppress(httpx.HTTPError, TimeoutError):
+            async with asyncio.timeout(_DRAIN_S):
+                async for _ in self._raw:
+                    pass
+        await self.aclose()
+
     async def _frame(self, line: bytes) -> Frame:
         try:
             obj = _loads(line)
@@ -181,7 +192,7 @@ class AttemptStream:
                 frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
                 self.done = True
                 self._lines.clear()
-                await self.aclose()
+                await self._finish()
                 return frame
             if kind == "error":
                 code, message = obj["code"], obj["message"]

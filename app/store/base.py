@@ -86,6 +86,12 @@ class EventStore(abc.ABC):
         A restarted gateway uses it to find and close the requests it left behind.
         """
 
+    @property
+    @abc.abstractmethod
+    def accepting(self) -> bool:
+        """Whether appends can be written now, as last seen (no I/O): ``False`` during an
+        outage the writer noticed, or once closed. New requests are refused meanwhile."""
+
     @abc.abstractmethod
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless the log can take appends now."""

@@ -81,6 +81,10 @@ class InMemoryEventStore(EventStore):
             async with self._appended:
                 await self._appended.wait_for(functools.partial(self._moved_past, position))
 
+    @property
+    def accepting(self) -> bool:
+        return not self._closed
+
     async def ping(self) -> None:
         self._check_open()
 

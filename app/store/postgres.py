@@ -141,6 +141,10 @@ class PostgresEventStore(EventStore):
         async with self._connection() as connection:
             return list((await connection.scalars(query)).all())
 
+    @property
+    def accepting(self) -> bool:
+        return not self._closed and self.writer.available
+
     async def ping(self) -> None:
         async with self._connection() as connection:
             read_only = await connection.scalar(text("SELECT pg_is_in_recovery()"))

@@ -23,7 +23,7 @@ from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess, running_worker
 
-FAST = Timeouts(stall_s=0.5, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=3.0)
+FAST = Timeouts(stall_s=1.5, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
 
 
 def stream_text(gateway: RunningGateway, prompt: str, max_tokens: int = 8) -> tuple[str, str, int]:

@@ -252,6 +252,8 @@ class EventStoreContract:
             await store.read("req_closed")
         with pytest.raises(StoreClosed):
             await store.ping()
+        assert not store.accepting
 
     async def test_an_open_store_answers_a_ping(self, store: EventStore) -> None:
         await store.ping()
+        assert store.accepting

@@ -55,10 +55,12 @@ async def test_an_outage_gives_typed_errors_then_the_store_recovers(
             await store.read("req_durable")
         with pytest.raises(StoreUnavailable):
             await store.ping()  # what /readyz asks
+        assert not store.accepting  # what a new request's acceptance looks at
 
         server.start()
         await wait_until(lambda: store.writer.available)
         await store.ping()
+        assert store.accepting
         await store.append("req_durable", 3, durable.events[3:])  # the caller's retry
         await store.append("req_queued", 6, queued.events[6:])
         assert await store.read("req_durable") == durable.events
