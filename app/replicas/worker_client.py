@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ __all__ = [
     "ToolCall",
     "WorkerClient",
     "WorkerError",
+    "http_client",
 ]
 
 # --- frames ------------------------------------------------------------------------------
@@ -262,6 +264,21 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+_ssl_context: ssl.SSLContext | None = None
+
+
+def http_client(**kwargs: Any) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` for workers, with one TLS context per process.
+
+    httpx builds a TLS context (parsing the CA bundle, ~30 ms of CPU) for every client;
+    a gateway that makes clients as replicas come and go should not pay that each time.
+    """
+    global _ssl_context
+    if _ssl_context is None:
+        _ssl_context = ssl.create_default_context()
+    return httpx.AsyncClient(verify=_ssl_context, **kwargs)
+
+
 class WorkerClient:
     """Talks to one worker at ``base_url``; share one ``httpx.AsyncClient`` across workers."""
 
@@ -276,7 +293,7 @@ class WorkerClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._own_http = http is None
-        self._http = http or httpx.AsyncClient(
+        self._http = http or http_client(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
         self.connect_timeout = connect_timeout
