@@ -14,15 +14,18 @@ from typing import Any
 
 import httpx
 
-from app.driver.context import ToolRunner
 
+class WebhookRunner:
+    """A tool runner that POSTs each call to one URL; close it with the gateway."""
 
-def webhook_runner(url: str, *, timeout_s: float = 10.0) -> ToolRunner:
-    http = httpx.AsyncClient(timeout=timeout_s)
+    def __init__(self, url: str, *, timeout_s: float = 10.0) -> None:
+        self.url = url
+        self._http = httpx.AsyncClient(timeout=timeout_s)
 
-    async def run(call: dict[str, Any]) -> Any:
-        response = await http.post(url, json=call, headers={"idempotency-key": call["idempotency_key"]})
+    async def __call__(self, call: dict[str, Any]) -> Any:
+        response = await self._http.post(self.url, json=call, headers={"idempotency-key": call["idempotency_key"]})
         response.raise_for_status()
         return response.json() if response.content else None
 
-    return run
+    async def aclose(self) -> None:
+        await self._http.aclose()

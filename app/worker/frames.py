@@ -168,6 +168,10 @@ async def _decode(
         if output.tool_call is not None:
             call = output.tool_call
             frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
+            # the engine's own tool call, reached after k tokens: publish it, then die
+            die_after = (
+                fault is not None and fault.action is Action.TOOL_CALL_THEN_DIE and fault_at == attempt.published_tokens
+            )
         elif token_count or output.text:
             if attempt.published_tokens == fault_at:
                 assert fault is not None

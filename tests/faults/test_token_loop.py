@@ -144,25 +144,30 @@ def test_5_a_tool_call_runs_once_however_many_attempts_ask(
         pytest.skip("the scripted OpenAI upstream emits its tool call first: only k = 0 exists there")
     prompt = prompt_for(f"tool {k}")
     live_fleet.fault_first_attempt(prompt, "tool_call_then_die", k=k)
+    # k = 0: the request offers tools and the replica's own first output is the call;
+    # k > 0: k content deltas reach the client, then the replica asks for a tool and dies
+    request = body(prompt, tools=TOOLS) if k == 0 else body(prompt)
     with (
         _tool_webhook() as (url, runs),
         running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS, tool_webhook_url=url) as gateway,
     ):
-        transcript = stream_chat(gateway.url, body(prompt, tools=TOOLS))
+        transcript = stream_chat(gateway.url, request)
         events, state = settle(gateway, transcript, evidence)
         emitted = of(events, ev.ToolCallEmitted)
         keys = {e.idempotency_key for e in emitted}  # type: ignore[attr-defined]
-        assert len(keys) == 1
+        assert len(keys) == 1, "every attempt that asked named the same call"
         (key,) = keys
         ledger = gateway.call(gateway.gateway.ctx.store.tool_execution(key))
-        assert ledger is not None and ledger.attempt == 1
+        assert ledger is not None and ledger.attempt == emitted[0].attempt  # type: ignore[attr-defined]
         assert runs() == {key: 1}  # executed once, through the ledger
-    if k == 0:  # nothing was delivered: the retry asks for the same call, and gets it
-        assert replicas_of(events) == ["r1", "r2"] and len(emitted) == 2
-        assert state.outcome is Outcome.COMPLETED
-        assert [c["id"] for c in transcript.tool_calls] == [emitted[0].tool_call_id]  # type: ignore[attr-defined]
-    else:
+    if k > 0:  # the stream was already delivering: it ends, the call is never delivered
         assert state.outcome is Outcome.FAILED and len(emitted) == 1 and not transcript.tool_calls
+        return
+    assert replicas_of(events) == ["r1", "r2"] and state.outcome is Outcome.COMPLETED
+    assert [c["id"] for c in transcript.tool_calls] == [emitted[-1].tool_call_id]  # type: ignore[attr-defined]
+    # a worker publishes the call whole, so both attempts asked for it; an OpenAI upstream
+    # streams it in pieces, and the one cut off mid-call never asked
+    assert [e.attempt for e in emitted] == ([1, 2] if live_fleet.kind == "worker" else [2])  # type: ignore[attr-defined]
 
 
 # --- 6. an overloaded replica --------------------------------------------------------------------
@@ -237,10 +242,10 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     else:
         assert state.outcome is Outcome.FAILED and replicas_of(events) == ["r1"]
         assert transcript.error is not None and transcript.error["delivered_output_tokens"] == len(transcript.contents)
-    if slow_fleet.kind == "worker":  # the worker's own view: its lease lapsed, it stopped
+    if slow_fleet.kind == "worker":  # the worker's own view: stopped by its lease, or done before it lapsed
         attempts = httpx.get(first.direct_url + "/admin/attempts").json()["attempts"]
         (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
-        assert mine["stop"] in ("lease_expired", "cancelled") and mine["engine_over"]
+        assert mine["engine_over"] and mine["stop"] in ("lease_expired", "cancelled", None)
 
 
 @pytest.mark.parametrize("k", INDICES)
