@@ -242,7 +242,9 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     else:
         assert state.outcome is Outcome.FAILED and replicas_of(events) == ["r1"]
         assert transcript.error is not None and transcript.error["delivered_output_tokens"] == len(transcript.contents)
-    if slow_fleet.kind == "worker":  # the worker's own view: stopped by its lease, or done before it lapsed
+    # k = 0 may cut before the start request even reached the worker (the proxy holds it):
+    # then the worker's view has nothing to say; the log above already proved the rule
+    if slow_fleet.kind == "worker" and k > 0:  # the worker's view: stopped by its lease, or done before
         attempts = httpx.get(first.direct_url + "/admin/attempts").json()["attempts"]
         (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
         assert mine["engine_over"] and mine["stop"] in ("lease_expired", "cancelled", None)
