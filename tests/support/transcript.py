@@ -4,8 +4,9 @@ A :class:`Transcript` keeps every SSE event of one streamed request (its ``id:``
 and JSON payload), the content deltas in order, the final error event if any and
 whether ``[DONE]`` arrived. :func:`check_request` then compares it with the
 request's events in the log, the way DESIGN.md §10 asks: what the client got
-against what the log says was delivered, no duplicate or gap or splice, exactly one
-terminal event, attempts that never overlapped, and a replay without divergence.
+against what the log says was delivered, and the log's own invariants
+(``statemachine.invariants``: no gap, no splice, one terminal event, attempts that
+never overlapped, a replay without divergence).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import httpx
 
 from statemachine import events as ev
 from statemachine.events import ReleaseReason
-from statemachine.replay import replay
-from statemachine.state import DEAD_KINDS, RequestState, fold
+from statemachine.invariants import violations
+from statemachine.state import RequestState, fold
 
 
 @dataclass
@@ -82,16 +83,8 @@ def stream_chat(
 
 def check_request(events: list[ev.Event], transcript: Transcript | None = None) -> RequestState:
     """The invariants every request must keep, whatever failed; returns its final state."""
-    assert events, "the request left no events"
-    assert [e.seq for e in events] == list(range(1, len(events) + 1)), "gap or repeat in the stream"
-    state = fold(events)  # raises on any illegal transition
-    terminal = [e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled)]
-    assert len(terminal) == 1, f"{len(terminal)} terminal events"
-    result = replay(events)
-    assert result.ok, result.divergence and result.divergence.describe()
-    _no_overlapping_attempts(events)
-    publishers = {e.attempt for e in events if isinstance(e, ev.DeltasDelivered | ev.FirstDeltaCommitted)}
-    assert len(publishers) <= 1, f"attempts {sorted(publishers)} all delivered: a splice"
+    assert violations(events) == []
+    state = fold(events)
     if transcript is not None:
         delivered = "".join(e.text or "" for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens)
         assert transcript.text == delivered, "the client got something else than the log says it delivered"
@@ -102,20 +95,6 @@ def check_request(events: list[ev.Event], transcript: Transcript | None = None) 
             )
             assert transcript.error["partial_output"] is state.first_delta_sent
     return state
-
-
-def _no_overlapping_attempts(events: list[ev.Event]) -> None:
-    """From the log alone: an attempt starts only after every earlier one stopped for good."""
-    stopped: set[int] = set()
-    for event in events:
-        if isinstance(event, ev.AttemptStarted):
-            assert stopped >= set(range(1, event.attempt)), f"attempt {event.attempt} started beside a live one"
-        elif isinstance(event, ev.AttemptReleased) or (
-            isinstance(event, ev.UpstreamFailed) and event.kind in DEAD_KINDS
-        ):
-            stopped.add(event.attempt)
-        elif isinstance(event, ev.RequestCompleted):
-            stopped.update(range(1, event.seq))
 
 
 def released_by(events: list[ev.Event], attempt: int) -> ReleaseReason | None:
