@@ -35,6 +35,7 @@ import pytest
 from app.replicas.worker_client import WorkerClient
 
 REPO = Path(__file__).resolve().parents[2]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # vLLM on CPU: a small KV cache
 _ids = itertools.count(1)
 
 
@@ -178,7 +179,7 @@ def start_worker(
     if faults:
         cmd.append("--enable-faults")
     cmd += list(args)
-    worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})} if engine == "vllm" else env
+    worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else env
     process = _spawn(cmd, worker_env, tmp)
     deadline = time.monotonic() + ready_timeout
     while not ready_file.exists():
@@ -228,7 +229,7 @@ def running_vllm_openai_server(
     cmd = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", env.model]
     cmd += ["--served-model-name", served_model_name, "--port", str(port), "--host", "127.0.0.1"]
     cmd += ["--max-model-len", "512", "--dtype", "bfloat16", *args]
-    process = _spawn(cmd, {"VLLM_CPU_KVCACHE_SPACE": "1"}, tmp)
+    process = _spawn(cmd, VLLM_ENV, tmp)
     try:
         _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")
         yield process, f"http://127.0.0.1:{port}"
