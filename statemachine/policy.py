@@ -130,6 +130,11 @@ def action_params(action: Action) -> dict[str, Any]:
     return params
 
 
+def action_params_order(action: type[Action]) -> tuple[str, ...]:
+    """The names of an action's parameters, in the order ``action_params`` gives them."""
+    return _PARAMS[action]
+
+
 # Each action's parameters, in field order (replay recomputes them for every decision).
 _PARAMS: dict[type[Action], tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls) if f.name != "reason") for cls in ACTION_TYPES.values()
