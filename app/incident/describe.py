@@ -71,7 +71,9 @@ def _detail(event: Event) -> str:
     if isinstance(event, ev.NoReplicaAvailable):
         return f"{event.detail} (excluded {', '.join(event.excluded) or 'none'})"
     if isinstance(event, ev.RequestCompleted):
-        usage = " ".join(f"{key}={value}" for key, value in event.usage.items())
+        order = {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 2}
+        keys = sorted(event.usage, key=lambda key: (order.get(key, 3), key))
+        usage = " ".join(f"{key}={event.usage[key]}" for key in keys)
         return f"{event.finish_reason} {usage}".strip()
     if isinstance(event, ev.RequestFailed):
         partial = "partial output" if event.partial_output else "nothing delivered"

@@ -56,7 +56,7 @@ def render_page(events: Sequence[Event]) -> str:
         render_timeline(events, result),
         "</div>",
         '<p class="legend">Columns are events in order (time since accepted on top). Hover a mark for the'
-        " event. Hatched: an attempt fenced until its release. Dashed under a bar: its lease. Left of the"
+        " event. Hatched: an attempt fenced until its release. Dashed under a bar: its lease as granted. Left of the"
         " commit point a failed attempt may be retried on another replica; right of it, never.</p>",
         _table(rows),
         "</body></html>",

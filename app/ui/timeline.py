@@ -194,9 +194,10 @@ def _attempt_lane(canvas: _Canvas, number: int, y: float) -> None:
     lease_x = canvas.x_at(started.lease_expires_at)
     lease = (
         f'<line x1="{x0}" y1="{y + 13}" x2="{lease_x}" y2="{y + 13}" stroke="{COLOURS["lease"]}"'
-        f' stroke-dasharray="3 2"/><text class="small" x="{lease_x + 3}" y="{y + 16}">lease</text>'
+        f' stroke-dasharray="3 2"/><text class="small" x="{lease_x + 3}" y="{y + 16}">lease as granted</text>'
     )
-    canvas.mark("lease", started, lease, attempt=number)
+    note = "the lease as granted at the start; renewals while the stream was read are not logged"
+    canvas.mark("lease", started, lease, attempt=number, note=note)
     start_label = f'<text class="small" x="{x0 + 4}" y="{y - 12}">{escape(started.replica_id)}</text>'
     canvas.mark(
         "start", started, f'<rect x="{x0 - 2}" y="{y - 10}" width="4" height="20" fill="#333"/>', attempt=number
