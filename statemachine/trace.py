@@ -22,7 +22,7 @@ sent, the delivered text and tool call arguments, and says so in its header.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,12 @@ TRACE_VERSION = 1
 class Trace:
     header: dict[str, Any]
     requests: dict[str, list[Event]] = field(default_factory=dict)
-    lines: dict[tuple[str, int], int] = field(default_factory=dict)  # (request id, seq) -> its line number
+    lines: dict[str, list[int]] = field(default_factory=dict)  # request id -> the line of each event, by seq
+
+    def line_of(self, request_id: str, seq: int) -> int:
+        """The line number of the request's event ``seq`` (0 if the trace was not parsed)."""
+        numbers = self.lines.get(request_id, [])
+        return numbers[seq - 1] if 0 < seq <= len(numbers) else 0
 
     @property
     def events(self) -> list[Event]:
@@ -48,20 +53,22 @@ class Trace:
 
 def parse_trace(lines: Iterable[str]) -> Trace:
     """Parse a trace's lines, or raise :class:`TraceError` naming the first bad line."""
-    numbered = ((number, line) for number, line in enumerate(lines, start=1) if line.strip())
-    first = next(numbered, None)
-    if first is None:
-        raise TraceError(0, "the trace is empty")
-    header = _parse_header(*first)
-    requests: dict[str, list[Event]] = {request_id: [] for request_id in header["requests"]}
-    where: dict[tuple[str, int], int] = {}
+    numbered = enumerate(lines, start=1)
+    header: dict[str, Any] | None = None
     for number, line in numbered:
+        if line.strip():
+            header = _parse_header(number, line)
+            break
+    if header is None:
+        raise TraceError(0, "the trace is empty")
+    requests: dict[str, list[Event]] = {request_id: [] for request_id in header["requests"]}
+    where: dict[str, list[int]] = {request_id: [] for request_id in header["requests"]}
+    for number, line in numbered:
+        text = line.strip()
+        if not text:
+            continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(number, f"not valid JSON ({exc.msg}); is the line truncated?") from None
-        try:
-            event = from_json(data)
+            event = from_json(_json_value(number, text))
         except MalformedEvent as exc:
             raise TraceError(number, str(exc)) from None
         events = requests.get(event.request_id)
@@ -70,11 +77,28 @@ def parse_trace(lines: Iterable[str]) -> Trace:
         if event.seq != len(events) + 1:
             raise TraceError(number, f"seq {event.seq} of request {event.request_id} does not follow seq {len(events)}")
         events.append(event)
-        where[event.request_id, event.seq] = number
+        where[event.request_id].append(number)
     empty = [request_id for request_id, events in requests.items() if not events]
     if empty:
         raise TraceError(0, f"no events for listed request(s) {', '.join(empty)}")
     return Trace(header, requests, where)
+
+
+# json.loads() minus its Python wrapping, which costs more than the C scanner it calls on
+# short lines: replaying a trace is mostly decoding it (ops/bench/replay.py).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _json_value(number: int, text: str) -> Any:
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        raise TraceError(number, "not valid JSON (Expecting value)") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(number, f"not valid JSON ({exc.msg}); is the line truncated?") from None
+    if end != len(text):
+        raise TraceError(number, "not valid JSON (Extra data after the event)")
+    return value
 
 
 def fold_trace(trace: Trace) -> dict[str, RequestState]:
@@ -87,7 +111,7 @@ def fold_trace(trace: Trace) -> dict[str, RequestState]:
             try:
                 state = apply(state, event)
             except IllegalTransition as exc:
-                raise TraceError(trace.lines.get((request_id, event.seq), 0), str(exc)) from None
+                raise TraceError(trace.line_of(request_id, event.seq), str(exc)) from None
         states[request_id] = state
     return states
 

@@ -87,7 +87,7 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
         fold_trace(trace)
     except TraceError as exc:
         raise TraceRefused(f"{name}: {exc}") from None
-    events = sorted(trace.events, key=lambda event: trace.lines[event.request_id, event.seq])
+    events = sorted(trace.events, key=lambda event: trace.line_of(event.request_id, event.seq))
     rows = [to_row(event) for event in events]
     connection = await asyncpg.connect(asyncpg_dsn(url))
     try:
@@ -99,9 +99,9 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
                 list(trace.requests),
             )
             if existing:
-                duplicate = min((row["request_id"] for row in existing), key=lambda r: trace.lines[r, 1])
+                duplicate = min((row["request_id"] for row in existing), key=lambda r: trace.line_of(r, 1))
                 raise TraceRefused(
-                    f"{name}: line {trace.lines[duplicate, 1]}: request {duplicate} is already in the database;"
+                    f"{name}: line {trace.line_of(duplicate, 1)}: request {duplicate} is already in the database;"
                     " nothing was imported"
                 )
             try:

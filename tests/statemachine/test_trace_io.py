@@ -29,7 +29,7 @@ def test_a_golden_trace_is_rewritten_byte_for_byte_even_from_reordered_objects(p
     text = path.read_text()
     trace = parse_trace(text.splitlines())
     shuffled = []
-    for event in sorted(trace.events, key=lambda e: trace.lines[e.request_id, e.seq]):
+    for event in sorted(trace.events, key=lambda e: trace.line_of(e.request_id, e.seq)):
         if isinstance(event, ev.Decided):
             event = dataclasses.replace(event, params=jsonb_order(event.params))
         elif isinstance(event, ev.RequestCompleted):
@@ -106,3 +106,23 @@ def test_every_decision_run_is_kept_with_what_the_policy_says_now() -> None:
     assert [run.agrees for run in result.runs] == [True, True, False]
     assert result.runs[-1].recomputed[0]["action"] == "start_attempt"
     assert result.divergence is not None and result.divergence.seq == result.runs[-1].seq
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("x{}", r"line 3: not valid JSON \(Expecting value\)"),
+        ("{} {}", r"line 3: not valid JSON \(Extra data after the event\)"),
+        ('{"type": "Decided", "v": 1,', r"line 3: not valid JSON .*is the line truncated\?"),
+    ],
+)
+def test_a_line_that_is_not_one_json_value_is_named(line: str, message: str) -> None:
+    lines = list(dump_trace(ModelDriver("req_json").events))
+    with pytest.raises(TraceError, match=message):
+        parse_trace([lines[0], lines[1], line])
+
+
+def test_blank_lines_before_the_header_are_skipped_and_lines_keep_their_numbers() -> None:
+    lines = list(dump_trace(ModelDriver("req_blank").events))
+    trace = parse_trace(["\n", "  \n", *lines])
+    assert trace.line_of("req_blank", 1) == 4 and trace.line_of("req_blank", 99) == 0
