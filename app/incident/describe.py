@@ -7,6 +7,7 @@ from typing import Any
 
 from statemachine import events as ev
 from statemachine.events import Event
+from statemachine.policy import ACTION_TYPES, action_params_order
 
 TEXT_PREVIEW = 24  # characters of delivered text shown in a description
 
@@ -20,10 +21,13 @@ def describe_event(event: Event) -> str:
 
 
 def describe_decision(decision: Mapping[str, Any]) -> str:
-    """A recorded or recomputed decision as ``action(reason) k=v …`` (empty parameters left out)."""
-    params = " ".join(
-        f"{key}={_short(value)}" for key, value in decision.get("params", {}).items() if value not in (None, [], "")
-    )
+    """A recorded or recomputed decision as ``action(reason) k=v …`` (empty parameters left out),
+    its parameters in the action's own order whatever order the log kept them in."""
+    values = decision.get("params", {})
+    action = ACTION_TYPES.get(decision["action"])
+    order = action_params_order(action) if action is not None else ()
+    names = [name for name in order if name in values] + sorted(set(values) - set(order))
+    params = " ".join(f"{name}={_short(values[name])}" for name in names if values[name] not in (None, [], ""))
     head = f"{decision['action']}({decision['reason']})"
     return f"{head} {params}" if params else head
 
