@@ -23,6 +23,7 @@ from app.config import GatewayConfig, ReplicaConfig
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
 from app.driver.recovery import recover_lost_requests
+from app.driver.tools import WebhookRunner
 from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
 from app.replicas.openai_upstream import OpenAIUpstream
@@ -91,7 +92,7 @@ class Gateway:
             pool=pool,
             budget=RetryBudget(config.retry_budget_burst, config.retry_budget_per_s),
             metrics=metrics,
-            tool_runner=tool_runner,
+            tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
             gateway_id=gateway_id or default_gateway_id(config),
         )
         return cls(ctx, ctx.gateway_id)
@@ -121,3 +122,5 @@ class Gateway:
         await self.ctx.drain(SHUTDOWN_GRACE_S)
         await self.ctx.store.close()
         await self.ctx.pool.close()
+        if isinstance(self.ctx.tool_runner, WebhookRunner):
+            await self.ctx.tool_runner.aclose()

@@ -55,8 +55,17 @@ class AttemptRun:
         return self.renewed_at + self.request.lease_ttl_s - self.ctx.clock()
 
     async def open(self) -> None:
-        """Start the attempt on the replica; raises :class:`UpstreamFailure` if it cannot."""
-        self._stream = await self.replica.client.start(self.request)
+        """Start the attempt on the replica; raises :class:`UpstreamFailure` if it cannot,
+        or if no answer comes within the upstream response deadline (the request may
+        have reached the replica: its liveness is then uncertain)."""
+        deadline = self.ctx.config.timeouts.upstream_response_s
+        try:
+            async with asyncio.timeout(deadline):
+                self._stream = await self.replica.client.start(self.request)
+        except TimeoutError:
+            raise UpstreamFailure(
+                FailureKind.LIVENESS_UNCERTAIN, f"no answer to the start within {deadline:g}s"
+            ) from None
         self._frames = aiter(self._stream.frames())
         self._renewals = asyncio.get_running_loop().create_task(
             self._renew_lease(), name=f"renew {self.request.request_id}/{self.attempt}"

@@ -442,21 +442,26 @@ class RequestDriver:
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",
             usage=finished.usage,
         )
-        run, self.run = self.run, None
-        if run is not None:
-            self.ctx.pool.succeeded(run.replica)
-            await run.release()
+        if self.run is not None:
+            self.ctx.pool.succeeded(self.run.replica)
         await self._end("completed")
 
     async def _end(self, outcome: str) -> None:
-        await self.recorder.flush(durable=True)
+        """After the terminal event: make it durable, release, count, forget. Shielded:
+        a client leaving at this moment must not leave the request half ended."""
+        await asyncio.shield(self._ending(outcome))
+
+    async def _ending(self, outcome: str) -> None:
+        run, self.run = self.run, None
+        try:
+            await self.recorder.flush(durable=True)
+        finally:
+            if run is not None:
+                await run.release()
         metrics = self.ctx.metrics
         metrics.requests.labels(model=self.request.model, outcome=outcome).inc()
         metrics.attempts.observe(len(self.state.attempts))
         metrics.in_flight.dec()
-        run, self.run = self.run, None
-        if run is not None:
-            await run.release()
         self._maybe_forget()
 
     def _maybe_forget(self) -> None:

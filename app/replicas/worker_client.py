@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ __all__ = [
     "ToolCall",
     "WorkerClient",
     "WorkerError",
+    "http_client",
 ]
 
 # --- frames: the driver's own (app/replicas/base.py), built here straight from each line ---
@@ -239,6 +241,21 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+_ssl_context: ssl.SSLContext | None = None
+
+
+def http_client(**kwargs: Any) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` for workers, with one TLS context per process.
+
+    httpx builds a TLS context (parsing the CA bundle, ~30 ms of CPU) for every client;
+    a gateway that makes clients as replicas come and go should not pay that each time.
+    """
+    global _ssl_context
+    if _ssl_context is None:
+        _ssl_context = ssl.create_default_context()
+    return httpx.AsyncClient(verify=_ssl_context, **kwargs)
+
+
 class WorkerClient:
     """Talks to one worker at ``base_url``; share one ``httpx.AsyncClient`` across workers."""
 
@@ -253,7 +270,7 @@ class WorkerClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._own_http = http is None
-        self._http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._http = http or http_client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.control_timeout = control_timeout

@@ -44,7 +44,18 @@ from typing import Any
 logger = logging.getLogger("phasegate.store.embedded")
 
 DATA_DIR_ENV = "PHASEGATE_DATA_DIR"
-DEFAULT_DATA_DIR = Path("/var/lib/phasegate")
+DEFAULT_DATA_DIR = Path("/var/lib/phasegate")  # as root
+
+
+def default_data_dir() -> Path:
+    """``/var/lib/phasegate`` for root; for anyone else, where their data lives
+    (``$XDG_DATA_HOME/phasegate``, else ``~/.local/share/phasegate``): a user may not
+    write to /var/lib, and only root's server needs a path away from the home folder."""
+    if os.geteuid() == 0:
+        return DEFAULT_DATA_DIR
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "phasegate"
+
+
 SERVER_USER = "phasegate-postgres"  # the system user the server runs as under root
 PORT = 5432  # only names the socket file: the server listens on no TCP port
 
@@ -72,7 +83,7 @@ class EmbeddedPostgres:
         settings: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
     ) -> None:
-        self.data_dir = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).absolute()
+        self.data_dir = Path(data_dir or os.environ.get(DATA_DIR_ENV) or default_data_dir()).absolute()
         self.settings = dict(settings or {})
         self.start_timeout = start_timeout
         self.bin_dir = _binaries()

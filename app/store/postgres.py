@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
@@ -30,6 +31,13 @@ from app.store.writer import GroupCommitWriter
 from statemachine.events import Event
 
 logger = logging.getLogger("phasegate.store")
+
+
+_INSERT_INPUTS = """
+    INSERT INTO request_inputs (request_id, body, model_revision, seed)
+    SELECT * FROM unnest($1::text[], $2::text[]::jsonb[], $3::text[], $4::bigint[])
+    ON CONFLICT (request_id) DO NOTHING
+"""
 
 
 class PostgresEventStore(EventStore):
@@ -66,6 +74,9 @@ class PostgresEventStore(EventStore):
             on_commit=self._committed,
         )
         self._commit_signal: asyncio.Future[None] | None = None
+        self._flush_delay = flush_delay
+        self._pending_inputs: list[tuple[str, str, str | None, int | None]] = []
+        self._inputs_written: asyncio.Task[None] | None = None
         self._closed = False
         self._outage = False
 
@@ -157,6 +168,9 @@ class PostgresEventStore(EventStore):
     async def close(self) -> None:
         if self._closed:
             return
+        if self._inputs_written is not None:
+            with contextlib.suppress(StoreError):
+                await asyncio.shield(self._inputs_written)
         self._closed = True
         self._committed()  # wake followers so that they end
         try:
@@ -231,16 +245,29 @@ class PostgresEventStore(EventStore):
         model_revision: str | None = None,
         seed: int | None = None,
     ) -> None:
-        inputs = schema.request_inputs
-        keep = (
-            insert(inputs)
-            .values(request_id=request_id, body=body, model_revision=model_revision, seed=seed)
-            .on_conflict_do_nothing(index_elements=[inputs.c.request_id])
-        )
+        # Every request records its input, so the inserts are batched: one statement
+        # (through the pool's raw asyncpg connection) for all that arrive within the
+        # flush delay. A caller resumes once its input is written.
+        if self._closed:
+            raise StoreClosed("the event store is closed")
+        self._pending_inputs.append((request_id, json.dumps(body), model_revision, seed))
+        if self._inputs_written is None:
+            self._inputs_written = asyncio.get_running_loop().create_task(self._write_inputs())
+        await asyncio.shield(self._inputs_written)
+
+    async def _write_inputs(self) -> None:
+        try:
+            await asyncio.sleep(self._flush_delay)
+        finally:
+            batch, self._pending_inputs, self._inputs_written = self._pending_inputs, [], None
+        columns = [list(column) for column in zip(*batch, strict=True)]
         async with self._connection(commit=True) as connection:
-            await connection.execute(keep)
+            raw = (await connection.get_raw_connection()).driver_connection
+            await raw.execute(_INSERT_INPUTS, *columns)
 
     async def read_input(self, request_id: str) -> RequestInput | None:
+        if self._inputs_written is not None:
+            await asyncio.shield(self._inputs_written)
         inputs = schema.request_inputs.c
         query = select(inputs.request_id, inputs.body, inputs.model_revision, inputs.seed).where(
             inputs.request_id == request_id

@@ -138,7 +138,9 @@ class Worker:
     def _arm_lease(self, attempt: Attempt) -> None:
         if attempt.timer is not None:
             attempt.timer.cancel()
-        attempt.timer = asyncio.get_running_loop().call_at(attempt.expires_at, self._lease_timer, attempt)
+        # call_later, not call_at: the loop's clock need not be time.monotonic() (uvloop's is not)
+        delay = attempt.expires_at - time.monotonic()
+        attempt.timer = asyncio.get_running_loop().call_later(delay, self._lease_timer, attempt)
 
     def _lease_timer(self, attempt: Attempt) -> None:
         if attempt.live:
@@ -171,10 +173,11 @@ class Worker:
 
     async def _abort(self, attempt: Attempt) -> None:
         try:
-            attempt.engine_generated = await self.engine.abort(attempt.engine_request_id)
+            counted = await self.engine.abort(attempt.engine_request_id)
         except Exception:
             log.exception("engine abort failed for %s", attempt.engine_request_id)
             return  # engine_over stays unset: the abort is not confirmed
+        attempt.engine_generated = max(counted or 0, attempt.generated_tokens)
         self.release(attempt)
 
     def renew(self, ref: AttemptRef) -> dict[str, object]:

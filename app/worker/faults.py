@@ -143,7 +143,7 @@ def parse_fault(raw: Mapping[str, Any], fault_id: int) -> Fault:
     if unknown:
         raise Refusal(400, Code.UNKNOWN_FIELD, f"unknown fault field {unknown[0]!r}", field=unknown[0])
     try:
-        action = Action(raw.get("action"))
+        action = Action(str(raw.get("action")))
     except ValueError:
         raise _bad("action", f"must be one of {', '.join(a.value for a in Action)}") from None
     fault = Fault(id=fault_id, action=action, spec=dict(raw))

@@ -12,11 +12,12 @@ act at their token here. The per-token path is kept to a few attribute reads, on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 from app.worker.engine import EngineFailed, EngineOutput
@@ -90,11 +91,12 @@ async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
             first = pending.result()  # may raise EngineFailed or StopAsyncIteration
             pending = None
             attempt.phase = "decode"
-            async for frame in _decode(worker, attempt, first, outputs):
-                if frame is None:
-                    silent = True
-                    break
-                yield frame
+            async with contextlib.aclosing(_decode(worker, attempt, first, outputs)) as decoded:
+                async for token_frame_or_none in decoded:
+                    if token_frame_or_none is None:
+                        silent = True
+                        break
+                    yield token_frame_or_none
         if attempt.stop is not None and not silent:
             await worker.confirmed(attempt)
             code = _STOP_CODES.get(attempt.stop)
@@ -133,7 +135,7 @@ async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> Asyn
 
 async def _decode(
     worker: Worker, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
-) -> AsyncIterator[bytes | None]:
+) -> AsyncGenerator[bytes | None, None]:
     """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
     n = attempt.spec.sampling.n
     finish_reasons: list[str | None] = [None] * n
@@ -166,6 +168,10 @@ async def _decode(
         if output.tool_call is not None:
             call = output.tool_call
             frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
+            # the engine's own tool call, reached after k tokens: publish it, then die
+            die_after = (
+                fault is not None and fault.action is Action.TOOL_CALL_THEN_DIE and fault_at == attempt.published_tokens
+            )
         elif token_count or output.text:
             if attempt.published_tokens == fault_at:
                 assert fault is not None

@@ -82,7 +82,9 @@ class Attempt:
         self.released = False
         self.engine_started = False
         self.engine_over = asyncio.Event()  # the engine finished the request or confirmed its abort
-        self.engine_generated: int | None = None  # the engine's own count, where it reports one
+        # Fixed when the engine confirms an abort: its own count where it keeps one (sim), else
+        # what the worker had received (vllm: a last delta may still wait in vLLM's queue).
+        self.engine_generated: int | None = None
         self.generated_tokens = 0  # tokens the worker received from the engine
         self.published_tokens = 0
         self.finished_at: float | None = None
@@ -99,10 +101,8 @@ class Attempt:
         return self.stop is None and self.phase != "done"
 
     def generated(self) -> int:
-        """Tokens the engine generated for this attempt (its own count when it gives one)."""
-        if self.engine_generated is not None:
-            return max(self.engine_generated, self.generated_tokens)
-        return self.generated_tokens
+        """Tokens generated for this attempt: once an abort is confirmed, the count fixed then."""
+        return self.generated_tokens if self.engine_generated is None else self.engine_generated
 
     def describe(self, now: float) -> dict[str, object]:
         def since_created(at: float | None) -> int | None:

@@ -250,6 +250,8 @@ async def _serve(config: WorkerConfig) -> int:
 def run_worker(config: WorkerConfig) -> int:
     """Run a worker until SIGTERM has drained it; the process's exit code."""
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    # Plain asyncio on purpose: under uvloop, vLLM's output handler (zmq) and a busy
+    # stream starved every other connection (renew, cancel) for seconds.
     return asyncio.run(_serve(config))
 
 

@@ -29,12 +29,9 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +44,7 @@ from app.replicas.base import Token  # noqa: E402
 from app.replicas.worker_client import WorkerClient  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
 
 MODEL = "sim"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -179,7 +177,7 @@ async def hold(gateway_url: str, streams: int, seconds: float) -> tuple[int, int
     return alive, failed
 
 
-# --- processes -------------------------------------------------------------------------------
+# --- processes ---------------------------------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
@@ -192,45 +190,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-@contextlib.contextmanager
-def spawn(command: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def wait_http(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ms(seconds: float) -> str:
@@ -261,13 +220,13 @@ def main() -> None:
     upgrade(url)
     worker_port, gateway_port = free_port(), free_port()
     worker_url, gateway_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gateway_port}"
-    worker_cmd = [sys.executable, "-m", "app.cli", "worker", "--port", str(worker_port), "--engine", "sim"]
+    worker_cmd = phasegate("worker", "--port", str(worker_port), "--engine", "sim")
     worker_cmd += ["--model", MODEL, "--max-running", "8000", "--max-queued", "8000"]
     worker_cmd += ["--sim-decode-ms-per-token", str(options.decode_ms), "--sim-prefill-ms-per-token", "0"]
-    gateway_cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(gateway_port), "--log-level", "warning"]
+    gateway_cmd = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning")
     gateway_cmd += ["--replica", f"worker={worker_url}#w1", "--model", f"{MODEL}=bench"]
     try:
-        with spawn(worker_cmd) as _, spawn(gateway_cmd, {"DATABASE_URL": url}) as gateway:
+        with running(worker_cmd) as _, running(gateway_cmd, {"DATABASE_URL": url}) as gateway:
             wait_http(worker_url + "/v1/ready")
             wait_http(gateway_url + "/readyz")
             print(f"sim worker: {options.decode_ms:g} ms/token, {options.tokens} tokens a stream; commit point durable")

@@ -3,7 +3,7 @@
     python ops/models/make_tiny_model.py DIR
 
 writes DIR/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json, …}:
-a 2-layer Llama (hidden 128, 4 heads of 32, vocab 1024) with seeded random weights and
+a 2-layer Llama (hidden 128, 4 heads of 32, vocab ~1k, 4096 positions) with seeded random weights and
 a byte-level BPE tokenizer trained here on the few lines below, plus a chat template
 (tools are rendered when given). The same command builds the same files: the weights
 come from a fixed torch seed and BPE training on fixed text is deterministic.
@@ -21,6 +21,9 @@ from pathlib import Path
 
 SEED = 20261130
 VOCAB_SIZE = 1024
+# Long enough for a generation that outlasts a test's cancel (vLLM serves it with
+# --max-model-len up to this); the weights do not grow with it.
+MAX_POSITIONS = 4096
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 # Enough text for BPE to learn a few hundred merges; byte-level pieces cover the rest.
@@ -88,7 +91,7 @@ def build_tokenizer(out: Path) -> None:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        model_max_length=512,
+        model_max_length=MAX_POSITIONS,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
@@ -107,7 +110,7 @@ def build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_POSITIONS,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

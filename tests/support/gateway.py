@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
@@ -49,6 +49,7 @@ class RunningGateway:
     loop: asyncio.AbstractEventLoop
     url: str
     config: GatewayConfig
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed with the gateway
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run ``coroutine`` on the gateway's loop and return its result."""
@@ -58,7 +59,9 @@ class RunningGateway:
         options.setdefault("api_key", "test-key")
         options.setdefault("max_retries", 0)
         options.setdefault("timeout", 30.0)
-        return openai.OpenAI(base_url=f"{self.url}/v1", **options)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", **options)
+        self.clients.append(client)
+        return client
 
     def http(self, **options: Any) -> httpx.Client:
         options.setdefault("timeout", 30.0)
@@ -131,6 +134,8 @@ def running_gateway(
     try:
         yield running
     finally:
+        for client in running.clients:
+            client.close()
         holder["server"].should_exit = True
         thread.join(30)
         loop.run_until_complete(_cancel_leftovers())  # e.g. sse-starlette's shutdown watcher

@@ -11,7 +11,11 @@ the generation requests it received. Run: ``python -m tests.support.scripted_ups
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
 "context_length_exceeded", "message": "…"}``, ``{"malformed_at": k}``,
-``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``.
+``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
+``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
+``{"delay_first_s": x}``, ``{"tool_call_then_die": true}``. A request with tools gets a
+tool call. ``POST /tools/execute`` is a tool webhook counting runs per
+``Idempotency-Key`` (``GET /admin/tools``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Upstream:
         self.script: deque[dict[str, Any]] = deque()
         self.requests = 0
         self.token_delay_s = token_delay_s
+        self.tool_runs: dict[str, int] = {}
 
     async def admin_script(self, request: Request) -> Response:
         behaviours = await request.json()
@@ -84,6 +89,8 @@ class Upstream:
             return JSONResponse({"error": error}, status_code=status, headers=headers)
         prompt = "\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         words = answer(prompt, int(body.get("max_tokens") or 16))
+        if chat and body.get("tools"):
+            behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
         return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
 
     def _take(self, attempt: int) -> dict[str, Any]:
@@ -94,6 +101,15 @@ class Upstream:
                 return behaviour
         return {}
 
+    async def execute_tool(self, request: Request) -> Response:
+        """A tool webhook: counts executions per idempotency key."""
+        key = request.headers.get("idempotency-key", "")
+        self.tool_runs[key] = self.tool_runs.get(key, 0) + 1
+        return JSONResponse({"ok": True})
+
+    async def admin_tools(self, request: Request) -> Response:
+        return JSONResponse({"runs": self.tool_runs})
+
     async def _chunks(
         self, chat: bool, model: str, words: list[str], behaviour: dict[str, Any]
     ) -> AsyncIterator[bytes]:
@@ -103,6 +119,8 @@ class Upstream:
             "created": int(time.time()),
             "model": model,
         }
+        if behaviour.get("delay_first_s"):
+            await asyncio.sleep(behaviour["delay_first_s"])  # a long queue or prefill, in silence
         if chat:
             yield _sse(
                 {
@@ -110,7 +128,15 @@ class Upstream:
                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                 }
             )
+        if behaviour.get("die_at") is not None and behaviour.get("point") == "prefill":
+            os._exit(1)
+        if behaviour.get("tool"):
+            async for chunk in self._tool_call(head, behaviour):
+                yield chunk
+            return
         for index, word in enumerate(words):
+            if behaviour.get("die_at") == index and behaviour.get("point", "before_frame") == "before_frame":
+                os._exit(1)  # the token was "computed", its chunk never sent
             if behaviour.get("malformed_at") == index:
                 yield b"data: {this is not json\n\n"
             if behaviour.get("cut_at") == index:
@@ -118,6 +144,9 @@ class Upstream:
             await asyncio.sleep(self.token_delay_s)
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
             yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
+            if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":
+                await asyncio.sleep(0.05)  # let the chunk leave, then die
+                os._exit(1)
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
         yield _sse({**head, "choices": [{**last, "finish_reason": "length"}]})
         yield _sse(
@@ -131,6 +160,17 @@ class Upstream:
             await asyncio.sleep(3600)  # never says [DONE]; the connection stays open
         if not behaviour.get("no_done"):
             yield b"data: [DONE]\n\n"
+
+    async def _tool_call(self, head: dict[str, Any], behaviour: dict[str, Any]) -> AsyncIterator[bytes]:
+        function = {"name": behaviour["tool"], "arguments": "{}"}
+        call = {"index": 0, "id": "call_upstream", "type": "function", "function": function}
+        yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]})
+        if behaviour.get("tool_call_then_die"):
+            await asyncio.sleep(0.05)
+            os._exit(1)
+        yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+        yield _sse({**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
+        yield b"data: [DONE]\n\n"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -173,6 +213,14 @@ class ScriptedUpstream:
     def requests(self) -> int:
         return int(httpx.get(self.base_url + "/admin/requests").json()["requests"])
 
+    @property
+    def tool_runs(self) -> dict[str, int]:
+        return dict(httpx.get(self.base_url + "/admin/tools").json()["runs"])
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -188,6 +236,8 @@ def build(token_delay_s: float = 0.002) -> Starlette:
             Route("/v1/completions", upstream.generate, methods=["POST"]),
             Route("/admin/script", upstream.admin_script, methods=["POST"]),
             Route("/admin/requests", upstream.admin_requests, methods=["GET"]),
+            Route("/admin/tools", upstream.admin_tools, methods=["GET"]),
+            Route("/tools/execute", upstream.execute_tool, methods=["POST"]),
         ]
     )
 

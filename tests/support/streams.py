@@ -6,9 +6,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from app.replicas.worker_client import AttemptStream, Done, Frame, Heartbeat, Token, ToolCall, WorkerError
+from app.replicas.worker_client import (
+    AttemptStream,
+    Done,
+    Frame,
+    Heartbeat,
+    Token,
+    ToolCall,
+    WorkerError,
+    http_client,
+)
 
 
 @dataclass
@@ -74,7 +81,7 @@ async def collect(
 
 async def attempt_state(base_url: str, request_id: str, attempt: int = 1) -> dict[str, Any]:
     """The worker's own view of one attempt (GET /admin/attempts)."""
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         attempts = (await http.get(base_url + "/admin/attempts")).json()["attempts"]
     for state in attempts:
         if state["request_id"] == request_id and state["attempt"] == attempt:
@@ -84,7 +91,7 @@ async def attempt_state(base_url: str, request_id: str, attempt: int = 1) -> dic
 
 async def add_fault(base_url: str, **fault: Any) -> dict[str, Any]:
     """Register one scripted fault (POST /admin/faults); the worker must run with --enable-faults."""
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         response = await http.post(base_url + "/admin/faults", json=fault)
     response.raise_for_status()
     added: dict[str, Any] = response.json()["added"][0]
@@ -93,7 +100,7 @@ async def add_fault(base_url: str, **fault: Any) -> dict[str, Any]:
 
 async def metric(base_url: str, name: str) -> float:
     """The sum of a metric's samples on /metrics (0 when absent)."""
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         text = (await http.get(base_url + "/metrics")).text
     total = 0.0
     for line in text.splitlines():

@@ -6,9 +6,9 @@ import json
 import os
 import time
 
-import httpx
 import pytest
 
+from app.replicas.worker_client import http_client
 from tests.support.workers import running_vllm_openai_server, vllm_env
 
 
@@ -24,7 +24,7 @@ async def test_the_plain_vllm_server_streams_and_its_whole_group_dies_with_it():
             "stream": True,
         }
         async with (
-            httpx.AsyncClient(timeout=60) as http,
+            http_client(timeout=60) as http,
             http.stream("POST", base_url + "/v1/chat/completions", json=body) as response,
         ):
             assert response.status_code == 200

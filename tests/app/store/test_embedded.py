@@ -146,6 +146,12 @@ def test_a_data_directory_the_server_cannot_reach_is_named(tmp_path: Path) -> No
 
 def test_the_data_directory_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PHASEGATE_DATA_DIR", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # root: away from the home folder
     assert EmbeddedPostgres().data_dir == DEFAULT_DATA_DIR == Path("/var/lib/phasegate")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # anyone else: their own data folder
+    monkeypatch.setenv("XDG_DATA_HOME", "/home/ann/.data")
+    assert EmbeddedPostgres().data_dir == Path("/home/ann/.data/phasegate")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert EmbeddedPostgres().data_dir == Path.home() / ".local" / "share" / "phasegate"
     monkeypatch.setenv("PHASEGATE_DATA_DIR", "/srv/phasegate")
     assert EmbeddedPostgres().pgdata == Path("/srv/phasegate/pgdata")

@@ -45,10 +45,14 @@ def start_engine(engine_name: str, args: list[str] | None = None) -> EngineUnder
         model_path=env.model,
         faults=True,
         # eager: ready in ~30 s instead of ~60 s of torch.compile on two cores
-        args=[*SLOTS, "--model", "tiny-llama", "--vllm-args", '{"enforce_eager": true}', *(args or [])],
+        args=[
+            *SLOTS,
+            *("--model", "tiny-llama", "--max-model-len", "4096", "--vllm-args", '{"enforce_eager": true}'),
+            *(args or []),
+        ],
         ready_timeout=300,
     )
-    return EngineUnderTest("vllm", worker, "tiny-llama", long_tokens=480, max_prompt_words=600, jitter_s=2.0)
+    return EngineUnderTest("vllm", worker, "tiny-llama", long_tokens=4000, max_prompt_words=5000, jitter_s=2.0)
 
 
 ENGINES = [pytest.param("sim", id="sim"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]

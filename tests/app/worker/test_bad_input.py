@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
-from app.replicas.worker_client import RequestRefused, WorkerClient
+from app.replicas.worker_client import RequestRefused, WorkerClient, http_client
 from statemachine.events import FailureKind
 from tests.app.worker.engines import EngineUnderTest
 from tests.support.workers import request_id
@@ -97,7 +96,7 @@ START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
 async def test_a_bad_start_is_refused(
     engine: EngineUnderTest, changes: dict[str, Any], status: int, code: str, field: str | None
 ):
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         response = await http.post(engine.worker.base_url + "/v1/attempts", json=_start_body(engine, **changes))
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -108,7 +107,7 @@ async def test_a_bad_start_is_refused(
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""], ids=["broken", "array", "empty"])
 @pytest.mark.parametrize("path", ["/v1/attempts", "/v1/attempts/renew", "/v1/attempts/cancel"])
 async def test_a_body_that_is_not_a_json_object_is_refused(engine: EngineUnderTest, path: str, raw: bytes):
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         response = await http.post(engine.worker.base_url + path, content=raw)
     assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json")
 
@@ -140,7 +139,7 @@ async def test_a_body_that_is_not_a_json_object_is_refused(engine: EngineUnderTe
 async def test_bad_renew_and_cancel_bodies(
     engine: EngineUnderTest, path: str, body: dict[str, Any], code: str, field: str
 ):
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         response = await http.post(engine.worker.base_url + path, json=body)
     assert response.status_code == 400
     assert (response.json()["error"]["code"], response.json()["error"]["field"]) == (code, field)

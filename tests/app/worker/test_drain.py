@@ -48,7 +48,10 @@ async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(
             params=under_test.short(40),
         )
         long = None
-        if engine_name == "sim":  # only the sim is slow enough to be caught mid-decode for sure
+        if engine_name == "sim":
+            # Caught mid-decode. Not on vLLM here: while vLLM decodes on this two-core
+            # machine, other processes (this worker's own loop included) can stall for
+            # seconds, so no grace period would be safe to assert on.
             long = await client.start(
                 request_id=long_id,
                 attempt=1,
@@ -56,7 +59,7 @@ async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(
                 lease_ttl_s=30,
                 model=model,
                 prompt="long",
-                params={"max_tokens": 100_000, "ignore_eos": True},
+                params=under_test.long(),
             )
             assert isinstance((await collect(long, max_frames=2)).frames[-1], Token)
         await asyncio.sleep(0.05)
@@ -76,7 +79,7 @@ async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(
 
         finished = await collect(short)
         assert finished.done is not None and finished.error is None
-        for stream in [held] + ([long] if long is not None else []):
+        for stream in (held, long) if long is not None else (held,):
             ended = await collect(stream)
             assert isinstance(ended.error, ReplicaExiting) and ended.error.code == "replica_exiting"
         assert GRACE_S - 0.1 < time.monotonic() - t_term < GRACE_S + under_test.jitter_s + 1.0

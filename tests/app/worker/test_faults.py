@@ -9,7 +9,6 @@ import subprocess
 import sys
 from typing import Any
 
-import httpx
 import pytest
 
 from app.replicas.worker_client import (
@@ -21,6 +20,7 @@ from app.replicas.worker_client import (
     ReplicaExiting,
     StreamBroken,
     WorkerClient,
+    http_client,
 )
 from app.worker.sim import tool_call_id
 from statemachine.events import FailureKind
@@ -243,7 +243,7 @@ async def test_matchers_next_n_attempts_and_attempt_number(sim_worker: WorkerPro
     ],
 )
 async def test_a_bad_fault_is_refused(sim_worker: WorkerProcess, fault: dict[str, Any], code: str, field: str):
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         response = await http.post(sim_worker.base_url + "/admin/faults", json=fault)
     assert response.status_code == 400
     assert (response.json()["error"]["code"], response.json()["error"]["field"]) == (code, field)
@@ -251,7 +251,7 @@ async def test_a_bad_fault_is_refused(sim_worker: WorkerProcess, fault: dict[str
 
 async def test_faults_are_refused_without_the_flag():
     with running_worker() as worker:
-        async with httpx.AsyncClient() as http:
+        async with http_client() as http:
             for method in ("GET", "POST", "DELETE"):
                 response = await http.request(method, worker.base_url + "/admin/faults", json={"action": "stall"})
                 assert (response.status_code, response.json()["error"]["code"]) == (403, "faults_disabled")
@@ -261,7 +261,7 @@ async def test_faults_are_refused_without_the_flag():
 
 
 async def test_faults_are_listed_and_cleared(sim_worker: WorkerProcess):
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         await http.delete(sim_worker.base_url + "/admin/faults")
         added = (
             await http.post(

@@ -6,7 +6,6 @@ import asyncio
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from app.replicas.worker_client import (
@@ -19,6 +18,7 @@ from app.replicas.worker_client import (
     RequestRefused,
     Token,
     WorkerClient,
+    http_client,
 )
 from statemachine.events import FailureKind
 from tests.app.worker.engines import EngineUnderTest
@@ -223,7 +223,7 @@ async def test_readiness_info_and_metrics(engine: EngineUnderTest, client: Worke
     assert await client.ready()
     info = await client.info()
     assert info["engine"] == engine.engine and engine.model in info["models"] and info["pid"] == engine.worker.pid
-    async with httpx.AsyncClient() as http:
+    async with http_client() as http:
         text = (await http.get(engine.worker.base_url + "/metrics")).text
     for name in ("running", "queued", "attempts_aborted_total", "lease_expiries_total", "tokens_per_second"):
         assert f"phasegate_worker_{name}" in text

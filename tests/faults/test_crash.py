@@ -1,0 +1,146 @@
+"""Crashes of the gateway itself and of its PostgreSQL, under load.
+
+- The gateway SIGKILLed mid-stream: on restart its recovery pass closes every
+  request it owned with ``gateway_lost`` and cancels their attempts; no request stays
+  open.
+- PostgreSQL restarted mid-stream: while it is down new requests are refused with a
+  clear 503; the streams in flight keep their guarantees and finish; nothing the
+  gateway acknowledged is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from app.store.embedded import EmbeddedPostgres
+from app.store.postgres import PostgresEventStore
+from ops.processes import free_port, phasegate, start, stop, wait_http
+from statemachine import events as ev
+from statemachine.invariants import violations
+from statemachine.state import Outcome, fold
+from tests.support.gateway import MODEL, running_gateway
+from tests.support.transcript import Transcript, check_request, stream_chat
+from tests.support.workers import running_worker
+
+STREAMS = 6
+
+
+def stream_in_threads(
+    url: str, count: int, max_tokens: int
+) -> tuple[list[Transcript | BaseException], Callable[[], int]]:
+    """Start ``count`` streams in threads; returns their results (filled as they end) and
+    a function counting the deltas received so far."""
+    results: list[Transcript | BaseException] = []
+    counts = [0] * count
+
+    def run(n: int) -> None:
+        def seen(k: int) -> None:
+            counts[n] = k
+
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"load {n}"}], "max_tokens": max_tokens}
+        try:
+            results.append(stream_chat(url, body, on_delta=seen))
+        except BaseException as exc:  # the gateway was killed under it
+            results.append(exc)
+
+    for n in range(count):
+        threading.Thread(target=run, args=(n,), daemon=True).start()
+    return results, lambda: min(counts)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+async def test_a_gateway_killed_under_load_closes_its_requests_on_restart(database_url: str) -> None:
+    with running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "40"]) as worker:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = phasegate("serve", "--port", str(port), "--replica", f"worker={worker.base_url}#w1")
+        command += ["--model", f"{MODEL}=rev", "--log-level", "warning"]
+        env = {"DATABASE_URL": database_url}
+        gateway = start(command, env)
+        try:
+            await asyncio.to_thread(wait_http, url + "/readyz")
+            results, least = stream_in_threads(url, STREAMS, max_tokens=400)
+            await asyncio.to_thread(wait_for, lambda: least() >= 3, 30, "every stream to be delivering")
+            stop(gateway, signal.SIGKILL)  # no shutdown, no flush: the process is gone
+            await asyncio.to_thread(wait_for, lambda: len(results) == STREAMS, 30, "the clients to notice")
+            assert all(isinstance(r, httpx.HTTPError) for r in results)  # cut mid-stream, no [DONE]
+            gateway = start(command, env)  # the same host and port: the same gateway id
+            await asyncio.to_thread(wait_http, url + "/readyz")
+            store = await PostgresEventStore.connect(database_url)
+            try:
+                deadline = time.monotonic() + 20
+                while await store.unfinished_requests() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert await store.unfinished_requests() == []  # no request stays open
+                lost = await _request_ids(store)
+                assert len(lost) == STREAMS
+                await asyncio.sleep(6)  # the lapsing-lease bookkeeping, if any cancel went unanswered
+                for request_id in lost:
+                    events = await store.read(request_id)
+                    assert violations(events) == []
+                    (failed,) = [e for e in events if isinstance(e, ev.RequestFailed)]
+                    assert failed.code == "gateway_lost" and failed.partial_output and not failed.retryable
+                    state = fold(events)
+                    assert state.first_delta_sent  # they were delivering: not retryable, partial output
+                    attempt = state.attempts[0]
+                    assert attempt.cancel_sent and attempt.released is not None  # cancelled, then released
+            finally:
+                await store.close()
+        finally:
+            stop(gateway)
+
+
+async def _request_ids(store: PostgresEventStore) -> list[str]:
+    found = []
+
+    async def scan() -> None:
+        async for _, event in store.follow(0):
+            if isinstance(event, ev.RequestAccepted):
+                found.append(event.request_id)
+                if len(found) == STREAMS:
+                    return
+
+    await asyncio.wait_for(scan(), 10)
+    return found
+
+
+def test_postgres_restarted_under_load(database_url: str, postgres_server: EmbeddedPostgres | None) -> None:
+    if postgres_server is None:
+        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL names an outside one)")
+    with (
+        running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "15"]) as worker,
+        running_gateway(database_url, [worker]) as gateway,
+    ):
+        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=250)
+        wait_for(lambda: least() >= 3, 30, "every stream to be delivering")
+        postgres_server.stop(mode="fast")
+        try:
+            store = gateway.gateway.ctx.store
+            wait_for(lambda: not store.accepting, 10, "the gateway to notice the outage")
+            refused = stream_chat(gateway.url, {"model": MODEL, "messages": [{"role": "user", "content": "new"}]})
+            assert refused.status == 503 and refused.error is not None
+            assert refused.error["code"] == "event_log_unavailable" and refused.request_id
+            time.sleep(1.0)
+        finally:
+            postgres_server.start()
+        wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
+        for result in results:
+            assert isinstance(result, Transcript), result
+            assert result.done and result.error is None  # the outage did not break a stream
+            state = check_request(gateway.events(result.request_id), result)  # nothing acknowledged was lost
+            assert state.outcome is Outcome.COMPLETED and state.delivered_output_tokens == len(result.contents)
+        assert gateway.events(refused.request_id) == []

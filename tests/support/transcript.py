@@ -1,0 +1,104 @@
+"""What a client received, exactly: a raw SSE reader and the per-request checks.
+
+A :class:`Transcript` keeps every SSE event of one streamed request (its ``id:``
+and JSON payload), the content deltas in order, the final error event if any and
+whether ``[DONE]`` arrived. :func:`check_request` then compares it with the
+request's events in the log, the way DESIGN.md §10 asks: what the client got
+against what the log says was delivered, and the log's own invariants
+(``statemachine.invariants``: no gap, no splice, one terminal event, attempts that
+never overlapped, a replay without divergence).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from statemachine import events as ev
+from statemachine.events import ReleaseReason
+from statemachine.invariants import violations
+from statemachine.state import RequestState, fold
+
+
+@dataclass
+class Transcript:
+    request_id: str
+    status: int
+    event_ids: list[int] = field(default_factory=list)
+    contents: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    done: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.contents)
+
+
+def stream_chat(
+    base_url: str,
+    body: dict[str, Any],
+    *,
+    on_delta: Callable[[int], object] | None = None,
+    timeout: float = 60.0,
+) -> Transcript:
+    """POST a streamed chat and read it to the end. ``on_delta(n)`` runs after the n-th
+    content delta; when it returns ``True`` the client hangs up there."""
+    body = {**body, "stream": True}
+    with (
+        httpx.Client(base_url=base_url, timeout=timeout) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        transcript = Transcript(response.headers.get("x-request-id", ""), response.status_code)
+        if response.status_code != 200:
+            transcript.error = json.loads(response.read())["error"]
+            return transcript
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                transcript.event_ids.append(int(line[4:]))
+            elif line == "data: [DONE]":
+                transcript.done = True
+            elif line.startswith("data: "):
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    transcript.error = payload["error"]
+                    continue
+                before = len(transcript.contents)
+                for choice in payload.get("choices", []):
+                    delta = choice.get("delta", {})
+                    if delta.get("content"):
+                        transcript.contents.append(delta["content"])
+                    transcript.tool_calls.extend(delta.get("tool_calls") or [])
+                    transcript.finish_reason = choice.get("finish_reason") or transcript.finish_reason
+                grew = len(transcript.contents) > before
+                if grew and on_delta is not None and on_delta(len(transcript.contents)) is True:
+                    break  # leaving the block closes the connection: the client is gone
+    return transcript
+
+
+def check_request(events: list[ev.Event], transcript: Transcript | None = None) -> RequestState:
+    """The invariants every request must keep, whatever failed; returns its final state."""
+    assert violations(events) == []
+    state = fold(events)
+    if transcript is not None:
+        delivered = "".join(e.text or "" for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens)
+        assert transcript.text == delivered, "the client got something else than the log says it delivered"
+        assert transcript.event_ids == list(range(len(transcript.event_ids))), "SSE ids skip or repeat"
+        if transcript.error is not None and transcript.status == 200:
+            assert (
+                transcript.error["delivered_output_tokens"] == len(transcript.contents) == state.delivered_output_tokens
+            )
+            assert transcript.error["partial_output"] is state.first_delta_sent
+    return state
+
+
+def released_by(events: list[ev.Event], attempt: int) -> ReleaseReason | None:
+    for event in events:
+        if isinstance(event, ev.AttemptReleased) and event.attempt == attempt:
+            return event.because
+    return None
