@@ -19,12 +19,11 @@ The invariants checked here are the ones the whole design rests on:
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from statemachine.errors import IllegalTransition
 from statemachine.events import (
@@ -54,6 +53,7 @@ from statemachine.events import (
     ToolCallEmitted,
     UpstreamFailed,
 )
+from statemachine.evolve import evolve as _evolve
 from statemachine.phases import Phase, next_phase
 
 # Failures after which the attempt is surely not running: nothing to fence.
@@ -186,37 +186,6 @@ def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestS
     if state is None:
         raise ValueError("fold() needs at least one event or a starting state")
     return state
-
-
-# --- one new value per event ---------------------------------------------------------------
-
-_T = TypeVar("_T", RequestState, AttemptState)
-# Per class: its field names, and each slot's (name, get, set) descriptor functions.
-_SLOTS: dict[type, tuple[frozenset[str], tuple[tuple[str, Any, Any], ...]]] = {
-    cls: (
-        frozenset(f.name for f in dataclasses.fields(cls)),
-        tuple((f.name, getattr(cls, f.name).__get__, getattr(cls, f.name).__set__) for f in dataclasses.fields(cls)),
-    )
-    for cls in (RequestState, AttemptState)
-}
-
-
-def _evolve(value: _T, changes: Mapping[str, Any]) -> _T:
-    """``dataclasses.replace(value, **changes)`` for this module's frozen, slotted values.
-
-    Why not replace() itself: the fold builds a new state for every event, and replace()
-    costs about twice this (it re-checks the class, then ``__init__`` sets every field
-    through the frozen ``object.__setattr__``); here each slot is copied by its own
-    descriptor. These classes have no ``__post_init__`` and no init-only fields, so
-    nothing but replace()'s checks is skipped; an unknown field still raises.
-    """
-    names, slots = _SLOTS[type(value)]
-    if not changes.keys() <= names:
-        raise TypeError(f"{type(value).__name__} has no field {', '.join(sorted(changes.keys() - names))}")
-    new = object.__new__(type(value))
-    for name, get, put in slots:
-        put(new, changes[name] if name in changes else get(value))
-    return new
 
 
 # --- handlers: one per event type, each returns the fields of the state it changes ----

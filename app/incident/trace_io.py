@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
 from app.store.insert import INSERT_EVENTS, columns
-from app.store.queries import read_in_log_order
+from app.store.queries import known_requests, stream_in_log_order
 from statemachine.errors import TraceError
 from statemachine.trace import Trace, fold_trace, parse_trace, trace_header, trace_line
 
@@ -71,14 +71,15 @@ async def export_trace(
     """Write the requests' trace to ``out``; returns the number of events written.
 
     The header lists the requests in the order ``request_ids`` gives them; requests
-    with no events are left out.
+    with no events are left out. Events are written as they are read.
     """
-    events = await read_in_log_order(connection, request_ids)
-    present = {event.request_id for event in events}
+    present = await known_requests(connection, request_ids)
     out.write(trace_header([r for r in dict.fromkeys(request_ids) if r in present], meta, redact=redact))
-    for event in events:
+    written = 0
+    async for event in stream_in_log_order(connection, request_ids):
         out.write(trace_line(event, redact=redact))
-    return len(events)
+        written += 1
+    return written
 
 
 async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import Text, any_, bindparam, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store import schema
@@ -70,9 +71,10 @@ async def select_requests(connection: AsyncConnection, selection: Selection) -> 
 
 
 async def known_requests(connection: AsyncConnection, request_ids: Sequence[str]) -> set[str]:
-    """Those of ``request_ids`` that have at least one event in the log."""
+    """Those of ``request_ids`` that have at least one event in the log (their RequestAccepted)."""
     events = schema.request_events.c
-    query = select(events.request_id).distinct().where(events.request_id.in_(request_ids))
+    ids = bindparam("request_ids", value=list(request_ids), type_=ARRAY(Text))
+    query = select(events.request_id).where(events.request_id == any_(ids), events.version == 1)
     return set((await connection.scalars(query)).all())
 
 
@@ -96,11 +98,18 @@ async def read_requests(
                 yield streams[request_id]
 
 
-async def read_in_log_order(connection: AsyncConnection, request_ids: Sequence[str]) -> list[Event]:
-    """The events of ``request_ids`` in the order the log recorded them (its positions)."""
+async def stream_in_log_order(connection: AsyncConnection, request_ids: Sequence[str]) -> AsyncIterator[Event]:
+    """The events of ``request_ids`` in the order the log recorded them (its positions).
+
+    Rows come through a server-side cursor and the ids as one array parameter, so a
+    night's export holds neither every event in memory nor a parameter per request.
+    """
     events = schema.request_events.c
-    query = select(*_EVENT_COLUMNS).where(events.request_id.in_(request_ids)).order_by(events.position)
-    return [from_row(*row) for row in await connection.execute(query)]
+    ids = bindparam("request_ids", value=list(request_ids), type_=ARRAY(Text))
+    query = select(*_EVENT_COLUMNS).where(events.request_id == any_(ids)).order_by(events.position)
+    result = await connection.stream(query)
+    async for row in result:
+        yield from_row(*row)
 
 
 async def events_page(connection: AsyncConnection, request_id: str, *, after_seq: int, limit: int) -> list[Event]:

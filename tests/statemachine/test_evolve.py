@@ -7,24 +7,25 @@ from datetime import UTC, datetime
 
 import pytest
 
+from statemachine.evolve import evolve
 from statemachine.phases import Phase
-from statemachine.state import AttemptState, RequestState, _evolve
+from statemachine.state import AttemptState, RequestState
 
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
 
 
-def test_evolve_is_replace() -> None:
+def testevolve_is_replace() -> None:
     attempt = AttemptState(attempt=1, lease_epoch=3, replica_id="w1", started_at=T0, lease_expires_at=T0)
     state = RequestState("req_a", phase=Phase.PREFILL, seq=4, attempts=(attempt,), pending=frozenset({"x"}))
     for changes in ({}, {"seq": 5}, {"phase": Phase.DECODE, "first_delta_attempt": 1, "delivered_deltas": 2}):
-        evolved = _evolve(state, changes)
+        evolved = evolve(state, changes)
         assert evolved == dataclasses.replace(state, **changes)  # type: ignore[arg-type]
         assert type(evolved) is RequestState and evolved is not state
-    assert _evolve(attempt, {"fenced": True}) == dataclasses.replace(attempt, fenced=True)
+    assert evolve(attempt, {"fenced": True}) == dataclasses.replace(attempt, fenced=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        _evolve(state, {}).seq = 9  # type: ignore[misc]
+        evolve(state, {}).seq = 9  # type: ignore[misc]
 
 
-def test_evolve_refuses_an_unknown_field() -> None:
+def testevolve_refuses_an_unknown_field() -> None:
     with pytest.raises(TypeError, match="RequestState has no field phaze"):
-        _evolve(RequestState("req_a"), {"phaze": Phase.DECODE})
+        evolve(RequestState("req_a"), {"phaze": Phase.DECODE})

@@ -57,7 +57,7 @@ def interrupted(gateway: RunningGateway, prompt: str) -> str:
     stream = gateway.openai().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True, max_tokens=20
     )
-    with pytest.raises(openai.APIError) as caught:
+    with stream, pytest.raises(openai.APIError) as caught:
         for _ in stream:
             pass
     assert caught.value.code == "upstream_decode_interrupted"
