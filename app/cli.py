@@ -3,6 +3,8 @@
     phasegate serve     the gateway (embedded PostgreSQL and simulated workers by default)
     phasegate worker    a replica: one engine behind the lease protocol
     phasegate db        the log's schema: upgrade, downgrade, current, check
+    phasegate replay    re-run requests' recorded decisions, from the log or a trace file
+    phasegate trace     export requests as a trace file, import one elsewhere
 
 Each subcommand's module is imported only when it runs, so ``phasegate worker`` does
 not load the gateway and ``phasegate serve`` does not load vLLM.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.incident.commands import add_incident_parsers
 from app.serve import add_serve_parser
 from app.store.commands import add_db_parser
 from app.worker.config import add_worker_parser
@@ -24,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub)
     add_worker_parser(sub)
     add_db_parser(sub)
+    add_incident_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         from app.serve import serve
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # db
+    return int(args.run(args))  # db, replay, trace
 
 
 if __name__ == "__main__":

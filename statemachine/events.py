@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 from dataclasses import dataclass
 from datetime import datetime
@@ -305,25 +306,30 @@ def from_json(data: Any) -> Event:
     version = data.get("v")
     if version != cls.SCHEMA_VERSION:
         raise MalformedEvent(f"{type_name}: unsupported schema version {version!r}")
-    expected = {"type", "v", *_ENVELOPE, "body"}
-    if is_attempt_scoped(cls):
-        expected.update(_ATTEMPT_SCOPE)
-    keys = set(data)
-    if keys != expected:
-        raise MalformedEvent(_key_mismatch(type_name, "envelope", keys, expected))
+    spec = _SPECS[cls]
+    if data.keys() != spec.keys:
+        raise MalformedEvent(_key_mismatch(type_name, "envelope", set(data), set(spec.keys)))
     body = data["body"]
     if not isinstance(body, dict):
         raise MalformedEvent(f"{type_name}: body must be a JSON object")
-    body_fields = _BODY_FIELDS[cls]
-    required = {name for name in body_fields if name not in _OPTIONAL[cls]}
-    if not required <= set(body) <= set(body_fields):
-        raise MalformedEvent(_key_mismatch(type_name, "body", set(body), set(body_fields)))
+    if not spec.required_body <= body.keys() <= spec.body_fields:
+        raise MalformedEvent(_key_mismatch(type_name, "body", set(body), set(spec.body_fields)))
+    # The hot path of replaying a trace: a value of a plain JSON type (str, int, bool,
+    # None where allowed) is taken as it is; anything else goes through its parser,
+    # which converts it (timestamps, enums, lists) or raises the message.
     kwargs: dict[str, Any] = {}
-    parsers = _PARSERS[cls]
-    for name in expected - {"type", "v", "body"}:
-        kwargs[name] = _parse(type_name, name, parsers[name], data[name])
-    for name, value in body.items():
-        kwargs[name] = _parse(type_name, name, parsers[name], value)
+    fields = spec.fields
+    name = ""
+    try:
+        for name in spec.envelope:
+            value = data[name]
+            plain, parser = fields[name]
+            kwargs[name] = value if type(value) in plain else parser(value)
+        for name, value in body.items():
+            plain, parser = fields[name]
+            kwargs[name] = value if type(value) in plain else parser(value)
+    except (TypeError, ValueError) as exc:
+        raise MalformedEvent(f"{type_name}.{name}: {exc}") from None
     return cls(**kwargs)
 
 
@@ -338,22 +344,16 @@ def _key_mismatch(type_name: str, where: str, got: set[str], expected: set[str])
     return f"{type_name}: {where} has {'; '.join(parts)}"
 
 
-def _parse(type_name: str, field: str, parser: typing.Callable[[Any], Any], value: Any) -> Any:
-    try:
-        return parser(value)
-    except (TypeError, ValueError) as exc:
-        raise MalformedEvent(f"{type_name}.{field}: {exc}") from None
-
-
 # --- per-type parsers, built once at import ---------------------------------------------
 
 
 def _exact(expected: type) -> typing.Callable[[Any], Any]:
+    """A plain field's parser. ``from_json`` takes a value of exactly the field's type as
+    it is, so this sees only the others and refuses them (bool is an int in Python, but a
+    JSON true is never a valid count or index)."""
+
     def parse(value: Any) -> Any:
-        # bool is an int in Python; a JSON true is never a valid count or index
-        if type(value) is not expected:
-            raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
-        return value
+        raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
 
     return parse
 
@@ -368,14 +368,15 @@ def _parse_datetime(value: Any) -> datetime:
 
 
 def _parse_enum(enum_cls: type[enum.StrEnum]) -> typing.Callable[[Any], Any]:
+    members = {member.value: member for member in enum_cls}
+
     def parse(value: Any) -> Any:
-        if not isinstance(value, str):
-            raise TypeError(f"expected a string, got {type(value).__name__}")
-        try:
-            return enum_cls(value)
-        except ValueError:
-            choices = ", ".join(member.value for member in enum_cls)
-            raise ValueError(f"{value!r} is not one of {choices}") from None
+        member = members.get(value) if isinstance(value, str) else None
+        if member is None:
+            if not isinstance(value, str):
+                raise TypeError(f"expected a string, got {type(value).__name__}")
+            raise ValueError(f"{value!r} is not one of {', '.join(members)}")
+        return member
 
     return parse
 
@@ -425,12 +426,34 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
     raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard
 
 
-_PARSERS: dict[type[Event], dict[str, typing.Callable[[Any], Any]]] = {}
+def _plain_types(annotation: Any) -> frozenset[type]:
+    """The JSON value types a field takes as they are (for ``from_json``'s fast path)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = typing.get_args(annotation) if union else (annotation,)
+    return frozenset(arg for arg in args if arg in (str, int, bool, type(None)))
+
+
+class _Spec(typing.NamedTuple):
+    keys: frozenset[str]  # the envelope's keys
+    envelope: tuple[str, ...]  # the envelope's fields
+    body_fields: frozenset[str]
+    required_body: frozenset[str]
+    fields: dict[str, tuple[frozenset[type], typing.Callable[[Any], Any]]]  # name -> (plain types, parser)
+
+
 _BODY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
-_OPTIONAL: dict[type[Event], frozenset[str]] = {}
+_SPECS: dict[type[Event], _Spec] = {}
 for _cls in EVENT_TYPES.values():
     _hints = typing.get_type_hints(_cls)
     _fields = dataclasses.fields(_cls)
-    _PARSERS[_cls] = {field.name: _parser_for(_hints[field.name]) for field in _fields}
+    _envelope = _ENVELOPE + _ATTEMPT_SCOPE if is_attempt_scoped(_cls) else _ENVELOPE
     _BODY_FIELDS[_cls] = tuple(field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE)
-    _OPTIONAL[_cls] = frozenset(field.name for field in _fields if field.default is not dataclasses.MISSING)
+    _SPECS[_cls] = _Spec(
+        keys=frozenset({"type", "v", "body", *_envelope}),
+        envelope=_envelope,
+        body_fields=frozenset(_BODY_FIELDS[_cls]),
+        required_body=frozenset(
+            field.name for field in _fields if field.name in _BODY_FIELDS[_cls] and field.default is dataclasses.MISSING
+        ),
+        fields={field.name: (_plain_types(_hints[field.name]), _parser_for(_hints[field.name])) for field in _fields},
+    )

@@ -124,12 +124,21 @@ ACTION_TYPES: dict[str, type[Action]] = {
 def action_params(action: Action) -> dict[str, Any]:
     """The action's parameters as JSON values, as a ``Decided`` event stores them."""
     params: dict[str, Any] = {}
-    for f in fields(action):
-        if f.name == "reason":
-            continue
-        value = getattr(action, f.name)
-        params[f.name] = list(value) if isinstance(value, tuple) else value
+    for name in _PARAMS[type(action)]:
+        value = getattr(action, name)
+        params[name] = list(value) if isinstance(value, tuple) else value
     return params
+
+
+def action_params_order(action: type[Action]) -> tuple[str, ...]:
+    """The names of an action's parameters, in the order ``action_params`` gives them."""
+    return _PARAMS[action]
+
+
+# Each action's parameters, in field order (replay recomputes them for every decision).
+_PARAMS: dict[type[Action], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls) if f.name != "reason") for cls in ACTION_TYPES.values()
+}
 
 
 # --- the policy ------------------------------------------------------------------------

@@ -4,8 +4,9 @@ The driver records each ``decide()`` call that returned actions as a run of
 consecutive ``Decided`` events. Replay folds the events up to the first event of
 each run, calls ``decide()`` on that state with the given config, and compares the
 recomputed actions with the run (action, reason and parameters; the policy version
-is reported, not compared). The first mismatch is the divergence. Like Temporal's
-replayer it returns a result and raises only when asked.
+is reported, not compared). The first mismatch is the divergence; every run, with
+what was recorded and what was recomputed, is kept in the result for a timeline that
+marks each one. Like Temporal's replayer it returns a result and raises only when asked.
 """
 
 from __future__ import annotations
@@ -28,7 +29,20 @@ class Divergence:
     recomputed: tuple[dict[str, Any], ...]
 
     def describe(self) -> str:
-        return f"at seq {self.seq}: recorded {_summary(self.recorded)}, recomputed {_summary(self.recomputed)}"
+        return f"at seq {self.seq}: recorded {summary(self.recorded)}, recomputed {summary(self.recomputed)}"
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRun:
+    """One recorded ``decide()`` call: its ``Decided`` events and what the policy says now."""
+
+    seq: int  # the seq of the run's first Decided event
+    recorded: tuple[dict[str, Any], ...]
+    recomputed: tuple[dict[str, Any], ...]
+
+    @property
+    def agrees(self) -> bool:
+        return self.recorded == self.recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,7 @@ class ReplayResult:
     final_state: RequestState
     events: int
     decisions: int
+    runs: tuple[DecisionRun, ...] = ()  # every decision run, in log order
 
     @property
     def ok(self) -> bool:
@@ -67,7 +82,7 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
     """
     config = config or PolicyConfig()
     state: RequestState | None = None
-    divergence: Divergence | None = None
+    runs: list[DecisionRun] = []
     recorded: list[dict[str, Any]] = []
     recomputed: list[dict[str, Any]] = []
     run_seq = 0
@@ -83,27 +98,24 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
                 recomputed = [_recomputed(action) for action in decide(state, config)]
             recorded.append(decision_of(event))
         elif recorded:
-            divergence = divergence or _compare(run_seq, recorded, recomputed)
+            runs.append(DecisionRun(run_seq, tuple(recorded), tuple(recomputed)))
             recorded = []
         state = apply(state, event)
     if state is None:
         raise ValueError("replay() needs at least one event")
     if recorded:
-        divergence = divergence or _compare(run_seq, recorded, recomputed)
-    return ReplayResult(state.request_id, divergence, state, count, decisions)
+        runs.append(DecisionRun(run_seq, tuple(recorded), tuple(recomputed)))
+    first = next((run for run in runs if not run.agrees), None)
+    divergence = None if first is None else Divergence(first.seq, first.recorded, first.recomputed)
+    return ReplayResult(state.request_id, divergence, state, count, decisions, tuple(runs))
 
 
 def _recomputed(action: Any) -> dict[str, Any]:
     return {"action": action.name, "reason": action.reason, "params": action_params(action)}
 
 
-def _compare(seq: int, recorded: list[dict[str, Any]], recomputed: list[dict[str, Any]]) -> Divergence | None:
-    if recorded == recomputed:
-        return None
-    return Divergence(seq, tuple(recorded), tuple(recomputed))
-
-
-def _summary(decisions: tuple[dict[str, Any], ...]) -> str:
+def summary(decisions: tuple[dict[str, Any], ...]) -> str:
+    """Decisions as ``action(reason), …``; "no action" for none."""
     if not decisions:
         return "no action"
     return ", ".join(f"{d['action']}({d['reason']})" for d in decisions)

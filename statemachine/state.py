@@ -3,7 +3,8 @@
 How this works: :func:`apply` first asks the transition table for the next phase
 (illegal pairs raise there), then checks the event against the request's invariants
 and updates the fields the event speaks of. States and attempts are frozen; every
-apply returns a new value, so a replayer can keep any intermediate state.
+apply returns a new value, so a replayer can keep any intermediate state. Each
+handler returns only the fields its event changes, and apply builds the one new state.
 
 The invariants checked here are the ones the whole design rests on:
 
@@ -18,7 +19,6 @@ The invariants checked here are the ones the whole design rests on:
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +53,7 @@ from statemachine.events import (
     ToolCallEmitted,
     UpstreamFailed,
 )
+from statemachine.evolve import evolve as _evolve
 from statemachine.phases import Phase, next_phase
 
 # Failures after which the attempt is surely not running: nothing to fence.
@@ -170,8 +171,10 @@ def apply(state: RequestState, event: Event) -> RequestState:
     if event.seq != state.seq + 1:
         raise _illegal(state, event, f"seq {event.seq} does not follow {state.seq}")
     phase = next_phase(state.phase, event)
-    updated = _HANDLERS[type(event)](state, event)
-    return dataclasses.replace(updated, phase=phase, seq=event.seq)
+    changes = _HANDLERS[type(event)](state, event)
+    changes["phase"] = phase
+    changes["seq"] = event.seq
+    return _evolve(state, changes)
 
 
 def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestState:
@@ -185,40 +188,40 @@ def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestS
     return state
 
 
-# --- handlers: one per event type, each returns the state with its fields updated ----
+# --- handlers: one per event type, each returns the fields of the state it changes ----
+
+Changes = dict[str, Any]
 
 
 def _illegal(state: RequestState, event: RequestScoped, why: str) -> IllegalTransition:
     return IllegalTransition(state.phase.value, type(event).__name__, state.request_id, why)
 
 
-def _on_accepted(state: RequestState, event: RequestAccepted) -> RequestState:
+def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
     if event.max_attempts < 1 or event.n < 1 or event.prompt_tokens < 0:
         raise _illegal(state, event, "max_attempts and n must be at least 1")
-    return dataclasses.replace(
-        state,
-        model=event.model,
-        tenant=event.tenant,
-        prompt_tokens=event.prompt_tokens,
-        n=event.n,
-        guided=event.guided,
-        tools=event.tools,
-        max_attempts=event.max_attempts,
-    )
+    return {
+        "model": event.model,
+        "tenant": event.tenant,
+        "prompt_tokens": event.prompt_tokens,
+        "n": event.n,
+        "guided": event.guided,
+        "tools": event.tools,
+        "max_attempts": event.max_attempts,
+    }
 
 
-def _on_decided(state: RequestState, event: Decided) -> RequestState:
-    pending = state.pending
+def _on_decided(state: RequestState, event: Decided) -> Changes:
+    changes: Changes = {}
     if event.action != "wait":
-        pending = pending | {event.action}
-    attempts = state.attempts
+        changes["pending"] = state.pending | {event.action}
     current = state.current_attempt
     if current is not None and current.failure is not None and not current.failure_answered:
-        attempts = _replaced_last(attempts, failure_answered=True)
-    return dataclasses.replace(state, pending=pending, attempts=attempts)
+        changes["attempts"] = _replaced_last(state.attempts, failure_answered=True)
+    return changes
 
 
-def _on_attempt_started(state: RequestState, event: AttemptStarted) -> RequestState:
+def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
     if event.attempt != len(state.attempts) + 1:
         raise _illegal(state, event, f"attempt {event.attempt} is not attempt {len(state.attempts) + 1}")
     previous = state.current_attempt
@@ -234,32 +237,31 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> RequestSt
         started_at=event.occurred_at,
         lease_expires_at=event.lease_expires_at,
     )
-    return dataclasses.replace(
-        state,
-        attempts=(*state.attempts, attempt),
-        pending=state.pending - {"start_attempt"},
-        start_refused=None,
-    )
+    return {
+        "attempts": (*state.attempts, attempt),
+        "pending": state.pending - {"start_attempt"},
+        "start_refused": None,
+    }
 
 
-def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudgetDenied) -> RequestState:
+def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudgetDenied) -> Changes:
     if "start_attempt" not in state.pending:
         raise _illegal(state, event, "no attempt start was decided")
     refused = "no_replica" if isinstance(event, NoReplicaAvailable) else "retry_budget"
-    return dataclasses.replace(state, pending=state.pending - {"start_attempt"}, start_refused=refused)
+    return {"pending": state.pending - {"start_attempt"}, "start_refused": refused}
 
 
-def _on_first_token(state: RequestState, event: FirstTokenReceived) -> RequestState:
+def _on_first_token(state: RequestState, event: FirstTokenReceived) -> Changes:
     attempt = _live_current(state, event)
-    return _with_current(state, dataclasses.replace(attempt, first_token_received=True))
+    return _with_current(state, _evolve(attempt, {"first_token_received": True}))
 
 
-def _on_first_delta(state: RequestState, event: FirstDeltaCommitted) -> RequestState:
+def _on_first_delta(state: RequestState, event: FirstDeltaCommitted) -> Changes:
     _live_current(state, event)
-    return dataclasses.replace(state, first_delta_attempt=event.attempt)
+    return {"first_delta_attempt": event.attempt}
 
 
-def _on_deltas(state: RequestState, event: DeltasDelivered) -> RequestState:
+def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
     if event.attempt != state.first_delta_attempt:
         raise _illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
     _live_current(state, event)
@@ -271,64 +273,62 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> RequestState:
         )
     if event.tokens < 0:
         raise _illegal(state, event, "negative token count")
-    return dataclasses.replace(
-        state,
-        delivered_deltas=event.to_index,
-        delivered_output_tokens=state.delivered_output_tokens + event.tokens,
-    )
+    return {
+        "delivered_deltas": event.to_index,
+        "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
+    }
 
 
-def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> RequestState:
+def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
     _live_current(state, event)
     if event.idempotency_key != f"{state.request_id}:{event.tool_call_id}":
         raise _illegal(state, event, "idempotency key is not {request_id}:{tool_call_id}")
     call = ToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
-    return dataclasses.replace(state, tool_calls=(*state.tool_calls, call))
+    return {"tool_calls": (*state.tool_calls, call)}
 
 
-def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> RequestState:
+def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
     attempt = _scoped(state, event)
     if attempt is not state.current_attempt or attempt.released is not None or attempt.completed:
         raise _illegal(state, event, f"attempt {event.attempt} is not the running attempt")
-    return _with_current(
-        state,
-        dataclasses.replace(
-            attempt,
-            failure=event.kind,
-            failure_deadline=event.deadline,
-            failure_detail=event.detail,
-            upstream_status=event.upstream_status,
-            upstream_code=event.upstream_code,
-            failure_answered=False,
-        ),
-    )
+    failed = {
+        "failure": event.kind,
+        "failure_deadline": event.deadline,
+        "failure_detail": event.detail,
+        "upstream_status": event.upstream_status,
+        "upstream_code": event.upstream_code,
+        "failure_answered": False,
+    }
+    return _with_current(state, _evolve(attempt, failed))
 
 
-def _on_fenced(state: RequestState, event: AttemptFenced) -> RequestState:
+def _on_fenced(state: RequestState, event: AttemptFenced) -> Changes:
     attempt = _live_current(state, event)
-    updated = _with_current(state, dataclasses.replace(attempt, fenced=True))
-    return dataclasses.replace(updated, pending=updated.pending - {"fence_attempt"})
+    changes = _with_current(state, _evolve(attempt, {"fenced": True}))
+    changes["pending"] = state.pending - {"fence_attempt"}
+    return changes
 
 
-def _on_cancel_sent(state: RequestState, event: CancelSent) -> RequestState:
+def _on_cancel_sent(state: RequestState, event: CancelSent) -> Changes:
     attempt = _unreleased(state, event)
-    updated = _with_attempt(state, dataclasses.replace(attempt, cancel_sent=True))
-    return dataclasses.replace(updated, pending=updated.pending - {"cancel_attempt"})
+    changes = _with_attempt(state, _evolve(attempt, {"cancel_sent": True}))
+    changes["pending"] = state.pending - {"cancel_attempt"}
+    return changes
 
 
-def _on_cancel_acked(state: RequestState, event: CancelAcked) -> RequestState:
+def _on_cancel_acked(state: RequestState, event: CancelAcked) -> Changes:
     attempt = _unreleased(state, event)
     if not attempt.cancel_sent:
         raise _illegal(state, event, "no cancel was sent to this attempt")
-    return _with_attempt(state, dataclasses.replace(attempt, cancel_acked=True))
+    return _with_attempt(state, _evolve(attempt, {"cancel_acked": True}))
 
 
-def _on_lease_expired(state: RequestState, event: LeaseExpired) -> RequestState:
+def _on_lease_expired(state: RequestState, event: LeaseExpired) -> Changes:
     attempt = _unreleased(state, event)
-    return _with_attempt(state, dataclasses.replace(attempt, lease_expired=True))
+    return _with_attempt(state, _evolve(attempt, {"lease_expired": True}))
 
 
-def _on_released(state: RequestState, event: AttemptReleased) -> RequestState:
+def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
     attempt = _unreleased(state, event)
     if event.because is ReleaseReason.CANCEL_ACKED and not attempt.cancel_acked:
         raise _illegal(state, event, "released for a cancel ack that was not recorded")
@@ -336,38 +336,37 @@ def _on_released(state: RequestState, event: AttemptReleased) -> RequestState:
         raise _illegal(state, event, "released for a lease expiry that was not recorded")
     if state.phase is Phase.FENCED and (state.first_delta_sent or not attempt.fenced):
         raise _illegal(state, event, "only the fenced attempt of an undelivered request reopens prefill")
-    return _with_attempt(state, dataclasses.replace(attempt, released=event.because))
+    return _with_attempt(state, _evolve(attempt, {"released": event.because}))
 
 
-def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> RequestState:
+def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> Changes:
     if state.client_gone:
         raise _illegal(state, event, "the client already disconnected")
-    return dataclasses.replace(state, client_gone=True)
+    return {"client_gone": True}
 
 
-def _on_completed(state: RequestState, event: RequestCompleted) -> RequestState:
+def _on_completed(state: RequestState, event: RequestCompleted) -> Changes:
     current = state.current_attempt
     if current is None or not current.live:
         raise _illegal(state, event, "no running attempt completed the request")
-    return dataclasses.replace(
-        state,
-        attempts=_replaced_last(state.attempts, completed=True),
-        outcome=Outcome.COMPLETED,
-        finish_reason=event.finish_reason,
-        pending=frozenset(),
-    )
+    return {
+        "attempts": _replaced_last(state.attempts, completed=True),
+        "outcome": Outcome.COMPLETED,
+        "finish_reason": event.finish_reason,
+        "pending": frozenset(),
+    }
 
 
-def _on_failed(state: RequestState, event: RequestFailed) -> RequestState:
+def _on_failed(state: RequestState, event: RequestFailed) -> Changes:
     if event.delivered_output_tokens != state.delivered_output_tokens:
         raise _illegal(state, event, "delivered_output_tokens disagrees with the deliveries")
     if event.partial_output != state.first_delta_sent:
         raise _illegal(state, event, "partial_output disagrees with the commit point")
-    return dataclasses.replace(state, outcome=Outcome.FAILED, error_code=event.code, pending=frozenset())
+    return {"outcome": Outcome.FAILED, "error_code": event.code, "pending": frozenset()}
 
 
-def _on_cancelled(state: RequestState, event: RequestCancelled) -> RequestState:
-    return dataclasses.replace(state, outcome=Outcome.CANCELLED, error_code=event.reason, pending=frozenset())
+def _on_cancelled(state: RequestState, event: RequestCancelled) -> Changes:
+    return {"outcome": Outcome.CANCELLED, "error_code": event.reason, "pending": frozenset()}
 
 
 # --- attempt lookups ---------------------------------------------------------------------
@@ -400,22 +399,21 @@ def _unreleased(state: RequestState, event: AttemptScoped) -> AttemptState:
     return attempt
 
 
-def _with_current(state: RequestState, attempt: AttemptState) -> RequestState:
-    return dataclasses.replace(state, attempts=(*state.attempts[:-1], attempt))
+def _with_current(state: RequestState, attempt: AttemptState) -> Changes:
+    return {"attempts": (*state.attempts[:-1], attempt)}
 
 
-def _with_attempt(state: RequestState, attempt: AttemptState) -> RequestState:
+def _with_attempt(state: RequestState, attempt: AttemptState) -> Changes:
     index = attempt.attempt - 1
-    attempts = (*state.attempts[:index], attempt, *state.attempts[index + 1 :])
-    return dataclasses.replace(state, attempts=attempts)
+    return {"attempts": (*state.attempts[:index], attempt, *state.attempts[index + 1 :])}
 
 
 def _replaced_last(attempts: tuple[AttemptState, ...], **changes: object) -> tuple[AttemptState, ...]:
-    return (*attempts[:-1], dataclasses.replace(attempts[-1], **changes))  # type: ignore[arg-type]
+    return (*attempts[:-1], _evolve(attempts[-1], changes))
 
 
 # Any: each handler takes its own event type, which the table's key guarantees
-_HANDLERS: dict[type[Event], Callable[[RequestState, Any], RequestState]] = {
+_HANDLERS: dict[type[Event], Callable[[RequestState, Any], Changes]] = {
     RequestAccepted: _on_accepted,
     Decided: _on_decided,
     AttemptStarted: _on_attempt_started,

@@ -10,17 +10,26 @@ A trace is text: a header line, then one event per line in the JSON form of
 Each listed request's events appear in seq order starting at 1 (requests may
 interleave). Parsing takes lines, not files, so it stays free of I/O; every error
 names the line it found.
+
+Writing is deterministic, so that a trace exported from the log, imported elsewhere
+and exported again is the same text byte for byte. PostgreSQL's jsonb keeps no key
+order inside a body, so nested objects are written in one canonical order:
+``Decided.params`` in the order of the action's fields, ``usage`` in OpenAI's order,
+anything else sorted. A redacted trace (``redact=True``) drops what the client was
+sent, the delivered text and tool call arguments, and says so in its header.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from statemachine.errors import MalformedEvent, TraceError
-from statemachine.events import Event, from_json, to_json
+from statemachine.errors import IllegalTransition, MalformedEvent, TraceError
+from statemachine.events import Decided, DeltasDelivered, Event, RequestCompleted, ToolCallEmitted, from_json, to_json
+from statemachine.policy import ACTION_TYPES, action_params_order
+from statemachine.state import RequestState, apply
 
 TRACE_FORMAT = "phasegate-trace"
 TRACE_VERSION = 1
@@ -30,6 +39,12 @@ TRACE_VERSION = 1
 class Trace:
     header: dict[str, Any]
     requests: dict[str, list[Event]] = field(default_factory=dict)
+    lines: dict[str, list[int]] = field(default_factory=dict)  # request id -> the line of each event, by seq
+
+    def line_of(self, request_id: str, seq: int) -> int:
+        """The line number of the request's event ``seq`` (0 if the trace was not parsed)."""
+        numbers = self.lines.get(request_id, [])
+        return numbers[seq - 1] if 0 < seq <= len(numbers) else 0
 
     @property
     def events(self) -> list[Event]:
@@ -38,19 +53,22 @@ class Trace:
 
 def parse_trace(lines: Iterable[str]) -> Trace:
     """Parse a trace's lines, or raise :class:`TraceError` naming the first bad line."""
-    numbered = ((number, line) for number, line in enumerate(lines, start=1) if line.strip())
-    first = next(numbered, None)
-    if first is None:
-        raise TraceError(0, "the trace is empty")
-    header = _parse_header(*first)
-    requests: dict[str, list[Event]] = {request_id: [] for request_id in header["requests"]}
+    numbered = enumerate(lines, start=1)
+    header: dict[str, Any] | None = None
     for number, line in numbered:
+        if line.strip():
+            header = _parse_header(number, line)
+            break
+    if header is None:
+        raise TraceError(0, "the trace is empty")
+    requests: dict[str, list[Event]] = {request_id: [] for request_id in header["requests"]}
+    where: dict[str, list[int]] = {request_id: [] for request_id in header["requests"]}
+    for number, line in numbered:
+        text = line.strip()
+        if not text:
+            continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(number, f"not valid JSON ({exc.msg}); is the line truncated?") from None
-        try:
-            event = from_json(data)
+            event = from_json(_json_value(number, text))
         except MalformedEvent as exc:
             raise TraceError(number, str(exc)) from None
         events = requests.get(event.request_id)
@@ -59,10 +77,43 @@ def parse_trace(lines: Iterable[str]) -> Trace:
         if event.seq != len(events) + 1:
             raise TraceError(number, f"seq {event.seq} of request {event.request_id} does not follow seq {len(events)}")
         events.append(event)
+        where[event.request_id].append(number)
     empty = [request_id for request_id, events in requests.items() if not events]
     if empty:
         raise TraceError(0, f"no events for listed request(s) {', '.join(empty)}")
-    return Trace(header, requests)
+    return Trace(header, requests, where)
+
+
+# json.loads() minus its Python wrapping, which costs more than the C scanner it calls on
+# short lines: replaying a trace is mostly decoding it (ops/bench/replay.py).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _json_value(number: int, text: str) -> Any:
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        raise TraceError(number, "not valid JSON (Expecting value)") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(number, f"not valid JSON ({exc.msg}); is the line truncated?") from None
+    if end != len(text):
+        raise TraceError(number, "not valid JSON (Extra data after the event)")
+    return value
+
+
+def fold_trace(trace: Trace) -> dict[str, RequestState]:
+    """Every request's state at the end of the trace; an event the state machine refuses
+    is a :class:`TraceError` naming its line (a trace to import must be legal)."""
+    states: dict[str, RequestState] = {}
+    for request_id, events in trace.requests.items():
+        state = RequestState(request_id=request_id)
+        for event in events:
+            try:
+                state = apply(state, event)
+            except IllegalTransition as exc:
+                raise TraceError(trace.line_of(request_id, event.seq), str(exc)) from None
+        states[request_id] = state
+    return states
 
 
 def _parse_header(number: int, line: str) -> dict[str, Any]:
@@ -82,11 +133,47 @@ def _parse_header(number: int, line: str) -> dict[str, Any]:
     return header
 
 
-def dump_trace(events: Iterable[Event], meta: Mapping[str, Any] | None = None) -> Iterator[str]:
+def dump_trace(
+    events: Iterable[Event], meta: Mapping[str, Any] | None = None, *, redact: bool = False
+) -> Iterator[str]:
     """The lines of a trace holding ``events`` (in the order given), header first."""
     events = list(events)
     request_ids = list(dict.fromkeys(event.request_id for event in events))
-    header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "requests": request_ids, **(meta or {})}
-    yield json.dumps(header, ensure_ascii=False) + "\n"
+    yield trace_header(request_ids, meta, redact=redact)
     for event in events:
-        yield json.dumps(to_json(event), ensure_ascii=False) + "\n"
+        yield trace_line(event, redact=redact)
+
+
+def trace_header(request_ids: Iterable[str], meta: Mapping[str, Any] | None = None, *, redact: bool = False) -> str:
+    """The header line of a trace of ``request_ids``, with ``meta`` fields after the format's own."""
+    header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "requests": list(request_ids), **(meta or {})}
+    if redact:
+        header["redacted"] = list(REDACTED_FIELDS)
+    return json.dumps(header, ensure_ascii=False) + "\n"
+
+
+def trace_line(event: Event, *, redact: bool = False) -> str:
+    """One event's line, its nested objects in canonical order (see the module docstring)."""
+    form = to_json(event)
+    body = form["body"]
+    if isinstance(event, Decided):
+        action = ACTION_TYPES.get(event.action)
+        body["params"] = _ordered(event.params, action_params_order(action) if action else ())
+    elif isinstance(event, RequestCompleted):
+        body["usage"] = _ordered(event.usage, _USAGE_ORDER)
+    if redact:
+        for name in _REDACTED.get(type(event), ()):
+            body[name] = _REDACTED_VALUE[name]
+    return json.dumps(form, ensure_ascii=False) + "\n"
+
+
+# What a redacted trace drops: everything the client was sent.
+REDACTED_FIELDS = ("DeltasDelivered.text", "ToolCallEmitted.arguments")
+_REDACTED = {DeltasDelivered: ("text",), ToolCallEmitted: ("arguments",)}
+_REDACTED_VALUE: dict[str, Any] = {"text": None, "arguments": ""}
+_USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _ordered(values: Mapping[str, Any], order: Iterable[str]) -> dict[str, Any]:
+    first = [name for name in order if name in values]
+    return {name: values[name] for name in [*first, *sorted(set(values) - set(first))]}

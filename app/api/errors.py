@@ -3,7 +3,8 @@
     ApiError                       an error a client gets as JSON {"error": {...}}
     ├── InvalidRequest       400   malformed JSON, wrong types, out-of-range values
     │   └── UnsupportedParameter   a parameter phasegate does not serve
-    ├── Unauthorized         401   missing or wrong API key
+    ├── Unauthorized         401   missing or wrong API key (or admin token)
+    ├── Forbidden            403   the admin endpoints are disabled (no admin token set)
     ├── NotFound             404   unknown model, unknown request, unknown route
     ├── RequestTooLarge      413   body over the size limit
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
@@ -57,6 +58,12 @@ class Unauthorized(ApiError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
 
 
 class NotFound(ApiError):

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.admin import admin_routes
 from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, ServiceUnavailable, Unauthorized
 from app.api.schemas import CHAT, COMPLETIONS, GenerationRequest, parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
@@ -52,6 +53,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *admin_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)  # type: ignore[arg-type]

@@ -276,6 +276,11 @@ class PostgresEventStore(EventStore):
             row = (await connection.execute(query)).first()
         return None if row is None else RequestInput(*row)
 
+    def reading(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A pooled connection for read-side queries (:mod:`app.store.queries`); a lost
+        PostgreSQL surfaces as :class:`StoreUnavailable`, as for every other query."""
+        return self._connection()
+
     # --- internals -----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager

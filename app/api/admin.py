@@ -1,0 +1,175 @@
+"""Admin endpoints for incident responders, behind the admin token.
+
+    GET /v1/requests/{id}                       the request as the read models tell it
+    GET /v1/requests/{id}/events?after_seq=&limit=   its events, a page at a time
+    GET /ui/requests/{id}                       the timeline page (HTML with an SVG)
+
+Authentication: ``Authorization: Bearer <admin_token>``, or HTTP Basic auth with the
+token as the password (any user name), so a browser can open the page: a 401 from
+``/ui/`` asks for it with ``WWW-Authenticate: Basic``. With no ``admin_token``
+configured the endpoints answer 403 ``admin_disabled``: they exist, but nobody may
+use them. Errors have the OpenAI shape of :mod:`app.api.errors`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
+from app.driver.context import GatewayContext
+from app.store import queries
+from app.store.errors import StoreUnavailable
+from app.ui.page import render_page
+from statemachine.events import to_json
+
+log = logging.getLogger("phasegate.admin")
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def admin_routes(ctx: GatewayContext) -> list[Route]:
+    """The admin routes of the gateway over ``ctx``."""
+    admin = _Admin(ctx)
+    return [
+        Route("/v1/requests/{request_id}", admin.guarded(admin.summary), methods=["GET"]),
+        Route("/v1/requests/{request_id}/events", admin.guarded(admin.events), methods=["GET"]),
+        Route("/ui/requests/{request_id}", admin.guarded(admin.page, browser=True), methods=["GET"]),
+    ]
+
+
+class _Admin:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    def guarded(self, handler: Handler, *, browser: bool = False) -> Handler:
+        """``handler`` behind the admin token; every ApiError becomes its JSON answer."""
+
+        async def guarded(request: Request) -> Response:
+            exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
+            try:
+                self._authenticate(request)
+                response = await handler(request)
+            except ApiError as error:
+                headers = {"x-request-id": exchange}
+                if isinstance(error, Unauthorized) and browser:
+                    headers["www-authenticate"] = 'Basic realm="phasegate admin", charset="UTF-8"'
+                return JSONResponse(error.body(exchange), status_code=error.status, headers=headers)
+            except StoreUnavailable as exc:
+                log.error("admin read failed: %s", exc)
+                error = ServiceUnavailable(
+                    "the request log is unavailable; retry shortly", code="event_log_unavailable"
+                )
+                return JSONResponse(error.body(exchange), status_code=503, headers={"x-request-id": exchange})
+            response.headers["x-request-id"] = exchange
+            response.headers["cache-control"] = "no-store"
+            return response
+
+        return guarded
+
+    def _authenticate(self, request: Request) -> None:
+        token = self.ctx.config.admin_token
+        if not token:
+            raise Forbidden(
+                "the admin endpoints are disabled: set admin_token in the gateway's configuration",
+                code="admin_disabled",
+            )
+        offered = _offered_token(request.headers.get("authorization", ""))
+        if offered is None:
+            raise Unauthorized(
+                "missing admin token: send 'Authorization: Bearer <admin token>'", code="invalid_admin_token"
+            )
+        if not hmac.compare_digest(offered.encode(), token.encode()):
+            raise Unauthorized("incorrect admin token", code="invalid_admin_token")
+
+    async def summary(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        async with self._reading() as connection:
+            found = await queries.request_summary(connection, request_id)
+        if found is None:
+            raise _unknown(request_id)
+        return JSONResponse(
+            {
+                "object": "request",
+                "id": request_id,
+                "request": _jsonable(found.request),
+                "attempts": [_jsonable(attempt) for attempt in found.attempts],
+            }
+        )
+
+    async def events(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        after_seq = _integer(request, "after_seq", 0, minimum=0)
+        limit = _integer(request, "limit", DEFAULT_PAGE, minimum=1, maximum=MAX_PAGE)
+        async with self._reading() as connection:
+            page = await queries.events_page(connection, request_id, after_seq=after_seq, limit=limit + 1)
+            if not page and not await queries.known_requests(connection, [request_id]):
+                raise _unknown(request_id)
+        has_more = len(page) > limit
+        page = page[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [to_json(event) for event in page],
+                "has_more": has_more,
+                "next_after_seq": page[-1].seq if has_more else None,
+            }
+        )
+
+    async def page(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        events = await self.ctx.store.read(request_id)
+        if not events:
+            raise _unknown(request_id)
+        return HTMLResponse(render_page(events))
+
+    def _reading(self) -> Any:
+        reading = getattr(self.ctx.store, "reading", None)
+        if reading is None:
+            raise ServiceUnavailable("the read models need the PostgreSQL log", code="read_models_unavailable")
+        return reading()
+
+
+def _offered_token(authorization: str) -> str | None:
+    scheme, _, credentials = authorization.partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() == "bearer" and credentials:
+        return credentials
+    if scheme.lower() == "basic" and credentials:
+        try:
+            _user, _, password = base64.b64decode(credentials, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return password or None
+    return None
+
+
+def _integer(request: Request, name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    bounds = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+    if not text.isdigit() or int(text) < minimum or (maximum is not None and int(text) > maximum):
+        raise InvalidRequest(f"{name} must be an integer {bounds}, not {text!r}", param=name)
+    return int(text)
+
+
+def _unknown(request_id: str) -> NotFound:
+    return NotFound(f"no request {request_id} in the log", param="request_id", code="request_not_found")
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.isoformat() if isinstance(value, datetime) else value for key, value in row.items()}

@@ -1,0 +1,116 @@
+"""Traces in and out of the log: ``phasegate trace export`` and ``phasegate trace import``.
+
+Export reads the selected requests' events in the order the log recorded them (its
+positions) and writes them as a trace (:mod:`statemachine.trace`): a header line,
+then one event per line, canonical, so exporting what was imported gives the same
+bytes back.
+
+Import is all or nothing, in one PostgreSQL transaction:
+
+1. the whole file is parsed and every request folded first, so a malformed line or
+   an event the state machine refuses is reported with its line before the database
+   is touched;
+2. inside the transaction, a request id already in the log refuses the trace (a
+   trace is a record; it is never merged into another request's stream);
+3. every event is inserted by the store's own statement, so the read models'
+   trigger projects them as it projects the gateway's appends; if PostgreSQL skips
+   or refuses a row (another writer raced us), the transaction rolls back.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import asyncpg
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.store.codec import to_row
+from app.store.database import asyncpg_dsn
+from app.store.insert import INSERT_EVENTS, columns
+from app.store.queries import known_requests, stream_in_log_order
+from statemachine.errors import TraceError
+from statemachine.trace import Trace, fold_trace, parse_trace, trace_header, trace_line
+
+
+class TraceRefused(Exception):
+    """A trace that cannot be read or imported; the message names the file and the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    requests: int
+    events: int
+
+
+def read_trace(path: str) -> Trace:
+    """Parse the trace at ``path`` (``-``: standard input), or :class:`TraceRefused` naming its line."""
+    name = "<stdin>" if path == "-" else path
+    try:
+        if path == "-":
+            return parse_trace(sys.stdin)
+        with Path(path).open(encoding="utf-8") as lines:
+            return parse_trace(lines)
+    except TraceError as exc:
+        raise TraceRefused(f"{name}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceRefused(f"{name}: cannot read it: {exc}") from None
+
+
+async def export_trace(
+    connection: AsyncConnection,
+    request_ids: Sequence[str],
+    out: TextIO,
+    *,
+    redact: bool = False,
+    meta: dict[str, Any] | None = None,
+) -> int:
+    """Write the requests' trace to ``out``; returns the number of events written.
+
+    The header lists the requests in the order ``request_ids`` gives them; requests
+    with no events are left out. Events are written as they are read.
+    """
+    present = await known_requests(connection, request_ids)
+    out.write(trace_header([r for r in dict.fromkeys(request_ids) if r in present], meta, redact=redact))
+    written = 0
+    async for event in stream_in_log_order(connection, request_ids):
+        out.write(trace_line(event, redact=redact))
+        written += 1
+    return written
+
+
+async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
+    """Load ``trace`` into the log at ``url``, all of it or nothing (see the module docstring)."""
+    try:
+        fold_trace(trace)
+    except TraceError as exc:
+        raise TraceRefused(f"{name}: {exc}") from None
+    events = sorted(trace.events, key=lambda event: trace.line_of(event.request_id, event.seq))
+    rows = [to_row(event) for event in events]
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        if await connection.fetchval("SELECT to_regclass('request_events')") is None:
+            raise TraceRefused("the database has no phasegate schema: run 'phasegate db upgrade' first")
+        async with connection.transaction():
+            existing = await connection.fetch(
+                "SELECT DISTINCT request_id FROM request_events WHERE request_id = ANY($1::text[])",
+                list(trace.requests),
+            )
+            if existing:
+                duplicate = min((row["request_id"] for row in existing), key=lambda r: trace.line_of(r, 1))
+                raise TraceRefused(
+                    f"{name}: line {trace.line_of(duplicate, 1)}: request {duplicate} is already in the database;"
+                    " nothing was imported"
+                )
+            try:
+                status = await connection.execute(INSERT_EVENTS, *columns(rows))
+            except asyncpg.PostgresError as exc:
+                raise TraceRefused(f"{name}: PostgreSQL refused the events ({exc}); nothing was imported") from None
+            if int(status.split()[-1]) != len(rows):
+                raise TraceRefused(f"{name}: another writer recorded some of these events; nothing was imported")
+    finally:
+        await connection.close()
+    return Imported(len(trace.requests), len(rows))
