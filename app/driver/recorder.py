@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from datetime import datetime
 from typing import Any
 
 from app.driver.context import GatewayContext
@@ -41,7 +42,7 @@ class Recorder:
         self.appended_version = 0
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
-        # the open delivery batch: (attempt, lease_epoch, from_index, tokens, texts, opened_at)
+        # the open delivery batch: (attempt, lease_epoch, from_index, tokens, texts, opened_at, first_at)
         self._batch: list[Any] | None = None
 
     @property
@@ -63,8 +64,9 @@ class Recorder:
         self.state = apply(self.state, decided)
         self._queued.append(decided)
 
-    def _queue(self, cls: type[Event], fields: dict[str, Any]) -> Event:
-        event = cls(request_id=self.request_id, seq=self.state.seq + 1, occurred_at=self.ctx.wall_clock(), **fields)
+    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
+        stamp = occurred_at or self.ctx.wall_clock()
+        event = cls(request_id=self.request_id, seq=self.state.seq + 1, occurred_at=stamp, **fields)
         self.state = apply(self.state, event)
         self._queued.append(event)
         return event
@@ -76,7 +78,8 @@ class Recorder:
             self._close_batch()
             batch = None
         if batch is None:
-            self._batch = [attempt, lease_epoch, self.state.delivered_deltas, 0, [], self.ctx.clock()]
+            opened = [attempt, lease_epoch, self.state.delivered_deltas, 0, [], self.ctx.clock(), self.ctx.wall_clock()]
+            self._batch = opened
             batch = self._batch
         batch[3] += tokens
         batch[4].append(text)
@@ -90,9 +93,11 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        attempt, lease_epoch, from_index, tokens, texts, _ = batch
+        attempt, lease_epoch, from_index, tokens, texts, _, first_at = batch
         text = "".join(texts)
         policy = self.ctx.config.content_policy
+        # stamped when its first delta was written (any other event closes a batch first,
+        # so the log's times still only move forward)
         self._queue(
             DeltasDelivered,
             {
@@ -104,6 +109,7 @@ class Recorder:
                 "text": text if policy == "full" else None,
                 "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
             },
+            occurred_at=first_at,
         )
 
     @property

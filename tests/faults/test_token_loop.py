@@ -64,7 +64,7 @@ def replicas_of(events: list[ev.Event]) -> list[str]:
 
 @pytest.fixture
 def gateway(database_url: str, live_fleet: Fleet) -> Iterator[RunningGateway]:
-    with running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS) as running:
+    with running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30) as running:
         yield running
 
 
@@ -149,7 +149,9 @@ def test_5_a_tool_call_runs_once_however_many_attempts_ask(
     request = body(prompt, tools=TOOLS) if k == 0 else body(prompt)
     with (
         _tool_webhook() as (url, runs),
-        running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS, tool_webhook_url=url) as gateway,
+        running_gateway(
+            database_url, live_fleet.configs, timeouts=TIMEOUTS, tool_webhook_url=url, health_interval_s=30
+        ) as gateway,
     ):
         transcript = stream_chat(gateway.url, request)
         events, state = settle(gateway, transcript, evidence)
@@ -201,7 +203,7 @@ def slow_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 @pytest.fixture
 def slow_gateway(database_url: str, slow_fleet: Fleet) -> Iterator[RunningGateway]:
     slow_fleet.revive()
-    with running_gateway(database_url, slow_fleet.configs, timeouts=TIMEOUTS) as running:
+    with running_gateway(database_url, slow_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30) as running:
         yield running
 
 
