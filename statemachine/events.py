@@ -317,20 +317,25 @@ def from_json(data: Any) -> Event:
     # The hot path of replaying a trace: a value of a plain JSON type (str, int, bool,
     # None where allowed) is taken as it is; anything else goes through its parser,
     # which converts it (timestamps, enums, lists) or raises the message.
-    kwargs: dict[str, Any] = {}
+    # The event is built slot by slot (each slot's own descriptor), as __init__ would
+    # set it without the frozen __setattr__'s detour: events have no __post_init__.
+    event = _new(cls)
     fields = spec.fields
     name = ""
     try:
         for name in spec.envelope:
             value = data[name]
-            plain, parser = fields[name]
-            kwargs[name] = value if type(value) in plain else parser(value)
+            plain, parser, put = fields[name]
+            put(event, value if type(value) in plain else parser(value))
         for name, value in body.items():
-            plain, parser = fields[name]
-            kwargs[name] = value if type(value) in plain else parser(value)
+            plain, parser, put = fields[name]
+            put(event, value if type(value) in plain else parser(value))
     except (TypeError, ValueError) as exc:
         raise MalformedEvent(f"{type_name}.{name}: {exc}") from None
-    return cls(**kwargs)
+    for name, default in spec.defaults:
+        if name not in body:
+            fields[name][2](event, default)
+    return event
 
 
 def _key_mismatch(type_name: str, where: str, got: set[str], expected: set[str]) -> str:
@@ -438,9 +443,12 @@ class _Spec(typing.NamedTuple):
     envelope: tuple[str, ...]  # the envelope's fields
     body_fields: frozenset[str]
     required_body: frozenset[str]
-    fields: dict[str, tuple[frozenset[type], typing.Callable[[Any], Any]]]  # name -> (plain types, parser)
+    # name -> (plain types, parser, the slot's setter)
+    fields: dict[str, tuple[frozenset[type], typing.Callable[[Any], Any], typing.Callable[[Any, Any], None]]]
+    defaults: tuple[tuple[str, Any], ...]  # optional body fields and their defaults
 
 
+_new = object.__new__
 _BODY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
 _SPECS: dict[type[Event], _Spec] = {}
 for _cls in EVENT_TYPES.values():
@@ -455,5 +463,13 @@ for _cls in EVENT_TYPES.values():
         required_body=frozenset(
             field.name for field in _fields if field.name in _BODY_FIELDS[_cls] and field.default is dataclasses.MISSING
         ),
-        fields={field.name: (_plain_types(_hints[field.name]), _parser_for(_hints[field.name])) for field in _fields},
+        fields={
+            field.name: (
+                _plain_types(_hints[field.name]),
+                _parser_for(_hints[field.name]),
+                getattr(_cls, field.name).__set__,
+            )
+            for field in _fields
+        },
+        defaults=tuple((field.name, field.default) for field in _fields if field.default is not dataclasses.MISSING),
     )
