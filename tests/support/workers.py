@@ -113,6 +113,10 @@ class WorkerProcess(ManagedProcess):
     port: int = 0
 
     def client(self, **kwargs: Any) -> WorkerClient:
+        # A vLLM engine on two cores can starve this test process for seconds, and a
+        # loopback connect then "times out" on a timer that fired late. The protocol tests
+        # are not about connect deadlines (test_worker_client.py is), so give them room.
+        kwargs.setdefault("connect_timeout", 15.0)
         return WorkerClient(self.base_url, **kwargs)
 
 
