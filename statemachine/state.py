@@ -66,7 +66,7 @@ class Outcome(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
 class AttemptState:
     attempt: int
     lease_epoch: int
@@ -118,7 +118,7 @@ class ToolCall:
     idempotency_key: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
 class RequestState:
     request_id: str
     phase: Phase = Phase.NEW
