@@ -1,7 +1,8 @@
 """One attempt on one replica: its stream, its lease, its timers.
 
 How this works: ``open`` starts the attempt on the replica. While the driver reads,
-a background task renews the lease every third of its TTL. ``next_frame`` reads the
+its replica's renewer renews the lease every third of its TTL, in one call with the
+replica's other attempts (app/replicas/leases.py). ``next_frame`` reads the
 next frame under a stall timer: a worker sends heartbeats while queued, so silence
 means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
 so before its first token only the hard first-token deadline applies. Heartbeats
@@ -37,7 +38,6 @@ class AttemptRun:
         self.generated_tokens = 0
         self._stream: AttemptStream | None = None
         self._frames: AsyncIterator[Frame] | None = None
-        self._renewals: asyncio.Task[None] | None = None
         self._released = False
         replica.outstanding += 1
 
@@ -67,25 +67,11 @@ class AttemptRun:
                 FailureKind.LIVENESS_UNCERTAIN, f"no answer to the start within {deadline:g}s"
             ) from None
         self._frames = aiter(self._stream.frames())
-        self._renewals = asyncio.get_running_loop().create_task(
-            self._renew_lease(), name=f"renew {self.request.request_id}/{self.attempt}"
-        )
+        self.replica.renewer.hold(self)
 
-    async def _renew_lease(self) -> None:
-        client, request = self.replica.client, self.request
-        interval = request.lease_ttl_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                renewed = await asyncio.wait_for(
-                    client.renew(request.request_id, request.attempt, request.lease_epoch, request.lease_ttl_s),
-                    timeout=interval,
-                )
-            except (TimeoutError, UpstreamFailure, OSError) as exc:
-                log.info("lease renewal of %s/%d failed: %r", request.request_id, request.attempt, exc)
-                continue
-            if renewed:
-                self.renewed_at = self.ctx.clock()
+    def lease_renewed(self) -> None:
+        """The replica extended the lease (the renewer's round was answered just now)."""
+        self.renewed_at = self.ctx.clock()
 
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
@@ -126,10 +112,7 @@ class AttemptRun:
             return
         self._released = True
         self.replica.outstanding -= 1
-        if self._renewals is not None:
-            self._renewals.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewals
+        await self.replica.renewer.drop(self)
         if self._stream is not None:
             with contextlib.suppress(Exception):
                 await self._stream.close()

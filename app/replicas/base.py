@@ -12,7 +12,7 @@ records what it observed without knowing which client observed it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,8 +110,10 @@ class ReplicaClient(Protocol):
         """Open the attempt; raises :class:`UpstreamFailure` if it cannot start."""
         ...
 
-    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
-        """Extend the lease; ``False`` when the replica refused (stale epoch, unknown attempt)."""
+    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
+        """Extend these attempts' leases in one round: per attempt, ``False`` when the
+        replica refused (stale epoch, unknown attempt); raises :class:`UpstreamFailure`
+        when the round went unanswered (the leases may still run)."""
         ...
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:

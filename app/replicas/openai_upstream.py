@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -96,8 +96,8 @@ class OpenAIUpstream:
         async with asyncio.timeout(self.response_timeout_s):
             return await self._client.send(http_request, stream=True)
 
-    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
-        return True  # no lease upstream; the gateway's lease is the bound a fence waits for
+    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
+        return [True] * len(requests)  # no lease upstream; the gateway's lease is the bound a fence waits for
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
         return None  # closing the stream is the only cancel; it is never acknowledged

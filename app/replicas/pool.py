@@ -17,10 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.config import ReplicaConfig
 from app.replicas.base import ReplicaClient
+from app.replicas.leases import LeaseRenewer
 
 log = logging.getLogger("phasegate.pool")
 
@@ -36,6 +37,10 @@ class Replica:
     ejection_s: float = 0.0
     cooldown_until: float = 0.0  # from an upstream Retry-After
     last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
+    renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
+
+    def __post_init__(self) -> None:
+        self.renewer = LeaseRenewer(self.client)
 
     @property
     def id(self) -> str:

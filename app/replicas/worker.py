@@ -10,10 +10,12 @@ recorded as ``rejected`` and a retry elsewhere counts as a new-request migration
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import httpx
 
 from app.replicas.base import AttemptRequest, UpstreamFailure
-from app.replicas.worker_client import AttemptStream, WorkerClient
+from app.replicas.worker_client import AttemptStream, LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
 from statemachine.events import FailureKind
 
@@ -57,14 +59,20 @@ class WorkerReplica:
             raise
         return _WorkerStream(stream)
 
-    async def renew(self, request_id: str, attempt: int, lease_epoch: int, lease_ttl_s: float) -> bool:
-        try:
-            await self.client.renew(request_id, attempt, lease_epoch, lease_ttl_s)
-        except WorkerError as error:
-            if error.kind is FailureKind.LIVENESS_UNCERTAIN:
-                raise  # unanswered: the lease may still run
-            return False
-        return True
+    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
+        # One call per lease length (in practice one: the gateway's configured TTL).
+        renewed: dict[tuple[str, int], bool] = {}
+        for ttl in {request.lease_ttl_s for request in requests}:
+            batch = [(r.request_id, r.attempt, r.lease_epoch) for r in requests if r.lease_ttl_s == ttl]
+            try:
+                answers = await self.client.renew_many(batch, ttl)
+            except WorkerError as error:
+                if error.kind is FailureKind.LIVENESS_UNCERTAIN:
+                    raise  # unanswered: the leases may still run
+                answers = [error] * len(batch)
+            for (request_id, attempt, _), answer in zip(batch, answers, strict=True):
+                renewed[request_id, attempt] = isinstance(answer, LeaseRenewed)
+        return [renewed[request.request_id, request.attempt] for request in requests]
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
         ack = await self.client.cancel(request_id, attempt, lease_epoch)

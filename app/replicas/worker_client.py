@@ -380,6 +380,33 @@ class WorkerClient:
             raise ReplicaExiting(message, status=response.status_code, code=code)
         raise LeaseLost(message, code=code or "unknown", status=response.status_code)
 
+    async def renew_many(
+        self, leases: Sequence[tuple[str, int, int]], lease_ttl_s: float, *, timeout: float | None = None
+    ) -> list[LeaseRenewed | WorkerError]:
+        """Extend many leases (request id, attempt, epoch) in one call: one answer each,
+        in order, a refusal as a :class:`LeaseLost` (or :class:`ReplicaExiting`) value."""
+        ttl_ms = round(lease_ttl_s * 1000)
+        body = {
+            "leases": [
+                {"request_id": request_id, "attempt": attempt, "lease_epoch": epoch, "lease_ttl_ms": ttl_ms}
+                for request_id, attempt, epoch in leases
+            ]
+        }
+        response = await self._control("/v1/leases/renew", body, timeout)
+        if response.status_code != 200:
+            code, message, field = _error_body(response)
+            raise RequestRefused(message, status=response.status_code, code=code, field=field)
+        answers: list[LeaseRenewed | WorkerError] = []
+        for data in response.json()["leases"]:
+            error = data.get("error")
+            if error is None:
+                answers.append(LeaseRenewed(data["lease_epoch"], data["lease_ttl_ms"], data["phase"]))
+            elif error["code"] == "replica_exiting":
+                answers.append(ReplicaExiting(error["message"], status=data["status"], code=error["code"]))
+            else:
+                answers.append(LeaseLost(error["message"], code=error["code"], status=data["status"]))
+        return answers
+
     async def cancel(
         self, request_id: str, attempt: int, lease_epoch: int, *, timeout: float | None = None
     ) -> CancelAck:

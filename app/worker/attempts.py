@@ -37,6 +37,8 @@ class WorkerStats:
     rejected: dict[str, int] = field(default_factory=dict)
     stopped: dict[str, int] = field(default_factory=dict)
     lease_expiries: int = 0
+    renew_calls: int = 0  # renew requests (a batched one counts once)
+    leases_renewed: int = 0
     tokens_generated: int = 0
     tokens_published: int = 0
     frames_published: int = 0
@@ -198,6 +200,7 @@ class Worker:
                 code = Code.ATTEMPT_ENDED
             raise Refusal(409, code, f"the attempt ended early ({attempt.stop.value})")
         assert ref.lease_ttl_s is not None
+        self.stats.leases_renewed += 1
         if attempt.phase != "done":
             attempt.expires_at = now + ref.lease_ttl_s
             self._arm_lease(attempt)

@@ -70,6 +70,8 @@ class WorkerCollector(Collector):
         yield counter("attempts_started", "attempts admitted", s.started)
         yield counter("attempts_finished", "attempts that published done", s.finished)
         yield counter("lease_expiries", "attempts stopped because their lease lapsed", s.lease_expiries)
+        yield counter("renew_calls", "renew requests; a batched renew counts once", s.renew_calls)
+        yield counter("leases_renewed", "leases extended", s.leases_renewed)
         yield counter("tokens_generated", "tokens the engine produced", s.tokens_generated)
         yield counter("tokens_published", "tokens written in token frames", s.tokens_published)
         yield counter("frames_published", "token and tool_call frames written", s.frames_published)

@@ -226,6 +226,28 @@ def parse_ref(body: Mapping[str, Any], *, with_ttl: bool) -> AttemptRef:
     )
 
 
+MAX_RENEWALS = 10_000
+
+
+def parse_renewals(body: Mapping[str, Any]) -> list[AttemptRef]:
+    """The body of a batched renew: ``{"leases": [renew body, …]}``, 1 to 10,000 of them."""
+    _no_unknown(body, {"leases"}, "")
+    leases = _required(body, "leases")
+    if not isinstance(leases, list) or not 1 <= len(leases) <= MAX_RENEWALS:
+        raise _bad("leases", f"must be a list of 1 to {MAX_RENEWALS:,} leases")
+    refs = []
+    for i, lease in enumerate(leases):
+        where = f"leases[{i}]"
+        if not isinstance(lease, dict):
+            raise _bad(where, "must be an object")
+        try:
+            refs.append(parse_ref(lease, with_ttl=True))
+        except Refusal as refusal:
+            field = f"{where}.{refusal.field}" if refusal.field else where
+            raise Refusal(refusal.status, refusal.code, f"{where}: {refusal.message}", field=field) from None
+    return refs
+
+
 def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:

@@ -34,7 +34,7 @@ from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
-from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_start
+from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_renewals, parse_start
 
 log = logging.getLogger("phasegate.worker")
 
@@ -64,7 +64,22 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
 
     async def renew(request: Request) -> Response:
         ref = parse_ref(decode_json(await request.body()), with_ttl=True)
+        worker.stats.renew_calls += 1
         return JSONResponse(worker.renew(ref))
+
+    async def renew_many(request: Request) -> Response:
+        # One answer per lease, in order: a refusal of one is an entry, not the call's status.
+        answers: list[dict[str, object]] = []
+        refs = parse_renewals(decode_json(await request.body()))
+        worker.stats.renew_calls += 1
+        for ref in refs:
+            answer: dict[str, object] = {"request_id": ref.request_id, "attempt": ref.attempt}
+            try:
+                answer |= worker.renew(ref)
+            except Refusal as refusal:
+                answer |= {"status": refusal.status} | refusal.body()
+            answers.append(answer)
+        return JSONResponse({"leases": answers})
 
     async def cancel(request: Request) -> Response:
         ref = parse_ref(decode_json(await request.body()), with_ttl=False)
@@ -150,6 +165,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
     routes = [
         Route("/v1/attempts", start, methods=["POST"]),
         Route("/v1/attempts/renew", renew, methods=["POST"]),
+        Route("/v1/leases/renew", renew_many, methods=["POST"]),
         Route("/v1/attempts/cancel", cancel, methods=["POST"]),
         Route("/v1/health", health_check, methods=["GET"]),
         Route("/v1/ready", ready, methods=["GET"]),

@@ -16,7 +16,14 @@ the figures are set side by side:
 - inter-token gaps on both paths and their difference;
 - the gateway's CPU per 1,000 forwarded tokens;
 - capacity: the most streams one gateway process held open at once (all alive and
-  receiving), by steps, with the gateway's resident memory.
+  receiving), by steps, with the gateway's resident memory and the CPU share (cores)
+  of the gateway, the worker behind the held streams, and this process (the clients). Held streams
+  go to a second sim worker that decodes slowly (1 token/s by default: an open stream,
+  not a flood of tokens), opened 200 a second; a stream that failed says why (one whose answer simply ended
+  counts as completed).
+
+"timed" counts the requests whose time to first token was measured (each client's
+first request is a warm-up): where it is small, the level saturated the machine.
 
 The load generator shares the machine's cores with the worker, the gateway and
 PostgreSQL, so on two cores the high-concurrency figures are upper bounds.
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import json
 import os
 import shutil
 import sys
@@ -35,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import asyncpg
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,11 +50,13 @@ sys.path.insert(0, str(REPO))
 
 from app.replicas.base import Token  # noqa: E402
 from app.replicas.worker_client import WorkerClient  # noqa: E402
+from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
 from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
 
 MODEL = "sim"
+HOLD_MODEL = "sim-hold"  # a second worker, slow, for the streams held open
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -147,37 +157,100 @@ async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: 
 # --- capacity --------------------------------------------------------------------------------
 
 
-async def hold(gateway_url: str, streams: int, seconds: float) -> tuple[int, int]:
-    """Open ``streams`` long streams at once; how many were alive and receiving at the end."""
-    receiving = [0] * streams
+async def hold(gateway_url: str, streams: int, seconds: float, ramp_per_s: float, quiet_s: float) -> Held:
+    """Open ``streams`` long streams, ``ramp_per_s`` a second, then keep them open for
+    ``seconds``; a stream is alive at the end if it received a chunk in the last ``quiet_s``."""
+    held = Held(streams)
+    receiving = [0.0] * streams
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
     async with httpx.AsyncClient(base_url=gateway_url, timeout=120.0, limits=limits) as http:
 
         async def one(n: int) -> None:
+            await asyncio.sleep(n / ramp_per_s)
             body = {
-                "model": MODEL,
+                "model": HOLD_MODEL,
                 "messages": [{"role": "user", "content": f"hold {n}"}],
                 "stream": True,
                 "max_tokens": 4000,
             }
-            with contextlib.suppress(Exception):
+            why = "closed without [DONE]"
+            try:
                 async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        why = f"HTTP {response.status_code} {error_code(await response.aread())}"
                     async for line in response.aiter_lines():
                         if line.startswith("data: {"):
                             receiving[n] = time.monotonic()
+                            if line.startswith('data: {"error"'):
+                                why = f"error event {error_code(line[6:])}"
+                        elif line == "data: [DONE]" and why == "closed without [DONE]":
+                            why = ""
+            except Exception as exc:
+                why = type(exc).__name__
+            if why:
+                held.failed[why] = held.failed.get(why, 0) + 1
+            else:
+                held.completed += 1  # the sim's answer ended (16 to 128 tokens): not a failure
 
         tasks = [asyncio.create_task(one(n)) for n in range(streams)]
-        await asyncio.sleep(seconds)
-        cutoff = time.monotonic() - 5.0
-        alive = sum(1 for at in receiving if at > cutoff)
-        failed = sum(1 for task in tasks if task.done())
+        await asyncio.sleep(streams / ramp_per_s + seconds)
+        cutoff = time.monotonic() - quiet_s
+        held.alive = sum(1 for at, task in zip(receiving, tasks, strict=True) if at > cutoff and not task.done())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return alive, failed
+    return held
+
+
+async def log_position(url: str) -> int:
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        return int(await connection.fetchval("SELECT coalesce(max(position), 0) FROM request_events"))
+    finally:
+        await connection.close()
+
+
+async def upstream_failures(url: str, after: int) -> list[tuple[str, str, int]]:
+    """How the held streams' attempts failed, from the log: the five commonest."""
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        rows = await connection.fetch(
+            "SELECT body->>'kind' AS kind, left(body->>'detail', 70) AS detail, count(*) AS n"
+            " FROM request_events WHERE type = 'UpstreamFailed' AND position > $1"
+            " GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 5",
+            after,
+        )
+        return [(row["kind"], row["detail"], row["n"]) for row in rows]
+    finally:
+        await connection.close()
+
+
+def error_code(body: str | bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:80])
+
+
+@dataclass
+class Held:
+    streams: int
+    alive: int = 0  # open and receiving at the end
+    completed: int = 0  # answered in full before the end
+    failed: dict[str, int] = field(default_factory=dict)  # why -> how many
+
+    @property
+    def held(self) -> bool:
+        return not self.failed and self.alive + self.completed == self.streams
 
 
 # --- processes ---------------------------------------------------------------------------------
+
+
+def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
+    command = phasegate("worker", "--port", str(port), "--engine", "sim", "--model", model)
+    command += ["--max-running", "8000", "--max-queued", "8000"]
+    return [*command, "--sim-decode-ms-per-token", str(decode_ms), "--sim-prefill-ms-per-token", "0"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -210,7 +283,12 @@ def main() -> None:
     parser.add_argument("--decode-ms", type=float, default=20.0, help="the sim's time per token")
     parser.add_argument("--capacity", default="500,1000,2000,3000", help="stream counts to hold open ('0': skip)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each level runs on each path")
-    parser.add_argument("--hold-s", type=float, default=15.0)
+    parser.add_argument("--hold-s", type=float, default=15.0, help="how long the held streams stay open")
+    parser.add_argument("--hold-decode-ms", type=float, default=1000.0, help="the held streams' time per token")
+    parser.add_argument(
+        "--hold-stall-s", type=float, default=10.0, help="the gateway's stall timeout (tokens come 1 s apart)"
+    )
+    parser.add_argument("--ramp-per-s", type=float, default=200.0, help="held streams opened per second")
     options = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-bench-"))
@@ -218,19 +296,30 @@ def main() -> None:
     database = EmbeddedPostgres(workdir / "pg")
     url = database.start()
     upgrade(url)
-    worker_port, gateway_port = free_port(), free_port()
-    worker_url, gateway_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gateway_port}"
-    worker_cmd = phasegate("worker", "--port", str(worker_port), "--engine", "sim")
-    worker_cmd += ["--model", MODEL, "--max-running", "8000", "--max-queued", "8000"]
-    worker_cmd += ["--sim-decode-ms-per-token", str(options.decode_ms), "--sim-prefill-ms-per-token", "0"]
-    gateway_cmd = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning")
-    gateway_cmd += ["--replica", f"worker={worker_url}#w1", "--model", f"{MODEL}=bench"]
+    worker_port, hold_port, gateway_port = free_port(), free_port(), free_port()
+    worker_url, hold_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{hold_port}"
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    worker_cmd = sim_worker(worker_port, MODEL, options.decode_ms)
+    hold_cmd = sim_worker(hold_port, HOLD_MODEL, options.hold_decode_ms)
+    config = workdir / "gateway.toml"
+    config.write_text(
+        f'[models]\n"{MODEL}" = "bench"\n"{HOLD_MODEL}" = "bench"\n'
+        f'[[replicas]]\nid = "w1"\nurl = "{worker_url}"\nmodels = ["{MODEL}"]\n'
+        f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
+        f"[timeouts]\nstall_s = {options.hold_stall_s}\n"
+    )
+    gateway_cmd = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning", "--config", str(config))
     try:
-        with running(worker_cmd) as _, running(gateway_cmd, {"DATABASE_URL": url}) as gateway:
+        with (
+            running(worker_cmd) as _,
+            running(hold_cmd) as hold_worker,
+            running(gateway_cmd, {"DATABASE_URL": url}) as gateway,
+        ):
             wait_http(worker_url + "/v1/ready")
+            wait_http(hold_url + "/v1/ready")
             wait_http(gateway_url + "/readyz")
             print(f"sim worker: {options.decode_ms:g} ms/token, {options.tokens} tokens a stream; commit point durable")
-            print(row("streams", "path", "ttft p50", "ttft p99", "gap p50", "gap p99", "tokens", "fail"))
+            print(row("streams", "path", "timed", "ttft p50", "ttft p99", "gap p50", "gap p99", "tokens", "fail"))
             rows = []
             for streams in [int(s) for s in options.streams.split(",") if s]:
                 direct_sample, gateway_sample = Sample(), Sample()
@@ -241,7 +330,7 @@ def main() -> None:
                 for name, sample in (("direct", direct_sample), ("gateway", gateway_sample)):
                     ttft, gaps = sample.ttft, sample.gaps
                     times = [ms(pct(ttft, 0.5)), ms(pct(ttft, 0.99)), ms(pct(gaps, 0.5)), ms(pct(gaps, 0.99))]
-                    print(row(streams, name, *times, sample.tokens, sample.failures))
+                    print(row(streams, name, len(ttft), *times, sample.tokens, sample.failures))
                 rows.append((streams, direct_sample, gateway_sample, cpu_per_k))
             print()
             print(row("streams", "+ttft p50", "+ttft p99", "+gap p50", "+gap p99", "cpu/1k tok"))
@@ -252,13 +341,32 @@ def main() -> None:
             levels = [int(s) for s in options.capacity.split(",") if s and s != "0"]
             if levels:
                 print()
-                print(row("held", "alive", "ended", "gateway RSS"))
+                print(
+                    f"held streams: a second sim worker at {options.hold_decode_ms:g} ms/token, "
+                    f"{options.ramp_per_s:g} new streams/s, then {options.hold_s:g} s held; "
+                    f"stall_s = {options.hold_stall_s:g}"
+                )
+                heads = ["streams", "alive", "completed", "failed", "gateway RSS"]
+                print(row(*heads, "gateway cpu", "worker cpu", "clients cpu"))
+                processes = (gateway.pid, hold_worker.pid, os.getpid())
                 for streams in levels:
-                    alive, ended = asyncio.run(hold(gateway_url, streams, options.hold_s))
-                    print(row(streams, alive, ended, f"{rss_mib(gateway.pid):.0f} MiB"))
-                    if alive < streams:
+                    log_before = asyncio.run(log_position(url))
+                    cpu_before, began = [cpu_seconds(pid) for pid in processes], time.monotonic()
+                    quiet_s = 3 * options.hold_decode_ms / 1000
+                    held = asyncio.run(hold(gateway_url, streams, options.hold_s, options.ramp_per_s, quiet_s))
+                    elapsed = time.monotonic() - began
+                    used = [cpu_seconds(pid) - before for pid, before in zip(processes, cpu_before, strict=True)]
+                    shares = [f"{seconds / elapsed:.2f}" for seconds in used]
+                    failed = sum(held.failed.values())
+                    rss = f"{rss_mib(gateway.pid):.0f} MiB"
+                    print(row(streams, held.alive, held.completed, failed, rss, *shares))
+                    for why, count in sorted(held.failed.items(), key=lambda item: -item[1])[:5]:
+                        print(f"{'':>12}{count} failed: {why}")
+                    for kind, detail, count in asyncio.run(upstream_failures(url, log_before)):
+                        print(f"{'':>12}{count} attempts failed: {kind} ({detail})")
+                    if not held.held:
                         break
-                    time.sleep(2)
+                    time.sleep(10)  # the gateway closes the last level's streams meanwhile
     finally:
         database.stop()
         shutil.rmtree(workdir, ignore_errors=True)

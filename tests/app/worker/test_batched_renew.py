@@ -1,0 +1,98 @@
+"""Batched lease renewal (``POST /v1/leases/renew``) on a real sim worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.replicas.worker_client import (
+    LeaseLost,
+    LeaseRenewed,
+    RequestRefused,
+    WorkerClient,
+    http_client,
+)
+from tests.support.streams import attempt_state, collect, metric
+from tests.support.workers import WorkerProcess, request_id
+
+LONG = {"max_tokens": 2000, "ignore_eos": True}
+
+
+async def test_one_call_renews_many_leases_and_answers_each_in_order(
+    sim_worker: WorkerProcess, sim_client: WorkerClient
+):
+    live = [request_id() for _ in range(3)]
+    streams = [
+        await sim_client.start(
+            request_id=rid, attempt=1, lease_epoch=2, lease_ttl_s=30, model="sim", prompt="go", params=LONG
+        )
+        for rid in live
+    ]
+    for stream in streams:
+        await collect(stream, max_frames=2)
+    calls_before = await metric(sim_worker.base_url, "phasegate_worker_renew_calls_total")
+    renewed_before = await metric(sim_worker.base_url, "phasegate_worker_leases_renewed_total")
+
+    leases = [(rid, 1, 2) for rid in live]
+    leases.insert(1, (request_id(), 1, 1))  # never started here
+    leases.append((live[0], 1, 1))  # an older epoch than the attempt's
+    answers = await sim_client.renew_many(leases, 60.0)
+
+    assert [type(answer) for answer in answers] == [LeaseRenewed, LeaseLost, LeaseRenewed, LeaseRenewed, LeaseLost]
+    assert all(a.lease_ttl_ms == 60_000 and a.lease_epoch == 2 for a in answers if isinstance(a, LeaseRenewed))
+    unknown, stale = answers[1], answers[4]
+    assert isinstance(unknown, LeaseLost) and (unknown.code, unknown.status, unknown.released) == (
+        "unknown_attempt",
+        404,
+        True,
+    )
+    assert isinstance(stale, LeaseLost) and (stale.code, stale.status, stale.released) == (
+        "stale_lease_epoch",
+        409,
+        False,
+    )
+    # the worker's own view: each live lease (granted for 30 s) now ends a minute after the renewal
+    for rid in live:
+        assert (await attempt_state(sim_worker.base_url, rid))["lease_ends_ms"] >= 60_000
+    assert await metric(sim_worker.base_url, "phasegate_worker_renew_calls_total") == calls_before + 1
+    assert await metric(sim_worker.base_url, "phasegate_worker_leases_renewed_total") == renewed_before + 3
+    for rid in live:
+        await sim_client.cancel(rid, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "field"),
+    [
+        ({}, "missing_field", "leases"),
+        ({"leases": []}, "invalid_field", "leases"),
+        ({"leases": {"request_id": "r"}}, "invalid_field", "leases"),
+        ({"leases": ["r"]}, "invalid_field", "leases[0]"),
+        (
+            {"leases": [{"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 900}, {"request_id": "r"}]},
+            "missing_field",
+            "leases[1].lease_ttl_ms",
+        ),
+        (
+            {"leases": [{"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 9}]},
+            "invalid_field",
+            "leases[0].lease_ttl_ms",
+        ),
+        ({"leases": [], "extra": 1}, "unknown_field", "extra"),
+    ],
+)
+async def test_a_bad_batch_is_refused_whole_naming_the_entry(
+    sim_worker: WorkerProcess, body: dict[str, Any], code: str, field: str
+):
+    async with http_client() as http:
+        response = await http.post(sim_worker.base_url + "/v1/leases/renew", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == (code, field)
+    assert field.split(".")[0] in error["message"] or code == "unknown_field"
+
+
+async def test_the_client_raises_when_the_whole_batch_is_refused(sim_client: WorkerClient):
+    with pytest.raises(RequestRefused) as refused:
+        await sim_client.renew_many([], 5.0)
+    assert (refused.value.status, refused.value.code) == (400, "invalid_field")
