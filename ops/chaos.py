@@ -15,8 +15,11 @@ the gateway drains and the checker prints one table:
     retried       needed more than one attempt (before any output)
     interrupted   ended with upstream_decode_interrupted after partial output
     other         refused or failed before output (no replica, retries spent)
+    no response   the connection failed before any answer (no request id; the
+                  openai client retries these); each is checked against the log below
     violations    requests breaking a rule of statemachine.invariants   (must be 0)
-    events lost   what a client received that the log does not show     (must be 0)
+    events lost   what a client received that the log does not show, or output the log
+                  delivered to a request no client got an answer for       (must be 0)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,11 +39,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import asyncpg
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
 from app.store.postgres import PostgresEventStore  # noqa: E402
@@ -67,6 +73,7 @@ class Report:
     retried: int = 0
     interrupted: int = 0
     other: int = 0
+    no_response: int = 0
     violations: int = 0
     events_lost: int = 0
     kills: int = 0
@@ -79,6 +86,7 @@ class Report:
             ("retried", self.retried),
             ("interrupted", self.interrupted),
             ("other", self.other),
+            ("no response", self.no_response),
             ("violations", self.violations),
             ("events lost", self.events_lost),
             ("worker kills", self.kills),
@@ -198,7 +206,7 @@ async def one(http: httpx.AsyncClient, body: dict[str, object]) -> Transcript:
 # --- the checker -----------------------------------------------------------------------------
 
 
-async def check(database_url: str, transcripts: list[Transcript]) -> Report:
+async def check(database_url: str, gateway_id: str, transcripts: list[Transcript]) -> Report:
     report = Report()
     store = await PostgresEventStore.connect(database_url)
     try:
@@ -207,8 +215,7 @@ async def check(database_url: str, transcripts: list[Transcript]) -> Report:
             report.violations += len(unfinished)
         for transcript in transcripts:
             if not transcript.request_id:
-                report.problems.append(f"a client got no request id: {transcript.error}")
-                report.events_lost += 1
+                report.no_response += 1  # checked below, against what the log accepted
                 continue
             report.requests += 1
             events = await store.read(transcript.request_id)
@@ -237,9 +244,28 @@ async def check(database_url: str, transcripts: list[Transcript]) -> Report:
                 report.interrupted += 1
             else:
                 report.other += 1
+        # A request the gateway accepted that no client got an answer for (its connection
+        # failed first) must not have delivered anything: that output would be lost.
+        seen = {transcript.request_id for transcript in transcripts}
+        unseen = [rid for rid in await accepted_by(database_url, gateway_id) if rid not in seen]
+        for request_id in unseen:
+            if any(isinstance(e, ev.DeltasDelivered) and e.tokens for e in await store.read(request_id)):
+                report.events_lost += 1
+                report.problems.append(f"{request_id}: output delivered, but no client got an answer")
+        if len(unseen) > report.no_response:
+            report.problems.append(f"{len(unseen)} accepted requests went unanswered, {report.no_response} clients saw")
     finally:
         await store.close()
     return report
+
+
+async def accepted_by(database_url: str, gateway_id: str) -> list[str]:
+    connection = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        rows = await connection.fetch("SELECT request_id FROM requests WHERE gateway = $1", gateway_id)
+        return [row["request_id"] for row in rows]
+    finally:
+        await connection.close()
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -273,7 +299,7 @@ def run_chaos(
         fleet.calm(thread)
         stop(gateway, signal.SIGTERM, grace_s=30.0)  # graceful: it drains its bookkeeping first
         gateway = None
-        report = asyncio.run(check(database_url, transcripts))
+        report = asyncio.run(check(database_url, f"{socket.gethostname()}:{gateway_port}", transcripts))
         report.kills = fleet.kills
         return report
     finally:

@@ -19,7 +19,7 @@ the figures are set side by side:
   receiving), by steps, with the gateway's resident memory and the CPU share (cores)
   of the gateway, the worker behind the held streams, and this process (the clients). Held streams
   go to a second sim worker that decodes slowly (1 token/s by default: an open stream,
-  not a flood of tokens), opened 200 a second; a stream that failed says why (one whose answer simply ended
+  not a flood of tokens), opened 100 a second; a stream that failed says why (one whose answer simply ended
   counts as completed).
 
 "timed" counts the requests whose time to first token was measured (each client's
@@ -281,14 +281,14 @@ def main() -> None:
     parser.add_argument("--streams", default="1,100,1000", help="concurrency levels")
     parser.add_argument("--tokens", type=int, default=50, help="tokens per stream")
     parser.add_argument("--decode-ms", type=float, default=20.0, help="the sim's time per token")
-    parser.add_argument("--capacity", default="500,1000,2000,3000", help="stream counts to hold open ('0': skip)")
+    parser.add_argument("--capacity", default="1000,1500,2000,2500", help="stream counts to hold open ('0': skip)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each level runs on each path")
     parser.add_argument("--hold-s", type=float, default=15.0, help="how long the held streams stay open")
     parser.add_argument("--hold-decode-ms", type=float, default=1000.0, help="the held streams' time per token")
     parser.add_argument(
         "--hold-stall-s", type=float, default=10.0, help="the gateway's stall timeout (tokens come 1 s apart)"
     )
-    parser.add_argument("--ramp-per-s", type=float, default=200.0, help="held streams opened per second")
+    parser.add_argument("--ramp-per-s", type=float, default=100.0, help="held streams opened per second")
     options = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-bench-"))
@@ -340,6 +340,7 @@ def main() -> None:
                 print(row(streams, *(ms(value) for value in added), f"{cpu_per_k * 1e3:.1f} ms"))
             levels = [int(s) for s in options.capacity.split(",") if s and s != "0"]
             if levels:
+                time.sleep(10)  # the gateway closes the last level's streams meanwhile
                 print()
                 print(
                     f"held streams: a second sim worker at {options.hold_decode_ms:g} ms/token, "
