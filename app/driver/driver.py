@@ -368,13 +368,7 @@ class RequestDriver:
             upstream_status=failure.status,
             upstream_code=failure.code,
         )
-        pool = self.ctx.pool
-        if failure.retry_after_s:
-            pool.cool_down(run.replica, failure.retry_after_s)
-        if failure.kind is FailureKind.REQUEST_REFUSED:
-            pool.succeeded(run.replica)  # the replica is fine; the request was not
-        elif failure.kind in (FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN):
-            pool.failed(run.replica, failure.detail)
+        self.ctx.pool.observe(run.replica, failure)
         if failure.kind in DEAD_KINDS:
             self.run = None
             await run.release()

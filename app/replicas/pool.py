@@ -20,10 +20,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from app.config import ReplicaConfig
-from app.replicas.base import ReplicaClient
+from app.replicas.base import ReplicaClient, UpstreamFailure
 from app.replicas.leases import LeaseRenewer
+from statemachine.events import FailureKind
 
 log = logging.getLogger("phasegate.pool")
+
+# Codes with which a worker ends an attempt by the protocol's rules, at the gateway's
+# doing: a lease it did not renew in time, a newer epoch, its own cancel. The replica
+# kept its word, so these do not count toward ejection: when an overloaded gateway
+# renewed late, counting them ejected a healthy replica and refused every request
+# (ops/bench/overhead.py at 2,000 held streams).
+GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled"})
+_REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN})
 
 
 @dataclass(slots=True)
@@ -113,6 +122,17 @@ class ReplicaPool:
             if replica.healthy is not False:
                 replica.healthy = False
                 self.on_health_change(replica)
+
+    def observe(self, replica: Replica, failure: UpstreamFailure) -> None:
+        """Account an attempt's failure to its replica: ``Retry-After`` cools it down,
+        its own failures count toward ejection, a refused request or the gateway's own
+        doing (``GATEWAYS_DOING``) does not."""
+        if failure.retry_after_s:
+            self.cool_down(replica, failure.retry_after_s)
+        if failure.kind is FailureKind.REQUEST_REFUSED:
+            self.succeeded(replica)  # the replica is fine; the request was not
+        elif failure.kind in _REPLICAS_FAULT and failure.code not in GATEWAYS_DOING:
+            self.failed(replica, failure.detail)
 
     def cool_down(self, replica: Replica, seconds: float) -> None:
         """Honour ``Retry-After``: send this replica nothing new for ``seconds``."""

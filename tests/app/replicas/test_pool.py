@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any, cast
 
 from app.config import ReplicaConfig
-from app.replicas.base import ReplicaClient
+from app.replicas.base import ReplicaClient, UpstreamFailure
 from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused
+from statemachine.events import FailureKind
 
 
 class Clock:
@@ -75,3 +77,24 @@ def test_health_changes_are_reported() -> None:
     p.failed(p.replicas["a"], "down")
     assert seen == [("a", True), ("a", False)]
     assert not p.any_available() and not p.any_available("m")
+
+
+def test_what_counts_toward_ejection() -> None:
+    p, clock = pool("a", eject_after_failures=2)
+    (a,) = p.replicas.values()
+    # the worker ended attempts by the protocol, at the gateway's doing: not the replica's fault
+    for code in ("lease_expired", "lease_revoked", "cancelled"):
+        p.observe(a, AttemptEnded("the attempt ended", code=code))
+    p.observe(a, UpstreamFailure(FailureKind.OVERLOADED, "queued for 10s"))
+    assert a.consecutive_failures == 0 and p.available(a)
+    # a refused request says the replica is well
+    p.observe(a, ReplicaExited("the stream ended"))
+    p.observe(a, RequestRefused("prompt too long", status=400, code="prompt_too_long", field=None))
+    assert a.consecutive_failures == 0
+    # its own failures count, and Retry-After cools it down
+    p.observe(a, Rejected("queue full", status=429, code="queue_full", retry_after=3.0))
+    assert a.consecutive_failures == 1 and not p.available(a)
+    clock.now += 3.0
+    assert p.available(a)
+    p.observe(a, UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, "no frame for 2s"))
+    assert a.consecutive_failures == 2 and not p.available(a)  # ejected
