@@ -18,7 +18,6 @@ at any number of streams.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Protocol
 
@@ -42,7 +41,7 @@ class LeaseRenewer:
     def hold(self, attempt: Leased) -> None:
         """Renew ``attempt``'s lease from the next round on, until :meth:`drop`."""
         self._held[attempt.request.request_id, attempt.request.attempt] = attempt
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._rounds(), name=f"lease renewals on {self.client.replica_id}"
             )
@@ -53,8 +52,7 @@ class LeaseRenewer:
         if not self._held and self._task is not None:
             task, self._task = self._task, None
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait((task,))  # the rounds are over; nothing of theirs is raised here
 
     async def _rounds(self) -> None:
         loop = asyncio.get_running_loop()
@@ -76,6 +74,15 @@ class LeaseRenewer:
                 renewed = await self.client.renew_all([attempt.request for attempt in held])
         except (TimeoutError, UpstreamFailure, OSError) as exc:
             log.warning("lease renewals of %d attempts on %s failed: %r", len(held), self.client.replica_id, exc)
+            return
+        except Exception:
+            # A malformed answer loses this round, not the renewals of every attempt held
+            # on the replica: the next round tries again.
+            log.exception("lease renewal round on %s failed", self.client.replica_id)
+            return
+        if len(renewed) != len(held):
+            replica = self.client.replica_id
+            log.error("lease renewal round on %s: %d answers for %d leases", replica, len(renewed), len(held))
             return
         for attempt, ok in zip(held, renewed, strict=True):
             if ok:
