@@ -23,6 +23,8 @@ from app.supervisor import Child, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
 
+KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
+
 DEMO_MODEL = "phasegate-sim"
 DEMO_REVISION = "sim-1"
 
@@ -116,7 +118,17 @@ async def _run(config: GatewayConfig, url: str) -> None:
 
     gateway = await Gateway.open(config, url)
     server = uvicorn.Server(
-        uvicorn.Config(gateway.app, host=config.host, port=config.port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            gateway.app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            lifespan="on",
+            # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
+            # balancers' (often 60 s), so they close idle connections first: at uvicorn's
+            # 5 s default a request sent on a connection being closed got a reset.
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     )
     banner = asyncio.get_running_loop().create_task(_announce(server, config))
     try:

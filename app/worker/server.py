@@ -38,6 +38,8 @@ from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_ren
 
 log = logging.getLogger("phasegate.worker")
 
+KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
+
 
 def refusal_response(refusal: Refusal) -> JSONResponse:
     headers = {} if refusal.retry_after is None else {"retry-after": str(refusal.retry_after)}
@@ -227,7 +229,17 @@ async def _serve(config: WorkerConfig) -> int:
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     server = _Server(
-        uvicorn.Config(app, log_level=config.log_level, access_log=False, timeout_graceful_shutdown=5),
+        uvicorn.Config(
+            app,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            # Longer than any client's idle keep-alive (httpx: 5 s), so the client always
+            # closes an idle connection first. At uvicorn's 5 s default the two raced: a
+            # request sent on a connection the worker was closing got a reset (seen when
+            # the engine starved this process on two cores).
+            timeout_keep_alive=KEEP_ALIVE_S,
+        ),
         worker,
         config.grace_s,
     )

@@ -29,6 +29,7 @@ import uvicorn
 from app.config import GatewayConfig, ReplicaConfig, load_config
 from app.driver.context import ToolRunner
 from app.gateway import Gateway
+from app.serve import KEEP_ALIVE_S
 from statemachine.events import Event
 
 T = TypeVar("T")
@@ -113,7 +114,14 @@ def running_gateway(
                 config, database_url, gateway_id=f"test:{config.port}", tool_runner=tool_runner
             )
             server = uvicorn.Server(
-                uvicorn.Config(gateway.app, host="127.0.0.1", port=config.port, log_level="warning", lifespan="on")
+                uvicorn.Config(
+                    gateway.app,
+                    host="127.0.0.1",
+                    port=config.port,
+                    log_level="warning",
+                    lifespan="on",
+                    timeout_keep_alive=KEEP_ALIVE_S,  # as phasegate serve
+                )
             )
             holder.update(gateway=gateway, server=server)
             serving = asyncio.ensure_future(server.serve())
