@@ -60,19 +60,14 @@ class WorkerReplica:
         return _WorkerStream(stream)
 
     async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
-        # One call per lease length (in practice one: the gateway's configured TTL).
-        renewed: dict[tuple[str, int], bool] = {}
-        for ttl in {request.lease_ttl_s for request in requests}:
-            batch = [(r.request_id, r.attempt, r.lease_epoch) for r in requests if r.lease_ttl_s == ttl]
-            try:
-                answers = await self.client.renew_many(batch, ttl)
-            except WorkerError as error:
-                if error.kind is FailureKind.LIVENESS_UNCERTAIN:
-                    raise  # unanswered: the leases may still run
-                answers = [error] * len(batch)
-            for (request_id, attempt, _), answer in zip(batch, answers, strict=True):
-                renewed[request_id, attempt] = isinstance(answer, LeaseRenewed)
-        return [renewed[request.request_id, request.attempt] for request in requests]
+        leases = [(r.request_id, r.attempt, r.lease_epoch, r.lease_ttl_s) for r in requests]
+        try:
+            answers = await self.client.renew_many(leases)
+        except WorkerError as error:
+            if error.kind is FailureKind.LIVENESS_UNCERTAIN:
+                raise  # unanswered: the leases may still run
+            return [False] * len(requests)
+        return [isinstance(answer, LeaseRenewed) for answer in answers]
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
         ack = await self.client.cancel(request_id, attempt, lease_epoch)

@@ -381,15 +381,14 @@ class WorkerClient:
         raise LeaseLost(message, code=code or "unknown", status=response.status_code)
 
     async def renew_many(
-        self, leases: Sequence[tuple[str, int, int]], lease_ttl_s: float, *, timeout: float | None = None
+        self, leases: Sequence[tuple[str, int, int, float]], *, timeout: float | None = None
     ) -> list[LeaseRenewed | WorkerError]:
-        """Extend many leases (request id, attempt, epoch) in one call: one answer each,
-        in order, a refusal as a :class:`LeaseLost` (or :class:`ReplicaExiting`) value."""
-        ttl_ms = round(lease_ttl_s * 1000)
+        """Extend many leases (request id, attempt, epoch, TTL in seconds) in one call: one
+        answer each, in order, a refusal as a :class:`LeaseLost` (or :class:`ReplicaExiting`) value."""
         body = {
             "leases": [
-                {"request_id": request_id, "attempt": attempt, "lease_epoch": epoch, "lease_ttl_ms": ttl_ms}
-                for request_id, attempt, epoch in leases
+                {"request_id": request_id, "attempt": attempt, "lease_epoch": epoch, "lease_ttl_ms": round(ttl * 1000)}
+                for request_id, attempt, epoch, ttl in leases
             ]
         }
         response = await self._control("/v1/leases/renew", body, timeout)

@@ -34,10 +34,10 @@ async def test_one_call_renews_many_leases_and_answers_each_in_order(
     calls_before = await metric(sim_worker.base_url, "phasegate_worker_renew_calls_total")
     renewed_before = await metric(sim_worker.base_url, "phasegate_worker_leases_renewed_total")
 
-    leases = [(rid, 1, 2) for rid in live]
-    leases.insert(1, (request_id(), 1, 1))  # never started here
-    leases.append((live[0], 1, 1))  # an older epoch than the attempt's
-    answers = await sim_client.renew_many(leases, 60.0)
+    leases = [(rid, 1, 2, 60.0) for rid in live]
+    leases.insert(1, (request_id(), 1, 1, 60.0))  # never started here
+    leases.append((live[0], 1, 1, 60.0))  # an older epoch than the attempt's
+    answers = await sim_client.renew_many(leases)
 
     assert [type(answer) for answer in answers] == [LeaseRenewed, LeaseLost, LeaseRenewed, LeaseRenewed, LeaseLost]
     assert all(a.lease_ttl_ms == 60_000 and a.lease_epoch == 2 for a in answers if isinstance(a, LeaseRenewed))
@@ -94,5 +94,5 @@ async def test_a_bad_batch_is_refused_whole_naming_the_entry(
 
 async def test_the_client_raises_when_the_whole_batch_is_refused(sim_client: WorkerClient):
     with pytest.raises(RequestRefused) as refused:
-        await sim_client.renew_many([], 5.0)
+        await sim_client.renew_many([])
     assert (refused.value.status, refused.value.code) == (400, "invalid_field")
