@@ -25,7 +25,7 @@ from statemachine.state import Outcome, RequestState
 from tests.faults.conftest import Evidence, Fleet, fleet_of
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import running_scripted_upstream
-from tests.support.transcript import Transcript, check_request, released_by, stream_chat
+from tests.support.transcript import Transcript, check_request, of, released_by, stream_chat
 
 N = 8  # token indices 0…N
 INDICES = list(range(N + 1))
@@ -52,10 +52,6 @@ def settle(gateway: RunningGateway, transcript: Transcript, evidence: Evidence) 
     inputs = gateway.call(gateway.gateway.ctx.store.read_input(transcript.request_id))
     evidence.keep(transcript.request_id, events, transcript, inputs and inputs.body)
     return events, check_request(events, transcript)
-
-
-def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
-    return [e for e in events if isinstance(e, cls)]
 
 
 def replicas_of(events: list[ev.Event]) -> list[str]:

@@ -81,6 +81,11 @@ def stream_chat(
     return transcript
 
 
+def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
+    """The events of type ``cls``, in log order."""
+    return [e for e in events if isinstance(e, cls)]
+
+
 def check_request(events: list[ev.Event], transcript: Transcript | None = None) -> RequestState:
     """The invariants every request must keep, whatever failed; returns its final state."""
     assert violations(events) == []

@@ -21,6 +21,7 @@ from statemachine.replay import replay
 from statemachine.state import Outcome, fold
 from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.transcript import of
 from tests.support.workers import WorkerProcess, running_worker
 
 FAST = Timeouts(stall_s=1.5, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
@@ -33,10 +34,6 @@ def stream_text(gateway: RunningGateway, prompt: str, max_tokens: int = 8) -> tu
     )
     parts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     return stream.response.headers["x-request-id"], "".join(parts), len(parts)
-
-
-def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
-    return [e for e in events if isinstance(e, cls)]
 
 
 def assert_replays(events: list[ev.Event]) -> None:

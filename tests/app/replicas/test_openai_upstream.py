@@ -18,6 +18,7 @@ from statemachine.replay import replay
 from statemachine.state import Outcome, fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import ScriptedUpstream, answer, running_scripted_upstream
+from tests.support.transcript import of
 
 TIMEOUTS = Timeouts(
     stall_s=2.0,
@@ -54,10 +55,6 @@ def chat(gateway: RunningGateway, *, stream: bool = True, max_tokens: int = 6) -
         return chunks.response.headers["x-request-id"], text
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens)
     return raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
-
-
-def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
-    return [e for e in events if isinstance(e, cls)]
 
 
 def script_first(upstreams: list[ScriptedUpstream], behaviour: dict[str, object]) -> None:
