@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -125,12 +126,19 @@ async def test_a_lapsed_lease_stops_the_tokens_and_aborts_the_engine(engine: Eng
 RACE_TRIES = 6
 
 
-async def test_stale_epochs_are_refused_and_a_newer_epoch_revokes(engine: EngineUnderTest, client: WorkerClient):
+async def until_the_race_is_run(race: Callable[[], Awaitable[bool]], lost: str) -> None:
+    """Run ``race`` (True when it was run and checked) until it is, or fail after RACE_TRIES."""
     for _ in range(RACE_TRIES):
-        if await _stale_epochs_and_revoke(engine, client):
+        if await race():
             return
         await asyncio.sleep(1.0)  # let a stall pass
-    pytest.fail(f"the first attempt finished before it could be revoked, {RACE_TRIES} times")
+    pytest.fail(f"{lost}, {RACE_TRIES} times")
+
+
+async def test_stale_epochs_are_refused_and_a_newer_epoch_revokes(engine: EngineUnderTest, client: WorkerClient):
+    await until_the_race_is_run(
+        lambda: _stale_epochs_and_revoke(engine, client), "the first attempt finished before it could be revoked"
+    )
 
 
 async def _stale_epochs_and_revoke(engine: EngineUnderTest, client: WorkerClient) -> bool:
@@ -179,11 +187,9 @@ async def test_unknown_and_duplicate_attempts(engine: EngineUnderTest, client: W
 
 
 async def test_cancel_is_acknowledged_once_the_engine_has_aborted(engine: EngineUnderTest, client: WorkerClient):
-    for _ in range(RACE_TRIES):
-        if await _cancel_mid_generation(engine, client):
-            return
-        await asyncio.sleep(1.0)  # let a stall pass
-    pytest.fail(f"the generation finished before the cancel arrived, {RACE_TRIES} times")
+    await until_the_race_is_run(
+        lambda: _cancel_mid_generation(engine, client), "the generation finished before the cancel arrived"
+    )
 
 
 async def _cancel_mid_generation(engine: EngineUnderTest, client: WorkerClient) -> bool:
