@@ -110,6 +110,9 @@ class Request:
                 text_sha256=None,
             )
 
+    def complete(self) -> None:
+        self.add(ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 180, "completion_tokens": 256})
+
     def fail(self, kind: FailureKind) -> list[Any]:
         self.add(ev.UpstreamFailed, **self.scope(), kind=kind, detail=kind.value)
         return self.decide()
@@ -119,7 +122,7 @@ def completed(request_id: str, at: datetime, batches: int) -> list[Event]:
     request = Request(request_id, at)
     request.start("w1")
     request.answer(batches)
-    request.add(ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 180, "completion_tokens": 256})
+    request.complete()
     return request.events
 
 
@@ -129,7 +132,7 @@ def retried(request_id: str, at: datetime, batches: int) -> list[Event]:
     request.fail(FailureKind.REPLICA_EXITED)
     request.start("w2")
     request.answer(batches)
-    request.add(ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 180, "completion_tokens": 256})
+    request.complete()
     return request.events
 
 
@@ -145,7 +148,7 @@ def fenced(request_id: str, at: datetime, batches: int) -> list[Event]:
     request.decide()
     request.start("w3")
     request.answer(batches)
-    request.add(ev.RequestCompleted, finish_reason="stop", usage={"prompt_tokens": 180, "completion_tokens": 256})
+    request.complete()
     return request.events
 
 
