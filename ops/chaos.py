@@ -50,20 +50,12 @@ from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
 from app.store.postgres import PostgresEventStore  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: E402
+from ops.transcript import Transcript  # noqa: E402
 from statemachine import events as ev  # noqa: E402
 from statemachine.invariants import violations  # noqa: E402
 from statemachine.state import Outcome, fold  # noqa: E402
 
 MODEL = "sim"
-
-
-@dataclass
-class Transcript:
-    request_id: str
-    status: int
-    contents: list[str] = field(default_factory=list)
-    error: dict[str, object] | None = None
-    done: bool = False
 
 
 @dataclass
@@ -189,15 +181,7 @@ async def one(http: httpx.AsyncClient, body: dict[str, object]) -> Transcript:
                 transcript.error = json.loads(await response.aread()).get("error")
                 return transcript
             async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    transcript.done = True
-                elif line.startswith("data: "):
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        transcript.error = payload["error"]
-                    for choice in payload.get("choices", []):
-                        if choice.get("delta", {}).get("content"):
-                            transcript.contents.append(choice["delta"]["content"])
+                transcript.read(line)
             return transcript
     except httpx.HTTPError as exc:  # the gateway itself never goes away here: record it
         return Transcript("", 0, error={"code": "client_error", "message": repr(exc)})

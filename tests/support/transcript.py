@@ -1,8 +1,8 @@
 """What a client received, exactly: a raw SSE reader and the per-request checks.
 
-A :class:`Transcript` keeps every SSE event of one streamed request (its ``id:``
-and JSON payload), the content deltas in order, the final error event if any and
-whether ``[DONE]`` arrived. :func:`check_request` then compares it with the
+A :class:`Transcript` (``ops/transcript.py``) keeps every SSE event of one streamed
+request, the content deltas in order, the final error event if any and whether
+``[DONE]`` arrived. :func:`check_request` then compares it with the
 request's events in the log, the way DESIGN.md §10 asks: what the client got
 against what the log says was delivered, and the log's own invariants
 (``statemachine.invariants``: no gap, no splice, one terminal event, attempts that
@@ -13,31 +13,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from ops.transcript import Transcript
 from statemachine import events as ev
 from statemachine.events import ReleaseReason
 from statemachine.invariants import violations
 from statemachine.state import RequestState, fold
-
-
-@dataclass
-class Transcript:
-    request_id: str
-    status: int
-    event_ids: list[int] = field(default_factory=list)
-    contents: list[str] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    error: dict[str, Any] | None = None
-    done: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.contents)
 
 
 def stream_chat(
@@ -59,25 +43,9 @@ def stream_chat(
             transcript.error = json.loads(response.read())["error"]
             return transcript
         for line in response.iter_lines():
-            if line.startswith("id: "):
-                transcript.event_ids.append(int(line[4:]))
-            elif line == "data: [DONE]":
-                transcript.done = True
-            elif line.startswith("data: "):
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    transcript.error = payload["error"]
-                    continue
-                before = len(transcript.contents)
-                for choice in payload.get("choices", []):
-                    delta = choice.get("delta", {})
-                    if delta.get("content"):
-                        transcript.contents.append(delta["content"])
-                    transcript.tool_calls.extend(delta.get("tool_calls") or [])
-                    transcript.finish_reason = choice.get("finish_reason") or transcript.finish_reason
-                grew = len(transcript.contents) > before
-                if grew and on_delta is not None and on_delta(len(transcript.contents)) is True:
-                    break  # leaving the block closes the connection: the client is gone
+            grew = transcript.read(line)
+            if grew and on_delta is not None and on_delta(len(transcript.contents)) is True:
+                break  # leaving the block closes the connection: the client is gone
     return transcript
 
 

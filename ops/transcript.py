@@ -1,0 +1,50 @@
+"""What a streaming client received, exactly: the SSE lines of one chat completion.
+
+Shared by the chaos run (``ops/chaos.py``) and the fault tests (``tests/support/``),
+which read the stream with different HTTP clients but judge the same record: every
+event's ``id:``, the content deltas in order, tool-call deltas, the final error event
+if any, and whether ``[DONE]`` arrived.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Transcript:
+    request_id: str
+    status: int
+    event_ids: list[int] = field(default_factory=list)
+    contents: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    done: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.contents)
+
+    def read(self, line: str) -> bool:
+        """Take one SSE line; ``True`` when it added a content delta."""
+        if line.startswith("id: "):
+            self.event_ids.append(int(line[4:]))
+        elif line == "data: [DONE]":
+            self.done = True
+        elif line.startswith("data: "):
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                self.error = payload["error"]
+                return False
+            before = len(self.contents)
+            for choice in payload.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content"):
+                    self.contents.append(delta["content"])
+                self.tool_calls.extend(delta.get("tool_calls") or [])
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            return len(self.contents) > before
+        return False
