@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -35,6 +36,19 @@ log = logging.getLogger("phasegate.driver")
 STORE_OUTAGE_GRACE_S = 10.0
 
 
+@dataclass(slots=True)
+class _OpenBatch:
+    """Deltas written to the client and not yet recorded (one ``DeltasDelivered``)."""
+
+    attempt: int
+    lease_epoch: int
+    from_index: int
+    opened_at: float  # monotonic: the batch's age closes it
+    first_at: datetime  # wall clock: the event's time
+    tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+
+
 class Recorder:
     def __init__(self, ctx: GatewayContext, request_id: str) -> None:
         self.ctx = ctx
@@ -42,8 +56,7 @@ class Recorder:
         self.appended_version = 0
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
-        # the open delivery batch: (attempt, lease_epoch, from_index, tokens, texts, opened_at, first_at)
-        self._batch: list[Any] | None = None
+        self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
 
     @property
     def request_id(self) -> str:
@@ -74,18 +87,18 @@ class Recorder:
     def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str) -> None:
         """One delta written to the client; recorded in batches."""
         batch = self._batch
-        if batch is not None and batch[0] != attempt:
+        if batch is not None and batch.attempt != attempt:
             self._close_batch()
             batch = None
         if batch is None:
-            opened = [attempt, lease_epoch, self.state.delivered_deltas, 0, [], self.ctx.clock(), self.ctx.wall_clock()]
-            self._batch = opened
-            batch = self._batch
-        batch[3] += tokens
-        batch[4].append(text)
+            batch = self._batch = _OpenBatch(
+                attempt, lease_epoch, self.state.delivered_deltas, self.ctx.clock(), self.ctx.wall_clock()
+            )
+        batch.tokens += tokens
+        batch.texts.append(text)
         config = self.ctx.config
-        if len(batch[4]) >= config.delivery_batch_tokens or (
-            self.ctx.clock() - batch[5] >= config.delivery_batch_ms / 1000
+        if len(batch.texts) >= config.delivery_batch_tokens or (
+            self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
             self._close_batch()
 
@@ -93,23 +106,22 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        attempt, lease_epoch, from_index, tokens, texts, _, first_at = batch
-        text = "".join(texts)
+        text = "".join(batch.texts)
         policy = self.ctx.config.content_policy
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
         self._queue(
             DeltasDelivered,
             {
-                "attempt": attempt,
-                "lease_epoch": lease_epoch,
-                "from_index": from_index,
-                "to_index": from_index + len(texts),
-                "tokens": tokens,
+                "attempt": batch.attempt,
+                "lease_epoch": batch.lease_epoch,
+                "from_index": batch.from_index,
+                "to_index": batch.from_index + len(batch.texts),
+                "tokens": batch.tokens,
                 "text": text if policy == "full" else None,
                 "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
             },
-            occurred_at=first_at,
+            occurred_at=batch.first_at,
         )
 
     @property
