@@ -56,7 +56,7 @@ class PostgresEventStore(EventStore):
         url: str,
         *,
         flush_delay: float = 0.005,
-        max_batch_events: int = 2000,
+        max_batch_events: int = 500,
         max_queued_events: int = 20_000,
         poll_interval: float = 0.05,
         pool_size: int = 5,

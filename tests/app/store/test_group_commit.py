@@ -184,3 +184,38 @@ async def test_a_row_postgresql_cannot_take_fails_its_own_append_only(open_store
         await store.append("req_huge", 2**31 - 1, [huge])
     await store.append("req_fine", 4, fine.events[4:])
     assert await store.read("req_fine") == fine.events
+
+
+async def test_a_cancelled_durable_append_is_still_written_in_order(
+    open_store: StoreFactory, database_url: str
+) -> None:
+    store = await open_store(flush_delay=0.05)
+    trace = traces.completed("req_cancelled")
+    blocker = await asyncpg.connect(asyncpg_dsn(database_url))
+    transaction = blocker.transaction()
+    await transaction.start()
+    await store.append("req_cancelled", 0, trace.events[:3])
+    await blocker.execute("SELECT * FROM requests WHERE request_id = 'req_cancelled' FOR UPDATE")  # stalls the write
+    waiting = asyncio.create_task(store.append("req_cancelled", 3, [trace.events[3]]))
+    await asyncio.sleep(0.2)
+    waiting.cancel()  # the client went away while its durable append was being written
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await store.append("req_cancelled", 4, trace.events[4:], durable=False)  # continues after it
+    await transaction.rollback()
+    await blocker.close()
+    await store.flush()
+    assert await store.read("req_cancelled") == trace.events
+
+
+async def test_a_batch_holds_at_most_max_batch_events(open_store: StoreFactory) -> None:
+    store = await open_store(flush_delay=0.05, max_batch_events=100)
+    scenario = [traces.completed(f"req_{number}", texts=tuple("abcdefghij")) for number in range(30)]
+    before = store.writer.batches
+    for trace in scenario:  # one append per request, queued without yielding
+        await store.append(trace.request_id, 0, trace.events, durable=False)
+    await store.flush()
+    events = sum(len(trace.events) for trace in scenario)
+    assert store.writer.batches - before >= events // 100
+    for trace in scenario[::7]:
+        assert await store.read(trace.request_id) == trace.events
