@@ -383,4 +383,3 @@ def _rejection(entry: PendingAppend, exc: Exception) -> StoreError:
     if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
         return StreamConflict(entry.request_id, entry.expected_version, str(exc))
     return StoreError(f"PostgreSQL rejected the append of request {entry.request_id}: {exc}")
-
