@@ -158,7 +158,7 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
         "n": _integer(body, "n", 1, 1, MAX_N),
         "stop": _stop(body),
-        "seed": _optional(body, "seed", int, None),
+        "seed": _seed(body),
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "user": _optional(body, "user", str, None),
@@ -221,6 +221,13 @@ def _integer(body: dict[str, Any], name: str, default: int, low: int, high: int)
     if not low <= value <= high:
         raise InvalidRequest(f"'{name}' must be between {low} and {high}", param=name)
     return int(value)
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _optional(body, "seed", int, None)
+    if seed is not None and not -(2**63) <= seed < 2**63:  # what the log (bigint) and the engines hold
+        raise InvalidRequest("'seed' must be a 64-bit signed integer", param="seed")
+    return seed  # type: ignore[no-any-return]
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> int:

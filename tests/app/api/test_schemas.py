@@ -106,6 +106,8 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_request", "at most 4"),
         (CHAT, chat(stop=[""]), "stop", "invalid_request", "non-empty string"),
         (CHAT, chat(seed="1"), "seed", "invalid_request", "must be an integer"),
+        (CHAT, chat(seed=2**63), "seed", "invalid_request", "64-bit signed integer"),
+        (CHAT, chat(seed=-(2**63) - 1), "seed", "invalid_request", "64-bit signed integer"),
         (CHAT, chat(presence_penalty=-3), "presence_penalty", "invalid_request", "in"),
         (CHAT, chat(tools=[{"type": "function"}]), "tools[0]", "invalid_request", "must be"),
         (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),

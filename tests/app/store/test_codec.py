@@ -8,10 +8,12 @@ from datetime import timedelta, timezone
 import pytest
 
 from app.store.codec import event_id, from_row, to_row
+from app.store.errors import InvalidAppend
 from statemachine.events import (
     EVENT_TYPES,
     AttemptFenced,
     Deadline,
+    DeltasDelivered,
     Event,
     FailureKind,
     NoReplicaAvailable,
@@ -93,3 +95,9 @@ def test_event_ids_grow_with_time() -> None:
     early = AttemptFenced("req_z", 5, T0, 1, 1, "x")
     late = AttemptFenced("req_a", 5, T0 + timedelta(milliseconds=1), 1, 1, "x")
     assert str(event_id(early)) < str(event_id(late))  # the unique index grows at its right edge
+
+
+def test_an_event_json_cannot_hold_is_refused_as_an_invalid_append() -> None:
+    beyond_64_bits = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 2**64, "x", None)
+    with pytest.raises(InvalidAppend, match="DeltasDelivered cannot be recorded"):
+        to_row(beyond_64_bits)
