@@ -158,12 +158,15 @@ CREATE TABLE request_inputs (
 );
 """
 
-PROJECTION = """
+MILLISECONDS = """
 CREATE FUNCTION milliseconds(elapsed interval) RETURNS double precision
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 RETURN extract(epoch FROM elapsed)::double precision * 1000;
+"""
 
-CREATE FUNCTION project_request_events() RETURNS trigger LANGUAGE plpgsql AS $fn$
+# the projection as of this revision (0002 replaces it; its downgrade puts this back)
+PROJECT_EVENTS = """
+CREATE OR REPLACE FUNCTION project_request_events() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
     has_accepted boolean;
     has_started boolean;
@@ -353,7 +356,9 @@ BEGIN
     RETURN NULL;
 END
 $fn$;
+"""
 
+TRIGGER = """
 CREATE TRIGGER request_events_project AFTER INSERT ON request_events
 REFERENCING NEW TABLE AS new_events
 FOR EACH STATEMENT EXECUTE FUNCTION project_request_events();
@@ -375,7 +380,7 @@ def _statements(script: str) -> list[str]:
 
 
 def upgrade() -> None:
-    for statement in _statements(TABLES) + _statements(PROJECTION):
+    for statement in _statements(TABLES) + _statements(MILLISECONDS + PROJECT_EVENTS + TRIGGER):
         op.execute(statement)
 
 
