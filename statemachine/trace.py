@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statemachine.errors import IllegalTransition, MalformedEvent, TraceError
-from statemachine.events import Decided, DeltasDelivered, Event, RequestCompleted, ToolCallEmitted, from_json, to_json
+from statemachine.events import Decided, DeltasDelivered, Event, RequestCompleted, ToolCallEmitted
+from statemachine.jsonform import from_json, to_json
 from statemachine.policy import ACTION_TYPES, action_params_order
 from statemachine.state import RequestState, apply
 

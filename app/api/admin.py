@@ -31,7 +31,7 @@ from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
 from app.ui.page import render_page
-from statemachine.events import to_json
+from statemachine.jsonform import to_json
 
 log = logging.getLogger("phasegate.admin")
 

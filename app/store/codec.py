@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import orjson
 
 from app.store.errors import InvalidAppend
-from statemachine.events import EVENT_TYPES, Event, from_json, is_attempt_scoped
+from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
+from statemachine.jsonform import from_json
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)

@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine.errors import MalformedEvent, UnknownEventType
-from statemachine.events import EVENT_TYPES, Event, from_json, is_attempt_scoped, to_json
+from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
+from statemachine.jsonform import from_json, to_json
 from tests.statemachine.model import T0
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from statemachine import events as ev
 from statemachine.errors import IllegalTransition, TraceError
-from statemachine.events import to_json
+from statemachine.jsonform import to_json
 from statemachine.policy import PolicyConfig
 from statemachine.replay import ReplayDivergence, replay
 from statemachine.state import Outcome

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.incident.trace_io import import_trace
-from statemachine.events import to_json
+from statemachine.jsonform import to_json
 from statemachine.trace import parse_trace
 from tests.conftest import run_sync
 from tests.support.gateway import RunningGateway, running_gateway

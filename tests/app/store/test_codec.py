@@ -19,8 +19,8 @@ from statemachine.events import (
     NoReplicaAvailable,
     RetryBudgetDenied,
     UpstreamFailed,
-    to_json,
 )
+from statemachine.jsonform import to_json
 from tests.app.store import traces
 
 T0 = traces.T0

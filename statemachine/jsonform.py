@@ -1,0 +1,236 @@
+"""Events in JSON, the form the log stores (columns for the envelope, jsonb for the
+body) and traces carry one per line::
+
+    {"type": "AttemptStarted", "v": 1, "request_id": "req_…", "seq": 2,
+     "occurred_at": "2026-11-30T17:00:00.000001+00:00",
+     "attempt": 1, "lease_epoch": 1,
+     "body": {"replica_id": "w1", "lease_expires_at": "2026-11-30T17:00:05+00:00"}}
+
+``to_json`` and ``from_json`` round-trip losslessly; ``from_json`` rejects an unknown
+type, a missing or extra field and a value of the wrong type with a
+:class:`MalformedEvent` that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from datetime import datetime
+from typing import Any
+
+from statemachine.errors import MalformedEvent, UnknownEventType
+from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
+
+_ENVELOPE = ("request_id", "seq", "occurred_at")
+_ATTEMPT_SCOPE = ("attempt", "lease_epoch")
+
+
+def to_json(event: Event) -> dict[str, Any]:
+    """The event as plain JSON values (the log's row and the trace's line)."""
+    cls = type(event)
+    out: dict[str, Any] = {
+        "type": cls.__name__,
+        "v": cls.SCHEMA_VERSION,
+        "request_id": event.request_id,
+        "seq": event.seq,
+        "occurred_at": event.occurred_at.isoformat(),
+    }
+    if is_attempt_scoped(cls):
+        out["attempt"] = event.attempt  # type: ignore[union-attr]
+        out["lease_epoch"] = event.lease_epoch  # type: ignore[union-attr]
+    out["body"] = {name: _dump(getattr(event, name)) for name in _BODY_FIELDS[cls]}
+    return out
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value  # str, int, bool and None are JSON as they are
+
+
+def from_json(data: Any) -> Event:
+    """Rebuild an event from its JSON form, rejecting anything malformed."""
+    if not isinstance(data, dict):
+        raise MalformedEvent(f"an event must be a JSON object, not {type(data).__name__}")
+    type_name = data.get("type")
+    cls = EVENT_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None or not isinstance(type_name, str):
+        raise UnknownEventType(f"unknown event type {type_name!r}")
+    version = data.get("v")
+    if version != cls.SCHEMA_VERSION:
+        raise MalformedEvent(f"{type_name}: unsupported schema version {version!r}")
+    spec = _SPECS[cls]
+    if data.keys() != spec.keys:
+        raise MalformedEvent(_key_mismatch(type_name, "envelope", set(data), set(spec.keys)))
+    body = data["body"]
+    if not isinstance(body, dict):
+        raise MalformedEvent(f"{type_name}: body must be a JSON object")
+    if not spec.required_body <= body.keys() <= spec.body_fields:
+        raise MalformedEvent(_key_mismatch(type_name, "body", set(body), set(spec.body_fields)))
+    # The hot path of replaying a trace: a value of a plain JSON type (str, int, bool,
+    # None where allowed) is taken as it is; anything else goes through its parser,
+    # which converts it (timestamps, enums, lists) or raises the message.
+    # The event is built slot by slot (each slot's own descriptor), as __init__ would
+    # set it without the frozen __setattr__'s detour: events have no __post_init__.
+    event = _new(cls)
+    fields = spec.fields
+    name = ""
+    try:
+        for name in spec.envelope:
+            value = data[name]
+            plain, parser, put = fields[name]
+            put(event, value if type(value) in plain else parser(value))
+        for name, value in body.items():
+            plain, parser, put = fields[name]
+            put(event, value if type(value) in plain else parser(value))
+    except (TypeError, ValueError) as exc:
+        raise MalformedEvent(f"{type_name}.{name}: {exc}") from None
+    for name, default in spec.defaults:
+        if name not in body:
+            fields[name][2](event, default)
+    return event
+
+
+def _key_mismatch(type_name: str, where: str, got: set[str], expected: set[str]) -> str:
+    missing = sorted(expected - got)
+    extra = sorted(got - expected)
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing)}")
+    if extra:
+        parts.append(f"unexpected {', '.join(extra)}")
+    return f"{type_name}: {where} has {'; '.join(parts)}"
+
+
+# --- per-type parsers, built once at import ---------------------------------------------
+
+
+def _exact(expected: type) -> typing.Callable[[Any], Any]:
+    """A plain field's parser. ``from_json`` takes a value of exactly the field's type as
+    it is, so this sees only the others and refuses them (bool is an int in Python, but a
+    JSON true is never a valid count or index)."""
+
+    def parse(value: Any) -> Any:
+        raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
+
+    return parse
+
+
+def _parse_datetime(value: Any) -> datetime:
+    if not isinstance(value, str):
+        raise TypeError(f"expected an ISO 8601 string, got {type(value).__name__}")
+    parsed = datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        raise ValueError("timestamp has no UTC offset")
+    return parsed
+
+
+def _parse_enum(enum_cls: type[enum.StrEnum]) -> typing.Callable[[Any], Any]:
+    members = {member.value: member for member in enum_cls}
+
+    def parse(value: Any) -> Any:
+        member = members.get(value) if isinstance(value, str) else None
+        if member is None:
+            if not isinstance(value, str):
+                raise TypeError(f"expected a string, got {type(value).__name__}")
+            raise ValueError(f"{value!r} is not one of {', '.join(members)}")
+        return member
+
+    return parse
+
+
+def _parse_str_tuple(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise TypeError("expected a list of strings")
+    return tuple(value)
+
+
+def _parse_int_map(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict) or not all(type(item) is int for item in value.values()):
+        raise TypeError("expected an object of integers")
+    return dict(value)
+
+
+def _parse_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    return dict(value)
+
+
+def _optional(parser: typing.Callable[[Any], Any]) -> typing.Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        return None if value is None else parser(value)
+
+    return parse
+
+
+def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        return _optional(_parser_for(inner))
+    if annotation is datetime:
+        return _parse_datetime
+    if isinstance(annotation, type) and issubclass(annotation, enum.StrEnum):
+        return _parse_enum(annotation)
+    if annotation in (str, int, bool):
+        return _exact(annotation)
+    if annotation == tuple[str, ...]:
+        return _parse_str_tuple
+    if annotation == dict[str, int]:
+        return _parse_int_map
+    if annotation == dict[str, Any]:
+        return _parse_object
+    raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard
+
+
+def _plain_types(annotation: Any) -> frozenset[type]:
+    """The JSON value types a field takes as they are (for ``from_json``'s fast path)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = typing.get_args(annotation) if union else (annotation,)
+    return frozenset(arg for arg in args if arg in (str, int, bool, type(None)))
+
+
+class _Spec(typing.NamedTuple):
+    keys: frozenset[str]  # the envelope's keys
+    envelope: tuple[str, ...]  # the envelope's fields
+    body_fields: frozenset[str]
+    required_body: frozenset[str]
+    # name -> (plain types, parser, the slot's setter)
+    fields: dict[str, tuple[frozenset[type], typing.Callable[[Any], Any], typing.Callable[[Any, Any], None]]]
+    defaults: tuple[tuple[str, Any], ...]  # optional body fields and their defaults
+
+
+_new = object.__new__
+_BODY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+_SPECS: dict[type[Event], _Spec] = {}
+for _cls in EVENT_TYPES.values():
+    _hints = typing.get_type_hints(_cls)
+    _fields = dataclasses.fields(_cls)
+    _envelope = _ENVELOPE + _ATTEMPT_SCOPE if is_attempt_scoped(_cls) else _ENVELOPE
+    _BODY_FIELDS[_cls] = tuple(field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE)
+    _SPECS[_cls] = _Spec(
+        keys=frozenset({"type", "v", "body", *_envelope}),
+        envelope=_envelope,
+        body_fields=frozenset(_BODY_FIELDS[_cls]),
+        required_body=frozenset(
+            field.name for field in _fields if field.name in _BODY_FIELDS[_cls] and field.default is dataclasses.MISSING
+        ),
+        fields={
+            field.name: (
+                _plain_types(_hints[field.name]),
+                _parser_for(_hints[field.name]),
+                getattr(_cls, field.name).__set__,
+            )
+            for field in _fields
+        },
+        defaults=tuple((field.name, field.default) for field in _fields if field.default is not dataclasses.MISSING),
+    )
