@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -184,7 +185,8 @@ class _OpenAIStream:
                     break
                 chunk = _parse_chunk(data)
                 if isinstance(chunk.get("usage"), dict):
-                    usage = {k: v for k, v in chunk["usage"].items() if type(v) is int}
+                    # counts the log can hold (bigint); anything else is left out
+                    usage = {k: v for k, v in chunk["usage"].items() if type(v) is int and 0 <= v < 2**63}
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     delta = choice.get("delta") or {}
@@ -215,6 +217,11 @@ class _OpenAIStream:
         await self._response.aclose()
 
 
+# A JSON escape of a UTF-16 surrogate: valid in pairs, but alone it decodes to a
+# string that is not Unicode text, which can neither be sent on as UTF-8 nor recorded.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _parse_chunk(data: str) -> dict[str, Any]:
     try:
         chunk = json.loads(data)
@@ -222,8 +229,18 @@ def _parse_chunk(data: str) -> dict[str, Any]:
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}") from None
     if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
+    if "\\u" in data and _SURROGATE_ESCAPE.search(data) and not _is_text(chunk):
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk (a lone surrogate): {data[:80]!r}")
     if "error" in chunk:
         error = chunk["error"]
         message = error.get("message") if isinstance(error, dict) else str(error)
         raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
     return chunk
+
+
+def _is_text(chunk: dict[str, Any]) -> bool:
+    try:
+        json.dumps(chunk, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True

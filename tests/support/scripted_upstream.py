@@ -10,7 +10,8 @@ the generation requests it received. Run: ``python -m tests.support.scripted_ups
 --port P``.
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
-"context_length_exceeded", "message": "…"}``, ``{"malformed_at": k}``,
+"context_length_exceeded", "message": "…"}``, ``{"malformed_at": k}`` (with ``"malformed":
+"lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool_call_then_die": true}``. A request with tools gets a
@@ -138,7 +139,11 @@ class Upstream:
             if behaviour.get("die_at") == index and behaviour.get("point", "before_frame") == "before_frame":
                 os._exit(1)  # the token was "computed", its chunk never sent
             if behaviour.get("malformed_at") == index:
-                yield b"data: {this is not json\n\n"
+                if behaviour.get("malformed") == "lone_surrogate":  # JSON, but not Unicode text
+                    choice = {"index": 0, "delta": {"content": "\ud800"}} if chat else {"index": 0, "text": "\ud800"}
+                    yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
+                else:
+                    yield b"data: {this is not json\n\n"
             if behaviour.get("cut_at") == index:
                 raise ConnectionResetError("scripted cut")  # uvicorn drops the connection mid-body
             await asyncio.sleep(self.token_delay_s)

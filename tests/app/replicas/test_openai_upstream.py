@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from app.config import ReplicaConfig, Timeouts
+from app.replicas.openai_upstream import _parse_chunk
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
 from statemachine.replay import replay
@@ -110,8 +111,12 @@ def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: 
 
 @pytest.mark.parametrize(
     ("behaviour", "kind"),
-    [({"malformed_at": 0}, FailureKind.LIVENESS_UNCERTAIN), ({"hang": True}, FailureKind.LIVENESS_UNCERTAIN)],
-    ids=["malformed chunk", "never answers"],
+    [
+        ({"malformed_at": 0}, FailureKind.LIVENESS_UNCERTAIN),
+        ({"malformed_at": 0, "malformed": "lone_surrogate"}, FailureKind.LIVENESS_UNCERTAIN),
+        ({"hang": True}, FailureKind.LIVENESS_UNCERTAIN),
+    ],
+    ids=["malformed chunk", "text that is not unicode", "never answers"],
 )
 def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
     gateway: RunningGateway, upstreams: list[ScriptedUpstream], behaviour: dict[str, object], kind: FailureKind
@@ -160,3 +165,28 @@ def test_a_connection_cut_after_output_ends_the_stream(
         chat(gateway)
     assert caught.value.code == "upstream_decode_interrupted"
     assert isinstance(caught.value.body, dict) and caught.value.body["delivered_output_tokens"] == 3
+
+
+def test_text_that_is_not_unicode_after_output_ends_the_stream_with_a_structured_error(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"malformed_at": 3, "malformed": "lone_surrogate"})
+    client = gateway.openai()
+    messages = [{"role": "user", "content": PROMPT}]
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=6)
+    received = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in chunks:
+            received.extend(c.delta.content or "" for c in chunk.choices)
+    assert "".join(received) == "".join(answer(PROMPT, 6)[:3])  # what came before it, nothing spliced
+    assert caught.value.code == "upstream_decode_interrupted"
+    events = gateway.events(chunks.response.headers["x-request-id"])
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.LIVENESS_UNCERTAIN and "lone surrogate" in failed.detail  # type: ignore[attr-defined]
+    assert fold(events).outcome is Outcome.FAILED
+    assert replay(events).ok
+
+
+def test_escaped_surrogate_pairs_are_text() -> None:
+    chunk = _parse_chunk('{"choices": [{"index": 0, "delta": {"content": "\\ud83d\\ude00 ok"}}]}')
+    assert chunk["choices"][0]["delta"]["content"] == "\N{GRINNING FACE} ok"  # an emoji as ASCII-only JSON writes it
