@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -177,7 +178,9 @@ async def _json_body(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
     try:
-        return json.loads(body)
+        # orjson refuses what the standard library lets through and nothing downstream
+        # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity
+        return orjson.loads(body)
     except ValueError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 

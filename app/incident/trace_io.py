@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
+from app.store.errors import InvalidAppend
 from app.store.insert import INSERT_EVENTS, columns
 from app.store.queries import known_requests, stream_in_log_order
 from statemachine.errors import TraceError
@@ -89,7 +90,13 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
     except TraceError as exc:
         raise TraceRefused(f"{name}: {exc}") from None
     events = sorted(trace.events, key=lambda event: trace.line_of(event.request_id, event.seq))
-    rows = [to_row(event) for event in events]
+    rows = []
+    for event in events:
+        try:
+            rows.append(to_row(event))
+        except InvalidAppend as exc:  # replayable, but not something the log can hold
+            line = trace.line_of(event.request_id, event.seq)
+            raise TraceRefused(f"{name}: line {line}: {exc}; nothing was imported") from None
     connection = await asyncpg.connect(asyncpg_dsn(url))
     try:
         if await connection.fetchval("SELECT to_regclass('request_events')") is None:

@@ -21,12 +21,11 @@ Upstream behaviour mapped to the failure kinds of DESIGN.md §4:
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
+import orjson
 
 from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
 from statemachine.events import FailureKind
@@ -217,30 +216,17 @@ class _OpenAIStream:
         await self._response.aclose()
 
 
-# A JSON escape of a UTF-16 surrogate: valid in pairs, but alone it decodes to a
-# string that is not Unicode text, which can neither be sent on as UTF-8 nor recorded.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
 def _parse_chunk(data: str) -> dict[str, Any]:
     try:
-        chunk = json.loads(data)
-    except ValueError:
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}") from None
+        # orjson, not json: it refuses what is not Unicode text (a lone UTF-16 surrogate
+        # escape), which could neither be sent on as UTF-8 nor recorded, and NaN
+        chunk = orjson.loads(data)
+    except ValueError as exc:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk ({exc}): {data[:80]!r}") from None
     if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
-    if "\\u" in data and _SURROGATE_ESCAPE.search(data) and not _is_text(chunk):
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk (a lone surrogate): {data[:80]!r}")
     if "error" in chunk:
         error = chunk["error"]
         message = error.get("message") if isinstance(error, dict) else str(error)
         raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
     return chunk
-
-
-def _is_text(chunk: dict[str, Any]) -> bool:
-    try:
-        json.dumps(chunk, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -143,6 +143,14 @@ def attempts_on(workers: list[WorkerProcess]) -> int:
 BAD_INPUTS: list[tuple[str, Any, dict[str, str], int, str, str | None]] = [
     ("malformed json", b"{not json", {}, 400, "invalid_json", None),
     ("not an object", [1, 2], {}, 400, "invalid_request", None),
+    (
+        "not unicode",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL.encode(),
+        {},
+        400,
+        "invalid_json",
+        None,
+    ),
     ("wrong type", {"model": MODEL, "messages": "hi"}, {}, 400, "invalid_request", "messages"),
     ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, {}, 404, "model_not_found", "model"),
     (

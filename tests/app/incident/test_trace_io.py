@@ -197,3 +197,16 @@ def test_the_mangled_traces_are_what_their_names_say() -> None:
         "FirstDeltaCommitted",
     ]
     assert json.loads(mixed_request_ids(lines)[3])["request_id"] == "req_stranger"
+
+
+def test_text_the_log_cannot_hold_is_refused_naming_the_line(
+    phasegate: Runner, database_url: str, tmp_path: Path
+) -> None:
+    lines = golden_lines("clean_completion")
+    lines[6] = lines[6].replace('"text": "Hi Hi Hi "', '"text": "Hi \\ud800"')  # a lone surrogate
+    bad = tmp_path / "surrogate.jsonl"
+    bad.write_text("".join(lines))
+    ran = phasegate("trace", "import", str(bad))
+    assert ran.status == 2
+    assert re.search(r"line 7: DeltasDelivered cannot be recorded: .*; nothing was imported", ran.err), ran.err
+    assert count_events(database_url) == 0
