@@ -35,7 +35,7 @@ logger = logging.getLogger("phasegate.store")
 
 _INSERT_INPUTS = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed)
-    SELECT * FROM unnest($1::text[], $2::text[]::jsonb[], $3::text[], $4::bigint[])
+    SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[])
     ON CONFLICT (request_id) DO NOTHING
 """
 

@@ -7,7 +7,7 @@ model); these definitions name only the columns the store reads or writes.
 from __future__ import annotations
 
 from sqlalchemy import BigInteger, Column, DateTime, Integer, MetaData, SmallInteger, Table, Text, Uuid
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSON, JSONB
 
 metadata = MetaData()
 
@@ -86,7 +86,7 @@ request_inputs = Table(
     "request_inputs",
     metadata,
     Column("request_id", Text, primary_key=True),
-    Column("body", JSONB, nullable=False),
+    Column("body", JSON, nullable=False),  # json, not jsonb: it holds U+0000 too (migration 0003)
     Column("model_revision", Text),
     Column("seed", BigInteger),
 )

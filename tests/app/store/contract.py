@@ -239,6 +239,14 @@ class EventStoreContract:
         assert (kept.body, kept.model_revision, kept.seed) == (body, "r2026.11", 7)
         assert await store.read_input("req_none") is None
 
+    async def test_any_json_body_is_kept_as_it_was(self, store: EventStore) -> None:
+        nul = {"model": "tiny-llm", "messages": [{"role": "user", "content": "a\x00b \N{GRINNING FACE}"}]}
+        plain = {"model": "tiny-llm", "messages": [{"role": "user", "content": "recorded with it"}]}
+        await asyncio.gather(store.record_input("req_nul", nul), store.record_input("req_plain", plain))
+        for request_id, body in (("req_nul", nul), ("req_plain", plain)):
+            kept = await store.read_input(request_id)
+            assert kept is not None and kept.body == body
+
     # --- closing -------------------------------------------------------------------------
 
     async def test_a_closed_store_accepts_nothing(self, store: EventStore) -> None:

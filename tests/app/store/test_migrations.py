@@ -104,8 +104,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0002",
-        "0002",
+        "schema at revision 0003",
+        "0003",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -116,4 +116,22 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0002 (head)" in current.stdout.decode()
+    assert "0003 (head)" in current.stdout.decode()
+
+
+async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:
+    store = await PostgresEventStore.connect(database_url)
+    try:
+        await store.record_input("req_nul", {"messages": [{"role": "user", "content": "a\x00b"}]})
+    finally:
+        await store.close()
+    await migrate.downgrade_async(database_url, "0002")  # request_inputs.body back to jsonb
+    connection = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        content = await connection.fetchval(
+            "SELECT body->'messages'->0->>'content' FROM request_inputs WHERE request_id = 'req_nul'"
+        )
+    finally:
+        await connection.close()
+    assert content == "a\N{REPLACEMENT CHARACTER}b"
+    await migrate.upgrade_async(database_url)
