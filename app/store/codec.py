@@ -11,6 +11,10 @@ unique index's inserts near its right edge instead of scattered over every page.
 offset, because that is what PostgreSQL keeps: an event read back and appended
 again has the same id.
 
+PostgreSQL's text, and so jsonb, cannot hold U+0000, which a model may well emit (a
+byte-level tokenizer has a token for byte 0): such characters are recorded as U+FFFD
+(:func:`storable`), the client still gets what the model sent.
+
 This runs for every token delivery, so it is written for speed: the body is built
 straight from the fields and encoded by orjson (2 µs with the standard library's
 encoder, 0.25 µs with orjson), and the instant is one integer division.
@@ -83,6 +87,8 @@ def to_row(event: Event) -> EventRow:
         body = orjson.dumps(body_form, option=orjson.OPT_SORT_KEYS).decode()  # enums by value, tuples as lists
     except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits, a string that is not UTF-8
         raise InvalidAppend(f"{layout.name} cannot be recorded: {exc}") from None
+    if "\\u0000" in body:  # rare, and found in C: only then look for the strings that hold U+0000
+        body = orjson.dumps(storable(body_form), option=orjson.OPT_SORT_KEYS).decode()
     attempt = event.attempt if layout.attempt_scoped else None  # type: ignore[union-attr]
     lease_epoch = event.lease_epoch if layout.attempt_scoped else None  # type: ignore[union-attr]
     at = event.occurred_at
@@ -104,6 +110,18 @@ def to_row(event: Event) -> EventRow:
         at,
         body,
     )
+
+
+def storable(value: Any) -> Any:
+    """``value`` with U+0000 in its strings (keys too) replaced by U+FFFD, which
+    PostgreSQL's text and jsonb can hold."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\N{REPLACEMENT CHARACTER}")
+    if isinstance(value, dict):
+        return {storable(key): storable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(item) for item in value]
+    return value
 
 
 def event_id(event: Event) -> uuid.UUID:

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from app.store import schema
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
-from app.store.codec import from_row, to_row
+from app.store.codec import from_row, storable, to_row
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable
 from app.store.follow import FollowCursor
@@ -197,8 +197,8 @@ class PostgresEventStore(EventStore):
                 request_id=request_id,
                 attempt=attempt,
                 tool_call_id=tool_call_id,
-                name=name,
-                arguments=arguments,
+                name=storable(name),  # what the model wrote: it may hold U+0000
+                arguments=storable(arguments),
             )
             .on_conflict_do_nothing(index_elements=[ledger.c.idempotency_key])
             .returning(ledger.c.idempotency_key)
@@ -213,8 +213,8 @@ class PostgresEventStore(EventStore):
             .where(ledger.c.idempotency_key == idempotency_key, ledger.c.status == "claimed")
             .values(
                 status="failed" if error is not None else "succeeded",
-                result=result,
-                error=error,
+                result=storable(result),  # the tool's answer: it may hold U+0000
+                error=storable(error),
                 finished_at=func.now(),
             )
         )

@@ -14,8 +14,8 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 "lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
-``{"delay_first_s": x}``, ``{"tool_call_then_die": true}``. A request with tools gets a
-tool call. ``POST /tools/execute`` is a tool webhook counting runs per
+``{"delay_first_s": x}``, ``{"tool_call_then_die": true}``, ``{"nul_at": k}`` (U+0000 after the
+k-th word). A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting runs per
 ``Idempotency-Key`` (``GET /admin/tools``).
 """
 
@@ -147,6 +147,8 @@ class Upstream:
             if behaviour.get("cut_at") == index:
                 raise ConnectionResetError("scripted cut")  # uvicorn drops the connection mid-body
             await asyncio.sleep(self.token_delay_s)
+            if behaviour.get("nul_at") == index:
+                word = f"{word}\x00"  # U+0000: valid text that PostgreSQL cannot hold
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
             yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
             if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":

@@ -190,3 +190,16 @@ def test_text_that_is_not_unicode_after_output_ends_the_stream_with_a_structured
 def test_escaped_surrogate_pairs_are_text() -> None:
     chunk = _parse_chunk('{"choices": [{"index": 0, "delta": {"content": "\\ud83d\\ude00 ok"}}]}')
     assert chunk["choices"][0]["delta"]["content"] == "\N{GRINNING FACE} ok"  # an emoji as ASCII-only JSON writes it
+
+
+def test_text_holding_u0000_reaches_the_client_and_the_log_records_it_replaced(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"nul_at": 1})
+    request_id, text = chat(gateway)
+    words = answer(PROMPT, 6)
+    assert text == "".join([words[0], words[1] + "\x00", *words[2:]])  # what the model sent
+    events = gateway.events(request_id)
+    assert fold(events).outcome is Outcome.COMPLETED
+    recorded = "".join(event.text for event in of(events, ev.DeltasDelivered))  # type: ignore[attr-defined]
+    assert recorded == text.replace("\x00", "\N{REPLACEMENT CHARACTER}")

@@ -7,7 +7,7 @@ from datetime import timedelta, timezone
 
 import pytest
 
-from app.store.codec import event_id, from_row, to_row
+from app.store.codec import event_id, from_row, storable, to_row
 from app.store.errors import InvalidAppend
 from statemachine.events import (
     EVENT_TYPES,
@@ -101,3 +101,13 @@ def test_an_event_json_cannot_hold_is_refused_as_an_invalid_append() -> None:
     beyond_64_bits = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 2**64, "x", None)
     with pytest.raises(InvalidAppend, match="DeltasDelivered cannot be recorded"):
         to_row(beyond_64_bits)
+
+
+def test_u0000_is_recorded_as_a_replacement_character() -> None:
+    delta = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 1, "a\x00b", None)
+    row = to_row(delta)
+    assert json.loads(row.body)["text"] == "a\N{REPLACEMENT CHARACTER}b"  # jsonb cannot hold U+0000
+    typed = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 1, "a\\u0000b", None)  # typed out, not U+0000
+    assert json.loads(to_row(typed).body)["text"] == "a\\u0000b"
+    replacement = "\N{REPLACEMENT CHARACTER}"
+    assert storable({"k\x00": ("x\x00", 1, None)}) == {f"k{replacement}": [f"x{replacement}", 1, None]}
