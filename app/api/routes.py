@@ -36,9 +36,10 @@ from app.api.admin import admin_routes
 from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, ServiceUnavailable, Unauthorized
 from app.api.schemas import CHAT, COMPLETIONS, GenerationRequest, parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
+from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import Cancelled, Delta, Failed, Finished, Output, RequestDriver, Restarted
-from app.store.errors import StoreUnavailable
+from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
 
@@ -96,12 +97,10 @@ class _Api:
         driver.accept()
         try:
             first = await _unless_client_leaves(request, driver, self._until_response(driver))
-        except StoreUnavailable:
+        except StoreError:
             log.error("request %s refused: the event log is unavailable", request_id)
-            error = ServiceUnavailable(
-                "the request log is unavailable; try again shortly", code="event_log_unavailable"
-            )
-            return JSONResponse(error.body(request_id), status_code=503, headers=headers)
+            self.ctx.spawn(log_loss.close_after_log_loss(driver), name=f"log lost {request_id}")
+            return JSONResponse(log_loss.error_body(request_id, 0), status_code=503, headers=headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
         if isinstance(first, Failed):
@@ -238,6 +237,7 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
 async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Output) -> AsyncIterator[bytes]:
     event_id = 0
     started = False
+    delivered_tokens = 0
     try:
         while True:
             if type(output) is Delta:
@@ -245,6 +245,7 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
                 event_id += 1
                 started = True
                 driver.delivered(output.text)
+                delivered_tokens += 1
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
@@ -265,6 +266,13 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
             elif isinstance(output, Cancelled):
                 return
             output = await anext(driver.outputs)
+    except StoreError:
+        # Nothing more of this request can be recorded, so nothing more is sent: the
+        # final error of DESIGN.md §6; the request is closed in the log when it is back.
+        log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
+        driver.ctx.spawn(log_loss.close_after_log_loss(driver), name=f"log lost {driver.request_id}")
+        yield sse_event(event_id, json.dumps(log_loss.error_body(driver.request_id, delivered_tokens)))
+        yield DONE
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise

@@ -27,7 +27,7 @@ from typing import Any
 
 from app.driver.context import GatewayContext
 from app.store.errors import StoreUnavailable
-from statemachine.events import DeltasDelivered, Event
+from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event
 from statemachine.policy import Action, as_decided
 from statemachine.state import RequestState, apply
 
@@ -123,6 +123,14 @@ class Recorder:
             },
             occurred_at=batch.first_at,
         )
+
+    def withdraw_end(self) -> None:
+        """Drop a queued terminal event, and what followed it, that the log never took:
+        the client was told that the request failed instead (app/driver/log_loss.py)."""
+        for index, event in enumerate(self._queued):
+            if type(event) in TERMINAL_EVENT_TYPES:
+                del self._queued[index:]
+                return
 
     @property
     def has_unflushed(self) -> bool:

@@ -34,12 +34,20 @@ async def recover_lost_requests(ctx: GatewayContext) -> int:
 
 async def _close_logged(ctx: GatewayContext, request_id: str) -> None:
     try:
-        await _close(ctx, fold(await ctx.store.read(request_id)))
+        await close_in_log(ctx, fold(await ctx.store.read(request_id)))
     except Exception:  # one broken request must not keep the others open
         log.exception("could not close lost request %s", request_id)
 
 
-async def _close(ctx: GatewayContext, state: RequestState) -> None:
+async def close_in_log(
+    ctx: GatewayContext,
+    state: RequestState,
+    *,
+    code: str = GATEWAY_LOST,
+    message: str = "the gateway serving this request stopped before it ended",
+) -> None:
+    """End a request from what the log holds of it (``state``): ``RequestFailed`` with
+    ``code``, then its live attempts cancelled and their ends recorded."""
     events: list[Event] = []
 
     def record(cls: type[Event], **fields: object) -> None:
@@ -55,8 +63,8 @@ async def _close(ctx: GatewayContext, state: RequestState) -> None:
                 record(ev.CancelSent, attempt=attempt.attempt, lease_epoch=attempt.lease_epoch)
         record(
             ev.RequestFailed,
-            code=GATEWAY_LOST,
-            message="the gateway serving this request stopped before it ended",
+            code=code,
+            message=message,
             partial_output=state.first_delta_sent,
             delivered_output_tokens=state.delivered_output_tokens,
             retryable=not state.first_delta_sent,

@@ -6,6 +6,9 @@
 - PostgreSQL restarted mid-stream: while it is down new requests are refused with a
   clear 503; the streams in flight keep their guarantees and finish; nothing the
   gateway acknowledged is lost.
+- PostgreSQL away for longer than a durable append waits: the streams that needed one
+  end with the final error of DESIGN.md §6 (``event_log_unavailable``), never a cut
+  connection, and once it is back each is closed in the log as its client was told.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from app.driver import recorder
 from app.store.embedded import EmbeddedPostgres
 from app.store.postgres import PostgresEventStore
 from ops.processes import free_port, phasegate, start, stop, wait_http
 from statemachine import events as ev
 from statemachine.invariants import violations
+from statemachine.phases import Phase
 from statemachine.state import Outcome, fold
 from tests.support.gateway import MODEL, running_gateway
 from tests.support.transcript import Transcript, check_request, stream_chat
@@ -144,3 +149,39 @@ def test_postgres_restarted_under_load(database_url: str, postgres_server: Embed
             state = check_request(gateway.events(result.request_id), result)  # nothing acknowledged was lost
             assert state.outcome is Outcome.COMPLETED and state.delivered_output_tokens == len(result.contents)
         assert gateway.events(refused.request_id) == []
+
+
+def test_postgres_away_past_the_grace_ends_streams_with_the_final_error(
+    database_url: str, postgres_server: EmbeddedPostgres | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if postgres_server is None:
+        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL names an outside one)")
+    monkeypatch.setattr(recorder, "STORE_OUTAGE_GRACE_S", 0.5)  # how long a durable append waits
+    with (
+        running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "15"]) as worker,
+        running_gateway(database_url, [worker]) as gateway,
+    ):
+        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=60)
+        wait_for(lambda: least() >= 3, 30, "every stream to be delivering")
+        postgres_server.stop(mode="fast")
+        try:  # each stream reaches its end, whose durable append waits in vain
+            wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
+        finally:
+            postgres_server.start()
+        transcripts = [result for result in results if isinstance(result, Transcript)]
+        assert len(transcripts) == STREAMS, results
+        for transcript in transcripts:
+            assert transcript.done, "a stream was cut instead of ended"
+            assert transcript.error is not None and transcript.error["code"] == "event_log_unavailable"
+            assert transcript.error["partial_output"] is True and transcript.error["retryable"] is False
+            assert transcript.error["delivered_output_tokens"] == len(transcript.contents) > 0
+
+        def closed(transcript: Transcript) -> bool:
+            return fold(gateway.events(transcript.request_id)).phase is Phase.TERMINATED
+
+        wait_for(lambda: all(closed(t) for t in transcripts), 30, "the requests to be closed in the log")
+        for transcript in transcripts:
+            events = gateway.events(transcript.request_id)
+            state = check_request(events, transcript)  # the log holds what the client got, and its end
+            assert state.outcome is Outcome.FAILED and state.error_code == "event_log_unavailable"
+        assert gateway.gateway.ctx.drivers == {}
