@@ -12,6 +12,9 @@ batch of deliveries alone now takes a narrow UPDATE of those four columns (~40 Â
 any other batch takes the general one, unchanged. Same rows either way: the read
 models are still checked against ``statemachine.state.fold`` (docs/audit.md).
 
+The general UPDATE also appends the batch's replicas to ``replicas_tried``, which 0001
+did in a second UPDATE of the same row for every batch holding an ``AttemptStarted``.
+
 Downgrade puts 0001's function back.
 """
 
@@ -101,6 +104,8 @@ BEGIN
                        AS phase_change,
                    max(version) FILTER (WHERE type = 'AttemptReleased') AS released_version,
                    max(attempt) FILTER (WHERE type = 'AttemptStarted') AS attempts,
+                   array_agg(body->>'replica_id' ORDER BY version) FILTER (WHERE type = 'AttemptStarted')
+                       AS replicas_started,
                    min(attempt) FILTER (WHERE type = 'FirstDeltaCommitted') AS first_delta_attempt,
                    min(occurred_at) FILTER (WHERE type = 'FirstDeltaCommitted') AS first_delta_at,
                    max((body->>'to_index')::integer) FILTER (WHERE type = 'DeltasDelivered') AS delivered_deltas,
@@ -138,6 +143,7 @@ BEGIN
             delivered_output_tokens = r.delivered_output_tokens + coalesce(c.delivered_tokens, 0),
             tool_calls = r.tool_calls + c.tool_calls,
             decisions = r.decisions + c.decisions,
+            replicas_tried = r.replicas_tried || coalesce(c.replicas_started, '{}'),
             client_disconnected_at = coalesce(r.client_disconnected_at, c.client_disconnected_at),
             outcome = coalesce(r.outcome, c.outcome),
             error_code = coalesce(r.error_code, c.error_code),
@@ -176,10 +182,6 @@ BEGIN
         SELECT request_id, attempt, lease_epoch, body->>'replica_id', occurred_at,
                (body->>'lease_expires_at')::timestamptz
           FROM new_events WHERE type = 'AttemptStarted';
-        UPDATE requests r SET replicas_tried = r.replicas_tried || s.replicas
-          FROM (SELECT request_id, array_agg(body->>'replica_id' ORDER BY version) AS replicas
-                  FROM new_events WHERE type = 'AttemptStarted' GROUP BY request_id) s
-         WHERE r.request_id = s.request_id;
     END IF;
 
     IF has_attempt_news THEN
