@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -30,7 +31,7 @@ from statemachine import events as ev
 from statemachine.invariants import violations
 from statemachine.phases import Phase
 from statemachine.state import Outcome, fold
-from tests.support.gateway import MODEL, running_gateway
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import Transcript, check_request, stream_chat
 from tests.support.workers import running_worker
 
@@ -123,25 +124,36 @@ async def _request_ids(store: PostgresEventStore) -> list[str]:
     return found
 
 
-def test_postgres_restarted_under_load(database_url: str, postgres_server: EmbeddedPostgres | None) -> None:
+@contextlib.contextmanager
+def postgres_stopped_under_streams(
+    database_url: str, postgres_server: EmbeddedPostgres | None, max_tokens: int
+) -> Iterator[tuple[RunningGateway, list[Transcript | BaseException], Callable[[], object]]]:
+    """``STREAMS`` streams through a gateway on one sim worker (15 ms a token); once every
+    one is delivering, PostgreSQL stops. The third value starts it again (so does leaving)."""
     if postgres_server is None:
         pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL names an outside one)")
     with (
         running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "15"]) as worker,
         running_gateway(database_url, [worker]) as gateway,
     ):
-        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=250)
+        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=max_tokens)
         wait_for(lambda: least() >= 3, 30, "every stream to be delivering")
         postgres_server.stop(mode="fast")
         try:
-            store = gateway.gateway.ctx.store
-            wait_for(lambda: not store.accepting, 10, "the gateway to notice the outage")
-            refused = stream_chat(gateway.url, {"model": MODEL, "messages": [{"role": "user", "content": "new"}]})
-            assert refused.status == 503 and refused.error is not None
-            assert refused.error["code"] == "event_log_unavailable" and refused.request_id
-            time.sleep(1.0)
+            yield gateway, results, postgres_server.start
         finally:
-            postgres_server.start()
+            postgres_server.start()  # nothing to do if the test started it already
+
+
+def test_postgres_restarted_under_load(database_url: str, postgres_server: EmbeddedPostgres | None) -> None:
+    with postgres_stopped_under_streams(database_url, postgres_server, max_tokens=250) as (gateway, results, restart):
+        store = gateway.gateway.ctx.store
+        wait_for(lambda: not store.accepting, 10, "the gateway to notice the outage")
+        refused = stream_chat(gateway.url, {"model": MODEL, "messages": [{"role": "user", "content": "new"}]})
+        assert refused.status == 503 and refused.error is not None
+        assert refused.error["code"] == "event_log_unavailable" and refused.request_id
+        time.sleep(1.0)
+        restart()
         wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
         for result in results:
             assert isinstance(result, Transcript), result
@@ -154,20 +166,11 @@ def test_postgres_restarted_under_load(database_url: str, postgres_server: Embed
 def test_postgres_away_past_the_grace_ends_streams_with_the_final_error(
     database_url: str, postgres_server: EmbeddedPostgres | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if postgres_server is None:
-        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL names an outside one)")
     monkeypatch.setattr(recorder, "STORE_OUTAGE_GRACE_S", 0.5)  # how long a durable append waits
-    with (
-        running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "15"]) as worker,
-        running_gateway(database_url, [worker]) as gateway,
-    ):
-        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=60)
-        wait_for(lambda: least() >= 3, 30, "every stream to be delivering")
-        postgres_server.stop(mode="fast")
-        try:  # each stream reaches its end, whose durable append waits in vain
-            wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
-        finally:
-            postgres_server.start()
+    with postgres_stopped_under_streams(database_url, postgres_server, max_tokens=60) as (gateway, results, restart):
+        # each stream reaches its end, whose durable append waits in vain
+        wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
+        restart()
         transcripts = [result for result in results if isinstance(result, Transcript)]
         assert len(transcripts) == STREAMS, results
         for transcript in transcripts:
