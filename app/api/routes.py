@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
-from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, ServiceUnavailable, Unauthorized
+from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, Unauthorized
 from app.api.schemas import CHAT, COMPLETIONS, GenerationRequest, parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
 from app.driver import log_loss
@@ -91,8 +91,7 @@ class _Api:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
-            error = ServiceUnavailable("the request log is unavailable; retry shortly", code="event_log_unavailable")
-            return JSONResponse(error.body(request_id), status_code=503, headers=headers)
+            return JSONResponse(log_loss.error_body(request_id, 0), status_code=503, headers=headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
         driver.accept()
         try:

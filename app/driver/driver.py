@@ -452,11 +452,15 @@ class RequestDriver:
         finally:
             if run is not None:
                 await run.release()
+        self.count_end(outcome)
+        self._maybe_forget()
+
+    def count_end(self, outcome: str) -> None:
+        """The request ended (once): its outcome, its attempts, one fewer in flight."""
         metrics = self.ctx.metrics
         metrics.requests.labels(model=self.request.model, outcome=outcome).inc()
         metrics.attempts.observe(len(self.state.attempts))
         metrics.in_flight.dec()
-        self._maybe_forget()
 
     def _maybe_forget(self) -> None:
         if self.state.phase is Phase.TERMINATED and not any(a.live for a in self.state.attempts):

@@ -75,6 +75,5 @@ async def close_after_log_loss(driver: RequestDriver) -> None:
         except StoreError as exc:
             log.error("request %s stays open in the log (%s); the next start closes it", driver.request_id, exc)
             break
-    ctx.metrics.requests.labels(model=driver.request.model, outcome="failed").inc()
-    ctx.metrics.in_flight.dec()
+    driver.count_end("failed")
     ctx.drivers.pop(driver.request_id, None)
