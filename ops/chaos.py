@@ -53,7 +53,8 @@ from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: 
 from ops.transcript import Transcript  # noqa: E402
 from statemachine import events as ev  # noqa: E402
 from statemachine.invariants import violations  # noqa: E402
-from statemachine.state import Outcome, fold  # noqa: E402
+from statemachine.request_state import Outcome  # noqa: E402
+from statemachine.state import fold  # noqa: E402
 
 MODEL = "sim"
 

@@ -141,6 +141,8 @@ class RequestCancelled(RequestScoped):
 class AttemptStarted(AttemptScoped):
     replica_id: str
     lease_expires_at: datetime
+    # the replica confirms a cancel (a worker); else only the lease proves it stopped
+    acknowledges_cancel: bool = True
 
 
 @dataclass(frozen=True, slots=True)

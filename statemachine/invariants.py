@@ -21,7 +21,7 @@ from statemachine.errors import IllegalTransition
 from statemachine.events import Event
 from statemachine.policy import PolicyConfig
 from statemachine.replay import replay
-from statemachine.state import DEAD_KINDS
+from statemachine.request_state import DEAD_KINDS
 
 TERMINALS = (ev.RequestCompleted, ev.RequestFailed, ev.RequestCancelled)
 

@@ -21,18 +21,16 @@ it has reached the client, and only once the source attempt is dead or released.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from datetime import datetime
 from typing import Any, ClassVar
 
-from statemachine.events import Deadline, Decided, FailureKind
+from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
-from statemachine.state import AttemptState, RequestState
+from statemachine.request_state import ActionName, AttemptState, FenceWait, RequestState, StartRefusal
 
-POLICY_VERSION = "2026-11-30.1"
-
-WAIT_FOR_CANCEL_ACK_OR_LEASE = "cancel_ack_or_lease_expiry"
+POLICY_VERSION = "2026-12-01.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +65,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True, slots=True)
 class StartAttempt:
-    name: ClassVar[str] = "start_attempt"
+    name: ClassVar[ActionName] = ActionName.START_ATTEMPT
     reason: str
     attempt: int
     exclude_replicas: tuple[str, ...]
@@ -76,29 +74,32 @@ class StartAttempt:
 
 @dataclass(frozen=True, slots=True)
 class FenceAttempt:
-    name: ClassVar[str] = "fence_attempt"
+    name: ClassVar[ActionName] = ActionName.FENCE_ATTEMPT
     reason: str
     attempt: int
-    wait_for: str = WAIT_FOR_CANCEL_ACK_OR_LEASE
+    wait_for: FenceWait  # what proves the attempt stopped: its replica's cancel ack, or only its lease
+    # Before the first delta the request waits for the release (a retry may follow);
+    # after it the stream ends at once and the fence completes as bookkeeping.
+    request_waits: bool
 
 
 @dataclass(frozen=True, slots=True)
 class CancelAttempt:
-    name: ClassVar[str] = "cancel_attempt"
+    name: ClassVar[ActionName] = ActionName.CANCEL_ATTEMPT
     reason: str
     attempt: int
 
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    name: ClassVar[str] = "wait"
+    name: ClassVar[ActionName] = ActionName.WAIT
     reason: str
     attempt: int
 
 
 @dataclass(frozen=True, slots=True)
 class FailRequest:
-    name: ClassVar[str] = "fail_request"
+    name: ClassVar[ActionName] = ActionName.FAIL_REQUEST
     reason: str
     code: str
     message: str
@@ -110,7 +111,7 @@ class FailRequest:
 
 @dataclass(frozen=True, slots=True)
 class CancelRequest:
-    name: ClassVar[str] = "cancel_request"
+    name: ClassVar[ActionName] = ActionName.CANCEL_REQUEST
     reason: str
 
 
@@ -126,7 +127,11 @@ def action_params(action: Action) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name in _PARAMS[type(action)]:
         value = getattr(action, name)
-        params[name] = list(value) if isinstance(value, tuple) else value
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        params[name] = value
     return params
 
 
@@ -175,7 +180,8 @@ def _on_decode_failure(state: RequestState, current: AttemptState) -> list[Actio
     actions: list[Action] = []
     if current.live:
         # the stream ends at once; the fence completes afterwards as bookkeeping
-        actions.append(FenceAttempt(f"{current.failure.value}_after_first_delta", current.attempt))
+        reason = f"{current.failure.value}_after_first_delta"
+        actions.append(FenceAttempt(reason, current.attempt, current.fence_wait, request_waits=False))
     actions.append(
         FailRequest(
             reason="failure_after_first_delta",
@@ -201,17 +207,15 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
         if _soft_overload(current):
             return [Wait("overloaded_soft_timeout", current.attempt)]
         # liveness uncertain (or a hard deadline on a slow replica): fence it first
-        return [FenceAttempt(current.failure.value, current.attempt)]
+        return [FenceAttempt(current.failure.value, current.attempt, current.fence_wait, request_waits=True)]
     if current.failure is FailureKind.REQUEST_REFUSED:
         return [
-            FailRequest(
-                reason="upstream_refused_request",
+            _fail_before_output(
+                "upstream_refused_request",
                 code=current.upstream_code or "upstream_refused_request",
                 message=current.failure_detail or "the upstream refused the request",
-                partial_output=False,
-                delivered_output_tokens=0,
-                retryable=False,
                 http_status=current.upstream_status or 400,
+                retryable=False,
             )
         ]
     return _retry_or_fail(state, current, config)
@@ -221,26 +225,20 @@ def _retry_or_fail(state: RequestState, source: AttemptState, config: PolicyConf
     used = len(state.attempts)
     if used >= config.max_attempts:
         return [
-            FailRequest(
-                reason="retry_budget_exhausted",
+            _fail_before_output(
+                "retry_budget_exhausted",
                 code="upstream_unavailable",
                 message=f"all {used} attempts failed before any output was sent",
-                partial_output=False,
-                delivered_output_tokens=0,
-                retryable=True,
                 http_status=502,
             )
         ]
     limit = config.retry_max_prompt_tokens
     if limit is not None and state.prompt_tokens > limit:
         return [
-            FailRequest(
-                reason="retry_cost_guard",
+            _fail_before_output(
+                "retry_cost_guard",
                 code="retry_cost_exceeded",
                 message=f"a retry would prefill {state.prompt_tokens} prompt tokens, over the limit {limit}",
-                partial_output=False,
-                delivered_output_tokens=0,
-                retryable=True,
                 http_status=503,
             )
         ]
@@ -249,25 +247,34 @@ def _retry_or_fail(state: RequestState, source: AttemptState, config: PolicyConf
     return [StartAttempt(reason, used + 1, tuple(sorted(set(state.replicas_tried))), migration)]
 
 
-def _refused_start(refused: str) -> FailRequest:
-    if refused == "retry_budget":
-        return FailRequest(
-            reason="global_retry_budget_denied",
+def _refused_start(refused: StartRefusal) -> FailRequest:
+    if refused is StartRefusal.RETRY_BUDGET:
+        return _fail_before_output(
+            "global_retry_budget_denied",
             code="retry_budget_exhausted",
             message="the gateway's retry budget is spent; too many replicas are failing at once",
-            partial_output=False,
-            delivered_output_tokens=0,
-            retryable=True,
             http_status=503,
         )
-    return FailRequest(
-        reason="no_replica_available",
+    return _fail_before_output(
+        "no_replica_available",
         code="no_replica_available",
         message="no healthy replica is available for this request",
+        http_status=503,
+    )
+
+
+def _fail_before_output(
+    reason: str, *, code: str, message: str, http_status: int, retryable: bool = True
+) -> FailRequest:
+    """Fail a request of which nothing was delivered (DESIGN.md §6: ``partial_output`` false)."""
+    return FailRequest(
+        reason=reason,
+        code=code,
+        message=message,
         partial_output=False,
         delivered_output_tokens=0,
-        retryable=True,
-        http_status=503,
+        retryable=retryable,
+        http_status=http_status,
     )
 
 
@@ -275,14 +282,11 @@ def _soft_overload(attempt: AttemptState) -> bool:
     return attempt.failure is FailureKind.OVERLOADED and attempt.failure_deadline is not Deadline.HARD
 
 
-def as_decided(action: Action, *, request_id: str, seq: int, occurred_at: datetime) -> Decided:
-    """The ``Decided`` event that records ``action``."""
-    return Decided(
-        request_id=request_id,
-        seq=seq,
-        occurred_at=occurred_at,
-        action=action.name,
-        reason=action.reason,
-        policy_version=POLICY_VERSION,
-        params=action_params(action),
-    )
+def decided_fields(action: Action) -> dict[str, Any]:
+    """The body of the ``Decided`` event that records ``action``."""
+    return {
+        "action": action.name.value,
+        "reason": action.reason,
+        "policy_version": POLICY_VERSION,
+        "params": action_params(action),
+    }

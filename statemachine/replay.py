@@ -17,7 +17,8 @@ from typing import Any
 
 from statemachine.events import Decided, Event
 from statemachine.policy import PolicyConfig, action_params, decide
-from statemachine.state import RequestState, apply
+from statemachine.request_state import RequestState
+from statemachine.state import apply
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,9 @@ The invariants checked here are the ones the whole design rests on:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from statemachine.errors import IllegalTransition
 from statemachine.events import (
@@ -34,11 +32,9 @@ from statemachine.events import (
     CancelAcked,
     CancelSent,
     ClientDisconnected,
-    Deadline,
     Decided,
     DeltasDelivered,
     Event,
-    FailureKind,
     FirstDeltaCommitted,
     FirstTokenReceived,
     LeaseExpired,
@@ -55,113 +51,16 @@ from statemachine.events import (
 )
 from statemachine.evolve import evolve as _evolve
 from statemachine.phases import Phase, next_phase
+from statemachine.request_state import (
+    ActionName,
+    AttemptState,
+    EmittedToolCall,
+    Outcome,
+    RequestState,
+    StartRefusal,
+)
 
-# Failures after which the attempt is surely not running: nothing to fence.
-DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
-
-
-class Outcome(enum.StrEnum):
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
-class AttemptState:
-    attempt: int
-    lease_epoch: int
-    replica_id: str
-    started_at: datetime
-    lease_expires_at: datetime
-    first_token_received: bool = False
-    failure: FailureKind | None = None
-    failure_deadline: Deadline | None = None
-    failure_detail: str | None = None
-    upstream_status: int | None = None
-    upstream_code: str | None = None
-    failure_answered: bool = False  # a decision was recorded after the last failure
-    fenced: bool = False
-    cancel_sent: bool = False
-    cancel_acked: bool = False
-    lease_expired: bool = False
-    released: ReleaseReason | None = None
-    completed: bool = False
-
-    @property
-    def dead(self) -> bool:
-        return self.failure in DEAD_KINDS
-
-    @property
-    def live(self) -> bool:
-        """Presumed able to publish: not known dead, not released, not finished."""
-        return not self.dead and self.released is None and not self.completed
-
-    @property
-    def ended(self) -> str | None:
-        """How the attempt ended, in the log's words, or ``None`` while it is live."""
-        if self.completed:
-            return "completed"
-        if self.released is not None:
-            return self.released.value
-        if self.dead:
-            assert self.failure is not None
-            return self.failure.value
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    attempt: int
-    index: int
-    tool_call_id: str
-    name: str
-    idempotency_key: str
-
-
-@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
-class RequestState:
-    request_id: str
-    phase: Phase = Phase.NEW
-    seq: int = 0
-    model: str = ""
-    tenant: str = ""
-    prompt_tokens: int = 0
-    n: int = 1
-    guided: bool = False
-    tools: bool = False
-    max_attempts: int = 0
-    attempts: tuple[AttemptState, ...] = ()
-    first_delta_attempt: int | None = None
-    delivered_deltas: int = 0
-    delivered_output_tokens: int = 0
-    tool_calls: tuple[ToolCall, ...] = ()
-    client_gone: bool = False
-    start_refused: str | None = None  # "no_replica" or "retry_budget" after a refused start
-    pending: frozenset[str] = frozenset()  # decided actions not yet seen carried out
-    outcome: Outcome | None = None
-    error_code: str | None = None
-    finish_reason: str | None = None
-
-    @property
-    def first_delta_sent(self) -> bool:
-        return self.first_delta_attempt is not None
-
-    @property
-    def current_attempt(self) -> AttemptState | None:
-        return self.attempts[-1] if self.attempts else None
-
-    @property
-    def retry_budget_left(self) -> int:
-        return max(self.max_attempts - len(self.attempts), 0)
-
-    @property
-    def replicas_tried(self) -> tuple[str, ...]:
-        return tuple(attempt.replica_id for attempt in self.attempts)
-
-    def attempt(self, number: int) -> AttemptState | None:
-        if 1 <= number <= len(self.attempts):
-            return self.attempts[number - 1]
-        return None
+E = TypeVar("E", bound=Event)
 
 
 def apply(state: RequestState, event: Event) -> RequestState:
@@ -175,6 +74,14 @@ def apply(state: RequestState, event: Event) -> RequestState:
     changes["phase"] = phase
     changes["seq"] = event.seq
     return _evolve(state, changes)
+
+
+def advance(state: RequestState, cls: type[E], occurred_at: datetime, **fields: Any) -> tuple[RequestState, E]:
+    """The request's next event, stamped with the next ``seq`` and ``occurred_at``, and
+    the state after it: the one way events are built (the driver's recorder, recovery,
+    the pure model of the tests). Raises :class:`IllegalTransition` like :func:`apply`."""
+    event = cls(request_id=state.request_id, seq=state.seq + 1, occurred_at=occurred_at, **fields)
+    return apply(state, event), event
 
 
 def fold(events: Iterable[Event], state: RequestState | None = None) -> RequestState:
@@ -213,8 +120,12 @@ def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
 
 def _on_decided(state: RequestState, event: Decided) -> Changes:
     changes: Changes = {}
-    if event.action != "wait":
-        changes["pending"] = state.pending | {event.action}
+    try:
+        action = ActionName(event.action)
+    except ValueError:
+        raise _illegal(state, event, f"unknown action {event.action!r}") from None
+    if action is not ActionName.WAIT:
+        changes["pending"] = state.pending | {action}
     current = state.current_attempt
     if current is not None and current.failure is not None and not current.failure_answered:
         changes["attempts"] = _replaced_last(state.attempts, failure_answered=True)
@@ -236,19 +147,20 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
         replica_id=event.replica_id,
         started_at=event.occurred_at,
         lease_expires_at=event.lease_expires_at,
+        acknowledges_cancel=event.acknowledges_cancel,
     )
     return {
         "attempts": (*state.attempts, attempt),
-        "pending": state.pending - {"start_attempt"},
+        "pending": state.pending - {ActionName.START_ATTEMPT},
         "start_refused": None,
     }
 
 
 def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudgetDenied) -> Changes:
-    if "start_attempt" not in state.pending:
+    if ActionName.START_ATTEMPT not in state.pending:
         raise _illegal(state, event, "no attempt start was decided")
-    refused = "no_replica" if isinstance(event, NoReplicaAvailable) else "retry_budget"
-    return {"pending": state.pending - {"start_attempt"}, "start_refused": refused}
+    refused = StartRefusal.NO_REPLICA if isinstance(event, NoReplicaAvailable) else StartRefusal.RETRY_BUDGET
+    return {"pending": state.pending - {ActionName.START_ATTEMPT}, "start_refused": refused}
 
 
 def _on_first_token(state: RequestState, event: FirstTokenReceived) -> Changes:
@@ -283,7 +195,7 @@ def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
     _live_current(state, event)
     if event.idempotency_key != f"{state.request_id}:{event.tool_call_id}":
         raise _illegal(state, event, "idempotency key is not {request_id}:{tool_call_id}")
-    call = ToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
+    call = EmittedToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
     return {"tool_calls": (*state.tool_calls, call)}
 
 
@@ -305,14 +217,14 @@ def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
 def _on_fenced(state: RequestState, event: AttemptFenced) -> Changes:
     attempt = _live_current(state, event)
     changes = _with_current(state, _evolve(attempt, {"fenced": True}))
-    changes["pending"] = state.pending - {"fence_attempt"}
+    changes["pending"] = state.pending - {ActionName.FENCE_ATTEMPT}
     return changes
 
 
 def _on_cancel_sent(state: RequestState, event: CancelSent) -> Changes:
     attempt = _unreleased(state, event)
     changes = _with_attempt(state, _evolve(attempt, {"cancel_sent": True}))
-    changes["pending"] = state.pending - {"cancel_attempt"}
+    changes["pending"] = state.pending - {ActionName.CANCEL_ATTEMPT}
     return changes
 
 

@@ -30,7 +30,8 @@ from statemachine.errors import IllegalTransition, MalformedEvent, TraceError
 from statemachine.events import Decided, DeltasDelivered, Event, RequestCompleted, ToolCallEmitted
 from statemachine.jsonform import from_json, to_json
 from statemachine.policy import ACTION_TYPES, action_params_order
-from statemachine.state import RequestState, apply
+from statemachine.request_state import RequestState
+from statemachine.state import apply
 
 TRACE_FORMAT = "phasegate-trace"
 TRACE_VERSION = 1

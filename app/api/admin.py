@@ -70,10 +70,10 @@ class _Admin:
                 return JSONResponse(error.body(exchange), status_code=error.status, headers=headers)
             except StoreUnavailable as exc:
                 log.error("admin read failed: %s", exc)
-                error = ServiceUnavailable(
+                unavailable = ServiceUnavailable(
                     "the request log is unavailable; retry shortly", code="event_log_unavailable"
                 )
-                return JSONResponse(error.body(exchange), status_code=503, headers={"x-request-id": exchange})
+                return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
             response.headers["x-request-id"] = exchange
             response.headers["cache-control"] = "no-store"
             return response

@@ -9,15 +9,17 @@
     ├── RequestTooLarge      413   body over the size limit
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
 
-Failures decided by the policy (``upstream_decode_interrupted``, retries exhausted,
-upstream refusals) are not raised: they come from ``FailRequest`` actions and are
-rendered by :func:`policy_error_body` with the same shape plus the fields of
-DESIGN.md §6.
+Failures of an accepted request (``upstream_decode_interrupted``, retries exhausted,
+upstream refusals, the log lost) are not raised: the driver yields them as
+:class:`~app.driver.outputs.Failed`, rendered by :func:`failure_body` with the same
+shape plus the fields of DESIGN.md §6.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from app.driver.outputs import Failed
 
 
 class ApiError(Exception):
@@ -84,26 +86,17 @@ class ServiceUnavailable(ApiError):
     code = "service_unavailable"
 
 
-def policy_error_body(
-    request_id: str,
-    *,
-    code: str,
-    message: str,
-    partial_output: bool,
-    delivered_output_tokens: int,
-    retryable: bool,
-    status: int,
-) -> dict[str, Any]:
-    """The error of a request the policy failed (DESIGN.md §6), in the OpenAI shape."""
+def failure_body(request_id: str, failed: Failed) -> dict[str, Any]:
+    """The error of a request that failed after it was accepted (DESIGN.md §6), in the OpenAI shape."""
     return {
         "error": {
-            "message": message,
-            "type": "invalid_request_error" if 400 <= status < 500 else "server_error",
+            "message": failed.message,
+            "type": "invalid_request_error" if 400 <= failed.http_status < 500 else "server_error",
             "param": None,
-            "code": code,
+            "code": failed.code,
             "request_id": request_id,
-            "partial_output": partial_output,
-            "delivered_output_tokens": delivered_output_tokens,
-            "retryable": retryable,
+            "partial_output": failed.partial_output,
+            "delivered_output_tokens": failed.delivered_output_tokens,
+            "retryable": failed.retryable,
         }
     }

@@ -33,12 +33,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
-from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, Unauthorized
-from app.api.schemas import CHAT, COMPLETIONS, GenerationRequest, parse_request
+from app.api.errors import ApiError, InvalidRequest, NotFound, RequestTooLarge, Unauthorized, failure_body
+from app.api.schemas import parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
 from app.driver import log_loss
 from app.driver.context import GatewayContext
-from app.driver.driver import Cancelled, Delta, Failed, Finished, Output, RequestDriver, Restarted
+from app.driver.driver import RequestDriver
+from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
+from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
 from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
@@ -58,7 +60,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *admin_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
-    return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)  # type: ignore[arg-type]
+    return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)
 
 
 def new_request_id() -> str:
@@ -91,19 +93,19 @@ class _Api:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
-            return JSONResponse(log_loss.error_body(request_id, 0), status_code=503, headers=headers)
+            return _failure_response(request_id, log_loss.failure(0), headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
         driver.accept()
         try:
             first = await _unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
             log.error("request %s refused: the event log is unavailable", request_id)
-            self.ctx.spawn(log_loss.close_after_log_loss(driver), name=f"log lost {request_id}")
-            return JSONResponse(log_loss.error_body(request_id, 0), status_code=503, headers=headers)
+            self.ctx.spawn(driver.close_after_log_loss(), name=f"log lost {request_id}")
+            return _failure_response(request_id, log_loss.failure(0), headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
         if isinstance(first, Failed):
-            return JSONResponse(first.body, status_code=first.status, headers=headers)
+            return _failure_response(request_id, first, headers)
         if isinstance(first, JSONResponse):
             first.headers.update(headers)
             return first
@@ -259,7 +261,7 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
                 yield DONE
                 return
             elif isinstance(output, Failed):
-                yield sse_event(event_id, json.dumps(output.body))
+                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output)))
                 yield DONE
                 return
             elif isinstance(output, Cancelled):
@@ -269,12 +271,16 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
         # Nothing more of this request can be recorded, so nothing more is sent: the
         # final error of DESIGN.md §6; the request is closed in the log when it is back.
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
-        driver.ctx.spawn(log_loss.close_after_log_loss(driver), name=f"log lost {driver.request_id}")
-        yield sse_event(event_id, json.dumps(log_loss.error_body(driver.request_id, delivered_tokens)))
+        driver.ctx.spawn(driver.close_after_log_loss(), name=f"log lost {driver.request_id}")
+        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, log_loss.failure(delivered_tokens))))
         yield DONE
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise
+
+
+def _failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
+    return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
 
 
 def _response_id(request: GenerationRequest, request_id: str) -> str:

@@ -7,17 +7,12 @@ parameter (``param``), before anything reaches a replica.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
-
-CHAT = "chat.completions"
-COMPLETIONS = "completions"
+from app.driver.request import CHAT, GenerationRequest
 
 _COMMON = {
     "model",
@@ -58,71 +53,6 @@ UNSUPPORTED = {
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 8
 MAX_STOP = 4
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    endpoint: str
-    model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    messages: tuple[dict[str, Any], ...] | None = None
-    prompt: str | None = None
-    tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    user: str | None = None
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def guided(self) -> bool:
-        return self.response_format is not None and self.response_format.get("type") != "text"
-
-    @property
-    def prompt_text(self) -> str:
-        if self.prompt is not None:
-            return self.prompt
-        assert self.messages is not None
-        return "\n".join(_content_text(m.get("content")) for m in self.messages)
-
-    @property
-    def estimated_prompt_tokens(self) -> int:
-        """A tokenizer-free estimate (about four characters a token) for the cost guard."""
-        return math.ceil(len(self.prompt_text) / 4)
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling parameters as replicas take them (OpenAI names)."""
-        params: dict[str, Any] = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "n": self.n,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-        }
-        if self.stop:
-            params["stop"] = list(self.stop)
-        if self.seed is not None:
-            params["seed"] = self.seed
-        if self.tools:
-            params["tools"] = list(self.tools)
-        if self.tool_choice is not None:
-            params["tool_choice"] = self.tool_choice
-        if self.response_format is not None:
-            params["response_format"] = self.response_format
-        return params
-
-    def params_digest(self) -> str:
-        canonical = json.dumps(self.raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest:
@@ -279,12 +209,6 @@ def _is_text_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content)
-    return content or ""
-
-
 def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     tools = _optional(body, "tools", list, [])
     for index, tool in enumerate(tools):
@@ -305,7 +229,7 @@ def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
 def _tool_choice(body: dict[str, Any]) -> str | dict[str, Any] | None:
     choice = body.get("tool_choice")
     if choice is None or choice in ("none", "auto", "required"):
-        return choice  # type: ignore[no-any-return]
+        return choice
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         return choice
     raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.api.schemas import CHAT, GenerationRequest
+from app.driver.request import CHAT, GenerationRequest
 
 DONE = b"data: [DONE]\n\n"
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from app.driver.context import GatewayContext
+from app.config import Timeouts
 from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, UpstreamFailure
 from app.replicas.pool import Replica
 from statemachine.events import Deadline, FailureKind
@@ -27,11 +27,14 @@ log = logging.getLogger("phasegate.driver")
 
 
 class AttemptRun:
-    def __init__(self, ctx: GatewayContext, replica: Replica, request: AttemptRequest) -> None:
-        self.ctx = ctx
+    def __init__(
+        self, replica: Replica, request: AttemptRequest, *, clock: Callable[[], float], timeouts: Timeouts
+    ) -> None:
         self.replica = replica
         self.request = request
-        self.started_at = ctx.clock()
+        self.clock = clock  # monotonic seconds: the lease and the timers
+        self.timeouts = timeouts
+        self.started_at = clock()
         self.renewed_at = self.started_at
         self.first_token_seen = False
         self.deadlines_reported: set[Deadline] = set()
@@ -52,13 +55,13 @@ class AttemptRun:
     @property
     def lease_expires_in(self) -> float:
         """Seconds until the lease lapses on the replica (from the last renewal)."""
-        return self.renewed_at + self.request.lease_ttl_s - self.ctx.clock()
+        return self.renewed_at + self.request.lease_ttl_s - self.clock()
 
     async def open(self) -> None:
         """Start the attempt on the replica; raises :class:`UpstreamFailure` if it cannot,
         or if no answer comes within the upstream response deadline (the request may
         have reached the replica: its liveness is then uncertain)."""
-        deadline = self.ctx.config.timeouts.upstream_response_s
+        deadline = self.timeouts.upstream_response_s
         try:
             async with asyncio.timeout(deadline):
                 self._stream = await self.replica.client.start(self.request)
@@ -71,12 +74,12 @@ class AttemptRun:
 
     def lease_renewed(self) -> None:
         """The replica extended the lease (the renewer's round was answered just now)."""
-        self.renewed_at = self.ctx.clock()
+        self.renewed_at = self.clock()
 
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
         assert self._frames is not None, "open() first"
-        timeouts = self.ctx.config.timeouts
+        timeouts = self.timeouts
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
         limit = timeouts.first_token_hard_s if silent_prefill else timeouts.stall_s
         try:
@@ -95,8 +98,8 @@ class AttemptRun:
         """A first-token deadline that has passed and was not reported yet."""
         if self.first_token_seen:
             return None
-        waited = self.ctx.clock() - self.started_at
-        timeouts = self.ctx.config.timeouts
+        waited = self.clock() - self.started_at
+        timeouts = self.timeouts
         for deadline, limit in (
             (Deadline.HARD, timeouts.first_token_hard_s),
             (Deadline.SOFT, timeouts.first_token_soft_s),
@@ -126,7 +129,7 @@ class AttemptRun:
         try:
             return await asyncio.wait_for(
                 client.cancel(request.request_id, request.attempt, request.lease_epoch),
-                timeout=self.ctx.config.timeouts.cancel_ack_s,
+                timeout=self.timeouts.cancel_ack_s,
             )
         except (TimeoutError, UpstreamFailure, OSError) as exc:
             log.info("cancel of %s/%d got no acknowledgement: %r", request.request_id, request.attempt, exc)

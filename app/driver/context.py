@@ -8,13 +8,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from app.config import GatewayConfig
 from app.driver.budget import RetryBudget
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.base import EventStore
+from statemachine.request_state import RequestState
 
 log = logging.getLogger("phasegate.driver")
 
@@ -23,6 +24,16 @@ ToolRunner = Callable[[dict[str, Any]], Awaitable[Any]]
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class LiveRequest(Protocol):
+    """A request in flight, as the gateway keeps it (a :class:`~app.driver.driver.RequestDriver`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def state(self) -> RequestState: ...
 
 
 @dataclass
@@ -39,7 +50,7 @@ class GatewayContext:
     gateway_id: str = "gateway"  # recorded on every request it accepts, for recovery
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
     background: set[asyncio.Task[Any]] = field(default_factory=set)
-    drivers: dict[str, Any] = field(default_factory=dict)  # request id -> live RequestDriver
+    drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run bookkeeping that must outlive the HTTP exchange (fences after the end,

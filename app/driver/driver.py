@@ -17,21 +17,21 @@ awaited parts (appends, opening a stream, waiting for a fence) come after.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any
 
-from app.api.errors import policy_error_body
-from app.api.schemas import GenerationRequest
+from app.driver import log_loss
 from app.driver.attempt import AttemptRun
 from app.driver.context import GatewayContext
+from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
-from app.replicas.base import AttemptRequest, Done, Heartbeat, Token, ToolCall, UpstreamFailure
+from app.driver.request import GenerationRequest
+from app.driver.tools import ToolCalls
+from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
 from statemachine import events as ev
-from statemachine.events import FailureKind, ReleaseReason
+from statemachine.events import FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import (
     Action,
@@ -43,43 +43,11 @@ from statemachine.policy import (
     Wait,
     decide,
 )
-from statemachine.state import DEAD_KINDS, RequestState
+from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
 
 LEASE_EXPIRY_MARGIN_S = 0.05  # clocks differ a little: wait past the replica's expiry
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    text: str
-    choice: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Restarted:
-    """A new attempt replaced one whose output never reached the client: drop it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    finish_reasons: tuple[str, ...]
-    usage: dict[str, int]
-    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    status: int
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Cancelled:
-    reason: str
-
-
-Output = Delta | Restarted | Finished | Failed | Cancelled
 
 
 class RequestDriver:
@@ -87,14 +55,14 @@ class RequestDriver:
         self.ctx = ctx
         self.request = request
         self.tenant = tenant
-        self.recorder = Recorder(ctx, request_id)
+        self.recorder = Recorder(ctx, RequestState(request_id=request_id))
         self.run: AttemptRun | None = None
         self.accepted_at = ctx.clock()
         self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
         self.last_delivery_at: float | None = None
-        self.tool_calls: dict[int, list[dict[str, Any]]] = {}
+        self.tool_calls = ToolCalls(ctx, self.recorder)
         self._restarted = False  # a retry opened: the consumer drops what it buffered
-        self.outputs: AsyncIterator[Output] = self._drive()
+        self.outputs: AsyncGenerator[Output, None] = self._drive()
 
     @property
     def request_id(self) -> str:
@@ -141,7 +109,7 @@ class RequestDriver:
 
     # --- the loop --------------------------------------------------------------------
 
-    async def _drive(self) -> AsyncIterator[Output]:
+    async def _drive(self) -> AsyncGenerator[Output, None]:
         while True:
             ended = await self._decide_and_act()
             if self._restarted:
@@ -176,9 +144,9 @@ class RequestDriver:
                         deadline=deadline,
                     )
             elif type(frame) is ToolCall:
-                await self._tool_call(run, frame)
+                await self.tool_calls.emitted(run.attempt, run.lease_epoch, frame)
             elif type(frame) is Done:
-                yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls)
+                yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
                 return
 
     async def _decide_and_act(self) -> Output | None:
@@ -237,24 +205,16 @@ class RequestDriver:
             lease_epoch=action.attempt,
             replica_id=replica.id,
             lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
+            acknowledges_cancel=replica.client.acknowledges_cancel,
         )
         run = AttemptRun(
-            ctx,
             replica,
-            AttemptRequest(
-                request_id=self.request_id,
-                attempt=action.attempt,
-                lease_epoch=action.attempt,
-                lease_ttl_s=ttl,
-                endpoint=request.endpoint,
-                model=request.model,
-                messages=request.messages,
-                prompt=request.prompt,
-                sampling=request.sampling(),
-            ),
+            request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl),
+            clock=ctx.clock,
+            timeouts=ctx.config.timeouts,
         )
         self.run = run
-        self.tool_calls = {}
+        self.tool_calls.restart()
 
         async def open_attempt() -> Output | None:
             # queued ahead of anything the replica's answer makes us record, so the log
@@ -273,14 +233,13 @@ class RequestDriver:
     def _fence(self, action: FenceAttempt) -> Callable[[], Awaitable[Output | None]]:
         run = self.run
         assert run is not None and run.attempt == action.attempt
-        waiting_for = "cancel_ack_or_lease_expiry" if run.replica.client.acknowledges_cancel else "lease_expiry"
         self.recorder.record(
-            ev.AttemptFenced, attempt=run.attempt, lease_epoch=run.lease_epoch, waiting_for=waiting_for
+            ev.AttemptFenced, attempt=run.attempt, lease_epoch=run.lease_epoch, waiting_for=action.wait_for
         )
         self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
         self.run = None
         fence = self.ctx.spawn(self._settle(run, fenced=True), name=f"fence {self.request_id}/{run.attempt}")
-        if self.state.first_delta_sent:
+        if not action.request_waits:
             return _nothing  # the stream ends now; the fence completes as bookkeeping
 
         async def wait_for_fence() -> Output | None:
@@ -303,14 +262,9 @@ class RequestDriver:
         """Stop the attempt for good: cancel acknowledged, or its lease run out."""
         generated = await run.cancel()  # before the stream closes: the ack names the attempt
         await run.release()
-        scope = {"attempt": run.attempt, "lease_epoch": run.lease_epoch}
-        if generated is not None:
-            self.recorder.record(ev.CancelAcked, **scope, generated_tokens=generated)
-            self.recorder.record(ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
-        else:
+        if generated is None:
             await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
-            self.recorder.record(ev.LeaseExpired, **scope)
-            self.recorder.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
+        self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
         if fenced:
             released_by = "cancel_ack" if generated is not None else "lease_expiry"
             self.ctx.metrics.fences.labels(released_by=released_by).inc()
@@ -331,19 +285,10 @@ class RequestDriver:
             self.ctx.metrics.decode_interruptions.labels(model=model).inc()
         if action.code == "retry_cost_exceeded":
             self.ctx.metrics.cost_guard.labels(model=model).inc()
-        body = policy_error_body(
-            self.request_id,
-            code=action.code,
-            message=action.message,
-            partial_output=action.partial_output,
-            delivered_output_tokens=action.delivered_output_tokens,
-            retryable=action.retryable,
-            status=action.http_status,
-        )
 
         async def finish() -> Output | None:
             await self._end("failed")
-            return Failed(action.http_status, body)
+            return Failed.decided(action)
 
         return finish
 
@@ -372,42 +317,6 @@ class RequestDriver:
         if failure.kind in DEAD_KINDS:
             self.run = None
             await run.release()
-
-    async def _tool_call(self, run: AttemptRun, frame: ToolCall) -> None:
-        # The gateway names tool calls itself, the same way for every attempt, so a
-        # retried attempt that asks for the same call meets the same ledger entry.
-        digest = hashlib.sha256(f"{self.request_id}:{frame.choice}:{frame.index}".encode()).hexdigest()
-        tool_call_id = f"call_{digest[:24]}"
-        key = f"{self.request_id}:{tool_call_id}"
-        self.recorder.record(
-            ev.ToolCallEmitted,
-            attempt=run.attempt,
-            lease_epoch=run.lease_epoch,
-            index=frame.index,
-            tool_call_id=tool_call_id,
-            name=frame.name,
-            arguments=frame.arguments,
-            idempotency_key=key,
-        )
-        call = {"id": tool_call_id, "type": "function", "function": {"name": frame.name, "arguments": frame.arguments}}
-        self.tool_calls.setdefault(frame.choice, []).append(call)
-        runner = self.ctx.tool_runner
-        if runner is not None:
-            store = self.ctx.store
-            if await store.claim_tool_execution(
-                key, self.request_id, run.attempt, tool_call_id, frame.name, frame.arguments
-            ):
-                self.ctx.spawn(self._execute_tool(runner, key, call), name=f"tool {key}")
-
-    async def _execute_tool(
-        self, runner: Callable[[dict[str, Any]], Awaitable[Any]], key: str, call: dict[str, Any]
-    ) -> None:
-        try:
-            result = await runner({"idempotency_key": key, "request_id": self.request_id, **call})
-        except Exception as exc:
-            await self.ctx.store.record_tool_result(key, error=repr(exc))
-        else:
-            await self.ctx.store.record_tool_result(key, result=result)
 
     # --- the client's side: called by the HTTP layer ---------------------------------
 
@@ -463,8 +372,23 @@ class RequestDriver:
         metrics.in_flight.dec()
 
     def _maybe_forget(self) -> None:
+        """Forget the request once it ended and no attempt of it may still publish."""
         if self.state.phase is Phase.TERMINATED and not any(a.live for a in self.state.attempts):
             self.ctx.drivers.pop(self.request_id, None)
+
+    async def close_after_log_loss(self) -> None:
+        """The log stopped taking this request's events and its client was told
+        (:func:`app.driver.log_loss.failure`): stop the attempt, end the request in the
+        log once the log is back, and forget it either way."""
+        with contextlib.suppress(RuntimeError):  # still running: it ends on its own cancellation
+            await self.outputs.aclose()
+        run, self.run = self.run, None
+        if run is not None:
+            await run.release()  # unrenewed, its lease lapses on the replica; the close cancels it too
+        self.recorder.withdraw_end()  # a completion the log did not take: the client was told it failed
+        await log_loss.close_when_back(self.ctx, self.recorder)
+        self.count_end("failed")
+        self.ctx.drivers.pop(self.request_id, None)
 
     def client_gone(self) -> None:
         """The client left: cancel upstream, start nothing new (in the background)."""

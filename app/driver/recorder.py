@@ -27,9 +27,11 @@ from typing import Any
 
 from app.driver.context import GatewayContext
 from app.store.errors import StoreUnavailable
-from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event
-from statemachine.policy import Action, as_decided
-from statemachine.state import RequestState, apply
+from statemachine import events as ev
+from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, ReleaseReason
+from statemachine.policy import Action, decided_fields
+from statemachine.request_state import RequestState
+from statemachine.state import advance
 
 log = logging.getLogger("phasegate.driver")
 
@@ -50,10 +52,11 @@ class _OpenBatch:
 
 
 class Recorder:
-    def __init__(self, ctx: GatewayContext, request_id: str) -> None:
+    def __init__(self, ctx: GatewayContext, state: RequestState) -> None:
+        """Record onward from ``state``: a new request's, or what the log already holds."""
         self.ctx = ctx
-        self.state = RequestState(request_id=request_id)
-        self.appended_version = 0
+        self.state = state
+        self.appended_version = state.seq
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
         self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
@@ -70,17 +73,21 @@ class Recorder:
         return self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
-        self._close_batch()
-        decided = as_decided(
-            action, request_id=self.request_id, seq=self.state.seq + 1, occurred_at=self.ctx.wall_clock()
-        )
-        self.state = apply(self.state, decided)
-        self._queued.append(decided)
+        self.record(ev.Decided, **decided_fields(action))
+
+    def record_stopped(self, attempt: int, lease_epoch: int, generated_tokens: int | None) -> None:
+        """The attempt stopped for good: its cancel acknowledged (with what it had
+        generated), or, with ``None``, its lease expired; then it is released."""
+        scope = {"attempt": attempt, "lease_epoch": lease_epoch}
+        if generated_tokens is not None:
+            self.record(ev.CancelAcked, **scope, generated_tokens=generated_tokens)
+            self.record(ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
+        else:
+            self.record(ev.LeaseExpired, **scope)
+            self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
 
     def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
-        stamp = occurred_at or self.ctx.wall_clock()
-        event = cls(request_id=self.request_id, seq=self.state.seq + 1, occurred_at=stamp, **fields)
-        self.state = apply(self.state, event)
+        self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
         return event
 

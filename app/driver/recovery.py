@@ -14,11 +14,12 @@ import asyncio
 import logging
 
 from app.driver.context import GatewayContext
+from app.driver.recorder import Recorder
 from app.replicas.base import UpstreamFailure
 from statemachine import events as ev
-from statemachine.events import Event, ReleaseReason
 from statemachine.phases import Phase
-from statemachine.state import RequestState, apply, fold
+from statemachine.request_state import RequestState
+from statemachine.state import fold
 
 log = logging.getLogger("phasegate.recovery")
 
@@ -48,20 +49,13 @@ async def close_in_log(
 ) -> None:
     """End a request from what the log holds of it (``state``): ``RequestFailed`` with
     ``code``, then its live attempts cancelled and their ends recorded."""
-    events: list[Event] = []
-
-    def record(cls: type[Event], **fields: object) -> None:
-        nonlocal state
-        event = cls(request_id=state.request_id, seq=state.seq + 1, occurred_at=ctx.wall_clock(), **fields)  # type: ignore[arg-type]
-        state = apply(state, event)
-        events.append(event)
-
+    recorder = Recorder(ctx, state)
     live = [attempt for attempt in state.attempts if attempt.live]
     if state.phase is not Phase.TERMINATED:
         for attempt in live:
             if not attempt.cancel_sent:
-                record(ev.CancelSent, attempt=attempt.attempt, lease_epoch=attempt.lease_epoch)
-        record(
+                recorder.record(ev.CancelSent, attempt=attempt.attempt, lease_epoch=attempt.lease_epoch)
+        recorder.record(
             ev.RequestFailed,
             code=code,
             message=message,
@@ -71,7 +65,6 @@ async def close_in_log(
         )
     lapsing = []
     for attempt in live:
-        scope = {"attempt": attempt.attempt, "lease_epoch": attempt.lease_epoch}
         replica = ctx.pool.replicas.get(attempt.replica_id)
         generated = None
         if replica is not None and replica.client.acknowledges_cancel:
@@ -80,18 +73,14 @@ async def close_in_log(
             except (UpstreamFailure, OSError) as exc:
                 log.info("cancel of lost attempt %s/%d: %r", state.request_id, attempt.attempt, exc)
         if generated is not None:
-            record(ev.CancelAcked, **scope, generated_tokens=generated)
-            record(ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
+            recorder.record_stopped(attempt.attempt, attempt.lease_epoch, generated)
         else:
-            lapsing.append(scope)
-    if events:
-        await ctx.store.append(state.request_id, state.seq - len(events), events, durable=True)
-        events.clear()
+            lapsing.append(attempt)
+    await recorder.flush(durable=True)
     if lapsing:
         # Nobody has renewed these leases since the gateway died, so each lapses on its
         # replica within one TTL from now at the latest: record it then.
         await asyncio.sleep(ctx.config.timeouts.lease_ttl_s)
-        for scope in lapsing:
-            record(ev.LeaseExpired, **scope)
-            record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
-        await ctx.store.append(state.request_id, state.seq - len(events), events, durable=False)
+        for attempt in lapsing:
+            recorder.record_stopped(attempt.attempt, attempt.lease_epoch, None)
+        await recorder.flush(durable=False)

@@ -1,4 +1,4 @@
-"""Executing tool calls once: the ledger claim, then the configured webhook.
+"""Tool calls: named, recorded, and executed once (the ledger claim, then the webhook).
 
 A tool call the model asks for is recorded as ``ToolCallEmitted`` with the
 idempotency key ``{request_id}:{tool_call_id}``; the gateway names tool calls the
@@ -10,9 +10,63 @@ header, so the receiving service can deduplicate too.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import httpx
+
+from app.driver.context import GatewayContext, ToolRunner
+from app.driver.recorder import Recorder
+from app.replicas.base import ToolCall
+from statemachine import events as ev
+
+
+class ToolCalls:
+    """The tool calls of one request's current attempt, by choice, as the client gets them."""
+
+    def __init__(self, ctx: GatewayContext, recorder: Recorder) -> None:
+        self.ctx = ctx
+        self.recorder = recorder
+        self.by_choice: dict[int, list[dict[str, Any]]] = {}
+
+    def restart(self) -> None:
+        """A new attempt: the calls of the one before never reached the client."""
+        self.by_choice = {}
+
+    async def emitted(self, attempt: int, lease_epoch: int, frame: ToolCall) -> None:
+        """The attempt asked for a tool call: record it, and run it unless the ledger
+        says another attempt already claimed it."""
+        request_id = self.recorder.request_id
+        # The gateway names tool calls itself, the same way for every attempt, so a
+        # retried attempt that asks for the same call meets the same ledger entry.
+        digest = hashlib.sha256(f"{request_id}:{frame.choice}:{frame.index}".encode()).hexdigest()
+        tool_call_id = f"call_{digest[:24]}"
+        key = f"{request_id}:{tool_call_id}"
+        self.recorder.record(
+            ev.ToolCallEmitted,
+            attempt=attempt,
+            lease_epoch=lease_epoch,
+            index=frame.index,
+            tool_call_id=tool_call_id,
+            name=frame.name,
+            arguments=frame.arguments,
+            idempotency_key=key,
+        )
+        call = {"id": tool_call_id, "type": "function", "function": {"name": frame.name, "arguments": frame.arguments}}
+        self.by_choice.setdefault(frame.choice, []).append(call)
+        runner = self.ctx.tool_runner
+        if runner is not None and await self.ctx.store.claim_tool_execution(
+            key, request_id, attempt, tool_call_id, frame.name, frame.arguments
+        ):
+            self.ctx.spawn(self._execute(runner, key, call), name=f"tool {key}")
+
+    async def _execute(self, runner: ToolRunner, key: str, call: dict[str, Any]) -> None:
+        try:
+            result = await runner({"idempotency_key": key, "request_id": self.recorder.request_id, **call})
+        except Exception as exc:
+            await self.ctx.store.record_tool_result(key, error=repr(exc))
+        else:
+            await self.ctx.store.record_tool_result(key, result=result)
 
 
 class WebhookRunner:

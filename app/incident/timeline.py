@@ -23,7 +23,8 @@ from statemachine.errors import IllegalTransition
 from statemachine.events import Event
 from statemachine.policy import PolicyConfig
 from statemachine.replay import DecisionRun, ReplayResult, decision_of, summary
-from statemachine.state import RequestState, apply
+from statemachine.request_state import RequestState
+from statemachine.state import apply
 
 HEADINGS = ("time", "+ms", "phase", "att", "replica", "event", "decision")
 

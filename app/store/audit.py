@@ -19,7 +19,8 @@ from app.store import schema
 from app.store.codec import from_row
 from statemachine.errors import StateMachineError
 from statemachine.events import Event
-from statemachine.state import RequestState, fold
+from statemachine.request_state import RequestState
+from statemachine.state import fold
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from app.incident.describe import describe_decision, describe_event, plural, pre
 from statemachine import events as ev
 from statemachine.events import Event
 from statemachine.replay import DecisionRun, ReplayResult, decision_of, summary
-from statemachine.state import DEAD_KINDS
+from statemachine.request_state import DEAD_KINDS
 
 LEFT = 190  # the lane labels' column
 COLUMN = 58  # between two events

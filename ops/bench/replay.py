@@ -37,9 +37,10 @@ sys.path.insert(0, str(REPO))
 
 from statemachine import events as ev  # noqa: E402
 from statemachine.events import Event, FailureKind, ReleaseReason  # noqa: E402
-from statemachine.policy import FailRequest, PolicyConfig, as_decided, decide  # noqa: E402
+from statemachine.policy import FailRequest, PolicyConfig, decide, decided_fields  # noqa: E402
 from statemachine.replay import replay  # noqa: E402
-from statemachine.state import RequestState, apply  # noqa: E402
+from statemachine.request_state import RequestState  # noqa: E402
+from statemachine.state import advance  # noqa: E402
 from statemachine.trace import dump_trace, parse_trace  # noqa: E402
 
 TARGET = 100_000
@@ -75,15 +76,13 @@ class Request:
 
     def add(self, cls: type[Event], **fields: Any) -> None:
         self.clock += timedelta(milliseconds=3)
-        event = cls(request_id=self.request_id, seq=len(self.events) + 1, occurred_at=self.clock, **fields)
-        self.state = apply(self.state, event)
+        self.state, event = advance(self.state, cls, self.clock, **fields)
         self.events.append(event)
 
     def decide(self) -> list[Any]:
         actions = decide(self.state, PolicyConfig())
         for action in actions:
-            decided = as_decided(action, request_id=self.request_id, seq=len(self.events) + 1, occurred_at=self.clock)
-            self.state = apply(self.state, decided)
+            self.state, decided = advance(self.state, ev.Decided, self.clock, **decided_fields(action))
             self.events.append(decided)
         return actions
 

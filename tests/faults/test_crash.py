@@ -30,7 +30,8 @@ from ops.processes import free_port, phasegate, start, stop, wait_http
 from statemachine import events as ev
 from statemachine.invariants import violations
 from statemachine.phases import Phase
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import Transcript, check_request, stream_chat
 from tests.support.workers import running_worker

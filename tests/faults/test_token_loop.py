@@ -21,7 +21,7 @@ import pytest
 from app.config import Timeouts
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
-from statemachine.state import Outcome, RequestState
+from statemachine.request_state import Outcome, RequestState
 from tests.faults.conftest import Evidence, Fleet, fleet_of
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import running_scripted_upstream

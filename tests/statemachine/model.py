@@ -23,10 +23,11 @@ from statemachine.policy import (
     PolicyConfig,
     StartAttempt,
     Wait,
-    as_decided,
     decide,
+    decided_fields,
 )
-from statemachine.state import DEAD_KINDS, RequestState, apply
+from statemachine.request_state import DEAD_KINDS, RequestState
+from statemachine.state import advance
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -63,9 +64,11 @@ class ModelDriver:
         config: PolicyConfig | None = None,
         replicas: tuple[str, ...] = ("w1", "w2", "w3"),
         global_budget: int = 100,
+        acknowledges_cancel: bool = True,
         **accepted_overrides: Any,
     ) -> None:
         self.config = config or PolicyConfig()
+        self.acknowledges_cancel = acknowledges_cancel  # the replicas' kind: a worker, or a plain OpenAI server
         self.replicas = replicas
         self.global_budget = global_budget
         self.events: list[Event] = []
@@ -82,9 +85,8 @@ class ModelDriver:
         return self.state.request_id
 
     def record(self, cls: type[Event], **fields: Any) -> Event:
-        seq = self.state.seq + 1
-        event = cls(request_id=self.request_id, seq=seq, occurred_at=T0 + timedelta(milliseconds=seq), **fields)
-        self.state = apply(self.state, event)
+        at = T0 + timedelta(milliseconds=self.state.seq + 1)
+        self.state, event = advance(self.state, cls, at, **fields)
         self.events.append(event)
         return event
 
@@ -103,12 +105,7 @@ class ModelDriver:
             if not actions:
                 return taken
             for action in actions:
-                seq = self.state.seq + 1
-                decided = as_decided(
-                    action, request_id=self.request_id, seq=seq, occurred_at=T0 + timedelta(milliseconds=seq)
-                )
-                self.state = apply(self.state, decided)
-                self.events.append(decided)
+                self.record(ev.Decided, **decided_fields(action))
             for action in actions:
                 self.act(action)
             taken.extend(actions)
@@ -132,6 +129,7 @@ class ModelDriver:
                     lease_epoch=self.epoch,
                     replica_id=free[0],
                     lease_expires_at=T0 + timedelta(seconds=5),
+                    acknowledges_cancel=self.acknowledges_cancel,
                 )
         elif isinstance(action, FenceAttempt):
             self.record(ev.AttemptFenced, **self.scoped(action.attempt), waiting_for=action.wait_for)

@@ -9,7 +9,7 @@ import pytest
 
 from statemachine.evolve import evolve
 from statemachine.phases import Phase
-from statemachine.state import AttemptState, RequestState
+from statemachine.request_state import AttemptState, RequestState
 
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
 

@@ -13,7 +13,8 @@ from statemachine.errors import IllegalTransition
 from statemachine.events import EVENT_TYPES, FailureKind, ReleaseReason
 from statemachine.phases import TRANSITIONS, Phase, next_phase
 from statemachine.policy import PolicyConfig
-from statemachine.state import Outcome, RequestState, apply, fold
+from statemachine.request_state import Outcome, RequestState
+from statemachine.state import apply, fold
 from tests.statemachine.model import ModelDriver, accepted
 from tests.statemachine.test_events import sample_event
 

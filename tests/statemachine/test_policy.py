@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from statemachine import events as ev
+from statemachine.errors import IllegalTransition
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import (
@@ -16,11 +17,11 @@ from statemachine.policy import (
     PolicyConfig,
     StartAttempt,
     Wait,
-    as_decided,
     decide,
+    decided_fields,
 )
-from statemachine.state import Outcome, apply
-from tests.statemachine.model import T0, ModelDriver
+from statemachine.request_state import ActionName, FenceWait, Outcome
+from tests.statemachine.model import ModelDriver
 
 
 def started_attempts(driver: ModelDriver) -> list[ev.AttemptStarted]:
@@ -104,7 +105,10 @@ def test_after_the_first_delta_every_failure_terminates_without_retry(kind: Fail
     )
     assert fail.message == "generation stopped after part of the answer was sent"
     live_source = kind in (FailureKind.LIVENESS_UNCERTAIN, FailureKind.OVERLOADED)
-    assert actions[:-1] == ([FenceAttempt(f"{kind.value}_after_first_delta", 1)] if live_source else [])
+    ends_now = FenceAttempt(
+        f"{kind.value}_after_first_delta", 1, FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY, request_waits=False
+    )
+    assert actions[:-1] == ([ends_now] if live_source else [])
     assert len(started_attempts(driver)) == 1
     assert driver.state.phase is Phase.TERMINATED
 
@@ -126,7 +130,7 @@ def test_uncertain_liveness_fences_first_then_retries_if_nothing_was_sent(releas
     driver = ModelDriver()
     driver.first_token()
     actions = driver.fail(FailureKind.LIVENESS_UNCERTAIN)
-    assert actions == [FenceAttempt("liveness_uncertain", 1)]
+    assert actions == [FenceAttempt("liveness_uncertain", 1, FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY, request_waits=True)]
     assert driver.state.phase is Phase.FENCED
     assert decide(driver.state, driver.config) == []  # waits: a cancel sent is not a cancel proven
     assert len(started_attempts(driver)) == 1
@@ -134,6 +138,26 @@ def test_uncertain_liveness_fences_first_then_retries_if_nothing_was_sent(releas
     assert len(started_attempts(driver)) == 2
     kinds = [type(e).__name__ for e in driver.events]
     assert kinds.index("AttemptReleased") < kinds.index("AttemptStarted", kinds.index("AttemptReleased"))
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_replica_without_cancel_acks_is_fenced_until_its_lease_expires(delivered: bool) -> None:
+    driver = ModelDriver(acknowledges_cancel=False)
+    if delivered:
+        driver.deliver(2)
+    actions = driver.fail(FailureKind.LIVENESS_UNCERTAIN)
+    fence = actions[0]
+    assert isinstance(fence, FenceAttempt)
+    assert fence.wait_for is FenceWait.LEASE_EXPIRY
+    assert fence.request_waits is not delivered  # after the first delta the stream ends at once
+    fenced = [e for e in driver.events if isinstance(e, ev.AttemptFenced)]
+    assert [e.waiting_for for e in fenced] == ["lease_expiry"]
+
+
+def test_a_decision_the_policy_does_not_know_is_illegal() -> None:
+    driver = ModelDriver()
+    with pytest.raises(IllegalTransition, match="unknown action 'reboot'"):
+        driver.record(ev.Decided, action="reboot", reason="why not", policy_version="x", params={})
 
 
 def test_soft_timeout_on_an_overloaded_replica_waits_once() -> None:
@@ -157,7 +181,7 @@ def test_hard_deadline_on_an_overloaded_replica_fences_and_migrates() -> None:
     driver = ModelDriver()
     driver.fail(FailureKind.OVERLOADED, deadline=Deadline.SOFT)
     actions = driver.fail(FailureKind.OVERLOADED, deadline=Deadline.HARD)
-    assert actions == [FenceAttempt("overloaded", 1)]
+    assert actions == [FenceAttempt("overloaded", 1, FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY, request_waits=True)]
     driver.ack()
     assert [a.replica_id for a in started_attempts(driver)] == ["w1", "w2"]
 
@@ -256,9 +280,8 @@ def test_nothing_is_decided_while_a_decision_is_pending_or_after_the_end() -> No
     driver = ModelDriver()
     driver.record(ev.UpstreamFailed, **driver.scoped(), kind=FailureKind.LIVENESS_UNCERTAIN, detail="stall")
     (fence,) = decide(driver.state, driver.config)
-    decided = as_decided(fence, request_id=driver.request_id, seq=driver.state.seq + 1, occurred_at=T0)
-    driver.state = apply(driver.state, decided)
-    assert driver.state.pending == frozenset({"fence_attempt"})
+    driver.record(ev.Decided, **decided_fields(fence))
+    assert driver.state.pending == frozenset({ActionName.FENCE_ATTEMPT})
     assert decide(driver.state, driver.config) == []
 
 

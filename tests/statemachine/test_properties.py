@@ -17,7 +17,8 @@ from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import PolicyConfig
 from statemachine.replay import replay
-from statemachine.state import DEAD_KINDS, fold
+from statemachine.request_state import DEAD_KINDS
+from statemachine.state import fold
 from tests.statemachine.model import ModelDriver
 
 

@@ -13,7 +13,7 @@ from statemachine.errors import IllegalTransition, TraceError
 from statemachine.jsonform import to_json
 from statemachine.policy import PolicyConfig
 from statemachine.replay import ReplayDivergence, replay
-from statemachine.state import Outcome
+from statemachine.request_state import Outcome
 from statemachine.trace import dump_trace, parse_trace
 from tests.statemachine.model import ModelDriver
 from tests.traces.generate import SCENARIOS

@@ -21,7 +21,8 @@ from ops.transcript import Transcript
 from statemachine import events as ev
 from statemachine.events import ReleaseReason
 from statemachine.invariants import violations
-from statemachine.state import RequestState, fold
+from statemachine.request_state import RequestState
+from statemachine.state import fold
 
 
 def stream_chat(

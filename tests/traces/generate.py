@@ -13,9 +13,10 @@ from pathlib import Path
 
 from statemachine import events as ev
 from statemachine.events import Deadline, FailureKind
-from statemachine.policy import FenceAttempt, as_decided
+from statemachine.policy import FenceAttempt, decided_fields
+from statemachine.request_state import FenceWait
 from statemachine.trace import dump_trace
-from tests.statemachine.model import T0, ModelDriver
+from tests.statemachine.model import ModelDriver
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,11 +86,10 @@ def divergent_soft_timeout_migrated() -> ModelDriver:
         detail="queued 2s",
         deadline=Deadline.SOFT,
     )
-    old = as_decided(
-        FenceAttempt("overloaded", 1), request_id=driver.request_id, seq=driver.state.seq + 1, occurred_at=T0
-    )
-    driver.record(ev.Decided, action=old.action, reason=old.reason, policy_version="2026-10-01.0", params=old.params)
-    driver.act(FenceAttempt("overloaded", 1))
+    old = FenceAttempt("overloaded", 1, FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY, request_waits=True)
+    params = {"attempt": 1, "wait_for": "cancel_ack_or_lease_expiry"}  # as that policy recorded a fence
+    driver.record(ev.Decided, **{**decided_fields(old), "policy_version": "2026-10-01.0", "params": params})
+    driver.act(old)
     driver.ack()
     driver.deliver(1, "z")
     driver.complete()

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
-from app.api.schemas import CHAT, COMPLETIONS, parse_request
+from app.api.schemas import parse_request
 from app.config import Limits
+from app.driver.request import CHAT, COMPLETIONS
 
 LIMITS = Limits(max_tokens=1000, default_max_tokens=64)
 

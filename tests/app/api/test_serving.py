@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from statemachine import events as ev
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess
 

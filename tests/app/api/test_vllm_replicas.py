@@ -16,7 +16,8 @@ import pytest
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.replay import replay
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.app.conftest import add_fault
 from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess, running_vllm_openai_server, start_worker, vllm_env

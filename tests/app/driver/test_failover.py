@@ -18,7 +18,8 @@ from app.config import Timeouts
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
 from statemachine.replay import replay
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of

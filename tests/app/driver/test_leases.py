@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from app.config import Timeouts
 from statemachine import events as ev
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.streams import metric
 from tests.support.workers import running_worker

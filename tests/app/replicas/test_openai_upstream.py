@@ -16,7 +16,8 @@ from app.replicas.openai_upstream import _parse_chunk
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
 from statemachine.replay import replay
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import ScriptedUpstream, answer, running_scripted_upstream
 from tests.support.transcript import of

@@ -18,6 +18,7 @@ from statemachine.events import (
     CancelAcked,
     CancelSent,
     ClientDisconnected,
+    Decided,
     DeltasDelivered,
     Event,
     FailureKind,
@@ -32,8 +33,9 @@ from statemachine.events import (
     ToolCallEmitted,
     UpstreamFailed,
 )
-from statemachine.policy import Action, FailRequest, PolicyConfig, as_decided, decide
-from statemachine.state import RequestState, apply
+from statemachine.policy import Action, FailRequest, FenceAttempt, PolicyConfig, decide, decided_fields
+from statemachine.request_state import RequestState
+from statemachine.state import advance
 
 T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
 
@@ -61,8 +63,7 @@ class Trace:
 
     def add(self, cls: type[Event], after_ms: float = 1.0, **fields: Any) -> Event:
         self.clock += timedelta(milliseconds=after_ms)
-        event = cls(request_id=self.request_id, seq=len(self.events) + 1, occurred_at=self.clock, **fields)
-        self.state = apply(self.state, event)  # raises on an illegal sequence
+        self.state, event = advance(self.state, cls, self.clock, **fields)  # raises on an illegal sequence
         self.events.append(event)
         return event
 
@@ -97,11 +98,7 @@ class Trace:
         """Record what the policy decides now, as ``Decided`` events."""
         actions = decide(self.state, PolicyConfig())
         for action in actions:
-            self.clock += timedelta(milliseconds=after_ms)
-            seq = len(self.events) + 1
-            decided = as_decided(action, request_id=self.request_id, seq=seq, occurred_at=self.clock)
-            self.state = apply(self.state, decided)
-            self.events.append(decided)
+            self.add(Decided, after_ms, **decided_fields(action))
         self.actions = actions
         return actions
 
@@ -186,8 +183,8 @@ class Trace:
     def failed_as_decided(self, after_ms: float = 0.5) -> Trace:
         """Decide, carry out a fence if decided, and fail the request as decided."""
         actions = self.decide()
-        if any(action.name == "fence_attempt" for action in actions):
-            self.add(AttemptFenced, after_ms, **self._scope(), waiting_for="cancel_ack_or_lease_expiry")
+        for fence in (action for action in actions if isinstance(action, FenceAttempt)):
+            self.add(AttemptFenced, after_ms, **self._scope(), waiting_for=fence.wait_for)
         (failure,) = (action for action in actions if isinstance(action, FailRequest))
         self.add(
             RequestFailed,

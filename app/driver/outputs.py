@@ -1,0 +1,62 @@
+"""What a request driver yields for its client; the HTTP layer renders each one.
+
+The driver says what happened in the domain's words; how it looks on the wire
+(an SSE chunk, an OpenAI error body, an HTTP status) is the API's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from statemachine.policy import FailRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    choice: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """A new attempt replaced one whose output never reached the client: drop it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reasons: tuple[str, ...]
+    usage: dict[str, int]
+    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed; the fields of the error the client is told (DESIGN.md §6)."""
+
+    code: str
+    message: str
+    partial_output: bool
+    delivered_output_tokens: int
+    retryable: bool
+    http_status: int  # when no header went out yet; else the stream's final error event
+
+    @classmethod
+    def decided(cls, action: FailRequest) -> Failed:
+        """What the client is told of a failure the policy decided."""
+        return cls(
+            code=action.code,
+            message=action.message,
+            partial_output=action.partial_output,
+            delivered_output_tokens=action.delivered_output_tokens,
+            retryable=action.retryable,
+            http_status=action.http_status,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    reason: str
+
+
+Output = Delta | Restarted | Finished | Failed | Cancelled

@@ -1,0 +1,157 @@
+"""What the fold knows of a request: frozen values, built by :mod:`statemachine.state`.
+
+:class:`RequestState` is the request as its log tells it so far, with one
+:class:`AttemptState` per attempt. The vocabulary that the state and the policy share
+lives here too: which decided actions are still pending (:class:`ActionName`), why a
+decided start was refused (:class:`StartRefusal`), how the request ended
+(:class:`Outcome`). Nothing here changes a value; :func:`statemachine.state.apply` does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+
+from statemachine.events import Deadline, FailureKind, ReleaseReason
+from statemachine.phases import Phase
+
+# Failures after which the attempt is surely not running: nothing to fence.
+DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
+
+
+class Outcome(enum.StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ActionName(enum.StrEnum):
+    """The policy's actions, as ``Decided`` events name them."""
+
+    START_ATTEMPT = "start_attempt"
+    FENCE_ATTEMPT = "fence_attempt"
+    CANCEL_ATTEMPT = "cancel_attempt"
+    WAIT = "wait"
+    FAIL_REQUEST = "fail_request"
+    CANCEL_REQUEST = "cancel_request"
+
+
+class StartRefusal(enum.StrEnum):
+    """Why a decided attempt did not start."""
+
+    NO_REPLICA = "no_replica"  # NoReplicaAvailable
+    RETRY_BUDGET = "retry_budget"  # RetryBudgetDenied
+
+
+class FenceWait(enum.StrEnum):
+    """What a fenced attempt's release waits for (``AttemptFenced.waiting_for``)."""
+
+    CANCEL_ACK_OR_LEASE_EXPIRY = "cancel_ack_or_lease_expiry"  # a replica that acknowledges cancels
+    LEASE_EXPIRY = "lease_expiry"  # one that does not: only its lease proves it stopped
+
+
+@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
+class AttemptState:
+    attempt: int
+    lease_epoch: int
+    replica_id: str
+    started_at: datetime
+    lease_expires_at: datetime
+    acknowledges_cancel: bool = True  # the replica confirms a cancel (a worker); else only the lease
+    first_token_received: bool = False
+    failure: FailureKind | None = None
+    failure_deadline: Deadline | None = None
+    failure_detail: str | None = None
+    upstream_status: int | None = None
+    upstream_code: str | None = None
+    failure_answered: bool = False  # a decision was recorded after the last failure
+    fenced: bool = False
+    cancel_sent: bool = False
+    cancel_acked: bool = False
+    lease_expired: bool = False
+    released: ReleaseReason | None = None
+    completed: bool = False
+
+    @property
+    def dead(self) -> bool:
+        return self.failure in DEAD_KINDS
+
+    @property
+    def live(self) -> bool:
+        """Presumed able to publish: not known dead, not released, not finished."""
+        return not self.dead and self.released is None and not self.completed
+
+    @property
+    def fence_wait(self) -> FenceWait:
+        """What fencing this attempt waits for."""
+        return FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY if self.acknowledges_cancel else FenceWait.LEASE_EXPIRY
+
+    @property
+    def ended(self) -> str | None:
+        """How the attempt ended, in the log's words, or ``None`` while it is live."""
+        if self.completed:
+            return "completed"
+        if self.released is not None:
+            return self.released.value
+        if self.dead:
+            assert self.failure is not None
+            return self.failure.value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class EmittedToolCall:
+    """A tool call an attempt asked for, as ``ToolCallEmitted`` recorded it."""
+
+    attempt: int
+    index: int
+    tool_call_id: str
+    name: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
+class RequestState:
+    request_id: str
+    phase: Phase = Phase.NEW
+    seq: int = 0
+    model: str = ""
+    tenant: str = ""
+    prompt_tokens: int = 0
+    n: int = 1
+    guided: bool = False
+    tools: bool = False
+    max_attempts: int = 0
+    attempts: tuple[AttemptState, ...] = ()
+    first_delta_attempt: int | None = None
+    delivered_deltas: int = 0
+    delivered_output_tokens: int = 0
+    tool_calls: tuple[EmittedToolCall, ...] = ()
+    client_gone: bool = False
+    start_refused: StartRefusal | None = None
+    pending: frozenset[ActionName] = frozenset()  # decided actions not yet seen carried out
+    outcome: Outcome | None = None
+    error_code: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def first_delta_sent(self) -> bool:
+        return self.first_delta_attempt is not None
+
+    @property
+    def current_attempt(self) -> AttemptState | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def retry_budget_left(self) -> int:
+        return max(self.max_attempts - len(self.attempts), 0)
+
+    @property
+    def replicas_tried(self) -> tuple[str, ...]:
+        return tuple(attempt.replica_id for attempt in self.attempts)
+
+    def attempt(self, number: int) -> AttemptState | None:
+        if 1 <= number <= len(self.attempts):
+            return self.attempts[number - 1]
+        return None
