@@ -2,11 +2,14 @@
 
 How this works. Heartbeats while the attempt waits for a slot (``queued``, with its
 position) and while the engine prefills; then one frame per engine output. Before every
-frame the lease is checked (``Worker.may_publish``, or inline on the token path) and a
+frame the lease is checked (``may_publish``, or inline on the token path) and a
 stopped attempt publishes nothing more. When the loop ends early it waits for the engine
 to confirm the abort, then writes the one ``error`` frame that says why. Scripted faults
 act at their token here. The per-token path is kept to a few attribute reads, one
 ``time.monotonic()`` and one ``bytes`` formatting.
+
+The loop reaches the worker that admitted the attempt only through :class:`AttemptHost`,
+so this module imports nothing from the worker's.
 """
 
 from __future__ import annotations
@@ -18,16 +21,14 @@ import os
 import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from app.worker.engine import EngineFailed, EngineOutput
+from app.worker.engine import Engine, EngineFailed, EngineOutput
 from app.worker.faults import Action, Fault, Point
 from app.worker.leases import Attempt, Stop
 from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
 from app.worker.sim import tool_call_id
-
-if TYPE_CHECKING:
-    from app.worker.attempts import Worker
+from app.worker.stats import WorkerStats
 
 log = logging.getLogger("phasegate.worker")
 FIRST = asyncio.FIRST_COMPLETED
@@ -50,6 +51,34 @@ _YIELD_EVERY = 16
 _MALFORMED_FRAME = b'{"type":"token","choice":0,"index":\n'
 
 
+class AttemptHost(Protocol):
+    """What the frame loop needs from the worker that admitted the attempt."""
+
+    engine: Engine
+    stats: WorkerStats
+    streams_open: int  # response bodies being written, for the drain
+
+    def may_publish(self, attempt: Attempt) -> bool:
+        """The check before a frame: not stopped and the lease not lapsed (else stop it now)."""
+        ...
+
+    def queue_position(self, attempt: Attempt) -> int:
+        """1 for the next in line; 0 once it holds a slot."""
+        ...
+
+    def stop(self, attempt: Attempt, reason: Stop) -> None:
+        """End an attempt early: publish nothing more and abort its engine request."""
+        ...
+
+    async def confirmed(self, attempt: Attempt) -> bool:
+        """Wait (a bounded time) for the engine to confirm the attempt's abort."""
+        ...
+
+    def release(self, attempt: Attempt) -> None:
+        """The engine is done with this attempt: free its slot for the next in line."""
+        ...
+
+
 def die() -> None:
     """Real process death: SIGKILL our process group if we lead one (engine children too)."""
     if os.getpgrp() == os.getpid():
@@ -57,7 +86,7 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
+async def frames(worker: AttemptHost, attempt: Attempt) -> AsyncIterator[bytes]:
     """The response body of a started attempt (see the module docstring)."""
     worker.streams_open += 1
     outputs: AsyncIterator[EngineOutput] | None = None
@@ -118,7 +147,7 @@ async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
             await outputs.aclose()  # type: ignore[attr-defined]
 
 
-async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
+async def _prefill_fault(worker: AttemptHost, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
     """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
     if fault.action is Action.DIE and fault.point is Point.PREFILL:
         await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
@@ -134,7 +163,7 @@ async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> Asyn
 
 
 async def _decode(
-    worker: Worker, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
+    worker: AttemptHost, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
 ) -> AsyncGenerator[bytes | None, None]:
     """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
     n = attempt.spec.sampling.n
