@@ -23,9 +23,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
+from app.worker.attempt import Attempt, Stop
 from app.worker.engine import Engine, EngineFailed, EngineOutput
 from app.worker.faults import Action, Fault, Point
-from app.worker.leases import Attempt, Stop
 from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
 from app.worker.sim import tool_call_id
 from app.worker.stats import WorkerStats

@@ -18,10 +18,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+from app.worker.attempt import Attempt, AttemptTable, Stop
 from app.worker.engine import Engine
 from app.worker.faults import Action, FaultBook
 from app.worker.frames import frames
-from app.worker.leases import Attempt, AttemptTable, Stop
 from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal
 from app.worker.stats import WorkerStats
 
