@@ -25,7 +25,7 @@ from typing import Protocol
 
 from app.worker.attempt import Attempt, Stop
 from app.worker.engine import Engine, EngineFailed, EngineOutput
-from app.worker.faults import Action, Fault, Point
+from app.worker.faults import Fault, FaultAction, Point
 from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
 from app.worker.sim import tool_call_id
 from app.worker.stats import WorkerStats
@@ -149,10 +149,10 @@ async def frames(worker: AttemptHost, attempt: Attempt) -> AsyncIterator[bytes]:
 
 async def _prefill_fault(worker: AttemptHost, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
     """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
-    if fault.action is Action.DIE and fault.point is Point.PREFILL:
+    if fault.action is FaultAction.DIE and fault.point is Point.PREFILL:
         await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
         die()
-    if fault.action is Action.SLOW_PREFILL:
+    if fault.action is FaultAction.SLOW_PREFILL:
         interval = attempt.spec.heartbeat_s * 0.9
         until = time.monotonic() + fault.prefill_ms / 1000
         while (left := until - time.monotonic()) > 0:
@@ -199,30 +199,32 @@ async def _decode(
             frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
             # the engine's own tool call, reached after k tokens: publish it, then die
             die_after = (
-                fault is not None and fault.action is Action.TOOL_CALL_THEN_DIE and fault_at == attempt.published_tokens
+                fault is not None
+                and fault.action is FaultAction.TOOL_CALL_THEN_DIE
+                and fault_at == attempt.published_tokens
             )
         elif token_count or output.text:
             if attempt.published_tokens == fault_at:
                 assert fault is not None
                 action = fault.action
-                if action is Action.DIE:
+                if action is FaultAction.DIE:
                     if fault.point is Point.BEFORE_FRAME:
                         die()
                     die_after = fault.point is Point.AFTER_FRAME
-                elif action is Action.STALL:
+                elif action is FaultAction.STALL:
                     # cancel, lease expiry or drain ends it (wait(), not await: a
                     # cancelled reader must not cancel the shared signal)
                     await asyncio.wait((attempt.stop_signal,))
                     yield None
                     return
-                elif action is Action.MALFORMED_FRAME:
+                elif action is FaultAction.MALFORMED_FRAME:
                     yield _MALFORMED_FRAME
                     if not worker.may_publish(attempt):
                         return
-                elif action is Action.CLOSE_WITHOUT_DONE:
+                elif action is FaultAction.CLOSE_WITHOUT_DONE:
                     worker.stop(attempt, Stop.FAULT)
                     return
-                elif action is Action.TOOL_CALL_THEN_DIE:
+                elif action is FaultAction.TOOL_CALL_THEN_DIE:
                     call_id = tool_call_id(attempt.spec.request_id, 0, 0)
                     yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
                     await asyncio.sleep(0.02)  # let the frame leave
@@ -249,7 +251,7 @@ async def _decode(
         except StopAsyncIteration:
             raise EngineFailed("the engine ended the request without a finish reason") from None
     worker.release(attempt)
-    if fault is not None and fault.action is Action.CLOSE_WITHOUT_DONE:
+    if fault is not None and fault.action is FaultAction.CLOSE_WITHOUT_DONE:
         worker.stop(attempt, Stop.FAULT)
     if not worker.may_publish(attempt):
         return

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from app.worker.attempt import Attempt, AttemptTable, Stop
 from app.worker.engine import Engine
-from app.worker.faults import Action, FaultBook
+from app.worker.faults import FaultAction, FaultBook
 from app.worker.frames import frames
 from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal
 from app.worker.stats import WorkerStats
@@ -87,7 +87,7 @@ class Worker:
         if not has_slot and len(self._waiting) >= self.max_queued:
             raise Refusal(429, Code.QUEUE_FULL, f"{self.max_queued} attempts already wait here", retry_after=1)
         fault = self.faults.take(spec) if self.faults else None
-        if fault is not None and fault.action is Action.REJECT:
+        if fault is not None and fault.action is FaultAction.REJECT:
             raise fault.reject()
         attempt = Attempt(spec, prepared, fault, now)
         self.table.add(attempt, now)
