@@ -1,6 +1,6 @@
 """The gateway's client for the worker protocol (docs/worker-protocol.md), on httpx.
 
-``WorkerClient.start`` returns an :class:`AttemptStream` of typed frames (:class:`Heartbeat`,
+``WorkerClient.start`` returns :class:`AttemptFrames`, the attempt's typed frames (:class:`Heartbeat`,
 :class:`Token`, :class:`ToolCall`, :class:`Done`); ``renew``, ``cancel`` and ``health``
 are plain calls. Every failure is a :class:`WorkerError` from ``worker_errors.py``,
 re-exported here, whose tree maps each observation onto a ``FailureKind``::
@@ -49,7 +49,7 @@ from app.replicas.worker_errors import (
 
 __all__ = [
     "AttemptEnded",
-    "AttemptStream",
+    "AttemptFrames",
     "CancelAck",
     "ConnectFailed",
     "ConnectTimedOut",
@@ -113,7 +113,7 @@ _DRAIN_S = 0.5  # the worker ends the body right after done
 _YIELD_EVERY = 16
 
 
-class AttemptStream:
+class AttemptFrames:
     """The frames of one started attempt; iterate it, then it closes itself.
 
     Iteration ends after :class:`Done`; an ``error`` frame or a transport failure raises a
@@ -129,7 +129,7 @@ class AttemptStream:
         self._tail = b""
         self._until_yield = _YIELD_EVERY
 
-    async def __aenter__(self) -> AttemptStream:
+    async def __aenter__(self) -> AttemptFrames:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -138,7 +138,7 @@ class AttemptStream:
     async def aclose(self) -> None:
         await self.response.aclose()
 
-    def __aiter__(self) -> AttemptStream:
+    def __aiter__(self) -> AttemptFrames:
         return self
 
     async def __anext__(self) -> Frame:
@@ -292,7 +292,7 @@ class WorkerClient:
         params: Mapping[str, Any] | None = None,
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
-    ) -> AttemptStream:
+    ) -> AttemptFrames:
         """Start an attempt; return its frames once the worker accepted it.
 
         A refusal raises before any frame: :class:`Rejected`, :class:`ReplicaExiting` or
@@ -325,7 +325,7 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
         if response.status_code == 200:
-            return AttemptStream(response)
+            return AttemptFrames(response)
         try:
             await response.aread()
         except httpx.HTTPError as exc:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.replicas.worker_client import (
-    AttemptStream,
+    AttemptFrames,
     Done,
     Frame,
     Heartbeat,
@@ -57,7 +57,7 @@ class Collected:
 
 
 async def collect(
-    stream: AttemptStream,
+    stream: AttemptFrames,
     *,
     t0: float | None = None,
     max_frames: int | None = None,

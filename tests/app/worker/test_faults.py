@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app.replicas.worker_client import (
-    AttemptStream,
+    AttemptFrames,
     ConnectFailed,
     MalformedFrame,
     ReadStalled,
@@ -38,7 +38,7 @@ TOOLS = [
 
 async def begin(
     client: WorkerClient, rid: str, *, prompt: str = "go on", attempt: int = 1, **kwargs: Any
-) -> AttemptStream:
+) -> AttemptFrames:
     kwargs.setdefault("params", LONG)
     return await client.start(
         request_id=rid, attempt=attempt, lease_epoch=1, lease_ttl_s=30, model="sim", prompt=prompt, **kwargs

@@ -11,7 +11,7 @@ import pytest
 
 from app.replicas.worker_client import (
     AttemptEnded,
-    AttemptStream,
+    AttemptFrames,
     Done,
     Heartbeat,
     LeaseLost,
@@ -40,7 +40,7 @@ async def begin(
     prompt: str = "go on",
     params: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> AttemptStream:
+) -> AttemptFrames:
     """Start an attempt with the protocol suite's defaults."""
     return await client.start(
         request_id=rid,
