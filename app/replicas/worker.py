@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import httpx
 
+from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, UpstreamFailure
-from app.replicas.worker_client import AttemptFrames, LeaseRenewed, WorkerClient
+from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
 from statemachine.events import FailureKind
 

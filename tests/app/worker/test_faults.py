@@ -11,16 +11,15 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import (
-    AttemptFrames,
+from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.worker_client import WorkerClient, http_client
+from app.replicas.worker_errors import (
     ConnectFailed,
     MalformedFrame,
     ReadStalled,
     Rejected,
     ReplicaExiting,
     StreamBroken,
-    WorkerClient,
-    http_client,
 )
 from app.worker.sim import tool_call_id
 from statemachine.events import FailureKind

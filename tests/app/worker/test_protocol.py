@@ -9,18 +9,10 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import (
-    AttemptEnded,
-    AttemptFrames,
-    Done,
-    Heartbeat,
-    LeaseLost,
-    Rejected,
-    RequestRefused,
-    Token,
-    WorkerClient,
-    http_client,
-)
+from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.base import Done, Heartbeat, Token
+from app.replicas.worker_client import WorkerClient, http_client
+from app.replicas.worker_errors import AttemptEnded, LeaseLost, Rejected, RequestRefused
 from statemachine.events import FailureKind
 from tests.app.worker.engines import EngineUnderTest
 from tests.support.streams import add_fault, attempt_state, collect, metric
