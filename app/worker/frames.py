@@ -26,7 +26,8 @@ from typing import Protocol
 from app.worker.attempt import Attempt, Stop
 from app.worker.engine import Engine, EngineFailed, EngineOutput
 from app.worker.faults import Fault, FaultAction, Point
-from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.frame_encoders import done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.protocol import Code
 from app.worker.sim import tool_call_id
 from app.worker.stats import WorkerStats
 
