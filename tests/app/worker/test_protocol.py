@@ -199,9 +199,9 @@ async def _cancel_mid_generation(engine: EngineUnderTest, client: WorkerClient) 
     assert isinstance(after.error, AttemptEnded) and after.error.code == "cancelled"
     assert after.error.generated_tokens == ack.generated_tokens
     assert len(before.tokens) + len(after.tokens) == state["published_tokens"]
-    return True
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # generation stays stopped after the acknowledgement
     assert (await attempt_state(engine.worker.base_url, rid))["generated_tokens"] == state["generated_tokens"]
+    return True
 
 
 async def test_heartbeats_while_queued_then_429_when_the_queue_is_full(engine: EngineUnderTest, client: WorkerClient):
