@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from app.config import ReplicaConfig
 from app.replicas.base import ReplicaClient, UpstreamFailure
-from app.replicas.leases import LeaseRenewer
+from app.replicas.renewer import LeaseRenewer
 from statemachine.events import FailureKind
 
 log = logging.getLogger("phasegate.pool")

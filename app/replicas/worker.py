@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import httpx
 
+from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, UpstreamFailure
-from app.replicas.worker_client import AttemptStream, LeaseRenewed, WorkerClient
+from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
 from statemachine.events import FailureKind
 
@@ -84,10 +85,10 @@ class WorkerReplica:
 
 
 class _WorkerStream:
-    def __init__(self, stream: AttemptStream) -> None:
+    def __init__(self, stream: AttemptFrames) -> None:
         self._stream = stream
 
-    def frames(self) -> AttemptStream:
+    def frames(self) -> AttemptFrames:
         return self._stream  # an async iterator of the driver's frames, raising UpstreamFailures
 
     async def close(self) -> None:

@@ -1,81 +1,33 @@
 """The gateway's client for the worker protocol (docs/worker-protocol.md), on httpx.
 
-``WorkerClient.start`` returns an :class:`AttemptStream` of typed frames (:class:`Heartbeat`,
-:class:`Token`, :class:`ToolCall`, :class:`Done`); ``renew``, ``cancel`` and ``health``
-are plain calls. Every failure is a :class:`WorkerError` from ``worker_errors.py``,
-re-exported here, whose tree maps each observation onto a ``FailureKind``::
-
-    WorkerError
-    ├── ReplicaExited (ConnectFailed, StreamBroken, ReplicaExiting)        replica_exited
-    ├── LivenessUncertain (ConnectTimedOut, ReadStalled, MalformedFrame,
-    │                      ControlUnanswered)                              liveness_uncertain
-    ├── Rejected                                                           rejected
-    ├── RequestRefused                                                     request_refused
-    └── AttemptEnded (LeaseLost)                                           replica_exited
-
-The per-frame path is one ``json.loads`` and one small object per line.
+``WorkerClient.start`` returns :class:`AttemptFrames` (attempt_frames.py), the attempt's
+typed frames; ``renew``, ``cancel`` and ``health`` are plain calls. Every failure is a
+:class:`WorkerError`; the tree of them, each with the failure kind it maps onto, opens
+``worker_errors.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import ssl
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.worker_errors import (
-    AttemptEnded,
-    ConnectFailed,
-    ConnectTimedOut,
     ControlUnanswered,
     LeaseLost,
-    LivenessUncertain,
-    MalformedFrame,
-    ReadStalled,
     Rejected,
-    ReplicaExited,
     ReplicaExiting,
     RequestRefused,
     StreamBroken,
     WorkerError,
+    transport_error,
 )
 
-__all__ = [
-    "AttemptEnded",
-    "AttemptStream",
-    "CancelAck",
-    "ConnectFailed",
-    "ConnectTimedOut",
-    "ControlUnanswered",
-    "Done",
-    "Frame",
-    "Health",
-    "Heartbeat",
-    "LeaseLost",
-    "LeaseRenewed",
-    "LivenessUncertain",
-    "MalformedFrame",
-    "ReadStalled",
-    "Rejected",
-    "ReplicaExited",
-    "ReplicaExiting",
-    "RequestRefused",
-    "StreamBroken",
-    "Token",
-    "ToolCall",
-    "WorkerClient",
-    "WorkerError",
-    "http_client",
-]
-
-# --- frames: the driver's own (app/replicas/base.py), built here straight from each line ---
+# --- answers to the control calls ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,124 +58,7 @@ class Health:
     details: dict[str, Any]
 
 
-# --- the stream --------------------------------------------------------------------------
-
-_loads = json.loads
-_DRAIN_S = 0.5  # the worker ends the body right after done
-_YIELD_EVERY = 16
-
-
-class AttemptStream:
-    """The frames of one started attempt; iterate it, then it closes itself.
-
-    Iteration ends after :class:`Done`; an ``error`` frame or a transport failure raises a
-    :class:`WorkerError`. Use ``async with`` (or ``aclose``) if you stop reading early.
-    """
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self.worker_id = response.headers.get("x-phasegate-worker")
-        self.done = False
-        self._raw = response.aiter_raw()
-        self._lines: deque[bytes] = deque()
-        self._tail = b""
-        self._until_yield = _YIELD_EVERY
-
-    async def __aenter__(self) -> AttemptStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self.response.aclose()
-
-    def __aiter__(self) -> AttemptStream:
-        return self
-
-    async def __anext__(self) -> Frame:
-        self._until_yield -= 1
-        if not self._until_yield:
-            # Reading buffered frames never suspends; without this a fast stream would
-            # starve the caller's other tasks (its lease renewals above all).
-            self._until_yield = _YIELD_EVERY
-            await asyncio.sleep(0)
-        if self._lines:
-            return await self._frame(self._lines.popleft())
-        if self.done:
-            raise StopAsyncIteration
-        while True:
-            try:
-                chunk = await self._raw.__anext__()
-            except StopAsyncIteration:
-                await self.aclose()
-                if self._tail:
-                    raise MalformedFrame("the stream ended inside a frame", line=self._tail) from None
-                raise StreamBroken("the stream ended without a done or error frame") from None
-            except httpx.HTTPError as exc:
-                await self.aclose()
-                raise _transport_error(exc) from exc
-            if not self._tail and chunk.find(b"\n") == len(chunk) - 1:
-                return await self._frame(chunk)  # the usual case: one whole frame per chunk
-            lines = (self._tail + chunk).split(b"\n")
-            self._tail = lines.pop()
-            if lines:
-                self._lines.extend(lines)
-                return await self._frame(self._lines.popleft())
-
-    async def _finish(self) -> None:
-        """Read the body's end after ``done``, so the connection goes back to the pool
-        (closing a response mid-body discards its connection), then close."""
-        with contextlib.suppress(httpx.HTTPError, TimeoutError):
-            async with asyncio.timeout(_DRAIN_S):
-                async for _ in self._raw:
-                    pass
-        await self.aclose()
-
-    async def _frame(self, line: bytes) -> Frame:
-        try:
-            obj = _loads(line)
-            kind = obj["type"]
-            if kind == "token":
-                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"])
-            if kind == "heartbeat":
-                return Heartbeat(obj["phase"], obj["queue_position"])
-            if kind == "tool_call":
-                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
-            if kind == "done":
-                frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
-                self.done = True
-                self._lines.clear()
-                await self._finish()
-                return frame
-            if kind == "error":
-                code, message = obj["code"], obj["message"]
-                generated = obj.get("generated_tokens")
-            else:
-                raise KeyError(kind)
-        except (ValueError, KeyError, TypeError) as exc:
-            await self.aclose()
-            line = line.rstrip(b"\n")
-            raise MalformedFrame(f"not a protocol frame ({exc!r}): {line[:200]!r}", line=line) from None
-        await self.aclose()
-        if code == "replica_exiting":
-            raise ReplicaExiting(message, code=code)
-        raise AttemptEnded(message, code=code, generated_tokens=generated)
-
-
 # --- the client --------------------------------------------------------------------------
-
-
-def _transport_error(exc: httpx.HTTPError) -> WorkerError:
-    if isinstance(exc, httpx.ConnectTimeout):
-        return ConnectTimedOut(f"no connection within the timeout: {exc!r}")
-    if isinstance(exc, httpx.PoolTimeout):
-        return Rejected(f"no free connection in the client's pool: {exc!r}", status=None, code=None, retry_after=None)
-    if isinstance(exc, httpx.ConnectError):
-        return ConnectFailed(f"cannot connect: {exc!r}")
-    if isinstance(exc, httpx.TimeoutException):
-        return ReadStalled(f"no data within the read timeout: {exc!r}")
-    return StreamBroken(f"the connection broke: {exc!r}")
 
 
 def _error_body(response: httpx.Response) -> tuple[str | None, str, str | None]:
@@ -292,7 +127,7 @@ class WorkerClient:
         params: Mapping[str, Any] | None = None,
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
-    ) -> AttemptStream:
+    ) -> AttemptFrames:
         """Start an attempt; return its frames once the worker accepted it.
 
         A refusal raises before any frame: :class:`Rejected`, :class:`ReplicaExiting` or
@@ -323,13 +158,13 @@ class WorkerClient:
         try:
             response = await self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
+            raise transport_error(exc) from exc
         if response.status_code == 200:
-            return AttemptStream(response)
+            return AttemptFrames(response)
         try:
             await response.aread()
         except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
+            raise transport_error(exc) from exc
         finally:
             await response.aclose()
         status = response.status_code
@@ -347,10 +182,10 @@ class WorkerClient:
                 self.base_url + path, json=body, timeout=httpx.Timeout(limit, connect=self.connect_timeout)
             )
         except httpx.ConnectError as exc:
-            raise _transport_error(exc) from exc
+            raise transport_error(exc) from exc
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
-                raise _transport_error(exc) from exc
+                raise transport_error(exc) from exc
             raise ControlUnanswered(f"{path}: no answer within {limit} s") from exc
         except httpx.HTTPError as exc:
             raise StreamBroken(f"{path}: the connection broke: {exc!r}") from exc
@@ -428,7 +263,7 @@ class WorkerClient:
                 self.base_url + "/v1/health", timeout=httpx.Timeout(limit, connect=self.connect_timeout)
             )
         except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
+            raise transport_error(exc) from exc
         try:
             body = response.json()
         except ValueError:

@@ -20,11 +20,13 @@ attempt will publish nothing more (so the driver need not fence it)::
         └── LeaseLost            renew refused (unknown_attempt, lease_expired, …); a stale
                                  epoch is the one case that is not released
 
-``overloaded`` is not here: it is the driver's reading of heartbeats over time, not
-something one call observes.
+:func:`transport_error` says which of them an httpx failure is. ``overloaded`` is not
+here: it is the driver's reading of heartbeats over time, not something one call observes.
 """
 
 from __future__ import annotations
+
+import httpx
 
 from app.replicas.base import UpstreamFailure
 from statemachine.events import FailureKind
@@ -115,3 +117,16 @@ class LeaseLost(AttemptEnded):
     def __init__(self, message: str, *, code: str, status: int) -> None:
         super().__init__(message, code=code, status=status)
         self.released = code != "stale_lease_epoch"
+
+
+def transport_error(exc: httpx.HTTPError) -> WorkerError:
+    """The error of the tree that an httpx failure on a start, a stream or a health call is."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectTimedOut(f"no connection within the timeout: {exc!r}")
+    if isinstance(exc, httpx.PoolTimeout):
+        return Rejected(f"no free connection in the client's pool: {exc!r}", status=None, code=None, retry_after=None)
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectFailed(f"cannot connect: {exc!r}")
+    if isinstance(exc, httpx.TimeoutException):
+        return ReadStalled(f"no data within the read timeout: {exc!r}")
+    return StreamBroken(f"the connection broke: {exc!r}")

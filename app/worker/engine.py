@@ -4,7 +4,7 @@ An engine turns a prepared prompt into a stream of :class:`EngineOutput` and can
 a request by id. It runs independently of whoever reads its stream (as vLLM does):
 ``abort`` returns only once the engine has really stopped the request, and that return
 is what the worker's cancel acknowledgement waits for. Engines know nothing of leases,
-HTTP or faults; the worker (``attempts.py``) adds those around them.
+HTTP or faults; the worker (``worker.py``) adds those around them.
 """
 
 from __future__ import annotations

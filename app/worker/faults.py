@@ -18,7 +18,9 @@ from typing import Any
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
 
-class Action(enum.StrEnum):
+class FaultAction(enum.StrEnum):
+    """What a scripted fault does to the attempt it matched."""
+
     DIE = "die"  # the process dies: SIGKILL, its whole group when it leads one
     STALL = "stall"  # publish nothing from token k on; still honour cancel and lease expiry
     REJECT = "reject"  # refuse the start with an HTTP status (429 or 503)
@@ -36,7 +38,7 @@ class Point(enum.StrEnum):
     AFTER_FRAME = "after_frame"  # token k's frame written (and given 20 ms to leave)
 
 
-_ACTIONS_WITH_TOKEN = {Action.DIE, Action.STALL, Action.MALFORMED_FRAME, Action.CLOSE_WITHOUT_DONE}
+_ACTIONS_WITH_TOKEN = {FaultAction.DIE, FaultAction.STALL, FaultAction.MALFORMED_FRAME, FaultAction.CLOSE_WITHOUT_DONE}
 _DEFAULT_REJECT_CODE = {429: Code.QUEUE_FULL, 503: Code.REPLICA_EXITING}
 
 
@@ -45,7 +47,7 @@ class Fault:
     """One scripted fault and what it applies to."""
 
     id: int
-    action: Action
+    action: FaultAction
     at_token: int = 0
     point: Point = Point.BEFORE_FRAME
     status: int = 503
@@ -143,28 +145,28 @@ def parse_fault(raw: Mapping[str, Any], fault_id: int) -> Fault:
     if unknown:
         raise Refusal(400, Code.UNKNOWN_FIELD, f"unknown fault field {unknown[0]!r}", field=unknown[0])
     try:
-        action = Action(str(raw.get("action")))
+        action = FaultAction(str(raw.get("action")))
     except ValueError:
-        raise _bad("action", f"must be one of {', '.join(a.value for a in Action)}") from None
+        raise _bad("action", f"must be one of {', '.join(a.value for a in FaultAction)}") from None
     fault = Fault(id=fault_id, action=action, spec=dict(raw))
     fault.at_token = _opt_int(raw, "at_token", 0, 1_000_000) or 0
     if "point" in raw:
-        if action is not Action.DIE:
+        if action is not FaultAction.DIE:
             raise _bad("point", "only a die fault has a point")
         try:
             fault.point = Point(raw["point"])
         except ValueError:
             raise _bad("point", "must be prefill, before_frame or after_frame") from None
-    if action is Action.REJECT:
+    if action is FaultAction.REJECT:
         fault.status = _opt_int(raw, "status", 400, 599) or 503
         try:
             fault.code = Code(raw["code"]) if "code" in raw else _DEFAULT_REJECT_CODE.get(fault.status, Code.NOT_READY)
         except ValueError:
             raise _bad("code", "must be one of the protocol's error codes") from None
         fault.retry_after = _opt_int(raw, "retry_after", 0, 3600)
-    if action is Action.SLOW_PREFILL:
+    if action is FaultAction.SLOW_PREFILL:
         fault.prefill_ms = _opt_int(raw, "prefill_ms", 1, 600_000) or 1000
-    if action is Action.TOOL_CALL_THEN_DIE:
+    if action is FaultAction.TOOL_CALL_THEN_DIE:
         fault.tool_name = str(raw.get("tool_name", fault.tool_name))
         fault.tool_arguments = str(raw.get("tool_arguments", fault.tool_arguments))
     elif "at_token" in raw and action not in _ACTIONS_WITH_TOKEN:

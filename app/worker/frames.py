@@ -2,11 +2,14 @@
 
 How this works. Heartbeats while the attempt waits for a slot (``queued``, with its
 position) and while the engine prefills; then one frame per engine output. Before every
-frame the lease is checked (``Worker.may_publish``, or inline on the token path) and a
+frame the lease is checked (``may_publish``, or inline on the token path) and a
 stopped attempt publishes nothing more. When the loop ends early it waits for the engine
 to confirm the abort, then writes the one ``error`` frame that says why. Scripted faults
 act at their token here. The per-token path is kept to a few attribute reads, one
 ``time.monotonic()`` and one ``bytes`` formatting.
+
+The loop reaches the worker that admitted the attempt only through :class:`AttemptHost`,
+so this module imports nothing from the worker's.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import os
 import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from app.worker.engine import EngineFailed, EngineOutput
-from app.worker.faults import Action, Fault, Point
-from app.worker.leases import Attempt, Stop
-from app.worker.protocol import Code, done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.attempt import Attempt, Stop
+from app.worker.engine import Engine, EngineFailed, EngineOutput
+from app.worker.faults import Fault, FaultAction, Point
+from app.worker.frame_encoders import done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.protocol import Code
 from app.worker.sim import tool_call_id
-
-if TYPE_CHECKING:
-    from app.worker.attempts import Worker
+from app.worker.stats import WorkerStats
 
 log = logging.getLogger("phasegate.worker")
 FIRST = asyncio.FIRST_COMPLETED
@@ -50,6 +52,34 @@ _YIELD_EVERY = 16
 _MALFORMED_FRAME = b'{"type":"token","choice":0,"index":\n'
 
 
+class AttemptHost(Protocol):
+    """What the frame loop needs from the worker that admitted the attempt."""
+
+    engine: Engine
+    stats: WorkerStats
+    streams_open: int  # response bodies being written, for the drain
+
+    def may_publish(self, attempt: Attempt) -> bool:
+        """The check before a frame: not stopped and the lease not lapsed (else stop it now)."""
+        ...
+
+    def queue_position(self, attempt: Attempt) -> int:
+        """1 for the next in line; 0 once it holds a slot."""
+        ...
+
+    def stop(self, attempt: Attempt, reason: Stop) -> None:
+        """End an attempt early: publish nothing more and abort its engine request."""
+        ...
+
+    async def confirmed(self, attempt: Attempt) -> bool:
+        """Wait (a bounded time) for the engine to confirm the attempt's abort."""
+        ...
+
+    def release(self, attempt: Attempt) -> None:
+        """The engine is done with this attempt: free its slot for the next in line."""
+        ...
+
+
 def die() -> None:
     """Real process death: SIGKILL our process group if we lead one (engine children too)."""
     if os.getpgrp() == os.getpid():
@@ -57,7 +87,7 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
+async def frames(worker: AttemptHost, attempt: Attempt) -> AsyncIterator[bytes]:
     """The response body of a started attempt (see the module docstring)."""
     worker.streams_open += 1
     outputs: AsyncIterator[EngineOutput] | None = None
@@ -118,12 +148,12 @@ async def frames(worker: Worker, attempt: Attempt) -> AsyncIterator[bytes]:
             await outputs.aclose()  # type: ignore[attr-defined]
 
 
-async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
+async def _prefill_fault(worker: AttemptHost, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
     """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
-    if fault.action is Action.DIE and fault.point is Point.PREFILL:
+    if fault.action is FaultAction.DIE and fault.point is Point.PREFILL:
         await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
         die()
-    if fault.action is Action.SLOW_PREFILL:
+    if fault.action is FaultAction.SLOW_PREFILL:
         interval = attempt.spec.heartbeat_s * 0.9
         until = time.monotonic() + fault.prefill_ms / 1000
         while (left := until - time.monotonic()) > 0:
@@ -134,7 +164,7 @@ async def _prefill_fault(worker: Worker, attempt: Attempt, fault: Fault) -> Asyn
 
 
 async def _decode(
-    worker: Worker, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
+    worker: AttemptHost, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
 ) -> AsyncGenerator[bytes | None, None]:
     """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
     n = attempt.spec.sampling.n
@@ -170,30 +200,32 @@ async def _decode(
             frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
             # the engine's own tool call, reached after k tokens: publish it, then die
             die_after = (
-                fault is not None and fault.action is Action.TOOL_CALL_THEN_DIE and fault_at == attempt.published_tokens
+                fault is not None
+                and fault.action is FaultAction.TOOL_CALL_THEN_DIE
+                and fault_at == attempt.published_tokens
             )
         elif token_count or output.text:
             if attempt.published_tokens == fault_at:
                 assert fault is not None
                 action = fault.action
-                if action is Action.DIE:
+                if action is FaultAction.DIE:
                     if fault.point is Point.BEFORE_FRAME:
                         die()
                     die_after = fault.point is Point.AFTER_FRAME
-                elif action is Action.STALL:
+                elif action is FaultAction.STALL:
                     # cancel, lease expiry or drain ends it (wait(), not await: a
                     # cancelled reader must not cancel the shared signal)
                     await asyncio.wait((attempt.stop_signal,))
                     yield None
                     return
-                elif action is Action.MALFORMED_FRAME:
+                elif action is FaultAction.MALFORMED_FRAME:
                     yield _MALFORMED_FRAME
                     if not worker.may_publish(attempt):
                         return
-                elif action is Action.CLOSE_WITHOUT_DONE:
+                elif action is FaultAction.CLOSE_WITHOUT_DONE:
                     worker.stop(attempt, Stop.FAULT)
                     return
-                elif action is Action.TOOL_CALL_THEN_DIE:
+                elif action is FaultAction.TOOL_CALL_THEN_DIE:
                     call_id = tool_call_id(attempt.spec.request_id, 0, 0)
                     yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
                     await asyncio.sleep(0.02)  # let the frame leave
@@ -220,7 +252,7 @@ async def _decode(
         except StopAsyncIteration:
             raise EngineFailed("the engine ended the request without a finish reason") from None
     worker.release(attempt)
-    if fault is not None and fault.action is Action.CLOSE_WITHOUT_DONE:
+    if fault is not None and fault.action is FaultAction.CLOSE_WITHOUT_DONE:
         worker.stop(attempt, Stop.FAULT)
     if not worker.may_publish(attempt):
         return

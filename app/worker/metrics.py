@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.worker.attempts import Worker
+from app.worker.worker import Worker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

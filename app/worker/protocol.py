@@ -1,9 +1,9 @@
-"""The worker protocol's vocabulary: error codes, request parsing, frame encoding.
+"""The worker protocol's vocabulary: error codes and request parsing.
 
 Everything the worker reads from the network is parsed here into frozen dataclasses,
 and every refusal is a :class:`Refusal` with an HTTP status and a stable code from
-:class:`Code`. The frames it writes are encoded here too, one JSON object per line
-(``docs/worker-protocol.md`` is the contract; this module and the client follow it).
+:class:`Code`. The frames it writes are encoded in ``frame_encoders.py``
+(``docs/worker-protocol.md`` is the contract; the worker and the client follow it).
 """
 
 from __future__ import annotations
@@ -368,53 +368,3 @@ def _response_format(value: Any) -> dict[str, Any]:
     if kind == "json_schema" and not isinstance(value.get("json_schema", {}).get("schema"), dict):
         raise _bad("params.response_format", "json_schema needs json_schema.schema")
     return dict(value)
-
-
-# --- frames ------------------------------------------------------------------------------
-# One JSON object per line. The token frame is on every token's path, so it is built
-# by hand from json.dumps of its two free-form parts, not from a dict.
-
-_dumps = json.dumps
-
-
-def heartbeat_frame(phase: str, queue_position: int | None) -> bytes:
-    return b'{"type":"heartbeat","phase":"%s","queue_position":%s}\n' % (
-        phase.encode(),
-        b"null" if queue_position is None else str(queue_position).encode(),
-    )
-
-
-def token_frame(choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    return b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]}\n' % (
-        choice,
-        index,
-        _dumps(text).encode(),
-        ",".join(map(str, token_ids)).encode(),
-    )
-
-
-def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, arguments: str) -> bytes:
-    frame = {
-        "type": "tool_call",
-        "choice": choice,
-        "index": index,
-        "id": tool_call_id,
-        "name": name,
-        "arguments": arguments,
-    }
-    return _dumps(frame).encode() + b"\n"
-
-
-def done_frame(finish_reasons: list[str], usage: Mapping[str, int]) -> bytes:
-    frame = {
-        "type": "done",
-        "finish_reason": finish_reasons[0],
-        "finish_reasons": finish_reasons,
-        "usage": dict(usage),
-    }
-    return _dumps(frame).encode() + b"\n"
-
-
-def error_frame(code: Code, message: str, generated_tokens: int) -> bytes:
-    frame = {"type": "error", "code": code.value, "message": message, "generated_tokens": generated_tokens}
-    return _dumps(frame).encode() + b"\n"

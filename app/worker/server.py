@@ -29,12 +29,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.worker.attempts import Worker
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
 from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_renewals, parse_start
+from app.worker.worker import Worker
 
 log = logging.getLogger("phasegate.worker")
 

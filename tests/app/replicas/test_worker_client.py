@@ -15,7 +15,22 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from app.replicas import worker_client as wc
+from app.replicas.base import Done, Frame, Token
+from app.replicas.worker_client import WorkerClient
+from app.replicas.worker_errors import (
+    AttemptEnded,
+    ConnectFailed,
+    ConnectTimedOut,
+    ControlUnanswered,
+    LeaseLost,
+    MalformedFrame,
+    ReadStalled,
+    Rejected,
+    ReplicaExiting,
+    RequestRefused,
+    StreamBroken,
+    WorkerError,
+)
 from statemachine.events import FailureKind
 from tests.support.streams import collect
 from tests.support.workers import free_port
@@ -67,9 +82,9 @@ async def scripted_peer(pieces: Sequence[bytes], *, reset: bool = False, gap_s: 
         await server.wait_closed()
 
 
-async def run(pieces: Sequence[bytes], *, reset: bool = False) -> tuple[list[wc.Frame], wc.WorkerError | None]:
+async def run(pieces: Sequence[bytes], *, reset: bool = False) -> tuple[list[Frame], WorkerError | None]:
     async with scripted_peer(pieces, reset=reset) as url:
-        client = wc.WorkerClient(url)
+        client = WorkerClient(url)
         try:
             got = await collect(await client.start(**START))  # type: ignore[arg-type]
         finally:
@@ -85,24 +100,24 @@ async def test_frames_split_across_reads_and_packed_into_one():
     body = TOKEN % (0, 0, 0) + TOKEN % (1, 1, 1) + DONE
     frames, error = await run([body[:10], body[10:50], body[50:51], body[51:]])
     assert error is None
-    assert [type(f) for f in frames] == [wc.Token, wc.Token, wc.Done]
-    assert [f.text for f in frames if isinstance(f, wc.Token)] == [" w0", " w1"]
+    assert [type(f) for f in frames] == [Token, Token, Done]
+    assert [f.text for f in frames if isinstance(f, Token)] == [" w0", " w1"]
 
 
 async def test_an_end_without_done_is_a_broken_stream():
     frames, error = await run([TOKEN % (0, 0, 0)])
-    assert len(frames) == 1 and isinstance(error, wc.StreamBroken)
+    assert len(frames) == 1 and isinstance(error, StreamBroken)
     assert error.kind is FailureKind.REPLICA_EXITED and error.released
 
 
 async def test_a_reset_is_a_broken_stream():
     _, error = await run([TOKEN % (0, 0, 0)], reset=True)
-    assert isinstance(error, wc.StreamBroken) and error.kind is FailureKind.REPLICA_EXITED
+    assert isinstance(error, StreamBroken) and error.kind is FailureKind.REPLICA_EXITED
 
 
 async def test_an_end_inside_a_frame_is_malformed():
     frames, error = await run([TOKEN % (0, 0, 0), b'{"type":"tok'])
-    assert len(frames) == 1 and isinstance(error, wc.MalformedFrame)
+    assert len(frames) == 1 and isinstance(error, MalformedFrame)
     assert error.kind is FailureKind.LIVENESS_UNCERTAIN and not error.released
 
 
@@ -113,25 +128,25 @@ async def test_an_end_inside_a_frame_is_malformed():
 )
 async def test_a_line_that_is_not_a_frame_is_malformed(line: bytes):
     frames, error = await run([TOKEN % (0, 0, 0), line, DONE])
-    assert len(frames) == 1 and isinstance(error, wc.MalformedFrame) and error.line == line.rstrip(b"\n")
+    assert len(frames) == 1 and isinstance(error, MalformedFrame) and error.line == line.rstrip(b"\n")
 
 
 async def test_error_frames_end_the_attempt():
     frame = b'{"type":"error","code":"engine_error","message":"boom","generated_tokens":4}\n'
     _, error = await run([TOKEN % (0, 0, 0), frame])
-    assert isinstance(error, wc.AttemptEnded) and (error.code, error.generated_tokens) == ("engine_error", 4)
+    assert isinstance(error, AttemptEnded) and (error.code, error.generated_tokens) == ("engine_error", 4)
     assert error.kind is FailureKind.REPLICA_EXITED and error.released
     _, error = await run([b'{"type":"error","code":"replica_exiting","message":"bye"}\n'])
-    assert isinstance(error, wc.ReplicaExiting) and error.kind is FailureKind.REPLICA_EXITED
+    assert isinstance(error, ReplicaExiting) and error.kind is FailureKind.REPLICA_EXITED
 
 
 async def test_connection_refused():
-    client = wc.WorkerClient(f"http://127.0.0.1:{free_port()}")
+    client = WorkerClient(f"http://127.0.0.1:{free_port()}")
     try:
-        with pytest.raises(wc.ConnectFailed) as failed:
+        with pytest.raises(ConnectFailed) as failed:
             await client.start(**START)  # type: ignore[arg-type]
         assert failed.value.kind is FailureKind.REPLICA_EXITED
-        with pytest.raises(wc.ConnectFailed):
+        with pytest.raises(ConnectFailed):
             await client.cancel("r", 1, 1)
         assert not await client.ready()
     finally:
@@ -153,9 +168,9 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death():
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
         await asyncio.sleep(0.1)
-        client = wc.WorkerClient(f"http://127.0.0.1:{port}", connect_timeout=0.3)
+        client = WorkerClient(f"http://127.0.0.1:{port}", connect_timeout=0.3)
         try:
-            with pytest.raises(wc.ConnectTimedOut) as timed_out:
+            with pytest.raises(ConnectTimedOut) as timed_out:
                 await client.start(**START)  # type: ignore[arg-type]
         finally:
             await client.aclose()
@@ -168,20 +183,20 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death():
 
 def test_the_error_tree_maps_every_error_onto_a_failure_kind():
     expected = {
-        wc.ConnectFailed: FailureKind.REPLICA_EXITED,
-        wc.StreamBroken: FailureKind.REPLICA_EXITED,
-        wc.ReplicaExiting: FailureKind.REPLICA_EXITED,
-        wc.ConnectTimedOut: FailureKind.LIVENESS_UNCERTAIN,
-        wc.ReadStalled: FailureKind.LIVENESS_UNCERTAIN,
-        wc.MalformedFrame: FailureKind.LIVENESS_UNCERTAIN,
-        wc.ControlUnanswered: FailureKind.LIVENESS_UNCERTAIN,
-        wc.Rejected: FailureKind.REJECTED,
-        wc.RequestRefused: FailureKind.REQUEST_REFUSED,
-        wc.AttemptEnded: FailureKind.REPLICA_EXITED,
-        wc.LeaseLost: FailureKind.REPLICA_EXITED,
+        ConnectFailed: FailureKind.REPLICA_EXITED,
+        StreamBroken: FailureKind.REPLICA_EXITED,
+        ReplicaExiting: FailureKind.REPLICA_EXITED,
+        ConnectTimedOut: FailureKind.LIVENESS_UNCERTAIN,
+        ReadStalled: FailureKind.LIVENESS_UNCERTAIN,
+        MalformedFrame: FailureKind.LIVENESS_UNCERTAIN,
+        ControlUnanswered: FailureKind.LIVENESS_UNCERTAIN,
+        Rejected: FailureKind.REJECTED,
+        RequestRefused: FailureKind.REQUEST_REFUSED,
+        AttemptEnded: FailureKind.REPLICA_EXITED,
+        LeaseLost: FailureKind.REPLICA_EXITED,
     }
     for cls, kind in expected.items():
-        assert issubclass(cls, wc.WorkerError) and cls.kind is kind
+        assert issubclass(cls, WorkerError) and cls.kind is kind
     assert {kind for kind in FailureKind} - set(expected.values()) == {FailureKind.OVERLOADED}  # a timer's call
-    assert wc.LeaseLost("x", code="stale_lease_epoch", status=409).released is False
-    assert wc.LeaseLost("x", code="unknown_attempt", status=404).released is True
+    assert LeaseLost("x", code="stale_lease_epoch", status=409).released is False
+    assert LeaseLost("x", code="unknown_attempt", status=404).released is True

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import RequestRefused, WorkerClient, http_client
+from app.replicas.worker_client import WorkerClient, http_client
+from app.replicas.worker_errors import RequestRefused
 from statemachine.events import FailureKind
 from tests.app.worker.engines import EngineUnderTest
 from tests.support.workers import request_id

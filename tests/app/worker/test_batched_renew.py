@@ -6,13 +6,8 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import (
-    LeaseLost,
-    LeaseRenewed,
-    RequestRefused,
-    WorkerClient,
-    http_client,
-)
+from app.replicas.worker_client import LeaseRenewed, WorkerClient, http_client
+from app.replicas.worker_errors import LeaseLost, RequestRefused
 from tests.support.streams import attempt_state, collect, metric
 from tests.support.workers import WorkerProcess, request_id
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from app.replicas.worker_client import ReplicaExiting, Token
+from app.replicas.base import Token
+from app.replicas.worker_errors import ReplicaExiting
 from statemachine.events import FailureKind
 from tests.app.worker.engines import ENGINES, EngineUnderTest
 from tests.support.streams import add_fault, collect

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from app.worker.attempt import Attempt, AttemptTable
 from app.worker.engine import EngineOutput
 from app.worker.faults import FaultBook
-from app.worker.leases import Attempt, AttemptTable
 from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal, Sampling, parse_sampling
 from app.worker.sim import SimEngine, SimTiming, tool_call_id
 from tests.support.workers import REPO

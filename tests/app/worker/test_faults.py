@@ -11,16 +11,15 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import (
-    AttemptStream,
+from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.worker_client import WorkerClient, http_client
+from app.replicas.worker_errors import (
     ConnectFailed,
     MalformedFrame,
     ReadStalled,
     Rejected,
     ReplicaExiting,
     StreamBroken,
-    WorkerClient,
-    http_client,
 )
 from app.worker.sim import tool_call_id
 from statemachine.events import FailureKind
@@ -38,7 +37,7 @@ TOOLS = [
 
 async def begin(
     client: WorkerClient, rid: str, *, prompt: str = "go on", attempt: int = 1, **kwargs: Any
-) -> AttemptStream:
+) -> AttemptFrames:
     kwargs.setdefault("params", LONG)
     return await client.start(
         request_id=rid, attempt=attempt, lease_epoch=1, lease_ttl_s=30, model="sim", prompt=prompt, **kwargs

@@ -9,18 +9,10 @@ from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import (
-    AttemptEnded,
-    AttemptStream,
-    Done,
-    Heartbeat,
-    LeaseLost,
-    Rejected,
-    RequestRefused,
-    Token,
-    WorkerClient,
-    http_client,
-)
+from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.base import Done, Heartbeat, Token
+from app.replicas.worker_client import WorkerClient, http_client
+from app.replicas.worker_errors import AttemptEnded, LeaseLost, Rejected, RequestRefused
 from statemachine.events import FailureKind
 from tests.app.worker.engines import EngineUnderTest
 from tests.support.streams import add_fault, attempt_state, collect, metric
@@ -40,7 +32,7 @@ async def begin(
     prompt: str = "go on",
     params: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> AttemptStream:
+) -> AttemptFrames:
     """Start an attempt with the protocol suite's defaults."""
     return await client.start(
         request_id=rid,
@@ -207,9 +199,9 @@ async def _cancel_mid_generation(engine: EngineUnderTest, client: WorkerClient) 
     assert isinstance(after.error, AttemptEnded) and after.error.code == "cancelled"
     assert after.error.generated_tokens == ack.generated_tokens
     assert len(before.tokens) + len(after.tokens) == state["published_tokens"]
-    return True
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # generation stays stopped after the acknowledgement
     assert (await attempt_state(engine.worker.base_url, rid))["generated_tokens"] == state["generated_tokens"]
+    return True
 
 
 async def test_heartbeats_while_queued_then_429_when_the_queue_is_full(engine: EngineUnderTest, client: WorkerClient):

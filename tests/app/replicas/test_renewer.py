@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.replicas.base import AttemptRequest
-from app.replicas.leases import LeaseRenewer
+from app.replicas.renewer import LeaseRenewer
 
 TTL = 0.3  # a round every 0.1 s
 

@@ -17,31 +17,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
+from app.worker.attempt import Attempt, AttemptTable, Stop
 from app.worker.engine import Engine
-from app.worker.faults import Action, FaultBook
+from app.worker.faults import FaultAction, FaultBook
 from app.worker.frames import frames
-from app.worker.leases import Attempt, AttemptTable, Stop
 from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal
+from app.worker.stats import WorkerStats
 
 log = logging.getLogger("phasegate.worker")
-
-
-@dataclass
-class WorkerStats:
-    """Counters read by /metrics at scrape time (no per-token metric calls)."""
-
-    started: int = 0
-    finished: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    stopped: dict[str, int] = field(default_factory=dict)
-    lease_expiries: int = 0
-    renew_calls: int = 0  # renew requests (a batched one counts once)
-    leases_renewed: int = 0
-    tokens_generated: int = 0
-    tokens_published: int = 0
-    frames_published: int = 0
 
 
 class Worker:
@@ -103,7 +87,7 @@ class Worker:
         if not has_slot and len(self._waiting) >= self.max_queued:
             raise Refusal(429, Code.QUEUE_FULL, f"{self.max_queued} attempts already wait here", retry_after=1)
         fault = self.faults.take(spec) if self.faults else None
-        if fault is not None and fault.action is Action.REJECT:
+        if fault is not None and fault.action is FaultAction.REJECT:
             raise fault.reject()
         attempt = Attempt(spec, prepared, fault, now)
         self.table.add(attempt, now)

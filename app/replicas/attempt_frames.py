@@ -1,0 +1,121 @@
+"""The frames of one started attempt, parsed from the worker's response body.
+
+The body is one JSON object per line (docs/worker-protocol.md). :class:`AttemptFrames`
+splits the raw chunks into lines and builds the driver's own frames (app/replicas/base.py)
+straight from each: the per-frame path is one ``json.loads`` and one small object per line.
+An ``error`` frame or a broken transport ends iteration with a :class:`WorkerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import deque
+
+import httpx
+
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
+
+_loads = json.loads
+_DRAIN_S = 0.5  # the worker ends the body right after done
+_YIELD_EVERY = 16
+
+
+class AttemptFrames:
+    """The frames of one started attempt; iterate it, then it closes itself.
+
+    Iteration ends after :class:`Done`; an ``error`` frame or a transport failure raises a
+    :class:`WorkerError`. Use ``async with`` (or ``aclose``) if you stop reading early.
+    """
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.worker_id = response.headers.get("x-phasegate-worker")
+        self.done = False
+        self._raw = response.aiter_raw()
+        self._lines: deque[bytes] = deque()
+        self._tail = b""
+        self._until_yield = _YIELD_EVERY
+
+    async def __aenter__(self) -> AttemptFrames:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+    def __aiter__(self) -> AttemptFrames:
+        return self
+
+    async def __anext__(self) -> Frame:
+        self._until_yield -= 1
+        if not self._until_yield:
+            # Reading buffered frames never suspends; without this a fast stream would
+            # starve the caller's other tasks (its lease renewals above all).
+            self._until_yield = _YIELD_EVERY
+            await asyncio.sleep(0)
+        if self._lines:
+            return await self._frame(self._lines.popleft())
+        if self.done:
+            raise StopAsyncIteration
+        while True:
+            try:
+                chunk = await self._raw.__anext__()
+            except StopAsyncIteration:
+                await self.aclose()
+                if self._tail:
+                    raise MalformedFrame("the stream ended inside a frame", line=self._tail) from None
+                raise StreamBroken("the stream ended without a done or error frame") from None
+            except httpx.HTTPError as exc:
+                await self.aclose()
+                raise transport_error(exc) from exc
+            if not self._tail and chunk.find(b"\n") == len(chunk) - 1:
+                return await self._frame(chunk)  # the usual case: one whole frame per chunk
+            lines = (self._tail + chunk).split(b"\n")
+            self._tail = lines.pop()
+            if lines:
+                self._lines.extend(lines)
+                return await self._frame(self._lines.popleft())
+
+    async def _finish(self) -> None:
+        """Read the body's end after ``done``, so the connection goes back to the pool
+        (closing a response mid-body discards its connection), then close."""
+        with contextlib.suppress(httpx.HTTPError, TimeoutError):
+            async with asyncio.timeout(_DRAIN_S):
+                async for _ in self._raw:
+                    pass
+        await self.aclose()
+
+    async def _frame(self, line: bytes) -> Frame:
+        try:
+            obj = _loads(line)
+            kind = obj["type"]
+            if kind == "token":
+                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"])
+            if kind == "heartbeat":
+                return Heartbeat(obj["phase"], obj["queue_position"])
+            if kind == "tool_call":
+                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
+            if kind == "done":
+                frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
+                self.done = True
+                self._lines.clear()
+                await self._finish()
+                return frame
+            if kind == "error":
+                code, message = obj["code"], obj["message"]
+                generated = obj.get("generated_tokens")
+            else:
+                raise KeyError(kind)
+        except (ValueError, KeyError, TypeError) as exc:
+            await self.aclose()
+            line = line.rstrip(b"\n")
+            raise MalformedFrame(f"not a protocol frame ({exc!r}): {line[:200]!r}", line=line) from None
+        await self.aclose()
+        if code == "replica_exiting":
+            raise ReplicaExiting(message, code=code)
+        raise AttemptEnded(message, code=code, generated_tokens=generated)

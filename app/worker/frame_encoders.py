@@ -1,0 +1,57 @@
+"""The frames the worker writes: one JSON object per line (docs/worker-protocol.md).
+
+The token frame is on every token's path, so it is built by hand from ``json.dumps`` of
+its two free-form parts, not from a dict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from app.worker.protocol import Code
+
+_dumps = json.dumps
+
+
+def heartbeat_frame(phase: str, queue_position: int | None) -> bytes:
+    return b'{"type":"heartbeat","phase":"%s","queue_position":%s}\n' % (
+        phase.encode(),
+        b"null" if queue_position is None else str(queue_position).encode(),
+    )
+
+
+def token_frame(choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]}\n' % (
+        choice,
+        index,
+        _dumps(text).encode(),
+        ",".join(map(str, token_ids)).encode(),
+    )
+
+
+def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, arguments: str) -> bytes:
+    frame = {
+        "type": "tool_call",
+        "choice": choice,
+        "index": index,
+        "id": tool_call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+    return _dumps(frame).encode() + b"\n"
+
+
+def done_frame(finish_reasons: list[str], usage: Mapping[str, int]) -> bytes:
+    frame = {
+        "type": "done",
+        "finish_reason": finish_reasons[0],
+        "finish_reasons": finish_reasons,
+        "usage": dict(usage),
+    }
+    return _dumps(frame).encode() + b"\n"
+
+
+def error_frame(code: Code, message: str, generated_tokens: int) -> bytes:
+    frame = {"type": "error", "code": code.value, "message": message, "generated_tokens": generated_tokens}
+    return _dumps(frame).encode() + b"\n"
