@@ -2,7 +2,7 @@
 
 How this works: ``open`` starts the attempt on the replica. While the driver reads,
 its replica's renewer renews the lease every third of its TTL, in one call with the
-replica's other attempts (app/replicas/leases.py). ``next_frame`` reads the
+replica's other attempts (app/replicas/renewer.py). ``next_frame`` reads the
 next frame under a stall timer: a worker sends heartbeats while queued, so silence
 means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
 so before its first token only the hard first-token deadline applies. Heartbeats
