@@ -63,7 +63,8 @@ class PendingAppend:
     expected_version: int
     rows: Sequence[EventRow]
     ticket: int  # submission order
-    done: asyncio.Future[None] | None  # a durable append's caller waits on it
+    durable: bool  # written at once; an outage fails it instead of keeping it queued
+    done: asyncio.Future[None] | None  # settled at the commit, for a caller that waits on it
     error: StoreError | None = None
     behind_failure: bool = False  # failed because an earlier append of its request did
 
@@ -142,6 +143,20 @@ class GroupCommitWriter:
 
     async def submit(self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool) -> None:
         """Queue an append; a durable one returns after its commit."""
+        done = await self.enqueue(request_id, expected_version, rows, durable=durable, track=durable)
+        if done is not None:
+            # A cancelled caller cancels only its wait (``done``): its events stay in
+            # the pipeline, where later appends may already depend on them, and are
+            # written as queued (``_settle`` skips a future already done). Awaited
+            # directly, not through ``asyncio.shield``: that costs an event-loop turn.
+            await done
+
+    async def enqueue(
+        self, request_id: str, expected_version: int, rows: Sequence[EventRow], *, durable: bool, track: bool
+    ) -> asyncio.Future[None] | None:
+        """Queue an append and return once it is queued; with ``track``, a future that
+        settles when it is committed (or failed). A tracked group-committed append waits
+        through an outage, still queued, like any other that is not durable."""
         while True:
             self._check_accepting(request_id)
             if self._queued_events == 0 or self._queued_events + len(rows) <= self._max_queued_events:
@@ -149,20 +164,15 @@ class GroupCommitWriter:
             self._room.clear()
             await self._room.wait()
         self._tickets += 1
-        done = asyncio.get_running_loop().create_future() if durable else None
-        self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, done))
+        done = asyncio.get_running_loop().create_future() if track else None
+        self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, durable, done))
         self._queued_events += len(rows)
         self._work.set()
         if durable:
             self._durable_queued += 1
         if durable or self._queued_events >= self._max_batch_events:
             self._urgent.set()
-        if done is not None:
-            # A cancelled caller cancels only its wait (``done``): its events stay in
-            # the pipeline, where later appends may already depend on them, and are
-            # written as queued (``_settle`` skips a future already done). Awaited
-            # directly, not through ``asyncio.shield``: that costs an event-loop turn.
-            await done
+        return done
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is committed (or failed)."""
@@ -262,7 +272,7 @@ class GroupCommitWriter:
             entry = self._queue.popleft()
             batch.append(entry)
             events += len(entry.rows)
-            if entry.done is not None:
+            if entry.durable:
                 self._durable_queued -= 1
         self._queued_events -= events
         self._room.set()
@@ -321,13 +331,13 @@ class GroupCommitWriter:
                     failed[entry.request_id] = entry.error
 
     def _settle(self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False) -> None:
-        durable = entry.done is not None
+        reported = entry.done is not None  # its caller sees the error
         if error is not None and not behind_failure:
-            self._failures[entry.request_id] = _Failure(error, self._tickets, reported=durable)
+            self._failures[entry.request_id] = _Failure(error, self._tickets, reported=reported)
             self._failures.move_to_end(entry.request_id)
             while len(self._failures) > _FAILURES_KEPT:
                 self._failures.popitem(last=False)
-            if not durable:
+            if not reported:
                 logger.warning("a queued append of request %s failed: %s", entry.request_id, error)
         if entry.done is None or entry.done.done():
             return
@@ -341,12 +351,11 @@ class GroupCommitWriter:
         began = time.monotonic()
         error = StoreUnavailable(f"PostgreSQL is unreachable ({type(cause).__name__}: {cause}); reconnecting")
         self._unavailable = error
-        waiting = [entry for entry in (*batch, *self._queue) if entry.done is not None]
-        for entry in waiting:
-            if not entry.done.done():  # type: ignore[union-attr]
-                entry.done.set_exception(error)  # type: ignore[union-attr]
-        kept = [entry for entry in batch if entry.done is None]
-        self._queue = collections.deque(entry for entry in (*kept, *self._queue) if entry.done is None)
+        for entry in (*batch, *self._queue):
+            if entry.durable and entry.done is not None and not entry.done.done():
+                entry.done.set_exception(error)
+        kept = [entry for entry in batch if not entry.durable]
+        self._queue = collections.deque(entry for entry in (*kept, *self._queue) if not entry.durable)
         self._in_flight = []  # what it held is back in the queue
         self._queued_events = sum(len(entry.rows) for entry in self._queue)
         self._durable_queued = 0
