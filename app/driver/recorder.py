@@ -35,7 +35,7 @@ from app.driver.context import GatewayContext
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, ReleaseReason
-from statemachine.policy import Action, decided_fields
+from statemachine.policy import Action, FailRequest, decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
 
@@ -76,11 +76,22 @@ class Recorder:
 
     def record(self, cls: type[Event], **fields: Any) -> Event:
         """Stamp, apply and queue one event; an open delivery batch is closed first."""
-        self._close_batch()
+        self.close_batch()
         return self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
         self.record(ev.Decided, **decided_fields(action))
+
+    def record_failed(self, action: FailRequest) -> None:
+        """The request failed as ``action`` says (the terminal event)."""
+        self.record(
+            ev.RequestFailed,
+            code=action.code,
+            message=action.message,
+            partial_output=action.partial_output,
+            delivered_output_tokens=action.delivered_output_tokens,
+            retryable=action.retryable,
+        )
 
     def record_stopped(self, attempt: int, lease_epoch: int, generated_tokens: int | None) -> None:
         """The attempt stopped for good: its cancel acknowledged (with what it had
@@ -102,7 +113,7 @@ class Recorder:
         """One delta written to the client; recorded in batches."""
         batch = self._batch
         if batch is not None and batch.attempt != attempt:
-            self._close_batch()
+            self.close_batch()
             batch = None
         config = self.ctx.config
         if batch is None:
@@ -115,13 +126,13 @@ class Recorder:
         if len(batch.texts) >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
-            self._close_batch()
+            self.close_batch()
             self._append_deliveries()
 
     def _batch_aged(self, batch: _OpenBatch) -> None:
         """The batch's timer: a stream that pauses still gets its deliveries recorded."""
         if self._batch is batch:
-            self._close_batch()
+            self.close_batch()
             self._append_deliveries()
 
     def _append_deliveries(self) -> None:
@@ -149,7 +160,8 @@ class Recorder:
         finally:
             self._appending = None
 
-    def _close_batch(self) -> None:
+    def close_batch(self) -> None:
+        """Record the open delivery batch now (before an event that must count it)."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
@@ -180,6 +192,12 @@ class Recorder:
                 return
 
     @property
+    def delivered_output_tokens(self) -> int:
+        """Tokens written to the client so far, the open batch included."""
+        open_batch = self._batch.tokens if self._batch is not None else 0
+        return self.state.delivered_output_tokens + open_batch
+
+    @property
     def has_unflushed(self) -> bool:
         return bool(self._queued) or self._batch is not None
 
@@ -188,7 +206,7 @@ class Recorder:
     async def flush(self, *, durable: bool, close_batch: bool = True) -> None:
         """Append everything queued; with ``durable`` wait for the commit."""
         if close_batch:
-            self._close_batch()
+            self.close_batch()
         if not self._queued:
             return
         await asyncio.shield(self._append(durable))

@@ -283,6 +283,11 @@ class PostgresEventStore(EventStore):
             row = (await connection.execute(query)).first()
         return None if row is None else RequestInput(*row)
 
+    def writing(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A pooled connection in a transaction that commits on exit, for the few
+        writes beside the log (:mod:`app.store.instances`)."""
+        return self._connection(commit=True)
+
     def reading(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """A pooled connection for read-side queries (:mod:`app.store.queries`); a lost
         PostgreSQL surfaces as :class:`StoreUnavailable`, as for every other query."""

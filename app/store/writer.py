@@ -44,13 +44,22 @@ from dataclasses import dataclass
 import asyncpg
 
 from app.store.codec import EventRow
-from app.store.errors import StoreClosed, StoreError, StoreUnavailable, StreamConflict, is_unavailable
+from app.store.errors import (
+    InstanceFenced,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+    StreamConflict,
+    is_unavailable,
+)
 from app.store.insert import insert_rows
 
 logger = logging.getLogger("phasegate.store.writer")
 
 # A gap in a stream, raised by the projection trigger (migrations/versions/0001).
 STREAM_GAP_SQLSTATE = "PG409"
+# An append by a gateway instance whose lease lapsed (migrations/versions/0004).
+INSTANCE_FENCED_SQLSTATE = "PG410"
 _FAILURES_KEPT = 10_000  # failed requests remembered, oldest forgotten first
 # What PostgreSQL, or asyncpg before sending, refuses about the rows themselves (a
 # conflict, a value out of range): it fails the offending append, never the writer.
@@ -92,8 +101,11 @@ class GroupCommitWriter:
         connect_timeout: float = 5.0,
         command_timeout: float = 60.0,
         reconnect_max_delay: float = 1.0,
+        instance: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self._instance = instance  # the gateway instance whose lease guards every append
+        self._bound_instance: str | None = None  # what the connection's session says now
         self._flush_delay = flush_delay
         self._max_batch_events = max_batch_events
         self._max_queued_events = max_queued_events
@@ -130,7 +142,13 @@ class GroupCommitWriter:
         self._task = asyncio.create_task(self._run(), name="phasegate-store-writer")
 
     async def _connect(self) -> asyncpg.Connection:
+        self._bound_instance = None
         return await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
+
+    def bind_instance(self, instance: str | None) -> None:
+        """Append for ``instance`` from the next batch on: PostgreSQL refuses the
+        appends while its lease is lapsed (``InstanceFenced``); ``None``: unguarded."""
+        self._instance = instance
 
     @property
     def available(self) -> bool:
@@ -293,6 +311,9 @@ class GroupCommitWriter:
             try:
                 if self._conn is None:
                     raise StoreUnavailable("not connected")
+                if self._bound_instance != self._instance:  # once per connection or instance
+                    await self._conn.execute("SELECT set_config('phasegate.instance', $1, false)", self._instance or "")
+                    self._bound_instance = self._instance
                 await insert_rows(self._conn, rows, copy=True)
             except _REJECTIONS as exc:
                 if is_unavailable(exc):
@@ -389,6 +410,8 @@ class GroupCommitWriter:
 
 def _rejection(entry: PendingAppend, exc: Exception) -> StoreError:
     sqlstate = getattr(exc, "sqlstate", "") or ""
+    if sqlstate == INSTANCE_FENCED_SQLSTATE:
+        return InstanceFenced(str(exc))
     if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
         return StreamConflict(entry.request_id, entry.expected_version, str(exc))
     return StoreError(f"PostgreSQL rejected the append of request {entry.request_id}: {exc}")
