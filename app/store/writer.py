@@ -6,7 +6,8 @@ own transaction: one round trip and one WAL flush for the whole batch, the read
 models projected by the trigger in the same transaction (:mod:`app.store.insert`
 picks the statement: VALUES, unnest arrays or a binary COPY, by batch size). Raw
 asyncpg, not SQLAlchemy, because this is the hot path: ``ops/bench/eventlog.py
---compare-core`` measures the same durable append at ~0.42 ms against ~0.65 ms.
+--compare-core`` measures the same durable append through SQLAlchemy Core, which
+costs markedly more (figures: docs/performance.md).
 
 - A durable append is written at once (nothing lingers while one waits) and its
   caller resumes after the commit; whatever was queued ahead of it is committed in
@@ -17,8 +18,9 @@ asyncpg, not SQLAlchemy, because this is the hot path: ``ops/bench/eventlog.py
   within one socket send buffer (Linux's default is 208 KiB). A larger batch is
   sent over several event-loop turns, each one behind every task that is ready
   (under load, the producers of the next batch), so PostgreSQL waits for the rest
-  of its data while Python works, and the two never overlap: 2,000-event batches
-  gave 40k events/s in ``ops/bench/eventlog.py``, 500-event batches 50-56k.
+  of its data while Python works, and the two never overlap; within the buffer,
+  PostgreSQL works while the producers build the next batch (``ops/bench/eventlog.py``
+  measures the group-commit rate; figures: docs/performance.md).
 - The queue is bounded (``max_queued_events``): appends wait for room.
 - A batch that PostgreSQL rejects (a conflict; or a retried event, which COPY cannot
   skip) is written again with one savepoint per append and ``ON CONFLICT (event_id)
