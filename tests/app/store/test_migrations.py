@@ -18,7 +18,7 @@ from app.store.database import asyncpg_dsn
 from tests.app.store import traces
 
 ROOT = Path(__file__).resolve().parents[3]
-OURS = {"request_events", "requests", "request_attempts", "tool_executions", "request_inputs"}
+OURS = {"request_events", "requests", "request_attempts", "tool_executions", "request_inputs", "gateway_instances"}
 
 
 async def tables(url: str) -> set[str]:
