@@ -14,7 +14,7 @@ import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from app.store import schema
@@ -69,3 +69,15 @@ def request_ids_in(database_url: str) -> list[str]:
 
     ids: list[str] = _run(_with_connection(database_url, read))
     return ids
+
+
+def execute_sql(database_url: str, statement: str, **params: Any) -> int:
+    """Run one SQL statement in its own committed transaction; returns the rows it touched."""
+
+    async def run(connection: AsyncConnection) -> int:
+        result = await connection.execute(text(statement), params)
+        await connection.commit()
+        return int(result.rowcount)
+
+    touched: int = _run(_with_connection(database_url, run))
+    return touched
