@@ -211,6 +211,28 @@ def test_max_attempts_one_means_no_retry_at_all(
     assert decisions_of(events) == [("start_attempt", "request_accepted"), ("fail_request", "retry_budget_exhausted")]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="FOUND: decide() reads max_attempts from PolicyConfig, not from the RequestAccepted.max_attempts "
+    "the log recorded, so replaying a log written under max_attempts=1 without the gateway's config "
+    "(phasegate replay REQUEST_ID) reports a divergence the gateway never made",
+)
+def test_a_log_written_under_max_attempts_one_replays_from_the_log_alone(
+    database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    """DESIGN.md §3/§5: the request's retry budget is in its RequestAccepted event and every
+    decision is a pure function of the log, so replay should need nothing else."""
+    marker = unique_prompt("budget in the log")
+    reject_every_first_attempt(sim_pair, marker)
+    with running_gateway(database_url, sim_pair, timeouts=FAST, policy=PolicyConfig(max_attempts=1)) as gateway:
+        status, request_id, _ = post(gateway, body(marker))
+        events = gateway.events(request_id)
+    assert status == 502 and of(events, ev.RequestAccepted)[0].max_attempts == 1  # type: ignore[attr-defined]
+    assert replay(events, gateway.config.policy).ok  # with the gateway's own config it agrees
+    result = replay(events)  # as `phasegate replay REQUEST_ID` runs it, with no --policy
+    assert result.ok, result.divergence and result.divergence.describe()
+
+
 # --- the global retry budget ------------------------------------------------------------------------
 
 
