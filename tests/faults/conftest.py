@@ -7,6 +7,10 @@
   again before the next test (on a new port, behind the same proxy).
 - ``fleet.fault_first_attempt(fault)``: the generic faults of the suite, translated to
   each kind's scripting: ``die`` (point, k), ``tool_call_then_die`` (k), ``slow_first``.
+- ``database_url`` (function): the root fixture's fresh database, audited after the
+  test: the read models the real gateway's writes projected must agree with the fold
+  of the events it wrote (``app.store.audit.fold_disagreements``), on every log a
+  fault test leaves behind, not only on hand-built ones.
 - ``evidence``: keeps the trace, inputs and transcript of every request a test
   checks, and writes them to ``artifacts/faults/<test>/`` when the test fails, so a
   rare failure can be replayed (``phasegate replay trace.jsonl``).
@@ -29,6 +33,7 @@ import pytest
 from app.config import ReplicaConfig
 from statemachine.events import Event
 from statemachine.trace import dump_trace
+from tests.support.audit import fold_disagreements_in
 from tests.support.gateway import MODEL
 from tests.support.scripted_upstream import ScriptedUpstream, running_scripted_upstream
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy
@@ -150,6 +155,18 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 def live_fleet(fleet: Fleet) -> Fleet:
     fleet.revive()
     return fleet
+
+
+# --- the read models against the fold, on the logs the fault tests wrote -----------------------
+
+
+@pytest.fixture
+def database_url(database_url: str) -> Iterator[str]:
+    """The root ``database_url``, checked once the test is done with it (every gateway it
+    started is closed by then: they all depend on this fixture or live in the test body)."""
+    yield database_url
+    found = fold_disagreements_in(database_url)
+    assert not found, "the read models disagree with the fold of the log:\n" + "\n".join(map(str, found))
 
 
 # --- evidence for failures ------------------------------------------------------------------

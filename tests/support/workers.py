@@ -239,3 +239,14 @@ def running_vllm_openai_server(
         yield process, f"http://127.0.0.1:{port}"
     finally:
         process.kill()
+
+
+def vllm_dtype_args() -> list[str]:
+    """``["--dtype", D]`` when ``PHASEGATE_VLLM_DTYPE`` names one, else nothing.
+
+    Both a vLLM worker and vLLM's own server take ``--dtype``. The default (bfloat16) dies
+    with SIGILL on the first forward pass on CPUs that advertise AMX/bf16 but cannot run it
+    (some VMs); ``PHASEGATE_VLLM_DTYPE=float32`` runs the same tests there.
+    """
+    dtype = os.environ.get("PHASEGATE_VLLM_DTYPE")
+    return ["--dtype", dtype] if dtype else []

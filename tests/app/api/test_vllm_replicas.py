@@ -1,7 +1,11 @@
 """The gateway in front of real vLLM: a worker with the vLLM engine, and vLLM's own
 OpenAI server as a plain replica, both on the tiny local model (see .ci/vllm-env).
 
-The failover test kills the worker, so it runs last in this module.
+One worker and one server serve the whole module (a vLLM start is slow on a small
+machine). The tests run in file order: the ones that need the worker alive first,
+then the two that kill it; the second of those starts it again (``VllmReplicas.revive``).
+``PHASEGATE_VLLM_DTYPE`` (e.g. ``float32``) overrides the engines' dtype where bfloat16
+cannot run.
 """
 
 from __future__ import annotations
@@ -9,18 +13,32 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
+from statemachine.events import ReleaseReason
+from statemachine.invariants import violations
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.app.conftest import add_fault
+from tests.support.audit import fold_disagreements_in
 from tests.support.gateway import RunningGateway, running_gateway
-from tests.support.workers import WorkerProcess, running_vllm_openai_server, start_worker, vllm_env
+from tests.support.transcript import Transcript, check_request, of, stream_chat
+from tests.support.workers import (
+    VllmEnv,
+    WorkerProcess,
+    running_vllm_openai_server,
+    start_worker,
+    vllm_dtype_args,
+    vllm_env,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -31,34 +49,50 @@ TIMEOUTS = Timeouts(
 )
 
 
+def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
+    args = ["--model", MODEL, "--vllm-args", '{"enforce_eager": true}', *vllm_dtype_args()]
+    return start_worker(
+        engine="vllm", python=env.python, model_path=env.model, faults=True, args=args, ready_timeout=300.0
+    )
+
+
+@dataclass
+class VllmReplicas:
+    """The module's vLLM worker (faults on) and vLLM's OpenAI server."""
+
+    env: VllmEnv
+    worker: WorkerProcess
+    server_url: str
+
+    def revive(self) -> WorkerProcess:
+        """Start the worker again if a test killed it."""
+        if not self.worker.alive():
+            self.worker.kill()  # reap it and its engine processes
+            self.worker = start_vllm_worker(self.env)
+        return self.worker
+
+
 @pytest.fixture(scope="module")
-def vllm_pair() -> Iterator[tuple[WorkerProcess, str]]:
+def vllm_pair() -> Iterator[VllmReplicas]:
     """A vLLM worker (faults on) and vLLM's OpenAI server, started side by side."""
     env = vllm_env()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        worker_future = pool.submit(
-            start_worker,
-            engine="vllm",
-            python=env.python,
-            model_path=env.model,
-            faults=True,
-            args=["--model", MODEL, "--vllm-args", '{"enforce_eager": true}'],
-            ready_timeout=300.0,
-        )
-        with running_vllm_openai_server(env, served_model_name=MODEL, args=["--enforce-eager"]) as (_, server_url):
-            worker = worker_future.result()
+        worker_future = pool.submit(start_vllm_worker, env)
+        server_args = ["--enforce-eager", *vllm_dtype_args()]
+        with running_vllm_openai_server(env, served_model_name=MODEL, args=server_args) as (_, server_url):
+            replicas = VllmReplicas(env, worker_future.result(), server_url)
             try:
-                yield worker, server_url
+                yield replicas
             finally:
-                worker.kill()
+                replicas.worker.kill()
 
 
-def gateway_over(database_url: str, vllm_pair: tuple[WorkerProcess, str]) -> AbstractContextManager[RunningGateway]:
-    worker, server_url = vllm_pair
-    replicas = [
-        ReplicaConfig(id="a-worker", url=worker.base_url, kind="worker"),
-        ReplicaConfig(id="b-server", url=server_url, kind="openai"),
-    ]
+def gateway_over(
+    database_url: str, vllm_pair: VllmReplicas, *, worker_only: bool = False
+) -> AbstractContextManager[RunningGateway]:
+    replicas = [ReplicaConfig(id="a-worker", url=vllm_pair.worker.base_url, kind="worker")]
+    if not worker_only:
+        replicas.append(ReplicaConfig(id="b-server", url=vllm_pair.server_url, kind="openai"))
     return running_gateway(database_url, replicas, models={MODEL: "tiny-rev"}, timeouts=TIMEOUTS)
 
 
@@ -77,9 +111,27 @@ def served_by(gateway: RunningGateway, request_id: str) -> list[str]:
     return [e.replica_id for e in gateway.events(request_id) if isinstance(e, ev.AttemptStarted)]
 
 
-def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(
-    database_url: str, vllm_pair: tuple[WorkerProcess, str]
-) -> None:
+def long_body(max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
+
+
+def timeline(events: list[ev.Event]) -> str:
+    """The request's events with their times, for an assertion's message."""
+    t0 = events[0].occurred_at
+    return "\n".join(
+        f"{e.seq:3} +{(e.occurred_at - t0).total_seconds() * 1000:8.1f} ms {type(e).__name__}" for e in events
+    )
+
+
+def assert_sound(gateway: RunningGateway, database_url: str, events: list[ev.Event]) -> None:
+    """The log's invariants, a replay without divergence, read models that agree with the fold."""
+    assert violations(events) == []
+    result = replay(events)
+    assert result.ok, result.divergence and result.divergence.describe()
+    assert fold_disagreements_in(database_url, [events[0].request_id]) == []
+
+
+def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(database_url: str, vllm_pair: VllmReplicas) -> None:
     with gateway_over(database_url, vllm_pair) as gateway:
         client = gateway.openai(timeout=120.0)
         answers: dict[str, set[str]] = {}
@@ -94,10 +146,57 @@ def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(
         assert all(len(texts) == 1 and "" not in texts for texts in answers.values())  # temperature 0
 
 
-def test_a_vllm_worker_dying_before_the_first_delta_is_retried_on_the_vllm_server(
-    database_url: str, vllm_pair: tuple[WorkerProcess, str]
+def test_a_client_leaving_mid_answer_is_cancelled_and_acknowledged_by_the_vllm_engine(
+    database_url: str, vllm_pair: VllmReplicas
 ) -> None:
-    worker, _ = vllm_pair
+    """The client closes its stream after its first delta: the gateway cancels the attempt,
+    the worker aborts the vLLM request and acknowledges only once the engine confirmed it.
+
+    The tiny model decodes a few hundred tokens a second on CPU, so the request asks for
+    all the context allows; the cancel path (disconnect noticed, cancel sent, abort) takes
+    milliseconds, which leaves the engine mid-answer by a wide margin."""
+    max_tokens = 480  # of a 512-token context; far more than is decoded before the cancel lands
+    with gateway_over(database_url, vllm_pair, worker_only=True) as gateway:
+        transcript = stream_chat(gateway.url, long_body(max_tokens), on_delta=lambda n: n >= 1, timeout=120.0)
+        events = gateway.events(transcript.request_id)
+        assert_sound(gateway, database_url, events)
+    # the client: the first delta of an answer, then it left (no error, no end)
+    assert transcript.status == 200 and len(transcript.contents) == 1
+    assert transcript.error is None and not transcript.done
+    # the log: the disconnect, then the cancel, its acknowledgement and the release, in order
+    state = fold(events)
+    assert state.outcome is Outcome.CANCELLED
+    assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["a-worker"]  # type: ignore[attr-defined]
+    order = [type(e).__name__ for e in events]
+    for name in ("ClientDisconnected", "CancelSent", "CancelAcked", "AttemptReleased", "RequestCancelled"):
+        assert order.count(name) == 1, (name, order)
+    assert (
+        order.index("FirstDeltaCommitted")
+        < order.index("ClientDisconnected")
+        < order.index("CancelSent")
+        < order.index("CancelAcked")
+    )
+    assert order.index("CancelAcked") < order.index("AttemptReleased")
+    (released,) = of(events, ev.AttemptReleased)
+    assert released.because is ReleaseReason.CANCEL_ACKED  # type: ignore[attr-defined]
+    (acked,) = of(events, ev.CancelAcked)
+    assert 1 <= acked.generated_tokens < max_tokens, timeline(events)  # type: ignore[attr-defined]  # stopped early
+    assert not of(events, ev.RequestCompleted) and not of(events, ev.RequestFailed)
+    # what the log says was delivered begins with exactly what the client read (the gateway may
+    # have written a few more deltas into the socket before it saw the client go)
+    delivered = "".join(e.text or "" for e in of(events, ev.DeltasDelivered))  # type: ignore[attr-defined]
+    assert delivered.startswith(transcript.text) and state.delivered_output_tokens >= 1
+    # the worker's own view: the engine request was aborted, not finished (the worker may have
+    # seen the gateway close the stream before the cancel arrived: it stops on whichever came first)
+    attempts = httpx.get(vllm_pair.worker.base_url + "/admin/attempts", timeout=10).json()["attempts"]
+    (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
+    assert mine["engine_over"] and mine["stop"] in {"cancelled", "disconnected"}, mine
+
+
+def test_a_vllm_worker_dying_before_the_first_delta_is_retried_on_the_vllm_server(
+    database_url: str, vllm_pair: VllmReplicas
+) -> None:
+    worker = vllm_pair.revive()
     with gateway_over(database_url, vllm_pair) as gateway:
         client = gateway.openai(timeout=120.0)
         reference_id, reference = ask(client, stream=True)
@@ -111,3 +210,49 @@ def test_a_vllm_worker_dying_before_the_first_delta_is_retried_on_the_vllm_serve
         events = gateway.events(request_id)
         assert {e.attempt for e in events if isinstance(e, ev.DeltasDelivered)} == {2}
         assert replay(events).ok
+
+
+def test_a_vllm_worker_killed_mid_answer_ends_the_stream_with_the_final_error(
+    database_url: str, vllm_pair: VllmReplicas
+) -> None:
+    """The worker process is SIGKILLed right after its fourth token frame went out: the
+    deltas the client already has stay, the stream ends with upstream_decode_interrupted,
+    and no second generation starts although the vLLM server is there to take one."""
+    worker = vllm_pair.revive()
+    with gateway_over(database_url, vllm_pair) as gateway:
+        client = gateway.openai(timeout=120.0)
+        # a reference from the worker itself (temperature 0), then one request to the server,
+        # so that the least-recently-chosen rule sends the faulted request to the worker
+        reference_id, reference = ask_long(gateway)
+        if served_by(gateway, reference_id) != ["a-worker"]:
+            reference_id, reference = ask_long(gateway)
+        assert served_by(gateway, reference_id) == ["a-worker"] and reference
+        between_id, _ = ask(client, stream=True)
+        assert served_by(gateway, between_id) == ["b-server"]
+        add_fault(worker, action="die", point="after_frame", at_token=3, match={"attempt": 1})
+        transcript = stream_chat(gateway.url, long_body(32), timeout=120.0)
+        events = gateway.events(transcript.request_id)
+        assert_sound(gateway, database_url, events)
+        check_request(events, transcript)  # the client's text is what the log says it delivered
+    assert not worker.alive() and worker.wait(timeout=30) < 0  # killed by the fault, not a clean exit
+    # the client: part of the worker's answer, then the final error naming what it got
+    assert transcript.status == 200 and transcript.done and transcript.error is not None
+    error = transcript.error
+    assert (error["code"], error["partial_output"], error["retryable"]) == ("upstream_decode_interrupted", True, False)
+    assert error["request_id"] == transcript.request_id
+    assert 1 <= error["delivered_output_tokens"] == len(transcript.contents) <= 4
+    assert reference.startswith(transcript.text) and transcript.text != reference
+    # the log: one attempt on the worker, no retry decided, the terminal event as the client was told
+    assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["a-worker"]  # type: ignore[attr-defined]
+    assert not [d for d in of(events, ev.Decided) if d.action == "start_attempt" and d.params["attempt"] > 1]  # type: ignore[attr-defined]
+    (terminal,) = of(events, ev.RequestFailed)
+    assert (terminal.code, terminal.partial_output, terminal.retryable) == ("upstream_decode_interrupted", True, False)  # type: ignore[attr-defined]
+    assert terminal.delivered_output_tokens == len(transcript.contents) == fold(events).delivered_output_tokens  # type: ignore[attr-defined]
+    assert {e.attempt for e in of(events, ev.DeltasDelivered)} == {1}  # type: ignore[attr-defined]
+
+
+def ask_long(gateway: RunningGateway) -> tuple[str, str]:
+    """The same request as the faulted one, answered in full: (request id, text)."""
+    transcript: Transcript = stream_chat(gateway.url, long_body(32), timeout=120.0)
+    assert transcript.done and transcript.error is None
+    return transcript.request_id, transcript.text
