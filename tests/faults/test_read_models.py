@@ -12,7 +12,7 @@ import uuid
 
 import httpx
 
-from statemachine.state import Outcome
+from statemachine.request_state import Outcome
 from tests.support.audit import execute_sql, fold_disagreements_in, read_model_row
 from tests.support.gateway import MODEL, running_gateway
 from tests.support.transcript import check_request, stream_chat

@@ -182,6 +182,8 @@ def start_worker(
         cmd += ["--model-path", model_path]
     if faults:
         cmd.append("--enable-faults")
+    if engine == "vllm":
+        cmd += vllm_dtype_args()  # before args: a --dtype there wins
     cmd += list(args)
     worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else env
     process = _spawn(cmd, worker_env, tmp)
@@ -232,7 +234,7 @@ def running_vllm_openai_server(
     tmp = tempfile.TemporaryDirectory(prefix="phasegate-vllm-")
     cmd = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", env.model]
     cmd += ["--served-model-name", served_model_name, "--port", str(port), "--host", "127.0.0.1"]
-    cmd += ["--max-model-len", "512", "--dtype", "bfloat16", *args]
+    cmd += ["--max-model-len", "512", *vllm_dtype_args(), *args]
     process = _spawn(cmd, VLLM_ENV, tmp)
     try:
         _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")
@@ -242,11 +244,10 @@ def running_vllm_openai_server(
 
 
 def vllm_dtype_args() -> list[str]:
-    """``["--dtype", D]`` when ``PHASEGATE_VLLM_DTYPE`` names one, else nothing.
+    """``["--dtype", D]`` for every vLLM the tests start: ``PHASEGATE_VLLM_DTYPE``, else float32.
 
-    Both a vLLM worker and vLLM's own server take ``--dtype``. The default (bfloat16) dies
-    with SIGILL on the first forward pass on CPUs that advertise AMX/bf16 but cannot run it
-    (some VMs); ``PHASEGATE_VLLM_DTYPE=float32`` runs the same tests there.
+    The tiny random model does not care, and bfloat16 dies with SIGILL on the first
+    forward pass on CPUs that advertise AMX/bf16 but cannot run it (some VMs, this
+    project's CI among them); ``PHASEGATE_VLLM_DTYPE=bfloat16`` tests that path where it runs.
     """
-    dtype = os.environ.get("PHASEGATE_VLLM_DTYPE")
-    return ["--dtype", dtype] if dtype else []
+    return ["--dtype", os.environ.get("PHASEGATE_VLLM_DTYPE") or "float32"]

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
-from statemachine.state import Outcome, fold
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 
 
 def _of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:

@@ -36,7 +36,6 @@ from tests.support.workers import (
     WorkerProcess,
     running_vllm_openai_server,
     start_worker,
-    vllm_dtype_args,
     vllm_env,
 )
 
@@ -50,7 +49,7 @@ TIMEOUTS = Timeouts(
 
 
 def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
-    args = ["--model", MODEL, "--vllm-args", '{"enforce_eager": true}', *vllm_dtype_args()]
+    args = ["--model", MODEL, "--vllm-args", '{"enforce_eager": true}']
     return start_worker(
         engine="vllm", python=env.python, model_path=env.model, faults=True, args=args, ready_timeout=300.0
     )
@@ -78,7 +77,7 @@ def vllm_pair() -> Iterator[VllmReplicas]:
     env = vllm_env()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         worker_future = pool.submit(start_vllm_worker, env)
-        server_args = ["--enforce-eager", *vllm_dtype_args()]
+        server_args = ["--enforce-eager"]
         with running_vllm_openai_server(env, served_model_name=MODEL, args=server_args) as (_, server_url):
             replicas = VllmReplicas(env, worker_future.result(), server_url)
             try:

@@ -22,7 +22,8 @@ from statemachine.events import FailureKind
 from statemachine.invariants import violations
 from statemachine.policy import PolicyConfig
 from statemachine.replay import replay
-from statemachine.state import Outcome, RequestState, fold
+from statemachine.request_state import Outcome, RequestState
+from statemachine.state import fold
 from tests.app.conftest import add_fault
 from tests.support.audit import fold_disagreements_in, read_model_row
 from tests.support.choices import ChoiceTranscript, stream_choices
