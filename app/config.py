@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.worker.auth import TOKEN_ENV, TokenError, check_token, read_token_file
 from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
@@ -65,6 +66,9 @@ class GatewayConfig:
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open, tenant "default"
     admin_token: str | None = None
+    # the worker protocol's shared secret, sent to every worker replica (never printed)
+    worker_token: str | None = field(default=None, repr=False)
+    worker_token_file: Path | None = None  # read at load when worker_token is not set
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
@@ -122,8 +126,25 @@ def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
         values["database_url"] = os.environ["DATABASE_URL"]
     if os.environ.get("PHASEGATE_DATA_DIR"):
         values["data_dir"] = os.environ["PHASEGATE_DATA_DIR"]
+    if os.environ.get(TOKEN_ENV):
+        values["worker_token"] = os.environ[TOKEN_ENV]
     values.update({key: value for key, value in overrides.items() if value is not None})
     return _build(values)
+
+
+def _resolve_worker_token(values: dict[str, Any]) -> None:
+    """``worker_token`` checked, or read from ``worker_token_file`` when not given."""
+    try:
+        if values.get("worker_token_file") is not None:
+            values["worker_token_file"] = Path(values["worker_token_file"])
+            if values.get("worker_token") is None:
+                values["worker_token"] = read_token_file(values["worker_token_file"])
+        if values.get("worker_token") is not None:
+            if not isinstance(values["worker_token"], str):
+                raise ConfigError("worker_token must be a string")
+            check_token(values["worker_token"], "worker_token")
+    except TokenError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _build(values: dict[str, Any]) -> GatewayConfig:
@@ -145,6 +166,7 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             values["limits"] = Limits(**values["limits"])
         if values.get("data_dir") is not None:
             values["data_dir"] = Path(values["data_dir"])
+        _resolve_worker_token(values)
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None

@@ -33,6 +33,7 @@ class Code(enum.StrEnum):
     STALE_LEASE_EPOCH = "stale_lease_epoch"
     LEASE_EXPIRED = "lease_expired"
     FAULTS_DISABLED = "faults_disabled"
+    UNAUTHORIZED = "unauthorized"  # 401: no or a wrong worker token
     # the replica (429 / 5xx)
     QUEUE_FULL = "queue_full"
     REPLICA_EXITING = "replica_exiting"

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
@@ -176,7 +177,10 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    if config.token is not None:
+        app.add_middleware(RequireToken, token=config.token)
+    return app
 
 
 class _Server(uvicorn.Server):
@@ -244,6 +248,8 @@ async def _serve(config: WorkerConfig) -> int:
         config.grace_s,
     )
     server.loop = asyncio.get_running_loop()
+    if config.token is None:
+        log.warning("worker %s: no token: anyone who reaches %s:%d controls its leases", config.name, config.host, port)
     if config.ready_file is not None:
         tmp = config.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": config.host, "port": port, "pid": os.getpid()}))
