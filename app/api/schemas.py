@@ -192,7 +192,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         if not isinstance(message, dict):
             raise InvalidRequest(f"'{param}' must be an object", param=param)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is not hashable
             raise InvalidRequest(f"'{param}.role' must be one of {', '.join(sorted(ROLES))}", param=f"{param}.role")
         content = message.get("content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):

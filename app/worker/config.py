@@ -32,6 +32,7 @@ class WorkerConfig:
     ready_file: Path | None = None
     log_level: str = "warning"
     token: str | None = field(default=None, repr=False)  # None: the protocol is open (loopback only)
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
     # sim engine
     sim_prefill_ms_per_token: float = 0.1
     sim_decode_ms_per_token: float = 2.0
@@ -76,6 +77,7 @@ def add_worker_parser(sub: Any) -> None:
         action="store_true",
         help="serve the protocol without a token on a non-loopback address (a private network only)",
     )
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)
     p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
     p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
@@ -100,6 +102,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             f"phasegate worker: listening on {args.host} needs a token (--token-file or ${TOKEN_ENV}), "
             "or --insecure-no-auth on a private network"
         )
+    if args.max_body_bytes < 1024:
+        raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
     models = tuple(args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"]))
     return WorkerConfig(
         host=args.host,
@@ -118,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ready_file=args.ready_file,
         log_level=args.log_level,
         token=token,
+        max_body_bytes=args.max_body_bytes,
         sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         sim_abort_ms=args.sim_abort_ms,

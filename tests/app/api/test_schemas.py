@@ -89,6 +89,9 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(messages="hi"), "messages", "invalid_request", "must be an array"),
         (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_request", "must be an object"),
         (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "invalid_request", "role"),
+        # a list or an object as the role was a 500 (unhashable; issue 14)
+        (CHAT, chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "invalid_request", "role"),
+        (CHAT, chat(messages=[{"role": {"a": 1}, "content": "x"}]), "messages[0].role", "invalid_request", "role"),
         (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_request", "is required"),
         (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_request", "text parts"),
         (CHAT, chat(stream="yes"), "stream", "invalid_request", "must be a boolean"),
