@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ class GatewayConfig:
     # the worker protocol's shared secret, sent to every worker replica (never printed)
     worker_token: str | None = field(default=None, repr=False)
     worker_token_file: Path | None = None  # read at load when worker_token is not set
+    metrics_token: str | None = field(default=None, repr=False)  # set: /metrics needs it (Bearer)
+    cors_allow_origins: tuple[str, ...] = ()  # empty: no CORS headers, so no page elsewhere reads answers
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
@@ -96,6 +99,11 @@ class GatewayConfig:
                 raise ConfigError(f"replica {replica.id}: kind must be one of {', '.join(REPLICA_KINDS)}")
             if not replica.url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica {replica.id}: url must be http(s)://…")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ConfigError("metrics_token must have at least 16 characters")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
@@ -164,6 +172,11 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             values["timeouts"] = Timeouts(**values["timeouts"])
         if isinstance(values.get("limits"), dict):
             values["limits"] = Limits(**values["limits"])
+        if "cors_allow_origins" in values:
+            origins = values["cors_allow_origins"]
+            if isinstance(origins, str) or not all(isinstance(o, str) for o in origins):
+                raise ConfigError("cors_allow_origins must be a list of origins")
+            values["cors_allow_origins"] = tuple(origins)
         if values.get("data_dir") is not None:
             values["data_dir"] = Path(values["data_dir"])
         _resolve_worker_token(values)

@@ -26,7 +26,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
+from app.api.errors import (
+    ApiError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    Unauthorized,
+    retry_headers,
+)
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
@@ -67,7 +75,7 @@ class _Admin:
                 _check_request_id(request.path_params.get("request_id", ""))
                 response = await handler(request)
             except ApiError as error:
-                headers = {"x-request-id": exchange}
+                headers = {"x-request-id": exchange, **retry_headers(error.retryable)}
                 if isinstance(error, Unauthorized) and browser:
                     headers["www-authenticate"] = 'Basic realm="phasegate admin", charset="UTF-8"'
                 return JSONResponse(error.body(exchange), status_code=error.status, headers=headers)
