@@ -87,6 +87,10 @@ class GatewayConfig:
     ejection_max_s: float = 60.0
     tool_webhook_url: str | None = None  # where tool calls are executed, once per idempotency key
     apply_migrations: bool = True
+    instance_name: str | None = None  # how this gateway instance is listed (default host:port)
+    instance_lease_ttl_s: float = 10.0  # an instance's lease, renewed every third of it
+    sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
+    drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
 
     def __post_init__(self) -> None:
         if self.content_policy not in CONTENT_POLICIES:
@@ -108,6 +112,8 @@ class GatewayConfig:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.instance_lease_ttl_s <= 0 or self.sweep_interval_s <= 0 or self.drain_s < 0:
+            raise ConfigError("instance_lease_ttl_s and sweep_interval_s must be positive, drain_s not negative")
         if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
             raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
 

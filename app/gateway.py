@@ -1,10 +1,11 @@
-"""The composition root: one gateway process's store, pool, probes and app.
+"""The composition root: one gateway process's store, pool, probes, instance and app.
 
 ``Gateway.open(config, database_url)`` connects the event log (applying migrations
 when asked), builds a client per configured replica, and returns a gateway whose
-``app`` is the Starlette application. Its lifespan starts the background health
-probes and the recovery pass, and on shutdown waits for in-flight bookkeeping
-(fences that complete after a stream ended), then flushes and closes the log.
+``app`` is the Starlette application. Its lifespan registers the gateway instance
+(:mod:`app.driver.instance`: lease, heartbeat, sweeps) and starts the health probes;
+on shutdown it waits for in-flight bookkeeping (fences that complete after a stream
+ended), gives the instance's lease back, then flushes and closes the log.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,24 +22,19 @@ from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
-from app.driver.recovery import recover_lost_requests
+from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
 from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
 from app.replicas.openai_upstream import OpenAIUpstream
 from app.replicas.pool import Replica, ReplicaPool
 from app.replicas.worker import WorkerReplica
-from app.store.base import EventStore
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
 
 log = logging.getLogger("phasegate.gateway")
 
 SHUTDOWN_GRACE_S = 10.0
-
-
-def default_gateway_id(config: GatewayConfig) -> str:
-    return f"{socket.gethostname()}:{config.port}"
 
 
 def replica_client(replica: ReplicaConfig, config: GatewayConfig) -> ReplicaClient:
@@ -57,9 +52,9 @@ def replica_client(replica: ReplicaConfig, config: GatewayConfig) -> ReplicaClie
 
 
 class Gateway:
-    def __init__(self, ctx: GatewayContext, gateway_id: str) -> None:
+    def __init__(self, ctx: GatewayContext, store: PostgresEventStore) -> None:
         self.ctx = ctx
-        self.gateway_id = gateway_id
+        self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
         self._probes: asyncio.Task[None] | None = None
         self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
 
@@ -69,13 +64,11 @@ class Gateway:
         config: GatewayConfig,
         database_url: str,
         *,
-        gateway_id: str | None = None,
         tool_runner: ToolRunner | None = None,
-        store: EventStore | None = None,
     ) -> Gateway:
         if config.apply_migrations:
             await upgrade_async(database_url)
-        store = store or await PostgresEventStore.connect(database_url)
+        store = await PostgresEventStore.connect(database_url)
         metrics = Metrics()
         pool = ReplicaPool(
             [Replica(replica, replica_client(replica, config)) for replica in config.replicas],
@@ -93,9 +86,8 @@ class Gateway:
             budget=RetryBudget(config.retry_budget_burst, config.retry_budget_per_s),
             metrics=metrics,
             tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
-            gateway_id=gateway_id or default_gateway_id(config),
         )
-        return cls(ctx, ctx.gateway_id)
+        return cls(ctx, store)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -105,14 +97,21 @@ class Gateway:
         finally:
             await self.stop()
 
+    @property
+    def instance_id(self) -> str:
+        return self.ctx.gateway_id
+
     async def start(self) -> None:
+        await self.instance.start()
         await self.ctx.pool.probe_all()
         self._probes = asyncio.get_running_loop().create_task(
             self.ctx.pool.run_probes(self.ctx.config.health_interval_s), name="replica probes"
         )
-        closed = await recover_lost_requests(self.ctx)
-        if closed:
-            log.warning("closed %d request(s) a previous run of gateway %s left open", closed, self.gateway_id)
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new requests, give open streams ``drain_s``, end the rest."""
+        log.warning("gateway instance %s drains (up to %gs)", self.instance_id, self.ctx.config.drain_s)
+        await self.instance.drain(self.ctx.config.drain_s)
 
     async def stop(self) -> None:
         if self._probes is not None:
@@ -120,6 +119,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probes
         await self.ctx.drain(SHUTDOWN_GRACE_S)
+        await self.instance.stop()
         await self.ctx.store.close()
         await self.ctx.pool.close()
         if isinstance(self.ctx.tool_runner, WebhookRunner):

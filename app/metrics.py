@@ -69,6 +69,17 @@ class Metrics:
             "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
         )
         self.in_flight = Gauge("phasegate_requests_in_flight", "Requests being served", registry=r)
+        self.gateway_instances = Gauge(
+            "phasegate_gateway_instances_live",
+            "Live gateway instances sharing the log, at the last heartbeat",
+            registry=r,
+        )
+        self.instances_swept = Counter(
+            "phasegate_gateway_instances_swept", "Lapsed gateway instances this one took over", registry=r
+        )
+        self.instances_fenced = Counter(
+            "phasegate_gateway_instance_fenced", "Times this gateway lost its lease and registered again", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,12 @@
 """``phasegate serve``: the gateway, with everything it needs when nothing is configured.
 
 With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
-starts two simulated workers as child processes. Ctrl-C (or SIGTERM) stops the
-gateway gracefully, then the workers and the database it started: nothing it
-started is left running.
+starts two simulated workers as child processes. The port is bound first: a second
+process on a taken port fails before it touches anything. SIGTERM (or Ctrl-C) drains
+(DESIGN.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
+streams get up to ``drain_s`` and then their final error; a second signal stops at
+once. Then the workers and the database it started stop too: nothing it started is
+left running.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import dataclasses
 import logging
 import shutil
 import signal
+import socket
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
@@ -43,6 +48,9 @@ def add_serve_parser(sub: Any) -> None:
     )
     p.add_argument("--model", action="append", default=[], metavar="NAME[=REVISION]", help="a served model")
     p.add_argument("--sim-workers", type=int, default=2, help="simulated workers to start when no replica is set")
+    p.add_argument(
+        "--sim-ms-per-token", type=float, default=None, help="the simulated workers' time per token (default 2)"
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -62,6 +70,11 @@ def serve(args: argparse.Namespace) -> int:
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres
 
+    try:
+        listener = _bind(config.host, config.port)
+    except OSError as exc:
+        print(f"phasegate serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
+        return 1
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
@@ -70,15 +83,16 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if not config.replicas:
-            config, children = _with_sim_workers(config, args.sim_workers, workdir)
+            config, children = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token)
         if config.database_url:
             url = sqlalchemy_url(config.database_url)
         else:
             database = EmbeddedPostgres(config.data_dir)
             url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
-        asyncio.run(_run(config, url))
+        asyncio.run(_run(config, url, listener))
     finally:
+        listener.close()
         for child in children:
             child.stop()
         if database is not None:
@@ -91,14 +105,33 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, before anything else starts (uvicorn's own way of binding)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def _model(text: str) -> tuple[str, str]:
     name, _, revision = text.partition("=")
     return name, revision or "unknown"
 
 
-def _with_sim_workers(config: GatewayConfig, count: int, workdir: Path) -> tuple[GatewayConfig, list[Child]]:
+def _with_sim_workers(
+    config: GatewayConfig, count: int, workdir: Path, ms_per_token: float | None
+) -> tuple[GatewayConfig, list[Child]]:
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
     names = [arg for name in models for arg in ("--model", name)]
+    if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept
+        names += ["--sim-decode-ms-per-token", str(ms_per_token)]
     children: list[Child] = []
     for number in range(1, count + 1):
         worker_id = f"sim-{number}"
@@ -111,13 +144,33 @@ def _as_dict(config: GatewayConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-async def _run(config: GatewayConfig, url: str) -> None:
+async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None:
     import uvicorn
 
     from app.gateway import Gateway
 
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, whose first SIGTERM or SIGINT drains the gateway before it stops."""
+
+        draining = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.draining:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            self.draining = True
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), name="drain"))
+
+        async def _drain(self) -> None:
+            print(f"phasegate drains: open streams get up to {config.drain_s:g}s (a second signal stops now)")
+            try:
+                await gateway.drain()
+            finally:
+                self.should_exit = True
+
+    loop = asyncio.get_running_loop()
     gateway = await Gateway.open(config, url)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             gateway.app,
             host=config.host,
@@ -132,7 +185,7 @@ async def _run(config: GatewayConfig, url: str) -> None:
     )
     banner = asyncio.get_running_loop().create_task(_announce(server, config))
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         banner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -152,4 +205,4 @@ async def _announce(server: Any, config: GatewayConfig) -> None:
         f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f'-d \'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\''
     )
-    print("Ctrl-C stops the gateway and everything it started.", flush=True)
+    print("Ctrl-C drains the gateway, then stops it and everything it started.", flush=True)

@@ -278,6 +278,22 @@ def _fail_before_output(
     )
 
 
+def ended_by_gateway(state: RequestState, code: str, message: str) -> FailRequest:
+    """The gateway itself ends the request (it was lost, it drains): not a decision
+    about the replicas, so never recorded as ``Decided``; what the client is told
+    follows what the log says was delivered."""
+    partial = state.first_delta_sent
+    return FailRequest(
+        reason=code,
+        code=code,
+        message=message,
+        partial_output=partial,
+        delivered_output_tokens=state.delivered_output_tokens,
+        retryable=not partial,
+        http_status=503,
+    )
+
+
 def _soft_overload(attempt: AttemptState) -> bool:
     return attempt.failure is FailureKind.OVERLOADED and attempt.failure_deadline is not Deadline.HARD
 

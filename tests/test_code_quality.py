@@ -1,4 +1,4 @@
-"""The tooling gates of STYLE.md, run by the test command: ruff everywhere, mypy strict on the core."""
+"""The tooling gates of STYLE.md, run by the test command: ruff everywhere, mypy strict on app/ and statemachine/."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         [sys.executable, "-m", "ruff", "check", "."],
         [sys.executable, "-m", "ruff", "format", "--check", "."],
-        [sys.executable, "-m", "mypy"],  # files and strictness come from pyproject.toml
+        # strictness comes from pyproject.toml; the packages are named here so that the
+        # gate cannot narrow by an edit of its [tool.mypy] files
+        [sys.executable, "-m", "mypy", "statemachine", "app"],
     ],
     ids=["ruff-check", "ruff-format", "mypy-strict"],
 )

@@ -40,6 +40,7 @@ from app.api.errors import (
     InvalidRequest,
     NotFound,
     RequestTooLarge,
+    ServiceUnavailable,
     Unauthorized,
     UnsupportedMediaType,
     failure_body,
@@ -57,6 +58,10 @@ from app.store.errors import StoreError
 log = logging.getLogger("phasegate.api")
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody reads it
+REFUSALS = {
+    "gateway_draining": "the gateway is shutting down; send the request again (another instance takes it)",
+    "gateway_lost": "the gateway lost its place in the request log and is rejoining; retry shortly",
+}
 
 
 def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
@@ -103,6 +108,12 @@ class _Api:
     async def _generate(self, request: Request, endpoint: str) -> Response:
         request_id = new_request_id()
         headers = {"x-request-id": request_id}
+        if self.ctx.refusal is not None:  # draining, or fenced until it registers again
+            refused = ServiceUnavailable(
+                REFUSALS.get(self.ctx.refusal, "the gateway is unavailable"), code=self.ctx.refusal
+            )
+            self.ctx.metrics.rejected.labels(code=refused.code).inc()
+            return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
             tenant = self._authenticate(request)
             generation = parse_request(
@@ -182,6 +193,8 @@ class _Api:
 
     async def readyz(self, request: Request) -> Response:
         problems = []
+        if self.ctx.refusal is not None:
+            problems.append(f"gateway: {self.ctx.refusal}")
         try:
             await self.ctx.store.ping()
         except Exception as exc:

@@ -4,6 +4,10 @@ A mass failure of replicas must not turn into a storm of re-prefills. Every retr
 (an attempt after the first) takes a token; the bucket holds ``burst`` tokens and
 refills at ``per_second``. A refused retry is recorded as ``RetryBudgetDenied`` and
 the policy ends that request with a retryable error. The clock is injected.
+
+The budget is for all gateway instances together: each instance holds its share,
+``1 / live instances``, which its heartbeat refreshes (``share_among``), so the hot
+path takes tokens without a round trip (DESIGN.md §11).
 """
 
 from __future__ import annotations
@@ -19,13 +23,20 @@ class RetryBudget:
         self.burst = burst
         self.per_second = per_second
         self.clock = clock
+        self.share = 1.0  # of the budget that all live instances hold together
         self._tokens = float(burst)
         self._at = clock()
+
+    def share_among(self, instances: int) -> None:
+        """Hold ``1 / instances`` of the budget from now on."""
+        self.available  # noqa: B018 - refill at the old rate up to now
+        self.share = 1.0 / max(instances, 1)
+        self._tokens = min(self._tokens, self.burst * self.share)
 
     @property
     def available(self) -> float:
         now = self.clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.per_second)
+        self._tokens = min(self.burst * self.share, self._tokens + (now - self._at) * self.per_second * self.share)
         self._at = now
         return self._tokens
 

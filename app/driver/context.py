@@ -35,6 +35,8 @@ class LiveRequest(Protocol):
     @property
     def state(self) -> RequestState: ...
 
+    def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
+
 
 @dataclass
 class GatewayContext:
@@ -47,7 +49,8 @@ class GatewayContext:
     # inputs so that tests can control them; statemachine/ never reads either.
     wall_clock: Callable[[], datetime] = utc_now
     clock: Callable[[], float] = time.monotonic
-    gateway_id: str = "gateway"  # recorded on every request it accepts, for recovery
+    gateway_id: str = "gateway"  # this instance's id, recorded on every request it accepts
+    refusal: str | None = None  # why new requests get 503 now: gateway_draining, gateway_lost
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done

@@ -1,323 +1,29 @@
-"""The per-request loop: observe -> decide -> act -> append.
+"""What the HTTP layer and the gateway call on a request in flight.
 
-How this works: ``outputs`` is one async generator that runs the whole request. It
-asks ``decide()``, records each action as ``Decided``, carries the actions out, then
-reads the running attempt's next frame and records what it observed; it yields
-what the client should receive next (:class:`Delta`, :class:`Finished`,
-:class:`Failed`, :class:`Cancelled`; :class:`Restarted` when a retry replaced an
-attempt whose output was never delivered). The HTTP layer pulls from it and calls
-back: ``commit()`` before the first content byte, ``delivered()`` after each write,
-``complete()`` before the last bytes, ``client_gone()`` when the client left.
-
-Every action's events are recorded synchronously, before any await, so a
-cancellation (a client that leaves) never finds a decision half carried out; the
-awaited parts (appends, opening a stream, waiting for a fence) come after.
+:class:`RequestDriver` is the request's loop (:mod:`app.driver.loop`, which decides
+and acts) plus its two edges: the client's side, where the HTTP layer calls
+``commit()`` before the first content byte, ``delivered()`` after each write,
+``complete()`` before the last bytes and ``client_gone()`` when the client left;
+and the gateway's side, which ends a request after the log was lost
+(``close_after_log_loss``) or itself (the loop's ``interrupt``: a drain, an instance
+that lost its lease).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from datetime import timedelta
 
 from app.driver import log_loss
-from app.driver.attempt import AttemptRun
-from app.driver.context import GatewayContext
-from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
-from app.driver.recorder import Recorder
-from app.driver.request import GenerationRequest
-from app.driver.tools import ToolCalls
-from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
+from app.driver.loop import RequestLoop
+from app.driver.outputs import Finished
 from statemachine import events as ev
-from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import (
-    Action,
-    CancelAttempt,
-    CancelRequest,
-    FailRequest,
-    FenceAttempt,
-    StartAttempt,
-    Wait,
-    decide,
-)
-from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
 
-LEASE_EXPIRY_MARGIN_S = 0.05  # clocks differ a little: wait past the replica's expiry
 
-
-class RequestDriver:
-    def __init__(self, ctx: GatewayContext, request_id: str, request: GenerationRequest, tenant: str) -> None:
-        self.ctx = ctx
-        self.request = request
-        self.tenant = tenant
-        self.recorder = Recorder(ctx, RequestState(request_id=request_id))
-        self.run: AttemptRun | None = None
-        self.accepted_at = ctx.clock()
-        self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
-        self.last_delivery_at: float | None = None
-        self.tool_calls = ToolCalls(ctx, self.recorder)
-        self._restarted = False  # a retry opened: the consumer drops what it buffered
-        self.outputs: AsyncGenerator[Output, None] = self._drive()
-
-    @property
-    def request_id(self) -> str:
-        return self.recorder.request_id
-
-    @property
-    def state(self) -> RequestState:
-        return self.recorder.state
-
-    # --- acceptance ------------------------------------------------------------------
-
-    def accept(self) -> None:
-        """Record the request; its first pull appends it with the first attempt (group-committed)."""
-        request = self.request
-        self.recorder.record(
-            ev.RequestAccepted,
-            model=request.model,
-            model_revision=self.ctx.config.model_revision(request.model) or "unknown",
-            tenant=self.tenant,
-            endpoint=request.endpoint,
-            stream=request.stream,
-            params_digest=request.params_digest(),
-            prompt_tokens=request.estimated_prompt_tokens,
-            n=request.n,
-            guided=request.guided,
-            tools=bool(request.tools),
-            idempotency_key=None,
-            max_attempts=self.ctx.config.policy.max_attempts,
-            seed=request.seed,
-            gateway=self.ctx.gateway_id,
-        )
-        self.ctx.drivers[self.request_id] = self
-        self.ctx.metrics.in_flight.inc()
-        # the input, for replaying an incident; off the path to the first token
-        self.ctx.spawn(
-            self.ctx.store.record_input(
-                self.request_id,
-                request.raw,
-                model_revision=self.ctx.config.model_revision(request.model),
-                seed=request.seed,
-            ),
-            name=f"input {self.request_id}",
-        )
-
-    # --- the loop --------------------------------------------------------------------
-
-    async def _drive(self) -> AsyncGenerator[Output, None]:
-        while True:
-            ended = await self._decide_and_act()
-            if self._restarted:
-                self._restarted = False
-                yield Restarted()
-            if ended is not None:
-                yield ended
-                return
-            run = self.run
-            if run is None or self.state.phase is Phase.TERMINATED:
-                return
-            try:
-                frame = await run.next_frame()
-            except UpstreamFailure as failure:
-                await self._observe_failure(run, failure)
-                continue
-            if type(frame) is Token:
-                if run.generated_tokens == 0:
-                    self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
-                run.generated_tokens += 1
-                yield Delta(frame.text, frame.choice)
-            elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
-                deadline = run.deadline_due()
-                if deadline is not None:
-                    waited = self.ctx.clock() - run.started_at
-                    self.recorder.record(
-                        ev.UpstreamFailed,
-                        attempt=run.attempt,
-                        lease_epoch=run.lease_epoch,
-                        kind=FailureKind.OVERLOADED,
-                        detail=f"queued for {waited:.1f}s",
-                        deadline=deadline,
-                    )
-            elif type(frame) is ToolCall:
-                await self.tool_calls.emitted(run.attempt, run.lease_epoch, frame)
-            elif type(frame) is Done:
-                yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
-                return
-
-    async def _decide_and_act(self) -> Output | None:
-        """Decide and carry out until the policy has nothing to add."""
-        while True:
-            actions = decide(self.state, self.ctx.config.policy)
-            if not actions:
-                return None
-            for action in actions:
-                self.recorder.record_decided(action)
-            # record every action's events first, then await their side effects
-            effects = [self._record_action(action) for action in actions]
-            outcome: Output | None = None
-            for effect in effects:
-                result = await effect() if effect is not None else None
-                outcome = outcome if result is None else result
-            if outcome is not None:
-                return outcome
-            if all(isinstance(action, Wait) for action in actions):
-                return None
-
-    def _record_action(self, action: Action) -> Callable[[], Awaitable[Output | None]] | None:
-        if isinstance(action, StartAttempt):
-            return self._start_attempt(action)
-        if isinstance(action, FenceAttempt):
-            return self._fence(action)
-        if isinstance(action, CancelAttempt):
-            return self._cancel_attempt()
-        if isinstance(action, FailRequest):
-            return self._fail(action)
-        if isinstance(action, CancelRequest):
-            return self._cancel_request(action)
-        return None  # Wait: nothing to do but keep reading
-
-    # --- actions: each records its events now and returns what is left to await --------
-
-    def _start_attempt(self, action: StartAttempt) -> Callable[[], Awaitable[Output | None]] | None:
-        ctx, request = self.ctx, self.request
-        if action.attempt > 1 and not ctx.budget.try_take():
-            self.recorder.record(ev.RetryBudgetDenied, scope="global")
-            return None
-        replica = ctx.pool.choose(request.model, action.exclude_replicas)
-        if replica is None:
-            self.recorder.record(
-                ev.NoReplicaAvailable,
-                excluded=action.exclude_replicas,
-                detail=f"no healthy replica serves {request.model}",
-            )
-            return None
-        if action.migration is not None:
-            ctx.metrics.migrations.labels(model=request.model, migration_type=action.migration).inc()
-        ttl = ctx.config.timeouts.lease_ttl_s
-        self.recorder.record(
-            ev.AttemptStarted,
-            attempt=action.attempt,
-            lease_epoch=action.attempt,
-            replica_id=replica.id,
-            lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
-            acknowledges_cancel=replica.client.acknowledges_cancel,
-        )
-        run = AttemptRun(
-            replica,
-            request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl),
-            clock=ctx.clock,
-            timeouts=ctx.config.timeouts,
-        )
-        self.run = run
-        self.tool_calls.restart()
-
-        async def open_attempt() -> Output | None:
-            # queued ahead of anything the replica's answer makes us record, so the log
-            # holds the grant before the commit point; durable only with the commit point
-            await self.recorder.flush(durable=False)
-            try:
-                await run.open()
-            except UpstreamFailure as failure:
-                await self._observe_failure(run, failure)
-                return None
-            self._restarted = action.attempt > 1
-            return None
-
-        return open_attempt
-
-    def _fence(self, action: FenceAttempt) -> Callable[[], Awaitable[Output | None]]:
-        run = self.run
-        assert run is not None and run.attempt == action.attempt
-        self.recorder.record(
-            ev.AttemptFenced, attempt=run.attempt, lease_epoch=run.lease_epoch, waiting_for=action.wait_for
-        )
-        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        self.run = None
-        fence = self.ctx.spawn(self._settle(run, fenced=True), name=f"fence {self.request_id}/{run.attempt}")
-        if not action.request_waits:
-            return _nothing  # the stream ends now; the fence completes as bookkeeping
-
-        async def wait_for_fence() -> Output | None:
-            await self.recorder.flush(durable=False)
-            await asyncio.shield(fence)
-            return None
-
-        return wait_for_fence
-
-    def _cancel_attempt(self) -> Callable[[], Awaitable[Output | None]] | None:
-        run = self.run
-        if run is None:
-            return None
-        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        self.run = None
-        self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
-        return None
-
-    async def _settle(self, run: AttemptRun, *, fenced: bool) -> None:
-        """Stop the attempt for good: cancel acknowledged, or its lease run out."""
-        generated = await run.cancel()  # before the stream closes: the ack names the attempt
-        await run.release()
-        if generated is None:
-            await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
-        self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
-        if fenced:
-            released_by = "cancel_ack" if generated is not None else "lease_expiry"
-            self.ctx.metrics.fences.labels(released_by=released_by).inc()
-        await self.recorder.flush(durable=False)
-        self._maybe_forget()
-
-    def _fail(self, action: FailRequest) -> Callable[[], Awaitable[Output | None]]:
-        self.recorder.record(
-            ev.RequestFailed,
-            code=action.code,
-            message=action.message,
-            partial_output=action.partial_output,
-            delivered_output_tokens=action.delivered_output_tokens,
-            retryable=action.retryable,
-        )
-        model = self.request.model
-        if action.code == "upstream_decode_interrupted":
-            self.ctx.metrics.decode_interruptions.labels(model=model).inc()
-        if action.code == "retry_cost_exceeded":
-            self.ctx.metrics.cost_guard.labels(model=model).inc()
-
-        async def finish() -> Output | None:
-            await self._end("failed")
-            return Failed.decided(action)
-
-        return finish
-
-    def _cancel_request(self, action: CancelRequest) -> Callable[[], Awaitable[Output | None]]:
-        self.recorder.record(ev.RequestCancelled, reason=action.reason)
-
-        async def finish() -> Output | None:
-            await self._end("cancelled")
-            return Cancelled(action.reason)
-
-        return finish
-
-    # --- observations ----------------------------------------------------------------
-
-    async def _observe_failure(self, run: AttemptRun, failure: UpstreamFailure) -> None:
-        self.recorder.record(
-            ev.UpstreamFailed,
-            attempt=run.attempt,
-            lease_epoch=run.lease_epoch,
-            kind=failure.kind,
-            detail=failure.detail,
-            upstream_status=failure.status,
-            upstream_code=failure.code,
-        )
-        self.ctx.pool.observe(run.replica, failure)
-        if failure.kind in DEAD_KINDS:
-            self.run = None
-            await run.release()
-
+class RequestDriver(RequestLoop):
     # --- the client's side: called by the HTTP layer ---------------------------------
 
     async def commit(self) -> None:
@@ -349,33 +55,6 @@ class RequestDriver:
             self.ctx.pool.succeeded(self.run.replica)
         await self._end("completed")
 
-    async def _end(self, outcome: str) -> None:
-        """After the terminal event: make it durable, release, count, forget. Shielded:
-        a client leaving at this moment must not leave the request half ended."""
-        await asyncio.shield(self._ending(outcome))
-
-    async def _ending(self, outcome: str) -> None:
-        run, self.run = self.run, None
-        try:
-            await self.recorder.flush(durable=True)
-        finally:
-            if run is not None:
-                await run.release()
-        self.count_end(outcome)
-        self._maybe_forget()
-
-    def count_end(self, outcome: str) -> None:
-        """The request ended (once): its outcome, its attempts, one fewer in flight."""
-        metrics = self.ctx.metrics
-        metrics.requests.labels(model=self.request.model, outcome=outcome).inc()
-        metrics.attempts.observe(len(self.state.attempts))
-        metrics.in_flight.dec()
-
-    def _maybe_forget(self) -> None:
-        """Forget the request once it ended and no attempt of it may still publish."""
-        if self.state.phase is Phase.TERMINATED and not any(a.live for a in self.state.attempts):
-            self.ctx.drivers.pop(self.request_id, None)
-
     async def close_after_log_loss(self) -> None:
         """The log stopped taking this request's events and its client was told
         (:func:`app.driver.log_loss.failure`): stop the attempt, end the request in the
@@ -402,7 +81,3 @@ class RequestDriver:
             log.warning("request %s: the loop was still running when its client left", self.request_id)
         self.recorder.record(ev.ClientDisconnected)
         await self._decide_and_act()
-
-
-async def _nothing() -> Output | None:
-    return None

@@ -9,6 +9,12 @@ otherwise. Deliveries are coalesced: consecutive deltas of one attempt become on
 ``delivery_batch_ms`` old, cut early by any other event so the log's order is the
 order things happened.
 
+Deliveries reach the log while the stream runs (DESIGN.md §11): a batch that closes
+(full, or aged by a timer) is appended at once, group-committed and never awaited on
+the per-token path, and while one append of the request is on its way to the commit
+the next batches wait for it, then go together. So the log is behind what the client
+received by at most two batches (one open, one committing) and never ahead of it.
+
 Appends run shielded: a client that disconnects mid-append cancels the HTTP task,
 not the append. While PostgreSQL is down, a durable flush retries for
 ``store_outage_grace_s`` before it gives up; the events stay queued either way and
@@ -26,10 +32,10 @@ from datetime import datetime
 from typing import Any
 
 from app.driver.context import GatewayContext
-from app.store.errors import StoreUnavailable
+from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, ReleaseReason
-from statemachine.policy import Action, decided_fields
+from statemachine.policy import Action, FailRequest, decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
 
@@ -60,6 +66,7 @@ class Recorder:
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
         self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
+        self._appending: asyncio.Task[None] | None = None  # closed batches on their way to the log
 
     @property
     def request_id(self) -> str:
@@ -69,11 +76,22 @@ class Recorder:
 
     def record(self, cls: type[Event], **fields: Any) -> Event:
         """Stamp, apply and queue one event; an open delivery batch is closed first."""
-        self._close_batch()
+        self.close_batch()
         return self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
         self.record(ev.Decided, **decided_fields(action))
+
+    def record_failed(self, action: FailRequest) -> None:
+        """The request failed as ``action`` says (the terminal event)."""
+        self.record(
+            ev.RequestFailed,
+            code=action.code,
+            message=action.message,
+            partial_output=action.partial_output,
+            delivered_output_tokens=action.delivered_output_tokens,
+            retryable=action.retryable,
+        )
 
     def record_stopped(self, attempt: int, lease_epoch: int, generated_tokens: int | None) -> None:
         """The attempt stopped for good: its cancel acknowledged (with what it had
@@ -95,21 +113,55 @@ class Recorder:
         """One delta written to the client; recorded in batches."""
         batch = self._batch
         if batch is not None and batch.attempt != attempt:
-            self._close_batch()
+            self.close_batch()
             batch = None
+        config = self.ctx.config
         if batch is None:
             batch = self._batch = _OpenBatch(
                 attempt, lease_epoch, self.state.delivered_deltas, self.ctx.clock(), self.ctx.wall_clock()
             )
+            asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
         batch.tokens += tokens
         batch.texts.append(text)
-        config = self.ctx.config
         if len(batch.texts) >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
-            self._close_batch()
+            self.close_batch()
+            self._append_deliveries()
 
-    def _close_batch(self) -> None:
+    def _batch_aged(self, batch: _OpenBatch) -> None:
+        """The batch's timer: a stream that pauses still gets its deliveries recorded."""
+        if self._batch is batch:
+            self.close_batch()
+            self._append_deliveries()
+
+    def _append_deliveries(self) -> None:
+        """Append what is queued, group-committed, in the background; if an append of the
+        request is still on its way, it takes what queued meanwhile once it committed."""
+        if self._appending is None:
+            self._appending = self.ctx.spawn(self._append_grouped(), name=f"deliveries {self.request_id}")
+
+    async def _append_grouped(self) -> None:
+        try:
+            while True:
+                async with self._lock:
+                    if not self._queued:
+                        return
+                    events = list(self._queued)
+                    try:
+                        committed = await self.ctx.store.append_grouped(self.request_id, self.appended_version, events)
+                    except StoreUnavailable:
+                        return  # still queued here: the next flush takes them along
+                    del self._queued[: len(events)]
+                    self.appended_version += len(events)
+                await committed
+        except StoreError as exc:  # a conflict: the request's next append conflicts too
+            log.warning("request %s: recording deliveries failed: %s", self.request_id, exc)
+        finally:
+            self._appending = None
+
+    def close_batch(self) -> None:
+        """Record the open delivery batch now (before an event that must count it)."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
@@ -140,6 +192,12 @@ class Recorder:
                 return
 
     @property
+    def delivered_output_tokens(self) -> int:
+        """Tokens written to the client so far, the open batch included."""
+        open_batch = self._batch.tokens if self._batch is not None else 0
+        return self.state.delivered_output_tokens + open_batch
+
+    @property
     def has_unflushed(self) -> bool:
         return bool(self._queued) or self._batch is not None
 
@@ -148,7 +206,7 @@ class Recorder:
     async def flush(self, *, durable: bool, close_batch: bool = True) -> None:
         """Append everything queued; with ``durable`` wait for the commit."""
         if close_batch:
-            self._close_batch()
+            self.close_batch()
         if not self._queued:
             return
         await asyncio.shield(self._append(durable))

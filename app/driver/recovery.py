@@ -1,11 +1,12 @@
-"""The recovery pass: a gateway that was killed leaves requests open; close them.
+"""Closing a request from what the log holds of it, when its own loop cannot.
 
-On start, a gateway reads every non-terminal request that it owned (its id is on
-``RequestAccepted``), and for each: records ``RequestFailed`` with the code
+A gateway instance that lapsed leaves requests open; the instance that sweeps it
+(:mod:`app.driver.instance`) closes each: ``RequestFailed`` with the code
 ``gateway_lost`` (``partial_output`` and ``delivered_output_tokens`` from the log,
 retryable only when nothing was delivered), then cancels the attempt that may still
 run upstream and records how it ended (the ack, or the lease that has lapsed by
-then because nobody renewed it).
+then because nobody renewed it). A request whose log was lost is closed the same
+way once the log is back (:mod:`app.driver.log_loss`).
 """
 
 from __future__ import annotations
@@ -18,26 +19,12 @@ from app.driver.recorder import Recorder
 from app.replicas.base import UpstreamFailure
 from statemachine import events as ev
 from statemachine.phases import Phase
+from statemachine.policy import ended_by_gateway
 from statemachine.request_state import RequestState
-from statemachine.state import fold
 
 log = logging.getLogger("phasegate.recovery")
 
 GATEWAY_LOST = "gateway_lost"
-
-
-async def recover_lost_requests(ctx: GatewayContext) -> int:
-    request_ids = await ctx.store.unfinished_requests(gateway=ctx.gateway_id)
-    for request_id in request_ids:
-        ctx.spawn(_close_logged(ctx, request_id), name=f"recover {request_id}")
-    return len(request_ids)
-
-
-async def _close_logged(ctx: GatewayContext, request_id: str) -> None:
-    try:
-        await close_in_log(ctx, fold(await ctx.store.read(request_id)))
-    except Exception:  # one broken request must not keep the others open
-        log.exception("could not close lost request %s", request_id)
 
 
 async def close_in_log(
@@ -55,14 +42,7 @@ async def close_in_log(
         for attempt in live:
             if not attempt.cancel_sent:
                 recorder.record(ev.CancelSent, attempt=attempt.attempt, lease_epoch=attempt.lease_epoch)
-        recorder.record(
-            ev.RequestFailed,
-            code=code,
-            message=message,
-            partial_output=state.first_delta_sent,
-            delivered_output_tokens=state.delivered_output_tokens,
-            retryable=not state.first_delta_sent,
-        )
+        recorder.record_failed(ended_by_gateway(state, code, message))
     lapsing = []
     for attempt in live:
         replica = ctx.pool.replicas.get(attempt.replica_id)

@@ -19,11 +19,11 @@ import asyncio
 import json
 import sys
 import tomllib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from app.incident.describe import plural
 from app.store.queries import OUTCOMES, Selection
@@ -31,6 +31,8 @@ from statemachine.events import Event
 from statemachine.policy import PolicyConfig
 
 OK, DIVERGED, UNUSABLE = 0, 1, 2
+
+T = TypeVar("T")
 
 
 class CommandError(Exception):
@@ -255,7 +257,7 @@ def _output(path: Path | None) -> Iterator[Any]:
 # --- the database ---------------------------------------------------------------------------
 
 
-def _with_database(work: Callable[[str], Any]) -> Any:
+def _with_database(work: Callable[[str], Coroutine[Any, Any, T]]) -> T:
     """Run ``work(url)`` on the log's database (``DATABASE_URL``, or the embedded server)."""
     from app.store.database import database_from_env
     from app.store.errors import is_unavailable

@@ -18,7 +18,7 @@ order even when cheap deliveries are followed by a durable terminal event:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -65,6 +65,13 @@ class EventStore(abc.ABC):
 
         Appending events that are already recorded, identical, is a no-op.
         """
+
+    @abc.abstractmethod
+    async def append_grouped(self, request_id: str, expected_version: int, events: Sequence[Event]) -> Awaitable[None]:
+        """Queue ``events`` for a group commit without hurrying it, and return once they
+        are queued: the awaitable returned completes when they are committed, or raises
+        the append's :class:`~app.store.errors.StoreError`. Through an outage they stay
+        queued and the awaitable waits."""
 
     @abc.abstractmethod
     async def read(self, request_id: str) -> list[Event]:

@@ -16,8 +16,9 @@ byte-level tokenizer has a token for byte 0): such characters are recorded as U+
 (:func:`storable`), the client still gets what the model sent.
 
 This runs for every token delivery, so it is written for speed: the body is built
-straight from the fields and encoded by orjson (2 µs with the standard library's
-encoder, 0.25 µs with orjson), and the instant is one integer division.
+straight from the fields and encoded by orjson (several times faster than the
+standard library's encoder; figures: docs/performance.md), and the instant is one
+integer division.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@
     │                        that failed so may or may not have been recorded, and
     │                        retrying the same events is safe (a no-op if it was).
     ├── StoreClosed          the store was closed; nothing more is accepted.
+    ├── InstanceFenced       the gateway instance this store appends for has lost its
+    │                        lease (lapsed, swept or released): PostgreSQL refused the
+    │                        append, and every later one, until the store is bound to
+    │                        a live instance (DESIGN.md §11).
     └── InvalidAppend        the events cannot be appended as given (wrong request,
                              seq not following the expected version): a caller's bug.
                              Also a ValueError.
@@ -44,6 +48,10 @@ class StoreUnavailable(StoreError):
 
 class StoreClosed(StoreError):
     """The store was closed."""
+
+
+class InstanceFenced(StoreError):
+    """The store's gateway instance has lost its lease; its appends are refused."""
 
 
 class InvalidAppend(StoreError, ValueError):

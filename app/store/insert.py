@@ -1,8 +1,8 @@
 """How rows get into ``request_events``: one statement per batch, its own transaction.
 
 One row is a plain ``INSERT … VALUES``; a few are an ``INSERT … SELECT FROM unnest(…)``
-of column arrays; many are a binary ``COPY``, which costs about half the CPU per
-event on both sides (``ops/bench/eventlog.py``). The INSERTs skip events already
+of column arrays; many are a binary ``COPY``, which costs less CPU per event on both
+sides (``ops/bench/eventlog.py``; figures: docs/performance.md). The INSERTs skip events already
 recorded (``ON CONFLICT (event_id) DO NOTHING``: a retried append is a no-op); COPY
 cannot, so a batch that repeats one fails and the writer writes it again by INSERT.
 """
@@ -15,7 +15,8 @@ import asyncpg
 
 from app.store.codec import EventRow
 
-# One event, the common durable append: plain VALUES skip the arrays (~20 µs here).
+# One event, the common durable append: plain VALUES skip building and unpacking the
+# arrays (figures: docs/performance.md).
 INSERT_EVENT = """
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,6 +49,18 @@ class InMemoryEventStore(EventStore):
         async with self._appended:
             self._appended.notify_all()
         return expected_version + len(events)
+
+    async def append_grouped(self, request_id: str, expected_version: int, events: Sequence[Event]) -> Awaitable[None]:
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            await self.append(request_id, expected_version, events, durable=True)
+        except StoreError as exc:
+            if isinstance(exc, StoreClosed):
+                raise
+            committed.set_exception(exc)
+        else:
+            committed.set_result(None)
+        return committed
 
     def _write(self, request_id: str, expected_version: int, events: Sequence[Event]) -> None:
         stream = self._streams.setdefault(request_id, [])

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from sqlalchemy import func, select, text, update
@@ -99,6 +99,13 @@ class PostgresEventStore(EventStore):
         check_append(request_id, expected_version, events)
         await self.writer.submit(request_id, expected_version, [to_row(event) for event in events], durable)
         return expected_version + len(events)
+
+    async def append_grouped(self, request_id: str, expected_version: int, events: Sequence[Event]) -> Awaitable[None]:
+        check_append(request_id, expected_version, events)
+        rows = [to_row(event) for event in events]
+        committed = await self.writer.enqueue(request_id, expected_version, rows, durable=False, track=True)
+        assert committed is not None
+        return committed
 
     async def read(self, request_id: str) -> list[Event]:
         events = schema.request_events.c
@@ -275,6 +282,11 @@ class PostgresEventStore(EventStore):
         async with self._connection() as connection:
             row = (await connection.execute(query)).first()
         return None if row is None else RequestInput(*row)
+
+    def writing(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A pooled connection in a transaction that commits on exit, for the few
+        writes beside the log (:mod:`app.store.instances`)."""
+        return self._connection(commit=True)
 
     def reading(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """A pooled connection for read-side queries (:mod:`app.store.queries`); a lost

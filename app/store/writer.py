@@ -6,7 +6,8 @@ own transaction: one round trip and one WAL flush for the whole batch, the read
 models projected by the trigger in the same transaction (:mod:`app.store.insert`
 picks the statement: VALUES, unnest arrays or a binary COPY, by batch size). Raw
 asyncpg, not SQLAlchemy, because this is the hot path: ``ops/bench/eventlog.py
---compare-core`` measures the same durable append at ~0.42 ms against ~0.65 ms.
+--compare-core`` measures the same durable append through SQLAlchemy Core, which
+costs markedly more (figures: docs/performance.md).
 
 - A durable append is written at once (nothing lingers while one waits) and its
   caller resumes after the commit; whatever was queued ahead of it is committed in
@@ -17,8 +18,9 @@ asyncpg, not SQLAlchemy, because this is the hot path: ``ops/bench/eventlog.py
   within one socket send buffer (Linux's default is 208 KiB). A larger batch is
   sent over several event-loop turns, each one behind every task that is ready
   (under load, the producers of the next batch), so PostgreSQL waits for the rest
-  of its data while Python works, and the two never overlap: 2,000-event batches
-  gave 40k events/s in ``ops/bench/eventlog.py``, 500-event batches 50-56k.
+  of its data while Python works, and the two never overlap; within the buffer,
+  PostgreSQL works while the producers build the next batch (``ops/bench/eventlog.py``
+  measures the group-commit rate; figures: docs/performance.md).
 - The queue is bounded (``max_queued_events``): appends wait for room.
 - A batch that PostgreSQL rejects (a conflict; or a retried event, which COPY cannot
   skip) is written again with one savepoint per append and ``ON CONFLICT (event_id)
@@ -44,13 +46,22 @@ from dataclasses import dataclass
 import asyncpg
 
 from app.store.codec import EventRow
-from app.store.errors import StoreClosed, StoreError, StoreUnavailable, StreamConflict, is_unavailable
+from app.store.errors import (
+    InstanceFenced,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+    StreamConflict,
+    is_unavailable,
+)
 from app.store.insert import insert_rows
 
 logger = logging.getLogger("phasegate.store.writer")
 
 # A gap in a stream, raised by the projection trigger (migrations/versions/0001).
 STREAM_GAP_SQLSTATE = "PG409"
+# An append by a gateway instance whose lease lapsed (migrations/versions/0004).
+INSTANCE_FENCED_SQLSTATE = "PG410"
 _FAILURES_KEPT = 10_000  # failed requests remembered, oldest forgotten first
 # What PostgreSQL, or asyncpg before sending, refuses about the rows themselves (a
 # conflict, a value out of range): it fails the offending append, never the writer.
@@ -63,7 +74,8 @@ class PendingAppend:
     expected_version: int
     rows: Sequence[EventRow]
     ticket: int  # submission order
-    done: asyncio.Future[None] | None  # a durable append's caller waits on it
+    durable: bool  # written at once; an outage fails it instead of keeping it queued
+    done: asyncio.Future[None] | None  # settled at the commit, for a caller that waits on it
     error: StoreError | None = None
     behind_failure: bool = False  # failed because an earlier append of its request did
 
@@ -91,8 +103,11 @@ class GroupCommitWriter:
         connect_timeout: float = 5.0,
         command_timeout: float = 60.0,
         reconnect_max_delay: float = 1.0,
+        instance: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self._instance = instance  # the gateway instance whose lease guards every append
+        self._bound_instance: str | None = None  # what the connection's session says now
         self._flush_delay = flush_delay
         self._max_batch_events = max_batch_events
         self._max_queued_events = max_queued_events
@@ -129,7 +144,13 @@ class GroupCommitWriter:
         self._task = asyncio.create_task(self._run(), name="phasegate-store-writer")
 
     async def _connect(self) -> asyncpg.Connection:
+        self._bound_instance = None
         return await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
+
+    def bind_instance(self, instance: str | None) -> None:
+        """Append for ``instance`` from the next batch on: PostgreSQL refuses the
+        appends while its lease is lapsed (``InstanceFenced``); ``None``: unguarded."""
+        self._instance = instance
 
     @property
     def available(self) -> bool:
@@ -142,6 +163,20 @@ class GroupCommitWriter:
 
     async def submit(self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool) -> None:
         """Queue an append; a durable one returns after its commit."""
+        done = await self.enqueue(request_id, expected_version, rows, durable=durable, track=durable)
+        if done is not None:
+            # A cancelled caller cancels only its wait (``done``): its events stay in
+            # the pipeline, where later appends may already depend on them, and are
+            # written as queued (``_settle`` skips a future already done). Awaited
+            # directly, not through ``asyncio.shield``: that costs an event-loop turn.
+            await done
+
+    async def enqueue(
+        self, request_id: str, expected_version: int, rows: Sequence[EventRow], *, durable: bool, track: bool
+    ) -> asyncio.Future[None] | None:
+        """Queue an append and return once it is queued; with ``track``, a future that
+        settles when it is committed (or failed). A tracked group-committed append waits
+        through an outage, still queued, like any other that is not durable."""
         while True:
             self._check_accepting(request_id)
             if self._queued_events == 0 or self._queued_events + len(rows) <= self._max_queued_events:
@@ -149,20 +184,15 @@ class GroupCommitWriter:
             self._room.clear()
             await self._room.wait()
         self._tickets += 1
-        done = asyncio.get_running_loop().create_future() if durable else None
-        self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, done))
+        done = asyncio.get_running_loop().create_future() if track else None
+        self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, durable, done))
         self._queued_events += len(rows)
         self._work.set()
         if durable:
             self._durable_queued += 1
         if durable or self._queued_events >= self._max_batch_events:
             self._urgent.set()
-        if done is not None:
-            # A cancelled caller cancels only its wait (``done``): its events stay in
-            # the pipeline, where later appends may already depend on them, and are
-            # written as queued (``_settle`` skips a future already done). Awaited
-            # directly, not through ``asyncio.shield``: that costs an event-loop turn.
-            await done
+        return done
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is committed (or failed)."""
@@ -262,7 +292,7 @@ class GroupCommitWriter:
             entry = self._queue.popleft()
             batch.append(entry)
             events += len(entry.rows)
-            if entry.done is not None:
+            if entry.durable:
                 self._durable_queued -= 1
         self._queued_events -= events
         self._room.set()
@@ -283,6 +313,9 @@ class GroupCommitWriter:
             try:
                 if self._conn is None:
                     raise StoreUnavailable("not connected")
+                if self._bound_instance != self._instance:  # once per connection or instance
+                    await self._conn.execute("SELECT set_config('phasegate.instance', $1, false)", self._instance or "")
+                    self._bound_instance = self._instance
                 await insert_rows(self._conn, rows, copy=True)
             except _REJECTIONS as exc:
                 if is_unavailable(exc):
@@ -321,13 +354,13 @@ class GroupCommitWriter:
                     failed[entry.request_id] = entry.error
 
     def _settle(self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False) -> None:
-        durable = entry.done is not None
+        reported = entry.done is not None  # its caller sees the error
         if error is not None and not behind_failure:
-            self._failures[entry.request_id] = _Failure(error, self._tickets, reported=durable)
+            self._failures[entry.request_id] = _Failure(error, self._tickets, reported=reported)
             self._failures.move_to_end(entry.request_id)
             while len(self._failures) > _FAILURES_KEPT:
                 self._failures.popitem(last=False)
-            if not durable:
+            if not reported:
                 logger.warning("a queued append of request %s failed: %s", entry.request_id, error)
         if entry.done is None or entry.done.done():
             return
@@ -341,12 +374,11 @@ class GroupCommitWriter:
         began = time.monotonic()
         error = StoreUnavailable(f"PostgreSQL is unreachable ({type(cause).__name__}: {cause}); reconnecting")
         self._unavailable = error
-        waiting = [entry for entry in (*batch, *self._queue) if entry.done is not None]
-        for entry in waiting:
-            if not entry.done.done():  # type: ignore[union-attr]
-                entry.done.set_exception(error)  # type: ignore[union-attr]
-        kept = [entry for entry in batch if entry.done is None]
-        self._queue = collections.deque(entry for entry in (*kept, *self._queue) if entry.done is None)
+        for entry in (*batch, *self._queue):
+            if entry.durable and entry.done is not None and not entry.done.done():
+                entry.done.set_exception(error)
+        kept = [entry for entry in batch if not entry.durable]
+        self._queue = collections.deque(entry for entry in (*kept, *self._queue) if not entry.durable)
         self._in_flight = []  # what it held is back in the queue
         self._queued_events = sum(len(entry.rows) for entry in self._queue)
         self._durable_queued = 0
@@ -380,6 +412,8 @@ class GroupCommitWriter:
 
 def _rejection(entry: PendingAppend, exc: Exception) -> StoreError:
     sqlstate = getattr(exc, "sqlstate", "") or ""
+    if sqlstate == INSTANCE_FENCED_SQLSTATE:
+        return InstanceFenced(str(exc))
     if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
         return StreamConflict(entry.request_id, entry.expected_version, str(exc))
     return StoreError(f"PostgreSQL rejected the append of request {entry.request_id}: {exc}")

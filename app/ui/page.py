@@ -11,7 +11,7 @@ from html import escape
 
 from app.incident.describe import describe_decision, plural, preview
 from app.incident.timeline import TimelineRow, timeline
-from app.ui.timeline import render_timeline
+from app.ui.timeline_svg import render_timeline
 from statemachine import events as ev
 from statemachine.errors import IllegalTransition
 from statemachine.events import Event

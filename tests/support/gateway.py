@@ -110,9 +110,7 @@ def running_gateway(
 
     async def serve() -> None:
         try:
-            gateway = await Gateway.open(
-                config, database_url, gateway_id=f"test:{config.port}", tool_runner=tool_runner
-            )
+            gateway = await Gateway.open(config, database_url, tool_runner=tool_runner)
             server = uvicorn.Server(
                 uvicorn.Config(
                     gateway.app,

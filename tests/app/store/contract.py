@@ -157,6 +157,22 @@ class EventStoreContract:
         completed = RequestCompleted("req_late", 7, traces.T0, "stop", {})
         assert await store.append("req_late", 6, [completed]) == 7
 
+    async def test_a_grouped_append_settles_when_committed(self, store: EventStore) -> None:
+        trace = traces.completed("req_grouped")
+        await store.append("req_grouped", 0, trace.events[:5])
+        committed = await store.append_grouped("req_grouped", 5, trace.events[5:7])
+        await committed  # settles without a flush: the group commit takes it
+        assert await store.read("req_grouped") == trace.events[:7]
+
+    async def test_a_grouped_appends_conflict_is_raised_when_awaited(self, store: EventStore) -> None:
+        trace = traces.completed("req_grouped_late")
+        await store.append("req_grouped_late", 0, trace.events[:5])
+        await store.append("req_grouped_late", 5, [other_delivery(trace, 6)])  # another writer got there first
+        committed = await store.append_grouped("req_grouped_late", 5, [trace.events[5]])
+        with pytest.raises(StreamConflict):
+            await committed
+        assert len(await store.read("req_grouped_late")) == 6
+
     # --- following the log ---------------------------------------------------------------
 
     async def test_a_follower_sees_every_event_once_in_stream_order(self, store: EventStore) -> None:

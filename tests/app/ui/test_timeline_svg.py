@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.ui.page import render_page
-from app.ui.timeline import render_timeline
+from app.ui.timeline_svg import render_timeline
 from statemachine import events as ev
 from statemachine.events import Event
 from statemachine.replay import replay

@@ -1,0 +1,217 @@
+"""This gateway process as an instance in the log (DESIGN.md §11).
+
+How this works: ``start`` registers the instance under a new id and binds the
+store's writer to it, whose appends PostgreSQL refuses once the lease lapsed. A
+heartbeat renews the lease every third of its TTL and learns how many instances
+are live (the retry budget's share). The lease is judged on this process's own
+monotonic clock too: it is valid until the send time of the last answered renewal
+plus the TTL, earlier than PostgreSQL's view, so the instance knows it is fenced
+before anyone may sweep it. Fenced, it refuses new requests, ends its streams with
+the final error ``gateway_lost`` (the code the sweeper records) and registers again
+under a new id. A sweeper runs every ``sweep_interval_s``: it claims lapsed
+instances and closes their open requests from the log (``gateway_lost``), cancelling
+their attempts. ``drain`` is SIGTERM's path: refuse new requests, let open streams
+run up to ``drain_s``, then end them with ``gateway_draining``, recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from importlib import metadata
+
+from app.driver.context import GatewayContext
+from app.driver.recovery import close_in_log
+from app.store.instances import InstanceInfo, InstanceRegistry
+from app.store.postgres import PostgresEventStore
+from statemachine.phases import Phase
+from statemachine.state import fold
+
+log = logging.getLogger("phasegate.instance")
+
+GATEWAY_LOST = "gateway_lost"
+LOST_MESSAGE = "the gateway serving this request lost its place in the log; the answer stops here"
+GATEWAY_DRAINING = "gateway_draining"
+DRAINING_MESSAGE = "the gateway is shutting down; retry the request"
+
+
+def new_instance_id() -> str:
+    return f"gw_{uuid.uuid4().hex[:16]}"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("phasegate")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown"
+
+
+class GatewayInstance:
+    def __init__(self, ctx: GatewayContext, store: PostgresEventStore, *, address: str | None = None) -> None:
+        self.ctx = ctx
+        self.store = store
+        self.registry = InstanceRegistry(store)
+        self.address = address  # where other instances reach this one
+        self.valid_until = 0.0  # monotonic: the lease as this process must assume it
+        self._tasks: list[asyncio.Task[None]] = []
+        self._expiry: asyncio.TimerHandle | None = None
+        self._fencing: asyncio.Task[None] | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.ctx.gateway_id
+
+    @property
+    def ttl_s(self) -> float:
+        return self.ctx.config.instance_lease_ttl_s
+
+    async def start(self) -> None:
+        """Register (raises if PostgreSQL cannot be reached), then heartbeat and sweep."""
+        await self._register()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._heartbeats(), name="instance heartbeat"),
+            loop.create_task(self._sweeps(), name="instance sweeps"),
+        ]
+
+    async def _register(self) -> None:
+        config = self.ctx.config
+        instance_id = new_instance_id()
+        info = InstanceInfo(
+            instance_id=instance_id,
+            name=config.instance_name or f"{socket.gethostname()}:{config.port}",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            version=_version(),
+            address=self.address,
+        )
+        sent_at = self.ctx.clock()
+        await self.registry.register(info, self.ttl_s)
+        self.ctx.gateway_id = instance_id
+        self.store.writer.bind_instance(instance_id)
+        self._lease_until(sent_at + self.ttl_s)
+        self.ctx.refusal = None
+        log.info("gateway instance %s (%s) registered", instance_id, info.name)
+
+    def _lease_until(self, valid_until: float) -> None:
+        self.valid_until = valid_until
+        if self._expiry is not None:
+            self._expiry.cancel()
+        delay = max(valid_until - self.ctx.clock(), 0.0)
+        self._expiry = asyncio.get_running_loop().call_later(delay, self._lapsed)
+
+    # --- the lease ---------------------------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            if self._fencing is not None:
+                continue
+            instance_id, sent_at = self.instance_id, self.ctx.clock()
+            try:
+                async with asyncio.timeout(self.ttl_s / 3):
+                    live = await self.registry.renew(instance_id, self.ttl_s)
+            except Exception as exc:  # PostgreSQL away or slow: the lease runs on
+                log.warning("gateway instance %s: renewal failed: %r", instance_id, exc)
+                continue
+            if instance_id != self.instance_id or self._fencing is not None:
+                continue
+            if live is None:
+                log.error("gateway instance %s: PostgreSQL says its lease is lost", instance_id)
+                self._lapsed()
+                continue
+            self._lease_until(sent_at + self.ttl_s)
+            self.ctx.budget.share_among(live)
+            self.ctx.metrics.gateway_instances.set(live)
+
+    def _lapsed(self) -> None:
+        if self._fencing is None:
+            self._fencing = asyncio.get_running_loop().create_task(self._fenced(), name="instance fenced")
+
+    async def _fenced(self) -> None:
+        """The lease is lost: whatever this instance still holds belongs to a sweeper."""
+        old = self.instance_id
+        log.error("gateway instance %s is fenced: its lease lapsed; its streams end (%s)", old, GATEWAY_LOST)
+        self.ctx.refusal = GATEWAY_LOST
+        self.store.writer.bind_instance(old)  # still the old one: PostgreSQL refuses what is left
+        for driver in list(self.ctx.drivers.values()):
+            driver.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
+        self.ctx.metrics.instances_fenced.inc()
+        try:
+            while True:
+                try:
+                    await self._register()
+                    return
+                except Exception as exc:
+                    log.warning("gateway instance: registering again failed: %r", exc)
+                    await asyncio.sleep(1.0)
+        finally:
+            self._fencing = None
+
+    # --- the sweep ---------------------------------------------------------------------
+
+    async def _sweeps(self) -> None:
+        while True:
+            await asyncio.sleep(self.ctx.config.sweep_interval_s)
+            if self.ctx.refusal is not None:
+                continue  # a fenced or draining instance takes nothing over
+            try:
+                await self.sweep()
+            except Exception as exc:
+                log.warning("gateway instance %s: sweep failed: %r", self.instance_id, exc)
+
+    async def sweep(self) -> int:
+        """Take over lapsed instances: close their open requests. How many were closed."""
+        closed = 0
+        sweeper = self.instance_id
+        for lapsed in await self.registry.claim_lapsed(sweeper):
+            request_ids = await self.store.unfinished_requests(gateway=lapsed)
+            results = await asyncio.gather(*(self._close(request_id) for request_id in request_ids))
+            await self.registry.swept(lapsed, sweeper, len(request_ids))
+            self.ctx.metrics.instances_swept.inc()
+            closed += sum(results)
+            log.warning("gateway instance %s swept %s: %d open request(s) closed", sweeper, lapsed, sum(results))
+        return closed
+
+    async def _close(self, request_id: str) -> int:
+        try:
+            await close_in_log(self.ctx, fold(await self.store.read(request_id)))
+        except Exception:  # one broken request must not keep the others open
+            log.exception("could not close request %s of a lapsed instance", request_id)
+            return 0
+        return 1
+
+    # --- the end -----------------------------------------------------------------------
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests; let open streams run up to ``drain_s``, then end them
+        with ``gateway_draining`` (recorded as ``RequestFailed`` with that code)."""
+        self.ctx.refusal = GATEWAY_DRAINING
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_s
+        while self._open() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for driver in list(self.ctx.drivers.values()):
+            driver.interrupt(GATEWAY_DRAINING, DRAINING_MESSAGE, record=True)
+        while self._open() and loop.time() < deadline + 5.0:
+            await asyncio.sleep(0.05)
+
+    def _open(self) -> bool:
+        return any(driver.state.phase is not Phase.TERMINATED for driver in self.ctx.drivers.values())
+
+    async def stop(self) -> None:
+        """Stop heartbeats and sweeps, and give the lease back."""
+        for task in (*self._tasks, *([self._fencing] if self._fencing else [])):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._expiry is not None:
+            self._expiry.cancel()
+        try:
+            await self.registry.release(self.instance_id)
+        except Exception as exc:
+            log.warning("gateway instance %s: releasing its lease failed: %r", self.instance_id, exc)

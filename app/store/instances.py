@@ -1,0 +1,134 @@
+"""Gateway instances in PostgreSQL (DESIGN.md §11): register, renew, release, sweep.
+
+Each ``phasegate serve`` process is one row of ``gateway_instances`` (migration
+0004) with a lease. Renewing returns how many instances are live, which the
+instances use to share the global retry budget. A live instance claims lapsed ones
+with ``FOR UPDATE SKIP LOCKED``, so each is taken over by one sweeper however many
+look at once; a claim whose sweeper itself lapsed may be taken again. The lease's
+clock is PostgreSQL's ``now()``: the appends that the lease guards are judged by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+
+from app.store.postgres import PostgresEventStore
+
+_LIVE = "lease_expires_at > now() AND swept_by IS NULL AND released_at IS NULL"
+
+_REGISTER = text(
+    """
+    INSERT INTO gateway_instances
+        (instance_id, name, host, pid, version, address, lease_ttl_ms, lease_expires_at)
+    VALUES (:instance_id, :name, :host, :pid, :version, :address, CAST(:ttl_ms AS integer),
+            now() + CAST(:ttl_ms AS integer) * interval '1 millisecond')
+    """
+)
+_RENEW = text(
+    f"""
+    WITH renewed AS (
+        UPDATE gateway_instances SET lease_expires_at = now() + CAST(:ttl_ms AS integer) * interval '1 millisecond'
+         WHERE instance_id = :instance_id AND {_LIVE}
+        RETURNING instance_id)
+    SELECT (SELECT count(*) FROM renewed) AS renewed,
+           (SELECT count(*) FROM gateway_instances WHERE {_LIVE}) AS live
+    """
+)
+_RELEASE = text("UPDATE gateway_instances SET released_at = now() WHERE instance_id = :instance_id")
+_CLAIM = text(
+    """
+    UPDATE gateway_instances SET swept_by = :sweeper, sweep_started_at = now()
+     WHERE instance_id IN (
+        SELECT instance_id FROM gateway_instances AS lapsed
+         WHERE lease_expires_at <= now() AND swept_at IS NULL AND released_at IS NULL
+           AND (swept_by IS NULL OR NOT EXISTS (
+                SELECT 1 FROM gateway_instances AS sweeper
+                 WHERE sweeper.instance_id = lapsed.swept_by AND sweeper.lease_expires_at > now()
+                   AND sweeper.released_at IS NULL AND sweeper.swept_by IS NULL))
+         ORDER BY lease_expires_at
+         LIMIT :limit
+           FOR UPDATE SKIP LOCKED)
+    RETURNING instance_id
+    """
+)
+_SWEPT = text(
+    "UPDATE gateway_instances SET swept_at = now(), requests_swept = :closed"
+    " WHERE instance_id = :instance_id AND swept_by = :sweeper"
+)
+_LIST = text(
+    f"""
+    SELECT instance_id, name, host, pid, version, address, started_at, lease_expires_at,
+           released_at, swept_by, swept_at, requests_swept, ({_LIVE}) AS live
+      FROM gateway_instances ORDER BY started_at DESC LIMIT :limit
+    """
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """What an instance says of itself when it registers."""
+
+    instance_id: str
+    name: str
+    host: str
+    pid: int
+    version: str
+    address: str | None
+
+
+class InstanceRegistry:
+    """The ``gateway_instances`` table, over a store's connection pool."""
+
+    def __init__(self, store: PostgresEventStore) -> None:
+        self._store = store
+
+    async def register(self, info: InstanceInfo, ttl_s: float) -> None:
+        async with self._store.writing() as connection:
+            await connection.execute(
+                _REGISTER,
+                {
+                    "instance_id": info.instance_id,
+                    "name": info.name,
+                    "host": info.host,
+                    "pid": info.pid,
+                    "version": info.version,
+                    "address": info.address,
+                    "ttl_ms": round(ttl_s * 1000),
+                },
+            )
+
+    async def renew(self, instance_id: str, ttl_s: float) -> int | None:
+        """Extend the lease by ``ttl_s`` from now; the number of live instances, or
+        ``None`` when the lease is already lost (lapsed, swept or released)."""
+        async with self._store.writing() as connection:
+            row = (await connection.execute(_RENEW, {"instance_id": instance_id, "ttl_ms": round(ttl_s * 1000)})).one()
+        return int(row.live) if row.renewed else None
+
+    async def release(self, instance_id: str) -> None:
+        async with self._store.writing() as connection:
+            await connection.execute(_RELEASE, {"instance_id": instance_id})
+
+    async def claim_lapsed(self, sweeper: str, limit: int = 8) -> list[str]:
+        """Lapsed instances that nobody live is sweeping, now claimed by ``sweeper``."""
+        async with self._store.writing() as connection:
+            rows = await connection.execute(_CLAIM, {"sweeper": sweeper, "limit": limit})
+            return [row.instance_id for row in rows]
+
+    async def swept(self, instance_id: str, sweeper: str, closed: int) -> None:
+        """The sweep of ``instance_id`` is done: ``closed`` of its requests were open."""
+        async with self._store.writing() as connection:
+            await connection.execute(_SWEPT, {"instance_id": instance_id, "sweeper": sweeper, "closed": closed})
+
+    async def recent(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest instances, newest first, each with ``live`` as PostgreSQL judges it now."""
+        async with self._store.reading() as connection:
+            rows = await connection.execute(_LIST, {"limit": limit})
+            return [_plain(row._mapping) for row in rows]
+
+
+def _plain(row: Any) -> dict[str, Any]:
+    return {key: value.isoformat() if isinstance(value, datetime) else value for key, value in dict(row).items()}
