@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.worker.auth import TOKEN_ENV, TokenError, check_token, read_token_file
+from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
 from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")

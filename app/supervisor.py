@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.worker.auth import TOKEN_ENV
+from app.contract.worker_token import TOKEN_ENV
 
 
 class ChildFailed(RuntimeError):

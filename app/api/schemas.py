@@ -4,7 +4,7 @@ Validation is strict where a silent fallback would surprise: a wrong type, an
 out-of-range value, an unknown or unsupported parameter is a 400 naming the
 parameter (``param``), before anything reaches a replica. Messages, ``tools``,
 ``tool_choice`` and ``response_format`` go through the worker's own checks
-(app/worker/engine_inputs.py), to the depth the engines read them: the gateway admits
+(app/contract/engine_inputs.py), to the depth the engines read them: the gateway admits
 nothing a worker or engine would refuse (DESIGN.md §13).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
+from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
 from app.driver.request import CHAT, GenerationRequest
-from app.worker.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
 
 _COMMON = {
     "model",
@@ -222,7 +222,7 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def _engine_rules() -> Iterator[None]:
-    """The worker's own checks (app/worker/engine_inputs.py), as the client's 400 naming the param."""
+    """The checks both sides share (app/contract/engine_inputs.py), as the client's 400 naming the param."""
     try:
         yield
     except BadInput as bad:

@@ -20,10 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from app.contract.worker_token import TOKEN_ENV, check_token, read_token_file
 from app.worker.protocol import Code
 
-TOKEN_ENV = "PHASEGATE_WORKER_TOKEN"
-MIN_TOKEN_CHARS = 16
 # Probes and scrapers need no secret; everything else (start, renew, cancel, info, admin) does.
 OPEN_PATHS = frozenset({"/v1/health", "/v1/ready", "/metrics"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -33,38 +32,12 @@ _UNAUTHORIZED = json.dumps(
 ).encode()
 
 
-class TokenError(ValueError):
-    """A token that cannot be used; the message says which and why, never the token."""
-
-
-def check_token(token: str, source: str) -> str:
-    """``token`` if it is usable in an HTTP header and long enough to guess; else :class:`TokenError`."""
-    if len(token) < MIN_TOKEN_CHARS:
-        raise TokenError(f"{source}: the worker token must have at least {MIN_TOKEN_CHARS} characters")
-    if not all("!" <= c <= "~" for c in token):
-        raise TokenError(f"{source}: the worker token must be printable ASCII without spaces")
-    return token
-
-
-def read_token_file(path: Path) -> str:
-    """The token in ``path`` (surrounding whitespace, such as a final newline, is dropped)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenError(f"cannot read the worker token file {path}: {exc}") from None
-    return check_token(text.strip(), str(path))
-
-
 def token_from(token_file: Path | None, environ: dict[str, str] | None = None) -> str | None:
     """The worker's token: ``token_file`` if given, else ``$PHASEGATE_WORKER_TOKEN``, else None."""
     if token_file is not None:
         return read_token_file(token_file)
     value = (os.environ if environ is None else environ).get(TOKEN_ENV)
     return check_token(value, TOKEN_ENV) if value else None
-
-
-def bearer_header(token: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"}
 
 
 class RequireToken:

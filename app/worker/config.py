@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.worker.auth import LOOPBACK_HOSTS, TOKEN_ENV, TokenError, token_from
+from app.contract.worker_token import TOKEN_ENV, TokenError
+from app.worker.auth import LOOPBACK_HOSTS, token_from
 from app.worker.engine import Engine
 
 

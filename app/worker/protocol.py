@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.worker.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
 
 
 class Code(enum.StrEnum):

@@ -32,8 +32,8 @@ from typing import Any
 import httpx
 import pytest
 
+from app.contract.worker_token import TOKEN_ENV
 from app.replicas.worker_client import WorkerClient
-from app.worker.auth import TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # vLLM on CPU: a small KV cache

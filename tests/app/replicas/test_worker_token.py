@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from app.config import ConfigError, load_config
-from app.worker.auth import TOKEN_ENV
+from app.contract.worker_token import TOKEN_ENV
 from tests.support.gateway import MODEL, running_gateway
 from tests.support.workers import WorkerProcess, running_worker
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from app.contract.worker_token import TOKEN_ENV
 from app.replicas.base import Done, Heartbeat, Token
 from app.replicas.worker_errors import TokenRefused
-from app.worker.auth import TOKEN_ENV
 from app.worker.config import add_worker_parser, config_from_args
 from statemachine.events import FailureKind
 from tests.support.workers import WorkerProcess, request_id, running_worker

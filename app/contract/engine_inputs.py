@@ -1,6 +1,6 @@
 """What the engines read of a request, checked to the depth they read it: one rule for both sides.
 
-The gateway (app/api/schemas.py) and the worker (protocol.py) both call these checks, so
+The gateway (app/api/schemas.py) and the worker (app/worker/protocol.py) both call these checks, so
 the gateway admits nothing that a worker or an engine would refuse, or fail on, later.
 What the engines read:
 
