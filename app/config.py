@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
 from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
@@ -65,6 +67,11 @@ class GatewayConfig:
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open, tenant "default"
     admin_token: str | None = None
+    # the worker protocol's shared secret, sent to every worker replica (never printed)
+    worker_token: str | None = field(default=None, repr=False)
+    worker_token_file: Path | None = None  # read at load when worker_token is not set
+    metrics_token: str | None = field(default=None, repr=False)  # set: /metrics needs it (Bearer)
+    cors_allow_origins: tuple[str, ...] = ()  # empty: no CORS headers, so no page elsewhere reads answers
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
@@ -96,6 +103,11 @@ class GatewayConfig:
                 raise ConfigError(f"replica {replica.id}: kind must be one of {', '.join(REPLICA_KINDS)}")
             if not replica.url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica {replica.id}: url must be http(s)://…")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ConfigError("metrics_token must have at least 16 characters")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
@@ -128,8 +140,25 @@ def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
         values["database_url"] = os.environ["DATABASE_URL"]
     if os.environ.get("PHASEGATE_DATA_DIR"):
         values["data_dir"] = os.environ["PHASEGATE_DATA_DIR"]
+    if os.environ.get(TOKEN_ENV):
+        values["worker_token"] = os.environ[TOKEN_ENV]
     values.update({key: value for key, value in overrides.items() if value is not None})
     return _build(values)
+
+
+def _resolve_worker_token(values: dict[str, Any]) -> None:
+    """``worker_token`` checked, or read from ``worker_token_file`` when not given."""
+    try:
+        if values.get("worker_token_file") is not None:
+            values["worker_token_file"] = Path(values["worker_token_file"])
+            if values.get("worker_token") is None:
+                values["worker_token"] = read_token_file(values["worker_token_file"])
+        if values.get("worker_token") is not None:
+            if not isinstance(values["worker_token"], str):
+                raise ConfigError("worker_token must be a string")
+            check_token(values["worker_token"], "worker_token")
+    except TokenError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _build(values: dict[str, Any]) -> GatewayConfig:
@@ -149,8 +178,14 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             values["timeouts"] = Timeouts(**values["timeouts"])
         if isinstance(values.get("limits"), dict):
             values["limits"] = Limits(**values["limits"])
+        if "cors_allow_origins" in values:
+            origins = values["cors_allow_origins"]
+            if isinstance(origins, str) or not all(isinstance(o, str) for o in origins):
+                raise ConfigError("cors_allow_origins must be a list of origins")
+            values["cors_allow_origins"] = tuple(origins)
         if values.get("data_dir") is not None:
             values["data_dir"] = Path(values["data_dir"])
+        _resolve_worker_token(values)
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None

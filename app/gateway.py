@@ -48,7 +48,7 @@ def replica_client(replica: ReplicaConfig, config: GatewayConfig) -> ReplicaClie
             connect_timeout_s=timeouts.connect_s,
             response_timeout_s=timeouts.upstream_response_s,
         )
-    return WorkerReplica(replica.id, replica.url, connect_timeout_s=timeouts.connect_s)
+    return WorkerReplica(replica.id, replica.url, connect_timeout_s=timeouts.connect_s, token=config.worker_token)
 
 
 class Gateway:

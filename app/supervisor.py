@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from app.contract.worker_token import TOKEN_ENV
 
 
 class ChildFailed(RuntimeError):
@@ -53,8 +56,17 @@ class Child:
         return ""
 
 
+def worker_token() -> str:
+    """The token of the workers this process starts: ``$PHASEGATE_WORKER_TOKEN``, else one
+    generated now and put there, where the children and the gateway's configuration read it."""
+    if not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+    return os.environ[TOKEN_ENV]
+
+
 def start_worker(name: str, args: list[str], *, run_dir: Path, timeout_s: float = 30.0) -> Child:
-    """Start ``phasegate worker ARGS`` on a free port and wait until it listens."""
+    """Start ``phasegate worker ARGS`` on a free port, with :func:`worker_token`, and wait until it listens."""
+    worker_token()  # inherited by the child through the environment, never on its command line
     ready_file = run_dir / f"{name}.ready.json"
     ready_file.unlink(missing_ok=True)
     log_path = run_dir / f"{name}.log"

@@ -26,7 +26,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
+from app.api.errors import (
+    ApiError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+    Unauthorized,
+    retry_headers,
+)
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
@@ -37,6 +45,8 @@ log = logging.getLogger("phasegate.admin")
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+MAX_SEQ = 2**31 - 1  # events.version is a PostgreSQL integer
+MAX_REQUEST_ID_CHARS = 256
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -62,9 +72,10 @@ class _Admin:
             exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
             try:
                 self._authenticate(request)
+                _check_request_id(request.path_params.get("request_id", ""))
                 response = await handler(request)
             except ApiError as error:
-                headers = {"x-request-id": exchange}
+                headers = {"x-request-id": exchange, **retry_headers(error.retryable)}
                 if isinstance(error, Unauthorized) and browser:
                     headers["www-authenticate"] = 'Basic realm="phasegate admin", charset="UTF-8"'
                 return JSONResponse(error.body(exchange), status_code=error.status, headers=headers)
@@ -112,7 +123,7 @@ class _Admin:
 
     async def events(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
-        after_seq = _integer(request, "after_seq", 0, minimum=0)
+        after_seq = _integer(request, "after_seq", 0, minimum=0, maximum=MAX_SEQ)
         limit = _integer(request, "limit", DEFAULT_PAGE, minimum=1, maximum=MAX_PAGE)
         async with self._reading() as connection:
             page = await queries.events_page(connection, request_id, after_seq=after_seq, limit=limit + 1)
@@ -157,14 +168,27 @@ def _offered_token(authorization: str) -> str | None:
     return None
 
 
-def _integer(request: Request, name: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+def _integer(request: Request, name: str, default: int, *, minimum: int, maximum: int) -> int:
     text = request.query_params.get(name)
     if text is None:
         return default
-    bounds = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
-    if not text.isdigit() or int(text) < minimum or (maximum is not None and int(text) > maximum):
-        raise InvalidRequest(f"{name} must be an integer {bounds}, not {text!r}", param=name)
+    # ASCII digits only ("²".isdigit() is true, int("²") fails), and few enough of them
+    # that int() neither refuses (over 4,300 digits) nor the database overflows
+    in_range = text.isascii() and text.isdigit() and len(text) <= len(str(maximum)) and minimum <= int(text) <= maximum
+    if not in_range:
+        shown = text if len(text) <= 40 else text[:40] + "…"
+        raise InvalidRequest(f"{name} must be an integer from {minimum} to {maximum}, not {shown!r}", param=name)
     return int(text)
+
+
+def _check_request_id(request_id: str) -> None:
+    """A request id the log could hold: printable, no NUL (PostgreSQL text refuses it), not huge."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest(
+            f"a request id is printable text of at most {MAX_REQUEST_ID_CHARS} characters",
+            param="request_id",
+            code="invalid_request_id",
+        )
 
 
 def _unknown(request_id: str) -> NotFound:

@@ -7,7 +7,12 @@
     ├── Forbidden            403   the admin endpoints are disabled (no admin token set)
     ├── NotFound             404   unknown model, unknown request, unknown route
     ├── RequestTooLarge      413   body over the size limit
+    ├── UnsupportedMediaType 415   a POST body not declared as application/json
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
+
+Each says whether the same request may succeed if sent again (``retryable``). Where it
+cannot, the response carries ``x-should-retry: false`` (:func:`retry_headers`), which the
+``openai`` SDK obeys: it otherwise retries 408, 409, 429 and every 5xx twice.
 
 Failures of an accepted request (``upstream_decode_interrupted``, retries exhausted,
 upstream refusals, the log lost) are not raised: the driver yields them as
@@ -26,6 +31,7 @@ class ApiError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
+    retryable = True  # may the same request succeed if sent again?
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -50,6 +56,7 @@ class InvalidRequest(ApiError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    retryable = False
 
 
 class UnsupportedParameter(InvalidRequest):
@@ -60,30 +67,46 @@ class Unauthorized(ApiError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    retryable = False
 
 
 class Forbidden(ApiError):
     status = 403
     type = "permission_error"
     code = "forbidden"
+    retryable = False
 
 
 class NotFound(ApiError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+    retryable = False
 
 
 class RequestTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+    retryable = False
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+    retryable = False
 
 
 class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+def retry_headers(retryable: bool) -> dict[str, str]:
+    """``x-should-retry: false`` when sending the same request again cannot help."""
+    return {} if retryable else {"x-should-retry": "false"}
 
 
 def failure_body(request_id: str, failed: Failed) -> dict[str, Any]:

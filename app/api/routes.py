@@ -28,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,7 +42,9 @@ from app.api.errors import (
     RequestTooLarge,
     ServiceUnavailable,
     Unauthorized,
+    UnsupportedMediaType,
     failure_body,
+    retry_headers,
 )
 from app.api.schemas import parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
@@ -72,6 +76,18 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *admin_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
+    origins = ctx.config.cors_allow_origins
+    if origins:  # off unless configured: no page elsewhere may read an answer
+        starlette_options["middleware"] = [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+                expose_headers=["x-request-id"],
+                max_age=600,
+            )
+        ]
     return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)
 
 
@@ -108,6 +124,7 @@ class _Api:
         except ApiError as error:
             self.ctx.metrics.rejected.labels(code=error.code).inc()
             log.info("rejected request %s: %s %s", request_id, error.code, error.message)
+            headers |= retry_headers(error.retryable)
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
@@ -161,6 +178,10 @@ class _Api:
         raise Unauthorized("incorrect API key")
 
     async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)  # with API keys configured, listing models needs one too
+        except Unauthorized as error:
+            return _refused(error)
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "phasegate", "root": revision}
             for name, revision in self.ctx.config.models.items()
@@ -185,10 +206,31 @@ class _Api:
         return JSONResponse({"status": "ready"})
 
     async def metrics(self, request: Request) -> Response:
+        token = self.ctx.config.metrics_token
+        if token is not None:
+            scheme, _, offered = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(offered.strip().encode(), token.encode()):
+                return _refused(
+                    Unauthorized("/metrics needs 'Authorization: Bearer <metrics token>'", code="invalid_metrics_token")
+                )
         return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _refused(error: ApiError) -> JSONResponse:
+    request_id = new_request_id()
+    headers = {"x-request-id": request_id, "www-authenticate": "Bearer", **retry_headers(error.retryable)}
+    return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+
+
 async def _json_body(request: Request, limit: int) -> Any:
+    # JSON only: a browser page may post text/plain or a form cross-origin without asking
+    # (no CORS preflight), but not application/json
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaType(
+            f"the body must be sent as 'Content-Type: application/json', not {media_type or 'none'!r}",
+            param="content-type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
@@ -300,6 +342,7 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
 
 
 def _failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
+    headers = headers | retry_headers(failed.retryable)
     return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
 
 
@@ -314,7 +357,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     error.status = exc.status_code
     error.type = "invalid_request_error"
     error.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return JSONResponse(error.body(new_request_id()), status_code=exc.status_code)
+    error.retryable = exc.status_code >= 500
+    return JSONResponse(
+        error.body(new_request_id()), status_code=exc.status_code, headers=retry_headers(error.retryable)
+    )
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -2,16 +2,22 @@
 
 Validation is strict where a silent fallback would surprise: a wrong type, an
 out-of-range value, an unknown or unsupported parameter is a 400 naming the
-parameter (``param``), before anything reaches a replica.
+parameter (``param``), before anything reaches a replica. Messages, ``tools``,
+``tool_choice`` and ``response_format`` go through the worker's own checks
+(app/contract/engine_inputs.py), to the depth the engines read them: the gateway admits
+nothing a worker or engine would refuse (DESIGN.md §13).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
+from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
 from app.driver.request import CHAT, GenerationRequest
 
 _COMMON = {
@@ -50,7 +56,6 @@ UNSUPPORTED = {
     "web_search_options",
     "reasoning_effort",
 }
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 8
 MAX_STOP = 4
 
@@ -95,11 +100,12 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
         "raw": body,
     }
     if endpoint == CHAT:
+        tools = _tools(body)
         return GenerationRequest(
             **common,
             messages=_messages(body),
-            tools=_tools(body),
-            tool_choice=_tool_choice(body),
+            tools=tools,
+            tool_choice=_tool_choice(body, tools),
             response_format=_response_format(body),
         )
     return GenerationRequest(**common, prompt=_prompt(body))
@@ -187,61 +193,40 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = _required(body, "messages", list)
     if not messages:
         raise InvalidRequest("'messages' must not be empty", param="messages")
-    for index, message in enumerate(messages):
-        param = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"'{param}' must be an object", param=param)
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"'{param}.role' must be one of {', '.join(sorted(ROLES))}", param=f"{param}.role")
-        content = message.get("content")
-        if content is None and not (role == "assistant" and message.get("tool_calls")):
-            raise InvalidRequest(f"'{param}.content' is required", param=f"{param}.content")
-        text_parts = isinstance(content, list) and all(_is_text_part(part) for part in content)
-        if content is not None and not isinstance(content, str) and not text_parts:
-            raise InvalidRequest(
-                f"'{param}.content' must be a string or an array of text parts", param=f"{param}.content"
-            )
+    with _engine_rules():
+        for index, message in enumerate(messages):
+            check_message(message, f"messages[{index}]")
     return tuple(messages)
 
 
-def _is_text_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-
-
 def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    tools = _optional(body, "tools", list, [])
-    for index, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-        ):
-            raise InvalidRequest(
-                f"'tools[{index}]' must be {{'type': 'function', 'function': {{'name': …}}}}",
-                param=f"tools[{index}]",
-            )
-    return tuple(tools)
+    if body.get("tools") is None:
+        return ()
+    with _engine_rules():
+        return check_tools(body["tools"])
 
 
-def _tool_choice(body: dict[str, Any]) -> str | dict[str, Any] | None:
-    choice = body.get("tool_choice")
-    if choice is None or choice in ("none", "auto", "required"):
-        return choice
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        return choice
-    raise InvalidRequest("'tool_choice' must be none, auto, required or a named function", param="tool_choice")
+def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any] | None:
+    if body.get("tool_choice") is None:
+        return None
+    with _engine_rules():
+        return check_tool_choice(body["tool_choice"], tools)
 
 
 def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
-    value = body.get("response_format")
-    if value is None:
+    if body.get("response_format") is None:
         return None
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest("'response_format.type' must be text, json_object or json_schema", param="response_format")
-    return value
+    with _engine_rules():
+        return check_response_format(body["response_format"])
+
+
+@contextlib.contextmanager
+def _engine_rules() -> Iterator[None]:
+    """The checks both sides share (app/contract/engine_inputs.py), as the client's 400 naming the param."""
+    try:
+        yield
+    except BadInput as bad:
+        raise InvalidRequest(str(bad), param=bad.param) from None
 
 
 def _prompt(body: dict[str, Any]) -> str:

@@ -19,6 +19,8 @@ Import is all or nothing, in one PostgreSQL transaction:
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,13 +54,92 @@ def read_trace(path: str) -> Trace:
     name = "<stdin>" if path == "-" else path
     try:
         if path == "-":
-            return parse_trace(sys.stdin)
-        with Path(path).open(encoding="utf-8") as lines:
-            return parse_trace(lines)
-    except TraceError as exc:
-        raise TraceRefused(f"{name}: {exc}") from None
+            lines = list(sys.stdin)
+        else:
+            with Path(path).open(encoding="utf-8") as file:
+                lines = list(file)
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceRefused(f"{name}: cannot read it: {exc}") from None
+    check_lines(lines, name)
+    try:
+        return parse_trace(lines)
+    except TraceError as exc:
+        if exc.line == 0 and str(exc).startswith("no events for listed"):
+            header = next(number for number, line in enumerate(lines, start=1) if line.strip())
+            raise TraceRefused(f"{name}: line {header}: {exc}") from None
+        raise TraceRefused(f"{name}: {exc}") from None
+
+
+# --- what the parser would crash on, or the log rewrite --------------------------------------
+
+MAX_DEPTH = 64
+INT64 = range(-(2**63), 2**63)
+# Cheap signs that a line needs the full check: a NUL or surrogate escape, a long run of
+# digits, deep nesting. Most lines show none, and are decoded only once (by parse_trace).
+_SUSPECT = re.compile(r"\\u0000|\\u[dD][89abAB]|\d{19,}")
+
+
+def check_lines(lines: Sequence[str], name: str) -> None:
+    """Refuse, naming its line, what ``parse_trace`` would crash on (nesting past its
+    recursion, integers past 4,300 digits) and what the log cannot hold as it is (NUL,
+    which PostgreSQL text refuses; lone surrogates; integers past 64 bits; a header
+    version that is a boolean): a trace is a record, and is never rewritten on import."""
+    header_seen = False
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        problem = None
+        if not header_seen:
+            header_seen = True
+            problem = _header_problem(line)
+        if problem is None and (_SUSPECT.search(line) or line.count("[") + line.count("{") > MAX_DEPTH):
+            problem = _line_problem(line)
+        if problem is not None:
+            raise TraceRefused(f"{name}: line {number}: {problem}")
+
+
+def _header_problem(line: str) -> str | None:
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError):
+        return None  # parse_trace names it
+    if isinstance(header, dict) and isinstance(header.get("version"), bool):
+        return f"the trace version must be an integer, not {json.dumps(header['version'])}"
+    return None
+
+
+def _line_problem(line: str) -> str | None:
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        return f"nested deeper than {MAX_DEPTH} levels"
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):
+            return "an integer of thousands of digits"
+        return None  # parse_trace names it
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= MAX_DEPTH:
+                return f"nested deeper than {MAX_DEPTH} levels"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(item, str):
+            if "\x00" in item:
+                return f"a NUL character in {_shown(item)} (the log cannot hold it, and a trace is never rewritten)"
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    return f"a lone UTF-16 surrogate in {_shown(item)}"
+        elif isinstance(item, int) and not isinstance(item, bool) and item not in INT64:
+            return "an integer outside 64 bits"
+    return None
+
+
+def _shown(text: str) -> str:
+    return ascii(text if len(text) <= 40 else text[:40] + "…")
 
 
 async def export_trace(

@@ -33,6 +33,10 @@ log = logging.getLogger("phasegate.pool")
 # (ops/bench/overhead.py at 2,000 held streams).
 GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled"})
 _REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN})
+# 4xx statuses on the replica's side of the call: its credentials (401, 403, 407: the
+# gateway's worker_token is not the worker's), its own time-out (408) and its overload (429).
+# Every other 4xx is about the request, whatever the failure is called: it never counts.
+REPLICA_SIDE_4XX = frozenset({401, 403, 407, 408, 429})
 
 
 @dataclass(slots=True)
@@ -125,12 +129,15 @@ class ReplicaPool:
 
     def observe(self, replica: Replica, failure: UpstreamFailure) -> None:
         """Account an attempt's failure to its replica: ``Retry-After`` cools it down,
-        its own failures count toward ejection, a refused request or the gateway's own
-        doing (``GATEWAYS_DOING``) does not."""
+        its own failures count toward ejection; a refused request, any other 4xx about the
+        request (``REPLICA_SIDE_4XX`` aside) and the gateway's own doing (``GATEWAYS_DOING``)
+        do not."""
         if failure.retry_after_s:
             self.cool_down(replica, failure.retry_after_s)
         if failure.kind is FailureKind.REQUEST_REFUSED:
             self.succeeded(replica)  # the replica is fine; the request was not
+        elif _about_the_request(failure):
+            pass  # a 4xx for this request: the client's fault, not the replica's (DESIGN.md §13)
         elif failure.kind in _REPLICAS_FAULT and failure.code not in GATEWAYS_DOING:
             self.failed(replica, failure.detail)
 
@@ -164,3 +171,8 @@ class ReplicaPool:
 
     async def close(self) -> None:
         await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
+
+
+def _about_the_request(failure: UpstreamFailure) -> bool:
+    status = failure.status
+    return status is not None and 400 <= status < 500 and status not in REPLICA_SIDE_4XX

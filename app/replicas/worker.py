@@ -26,12 +26,19 @@ class WorkerReplica:
     acknowledges_cancel = True
     sends_heartbeats = True
 
-    def __init__(self, replica_id: str, base_url: str, *, connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, replica_id: str, base_url: str, *, connect_timeout_s: float = 2.0, token: str | None = None
+    ) -> None:
         self.replica_id = replica_id
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         # Reads are bounded by the driver's own stall timer, not by httpx.
         self.client = WorkerClient(
-            base_url, http=self._http, connect_timeout=connect_timeout_s, read_timeout=3600.0, control_timeout=10.0
+            base_url,
+            http=self._http,
+            connect_timeout=connect_timeout_s,
+            read_timeout=3600.0,
+            control_timeout=10.0,
+            token=token,
         )
 
     async def start(self, request: AttemptRequest) -> _WorkerStream:

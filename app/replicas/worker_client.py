@@ -23,6 +23,7 @@ from app.replicas.worker_errors import (
     ReplicaExiting,
     RequestRefused,
     StreamBroken,
+    TokenRefused,
     WorkerError,
     transport_error,
 )
@@ -102,8 +103,11 @@ class WorkerClient:
         connect_timeout: float = 2.0,
         read_timeout: float = 5.0,
         control_timeout: float = 10.0,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # the worker protocol's shared secret (docs/worker-protocol.md), sent on every call
+        self._headers = {} if token is None else {"authorization": f"Bearer {token}"}
         self._own_http = http is None
         self._http = http or http_client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.connect_timeout = connect_timeout
@@ -154,7 +158,9 @@ class WorkerClient:
             connect=self.connect_timeout,
             read=self.read_timeout if read_timeout is None else read_timeout,
         )
-        request = self._http.build_request("POST", self.base_url + "/v1/attempts", json=body, timeout=timeout)
+        request = self._http.build_request(
+            "POST", self.base_url + "/v1/attempts", json=body, timeout=timeout, headers=self._headers
+        )
         try:
             response = await self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -169,6 +175,8 @@ class WorkerClient:
             await response.aclose()
         status = response.status_code
         code, message, field = _error_body(response)
+        if status == 401:
+            raise TokenRefused(message, status=status, code=code)
         if code == "replica_exiting":
             raise ReplicaExiting(message, status=status, code=code)
         if status == 429 or status >= 500:
@@ -178,8 +186,11 @@ class WorkerClient:
     async def _control(self, path: str, body: Mapping[str, Any], timeout: float | None) -> httpx.Response:
         limit = self.control_timeout if timeout is None else timeout
         try:
-            return await self._http.post(
-                self.base_url + path, json=body, timeout=httpx.Timeout(limit, connect=self.connect_timeout)
+            response = await self._http.post(
+                self.base_url + path,
+                json=body,
+                headers=self._headers,
+                timeout=httpx.Timeout(limit, connect=self.connect_timeout),
             )
         except httpx.ConnectError as exc:
             raise transport_error(exc) from exc
@@ -189,6 +200,11 @@ class WorkerClient:
             raise ControlUnanswered(f"{path}: no answer within {limit} s") from exc
         except httpx.HTTPError as exc:
             raise StreamBroken(f"{path}: the connection broke: {exc!r}") from exc
+        if response.status_code == 401:
+            # the worker read nothing of the call: not a lost lease, not an acknowledgement
+            code, message, _ = _error_body(response)
+            raise TokenRefused(f"{path}: {message}", status=401, code=code)
+        return response
 
     async def renew(
         self,
@@ -260,7 +276,9 @@ class WorkerClient:
         limit = self.control_timeout if timeout is None else timeout
         try:
             response = await self._http.get(
-                self.base_url + "/v1/health", timeout=httpx.Timeout(limit, connect=self.connect_timeout)
+                self.base_url + "/v1/health",
+                headers=self._headers,
+                timeout=httpx.Timeout(limit, connect=self.connect_timeout),
             )
         except httpx.HTTPError as exc:
             raise transport_error(exc) from exc
@@ -274,12 +292,17 @@ class WorkerClient:
     async def ready(self) -> bool:
         """Whether the worker accepts attempts now (engine loaded, not draining)."""
         try:
-            response = await self._http.get(self.base_url + "/v1/ready", timeout=self.connect_timeout)
+            response = await self._http.get(
+                self.base_url + "/v1/ready", headers=self._headers, timeout=self.connect_timeout
+            )
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
     async def info(self) -> dict[str, Any]:
-        response = await self._http.get(self.base_url + "/v1/info", timeout=self.control_timeout)
+        response = await self._http.get(self.base_url + "/v1/info", headers=self._headers, timeout=self.control_timeout)
+        if response.status_code == 401:
+            code, message, _ = _error_body(response)
+            raise TokenRefused(message, status=401, code=code)
         result: dict[str, Any] = response.json()
         return result

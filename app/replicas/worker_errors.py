@@ -14,6 +14,7 @@ attempt will publish nothing more (so the driver need not fence it)::
     │   ├── MalformedFrame       a line that is not a protocol frame
     │   └── ControlUnanswered    renew or cancel unanswered in time, or 504 abort_unconfirmed
     ├── Rejected               rejected: refused before starting (429, 503, 5xx); retry_after
+    │   └── TokenRefused         401 on any call: the gateway's worker_token is not the worker's
     ├── RequestRefused         request_refused: a 4xx on the start request itself
     └── AttemptEnded           replica_exited, released: the worker ended the attempt itself
         │                        (error frame lease_expired, lease_revoked, cancelled, engine_error)
@@ -93,6 +94,17 @@ class Rejected(WorkerError):
         super().__init__(message, status=status, code=code)
         self.retry_after = retry_after
         self.retry_after_s = retry_after
+
+
+class TokenRefused(Rejected):
+    """401: the worker refused the gateway's token, so it read nothing of the call.
+
+    A configuration error, the replica's side of it: it counts toward ejection, and it
+    is neither a lost lease nor a cancel acknowledgement.
+    """
+
+    def __init__(self, message: str, *, status: int | None, code: str | None) -> None:
+        super().__init__(message, status=status, code=code, retry_after=None)
 
 
 class RequestRefused(WorkerError):

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.contract.worker_token import TOKEN_ENV, TokenError
+from app.worker.auth import LOOPBACK_HOSTS, token_from
 from app.worker.engine import Engine
 
 
@@ -30,6 +32,8 @@ class WorkerConfig:
     faults: tuple[dict[str, Any], ...] = ()
     ready_file: Path | None = None
     log_level: str = "warning"
+    token: str | None = field(default=None, repr=False)  # None: the protocol is open (loopback only)
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
     # sim engine
     sim_prefill_ms_per_token: float = 0.1
     sim_decode_ms_per_token: float = 2.0
@@ -64,6 +68,17 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="JSON", help="a fault at startup (repeatable)")
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once listening")
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help=f"the shared secret the gateway sends (default: ${TOKEN_ENV}); required off loopback",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve the protocol without a token on a non-loopback address (a private network only)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)
     p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
     p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
@@ -79,6 +94,17 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise SystemExit("phasegate worker: --fault needs --enable-faults")
     if args.engine == "vllm" and not args.model_path:
         raise SystemExit("phasegate worker: --engine vllm needs --model-path")
+    try:
+        token = token_from(args.token_file)
+    except TokenError as exc:
+        raise SystemExit(f"phasegate worker: {exc}") from None
+    if token is None and args.host not in LOOPBACK_HOSTS and not args.insecure_no_auth:
+        raise SystemExit(
+            f"phasegate worker: listening on {args.host} needs a token (--token-file or ${TOKEN_ENV}), "
+            "or --insecure-no-auth on a private network"
+        )
+    if args.max_body_bytes < 1024:
+        raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
     models = tuple(args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"]))
     return WorkerConfig(
         host=args.host,
@@ -96,6 +122,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         faults=faults,
         ready_file=args.ready_file,
         log_level=args.log_level,
+        token=token,
+        max_body_bytes=args.max_body_bytes,
         sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         sim_abort_ms=args.sim_abort_ms,

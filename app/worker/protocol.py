@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+
 
 class Code(enum.StrEnum):
     """Stable error codes: in HTTP error bodies and in ``error`` frames."""
@@ -33,6 +35,8 @@ class Code(enum.StrEnum):
     STALE_LEASE_EPOCH = "stale_lease_epoch"
     LEASE_EXPIRED = "lease_expired"
     FAULTS_DISABLED = "faults_disabled"
+    BODY_TOO_LARGE = "body_too_large"  # 413: over --max-body-bytes
+    UNAUTHORIZED = "unauthorized"  # 401: no or a wrong worker token
     # the replica (429 / 5xx)
     QUEUE_FULL = "queue_full"
     REPLICA_EXITING = "replica_exiting"
@@ -168,11 +172,53 @@ def _content_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def decode_json(raw: bytes) -> dict[str, Any]:
+MAX_JSON_DEPTH = 64  # objects and arrays nested in one another; tool schemas need a few levels
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json_value(raw: bytes) -> Any:
+    """``raw`` as JSON of at most :data:`MAX_JSON_DEPTH` levels whose strings are Unicode text
+    (no lone surrogates, which no UTF-8 writer can write back); else a 400 ``invalid_json``."""
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:  # nested deeper than the parser's own recursion allows
+        raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # UnicodeDecodeError and over-long integers too
         raise Refusal(400, Code.INVALID_JSON, f"the body is not JSON: {exc}") from None
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: Any) -> None:
+    stack: list[tuple[Any, int]] = [(body, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth >= MAX_JSON_DEPTH:
+                raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise Refusal(400, Code.INVALID_JSON, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """:func:`decode_json_value` of a JSON object."""
+    body = decode_json_value(raw)
     if not isinstance(body, dict):
         raise Refusal(400, Code.INVALID_JSON, "the body must be a JSON object")
     return body
@@ -206,9 +252,14 @@ def _number(value: Any, field: str, low: float, high: float, *, low_open: bool =
 
 
 def _str(value: Any, field: str, max_len: int = 256) -> str:
-    if not isinstance(value, str) or not value or len(value) > max_len:
-        raise _bad(field, f"must be a non-empty string of at most {max_len} characters")
+    # printable: an id goes into logs, headers and the admin listing (no NUL, no newline)
+    if not isinstance(value, str) or not value or len(value) > max_len or not value.isprintable():
+        raise _bad(field, f"must be a non-empty printable string of at most {max_len} characters")
     return value
+
+
+def _engine_input(bad: BadInput, prefix: str = "") -> Refusal:
+    return _bad(prefix + bad.param, bad.why)
 
 
 def parse_ref(body: Mapping[str, Any], *, with_ttl: bool) -> AttemptRef:
@@ -293,11 +344,10 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise _bad("messages", "must be a non-empty list")
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad(f"messages[{i}]", "must be an object with a string role")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise _bad(f"messages[{i}].content", "must be a string, a list of parts or null")
+        try:
+            check_message(message, f"messages[{i}]")
+        except BadInput as bad:
+            raise _engine_input(bad) from None
     return tuple(value)
 
 
@@ -328,43 +378,13 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
         if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
             raise _bad(p + "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
         out["stop"] = tuple(stops)
-    if params.get("tools") is not None:
-        out["tools"] = _tools(params["tools"])
-    if params.get("tool_choice") is not None:
-        out["tool_choice"] = _tool_choice(params["tool_choice"], out.get("tools", ()))
-    if params.get("response_format") is not None:
-        out["response_format"] = _response_format(params["response_format"])
+    try:
+        if params.get("tools") is not None:
+            out["tools"] = check_tools(params["tools"])
+        if params.get("tool_choice") is not None:
+            out["tool_choice"] = check_tool_choice(params["tool_choice"], out.get("tools", ()))
+        if params.get("response_format") is not None:
+            out["response_format"] = check_response_format(params["response_format"])
+    except BadInput as bad:
+        raise _engine_input(bad, p) from None
     return Sampling(**out)
-
-
-def _tools(value: Any) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list):
-        raise _bad("params.tools", "must be a list")
-    for i, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
-            raise _bad(f"params.tools[{i}]", 'must be {"type": "function", "function": {"name": …}}')
-    return tuple(value)
-
-
-def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
-    names = {tool["function"]["name"] for tool in tools}
-    if value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise _bad("params.tool_choice", "'required' needs tools")
-        return str(value)
-    name = value.get("function", {}).get("name") if isinstance(value, dict) else None
-    if name is None:
-        raise _bad("params.tool_choice", "must be none, auto, required or a named function")
-    if name not in names:
-        raise _bad("params.tool_choice", f"names {name!r}, which is not among the tools")
-    return dict(value)
-
-
-def _response_format(value: Any) -> dict[str, Any]:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in ("text", "json_object", "json_schema"):
-        raise _bad("params.response_format", "type must be text, json_object or json_schema")
-    if kind == "json_schema" and not isinstance(value.get("json_schema", {}).get("schema"), dict):
-        raise _bad("params.response_format", "json_schema needs json_schema.schema")
-    return dict(value)

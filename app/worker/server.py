@@ -29,11 +29,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
-from app.worker.protocol import Code, Refusal, decode_json, parse_ref, parse_renewals, parse_start
+from app.worker.protocol import (
+    Code,
+    Refusal,
+    decode_json,
+    decode_json_value,
+    parse_ref,
+    parse_renewals,
+    parse_start,
+)
 from app.worker.worker import Worker
 
 log = logging.getLogger("phasegate.worker")
@@ -51,6 +60,20 @@ async def _on_refusal(request: Request, exc: Exception) -> Response:
     return refusal_response(exc)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    too_large = Refusal(413, Code.BODY_TOO_LARGE, f"the body is over the limit of {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
 def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) -> Starlette:
     """The worker's routes; see docs/worker-protocol.md."""
     health = HealthProbe(worker.engine, config.health_ttl_s, config.health_timeout_s)
@@ -59,20 +82,23 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
     default_heartbeat_s = config.heartbeat_ms / 1000
     stream_headers = {"x-phasegate-worker": config.name, "cache-control": "no-store"}
 
+    async def body_of(request: Request) -> dict[str, Any]:
+        return decode_json(await read_body(request, config.max_body_bytes))
+
     async def start(request: Request) -> Response:
-        spec = parse_start(decode_json(await request.body()), default_heartbeat_s=default_heartbeat_s)
+        spec = parse_start(await body_of(request), default_heartbeat_s=default_heartbeat_s)
         attempt = worker.admit(spec)
         return StreamingResponse(worker.frames(attempt), media_type="application/x-ndjson", headers=stream_headers)
 
     async def renew(request: Request) -> Response:
-        ref = parse_ref(decode_json(await request.body()), with_ttl=True)
+        ref = parse_ref(await body_of(request), with_ttl=True)
         worker.stats.renew_calls += 1
         return JSONResponse(worker.renew(ref))
 
     async def renew_many(request: Request) -> Response:
         # One answer per lease, in order: a refusal of one is an entry, not the call's status.
         answers: list[dict[str, object]] = []
-        refs = parse_renewals(decode_json(await request.body()))
+        refs = parse_renewals(await body_of(request))
         worker.stats.renew_calls += 1
         for ref in refs:
             answer: dict[str, object] = {"request_id": ref.request_id, "attempt": ref.attempt}
@@ -84,7 +110,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         return JSONResponse({"leases": answers})
 
     async def cancel(request: Request) -> Response:
-        ref = parse_ref(decode_json(await request.body()), with_ttl=False)
+        ref = parse_ref(await body_of(request), with_ttl=False)
         return JSONResponse(await worker.cancel(ref))
 
     def _unavailable() -> Refusal | None:
@@ -139,11 +165,10 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         if faults is None:
             raise Refusal(403, Code.FAULTS_DISABLED, "this worker was started without --enable-faults")
         if request.method == "POST":
-            try:
-                body = json.loads(await request.body() or b"{}")
-            except ValueError:
-                raise Refusal(400, Code.INVALID_JSON, "the body is not JSON") from None
+            body = decode_json_value(await read_body(request, config.max_body_bytes) or b"{}")
             specs = body.get("faults", [body]) if isinstance(body, dict) else body
+            if not isinstance(specs, list):
+                raise Refusal(400, Code.INVALID_FIELD, "give a fault, a list of them or {faults: […]}", field="faults")
             added = [faults.add(spec).describe() for spec in specs]
             return JSONResponse({"added": added})
         if request.method == "DELETE":
@@ -176,7 +201,10 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    if config.token is not None:
+        app.add_middleware(RequireToken, token=config.token)
+    return app
 
 
 class _Server(uvicorn.Server):
@@ -244,6 +272,8 @@ async def _serve(config: WorkerConfig) -> int:
         config.grace_s,
     )
     server.loop = asyncio.get_running_loop()
+    if config.token is None:
+        log.warning("worker %s: no token: anyone who reaches %s:%d controls its leases", config.name, config.host, port)
     if config.ready_file is not None:
         tmp = config.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"host": config.host, "port": port, "pid": os.getpid()}))

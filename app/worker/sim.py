@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.worker.engine import EngineOutput, Prepared, ToolCallOutput, prompt_too_long
+from app.worker.engine import EngineFailed, EngineOutput, Prepared, ToolCallOutput, prompt_too_long
 from app.worker.protocol import AttemptSpec, Sampling
 
 _CONSONANTS = "bdfgklmnprstvz"
@@ -70,7 +70,8 @@ class _Running:
     __slots__ = ("generated", "queue", "task")
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        # outputs; then None (finished) or the EngineFailed that ended the request
+        self.queue: asyncio.Queue[EngineOutput | EngineFailed | None] = asyncio.Queue()
         self.generated = 0
         self.task: asyncio.Task[None] | None = None
 
@@ -120,6 +121,8 @@ class SimEngine:
             output = queue.get_nowait() if queue.qsize() else await queue.get()
             if output is _FINISHED:
                 return
+            if isinstance(output, EngineFailed):
+                raise output
             yield output
 
     async def abort(self, engine_request_id: str) -> int | None:
@@ -135,6 +138,14 @@ class SimEngine:
         return running.generated
 
     async def _run(self, running: _Running, prepared: Prepared) -> None:
+        # A request's task that dies must end its stream at once: else the reader waits
+        # forever and the worker heartbeats "prefill" until the gateway gives up.
+        try:
+            await self._produce(running, prepared)
+        except Exception as exc:
+            running.queue.put_nowait(EngineFailed(f"the sim failed on this request: {exc!r}"))
+
+    async def _produce(self, running: _Running, prepared: Prepared) -> None:
         timing, spec = self.timing, prepared.spec
         put = running.queue.put_nowait
         if timing.prefill_s_per_token:

@@ -79,9 +79,18 @@ class VllmEngine:
         tokenizer = self._tokenizer
         s = spec.sampling
         if spec.messages is not None:
-            text = tokenizer.apply_chat_template(
-                list(spec.messages), tools=list(s.tools) or None, add_generation_prompt=True, tokenize=False
-            )
+            try:
+                text = tokenizer.apply_chat_template(
+                    list(spec.messages), tools=list(s.tools) or None, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # jinja's TemplateError (raise_exception) and what the template trips on
+                # the messages' fault, not the engine's: e.g. roles that do not alternate as the template demands
+                raise Refusal(
+                    400,
+                    Code.INVALID_FIELD,
+                    f"messages: the model's chat template refused them: {exc}",
+                    field="messages",
+                ) from None
             token_ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             assert spec.prompt is not None

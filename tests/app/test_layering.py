@@ -2,6 +2,9 @@
 
     cli → serve → gateway → api → driver → (store, replicas) → statemachine
 
+and the worker, a process of its own, imports only ``app.contract``: the rules it and the
+gateway must share (the worker token's, the engine inputs' checks), a leaf.
+
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
 is its own process and imports nothing of the gateway, least of all the log. Every
@@ -28,11 +31,13 @@ BOTTOM = "statemachine"
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),  # app/__init__.py
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM}),
+    "app.config": frozenset({BOTTOM, "app.contract"}),
     "app.metrics": frozenset(),
-    "app.supervisor": frozenset(),
+    "app.supervisor": frozenset({"app.contract"}),
+    # what the gateway and its workers must agree on; imports nothing
+    "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset(),
+    "app.worker": frozenset({"app.contract"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
     "app.replicas": frozenset({BOTTOM, "app.config"}),
@@ -41,7 +46,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.ui": frozenset({BOTTOM, "app.incident"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
     "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
-    "app.api": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}),
+    "app.api": frozenset(
+        {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
+    ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api"}

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.contract.worker_token import TOKEN_ENV
 from app.replicas.worker_client import WorkerClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,12 +112,14 @@ class ManagedProcess:
 class WorkerProcess(ManagedProcess):
     base_url: str = ""
     port: int = 0
+    token: str | None = field(default=None, repr=False)  # the worker protocol's secret, if it has one
 
     def client(self, **kwargs: Any) -> WorkerClient:
         # A vLLM engine on two cores can starve this test process for seconds, and a
         # loopback connect then "times out" on a timer that fired late. The protocol tests
         # are not about connect deadlines (test_worker_client.py is), so give them room.
         kwargs.setdefault("connect_timeout", 15.0)
+        kwargs.setdefault("token", self.token)
         return WorkerClient(self.base_url, **kwargs)
 
 
@@ -158,12 +161,15 @@ def start_worker(
     model_path: str | None = None,
     env: dict[str, str] | None = None,
     ready_timeout: float = 30.0,
+    token: str | None = None,
 ) -> WorkerProcess:
     """Start ``phasegate worker`` on a free port and wait until /v1/ready answers 200.
 
     ``args`` go to the worker as they are (e.g. ``["--sim-decode-ms-per-token", "5"]``);
     ``faults`` adds ``--enable-faults``. For ``engine="vllm"`` give ``python`` and
-    ``model_path`` (see :func:`vllm_env`). The caller must :meth:`~ManagedProcess.kill` it.
+    ``model_path`` (see :func:`vllm_env`). With ``token`` the worker requires it (given
+    through ``$PHASEGATE_WORKER_TOKEN``) and :meth:`WorkerProcess.client` sends it. The
+    caller must :meth:`~ManagedProcess.kill` it.
     """
     tmp = tempfile.TemporaryDirectory(prefix="phasegate-worker-")
     ready_file = Path(tmp.name) / "ready.json"
@@ -185,7 +191,9 @@ def start_worker(
     if engine == "vllm":
         cmd += vllm_dtype_args()  # before args: a --dtype there wins
     cmd += list(args)
-    worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else env
+    worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else dict(env or {})
+    if token is not None:
+        worker_env[TOKEN_ENV] = token
     process = _spawn(cmd, worker_env, tmp)
     deadline = time.monotonic() + ready_timeout
     while not ready_file.exists():
@@ -194,7 +202,9 @@ def start_worker(
             raise RuntimeError(f"worker did not bind (exit {process.proc.returncode}):\n{process.logs()[-4000:]}")
         time.sleep(0.02)
     port = json.loads(ready_file.read_text())["port"]
-    worker = WorkerProcess(process.proc, process.log_path, tmp, base_url=f"http://127.0.0.1:{port}", port=port)
+    worker = WorkerProcess(
+        process.proc, process.log_path, tmp, base_url=f"http://127.0.0.1:{port}", port=port, token=token
+    )
     try:
         _wait_ready(worker, worker.base_url + "/v1/ready", max(1.0, deadline - time.monotonic()), "worker")
     except BaseException:

@@ -82,6 +82,15 @@ def test_bad_page_parameters_are_named(gateway: RunningGateway) -> None:
         ({"limit": 1001}, "limit"),
         ({"after_seq": "-1"}, "after_seq"),
         ({"limit": "x"}, "limit"),
+        # each of these was a 500 (issue 14): an int overflow in PostgreSQL, int("²"), and
+        # Python's refusal to parse over 4,300 digits
+        ({"after_seq": 2**31}, "after_seq"),
+        ({"after_seq": 2**63}, "after_seq"),
+        ({"after_seq": "\u00b2"}, "after_seq"),
+        ({"limit": "\u00b9\u2070"}, "limit"),
+        ({"limit": "٣"}, "limit"),  # an Arabic-Indic digit: isdigit(), and int() takes it
+        ({"limit": "1" * 5000}, "limit"),
+        ({"after_seq": "9" * 5000}, "after_seq"),
     ]
     with gateway.http(headers=ADMIN) as http:
         for params, param in bad:
@@ -90,6 +99,23 @@ def test_bad_page_parameters_are_named(gateway: RunningGateway) -> None:
             error = response.json()["error"]
             assert error["param"] == param and error["code"] == "invalid_request"
             assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("request_id", ["a%00b", "a%01b", "%0a", "x" * 257, "a%7Fb"])
+@pytest.mark.parametrize("suffix", ["/v1/requests/{}", "/v1/requests/{}/events", "/ui/requests/{}"])
+def test_a_request_id_the_log_cannot_hold_is_400_not_500(gateway: RunningGateway, request_id: str, suffix: str) -> None:
+    with gateway.http(headers=ADMIN) as http:
+        response = http.get(suffix.format(request_id))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request_id" and error["param"] == "request_id"
+    assert error["request_id"] == response.headers["x-request-id"]
+
+
+def test_the_highest_after_seq_is_an_empty_page(gateway: RunningGateway) -> None:
+    with gateway.http(headers=ADMIN) as http:
+        page = http.get("/v1/requests/req_fenced/events", params={"after_seq": 2**31 - 1}).json()
+    assert page == {"object": "list", "data": [], "has_more": False, "next_after_seq": None}
 
 
 def test_an_unknown_request_is_404(gateway: RunningGateway) -> None:

@@ -89,6 +89,9 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(messages="hi"), "messages", "invalid_request", "must be an array"),
         (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_request", "must be an object"),
         (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "invalid_request", "role"),
+        # a list or an object as the role was a 500 (unhashable; issue 14)
+        (CHAT, chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "invalid_request", "role"),
+        (CHAT, chat(messages=[{"role": {"a": 1}, "content": "x"}]), "messages[0].role", "invalid_request", "role"),
         (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_request", "is required"),
         (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_request", "text parts"),
         (CHAT, chat(stream="yes"), "stream", "invalid_request", "must be a boolean"),
@@ -110,9 +113,9 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(seed=2**63), "seed", "invalid_request", "64-bit signed integer"),
         (CHAT, chat(seed=-(2**63) - 1), "seed", "invalid_request", "64-bit signed integer"),
         (CHAT, chat(presence_penalty=-3), "presence_penalty", "invalid_request", "in"),
-        (CHAT, chat(tools=[{"type": "function"}]), "tools[0]", "invalid_request", "must be"),
+        (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function", "invalid_request", "must be an object"),
         (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),
-        (CHAT, chat(response_format={"type": "yaml"}), "response_format", "invalid_request", "json_schema"),
+        (CHAT, chat(response_format={"type": "yaml"}), "response_format.type", "invalid_request", "json_schema"),
         (CHAT, chat(logprobs=True), "logprobs", "unsupported_parameter", "does not support 'logprobs'"),
         (CHAT, chat(frobnicate=1), "frobnicate", "unsupported_parameter", "unrecognized request argument"),
         (CHAT, chat(prompt="x"), "prompt", "unsupported_parameter", "unrecognized"),
@@ -138,3 +141,86 @@ def test_bad_input_is_named(endpoint: str, body: Any, param: str | None, code: s
 
 def test_unsupported_is_a_kind_of_invalid() -> None:
     assert issubclass(UnsupportedParameter, InvalidRequest)
+
+
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        # what a worker or engine refused (or failed on) after the gateway admitted it (issue 14)
+        ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": "json_object"}, "response_format"),
+        ({"response_format": {"type": ["text"]}}, "response_format.type"),
+        ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, "tool_choice.function.name"),
+        ({"tools": [F], "tool_choice": {"function": "f"}}, "tool_choice.function"),
+        ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+        ({"tools": [F], "tool_choice": {"type": "retrieval", "function": {"name": "f"}}}, "tool_choice.type"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}]},
+            "tools[0].function.parameters.properties",
+        ),
+        ({"tools": [1]}, "tools[0]"),
+        ({"tools": {"f": F}}, "tools"),
+        ({"tools": [F, F]}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+            "tools[0].function.description",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, "messages[0].tool_calls"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": 1}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "name": ["n"]}]}, "messages[0].name"),
+    ],
+)
+def test_what_an_engine_reads_is_checked_to_its_depth(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request(CHAT, chat(**fields), LIMITS)
+    assert (caught.value.param, caught.value.code, caught.value.status) == (param, "invalid_request", 400)
+    assert caught.value.message.startswith(f"'{param}' ")
+
+
+def test_what_an_engine_reads_passes_when_well_formed() -> None:
+    tools = [F, {"type": "function", "function": {"name": "g", "description": "d", "strict": True}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": True}}
+    request = parse_request(
+        CHAT,
+        chat(
+            messages=messages,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "g"}},
+            response_format=schema,
+        ),
+        LIMITS,
+    )
+    assert request.tools == tuple(tools) and request.response_format == schema
+    assert request.tool_choice == {"type": "function", "function": {"name": "g"}}

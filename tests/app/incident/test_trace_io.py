@@ -208,5 +208,84 @@ def test_text_the_log_cannot_hold_is_refused_naming_the_line(
     bad.write_text("".join(lines))
     ran = phasegate("trace", "import", str(bad))
     assert ran.status == 2
-    assert re.search(r"line 7: DeltasDelivered cannot be recorded: .*; nothing was imported", ran.err), ran.err
+    assert re.search(r"line 7: a lone UTF-16 surrogate in 'Hi \\ud800'", ran.err), ran.err
     assert count_events(database_url) == 0
+
+
+def _mangled(lines: list[str], number: int, old: str, new: str) -> list[str]:
+    assert old in lines[number - 1], (number, old)
+    return [*lines[: number - 1], lines[number - 1].replace(old, new, 1), *lines[number:]]
+
+
+def _everywhere(lines: list[str], old: str, new: str) -> list[str]:
+    return [line.replace(old, new) for line in lines]
+
+
+# (what, the mangled clean_completion trace, the line named, the message): each was a
+# traceback and exit 1, or a silent rewrite of the data, before (issue 14)
+UNHOLDABLE = {
+    "NUL in the request id": (
+        lambda lines: _everywhere(lines, "req_clean", "req\\u0000clean"),
+        1,
+        r"a NUL character in 'req\\x00clean'",
+    ),
+    "lone surrogate in the request id": (
+        lambda lines: _everywhere(lines, "req_clean", "req\\ud800clean"),
+        1,
+        r"a lone UTF-16 surrogate in 'req\\ud800clean'",
+    ),
+    "5,000-digit integer": (
+        lambda lines: _mangled(lines, 4, '"lease_epoch": 1', '"lease_epoch": ' + "9" * 5000),
+        4,
+        "an integer of thousands of digits",
+    ),
+    "integer past 64 bits": (
+        lambda lines: _mangled(lines, 4, '"lease_epoch": 1', '"lease_epoch": ' + str(2**64)),
+        4,
+        "an integer outside 64 bits",
+    ),
+    "100k-deep nesting": (
+        lambda lines: _mangled(lines, 4, '"body": {', '"body": {"x": ' + "[" * 100_000 + "]" * 100_000 + ", "),
+        4,
+        "nested deeper than 64 levels",
+    ),
+    "NUL in the tenant": (
+        lambda lines: _mangled(lines, 2, '"tenant": "default"', '"tenant": "de\\u0000fault"'),
+        2,
+        "a NUL character in 'de\\\\x00fault'",
+    ),
+    "NUL in a replica id": (
+        lambda lines: _mangled(lines, 4, '"replica_id": "w1"', '"replica_id": "w\\u00001"'),
+        4,
+        "a NUL character",
+    ),
+    "NUL in delivered text": (lambda lines: _everywhere(lines, '"Hi Hi Hi "', '"Hi\\u0000"'), 7, "a NUL character"),
+    "version true": (
+        lambda lines: _mangled(lines, 1, '"version": 1', '"version": true'),
+        1,
+        "the trace version must be an integer, not true",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNHOLDABLE), ids=str)
+def test_what_the_parser_would_crash_on_or_the_log_rewrite_is_refused_naming_the_line(
+    phasegate: Runner, database_url: str, tmp_path: Path, case: str
+) -> None:
+    mangle, line, message = UNHOLDABLE[case]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(mangle(golden_lines("clean_completion"))))
+    for command in (("trace", "import"), ("replay",)):
+        ran = phasegate(*command, str(bad))
+        assert ran.status == 2, ran.err
+        assert ran.err.startswith(f"phasegate {command[0]}: {bad}: line {line}: "), ran.err
+        assert re.search(message, ran.err), ran.err
+    assert count_events(database_url) == 0
+
+
+def test_a_listed_request_without_events_names_the_header_line(phasegate: Runner, tmp_path: Path) -> None:
+    lines = golden_lines("clean_completion")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n" + lines[0].replace('["req_clean"]', '["req_clean", "req_ghost"]') + "".join(lines[1:]))
+    ran = phasegate("trace", "import", str(bad))
+    assert ran.status == 2 and f"{bad}: line 2: no events for listed request(s) req_ghost" in ran.err, ran.err

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import pytest
+
 from app.config import ReplicaConfig
 from app.replicas.base import ReplicaClient, UpstreamFailure
 from app.replicas.pool import Replica, ReplicaPool
-from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused
+from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused, TokenRefused
 from statemachine.events import FailureKind
 
 
@@ -98,3 +100,26 @@ def test_what_counts_toward_ejection() -> None:
     assert p.available(a)
     p.observe(a, UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, "no frame for 2s"))
     assert a.consecutive_failures == 2 and not p.available(a)  # ejected
+
+
+@pytest.mark.parametrize("status", [400, 404, 409, 413, 422])
+def test_a_4xx_about_the_request_never_counts_whatever_it_is_called(status: int) -> None:
+    p, _ = pool("a", eject_after_failures=1)
+    (a,) = p.replicas.values()
+    for kind in (FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN):
+        p.observe(a, UpstreamFailure(kind, f"{status} for this request", status=status, code="invalid_field"))
+    p.observe(a, RequestRefused("bad tool schema", status=status, code="invalid_field", field="params.tools"))
+    assert a.consecutive_failures == 0 and p.available(a)
+
+
+@pytest.mark.parametrize("status", [401, 408, 429, 500, 503])
+def test_a_replica_side_status_counts(status: int) -> None:
+    p, _ = pool("a", eject_after_failures=1)
+    (a,) = p.replicas.values()
+    failure = (
+        TokenRefused("wrong worker token", status=401, code="unauthorized")
+        if status == 401
+        else Rejected("replica side", status=status, code=None, retry_after=None)
+    )
+    p.observe(a, failure)
+    assert a.consecutive_failures == 1 and not p.available(a)

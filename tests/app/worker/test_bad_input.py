@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -34,6 +36,7 @@ def _start_body(engine: EngineUnderTest, **changes: Any) -> dict[str, Any]:
 
 
 _DROP = object()
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 # (case id, changes to a valid start body, status, code, field)
 START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
@@ -54,7 +57,7 @@ START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         {"prompt": _DROP, "messages": [{"content": "x"}]},
         400,
         "invalid_field",
-        "messages[0]",
+        "messages[0].role",
     ),
     ("unknown model", {"model": "no-such-model"}, 404, "unknown_model", "model"),
     ("unknown field", {"priority": 1}, 400, "unknown_field", "priority"),
@@ -72,22 +75,61 @@ START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         {"params": {"tools": [{"type": "function", "function": {}}]}},
         400,
         "invalid_field",
-        "params.tools[0]",
+        "params.tools[0].function.name",
     ),
     (
         "tool_choice not a tool",
         {"params": {"tool_choice": {"type": "function", "function": {"name": "x"}}}},
         400,
         "invalid_field",
-        "params.tool_choice",
+        "params.tool_choice.function.name",
     ),
     (
         "bad response_format",
         {"params": {"response_format": {"type": "xml"}}},
         400,
         "invalid_field",
-        "params.response_format",
+        "params.response_format.type",
     ),
+    # each of these was a 500 (issue 14)
+    ("a tool that is a number", {"params": {"tools": [1]}}, 400, "invalid_field", "params.tools[0]"),
+    (
+        "tool_choice's function a string",
+        {"params": {"tools": [TOOL], "tool_choice": {"function": "f"}}},
+        400,
+        "invalid_field",
+        "params.tool_choice.function",
+    ),
+    (
+        "tool_choice's name a list",
+        {"params": {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ["f"]}}}},
+        400,
+        "invalid_field",
+        "params.tool_choice.function.name",
+    ),
+    (
+        "a text part whose text is a number",
+        {"prompt": _DROP, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "invalid_field",
+        "messages[0].content",
+    ),
+    (
+        "json_schema a string",
+        {"params": {"response_format": {"type": "json_schema", "json_schema": "x"}}},
+        400,
+        "invalid_field",
+        "params.response_format.json_schema",
+    ),
+    (
+        "a role that is a list",
+        {"prompt": _DROP, "messages": [{"role": ["user"], "content": "x"}]},
+        400,
+        "invalid_field",
+        "messages[0].role",
+    ),
+    ("a NUL in the request id", {"request_id": "a\x00b"}, 400, "invalid_field", "request_id"),
+    ("a newline in the model", {"model": "sim\n"}, 400, "invalid_field", "model"),
 ]
 
 
@@ -180,3 +222,77 @@ async def test_the_client_surfaces_the_code_and_field(engine: EngineUnderTest):
     finally:
         await client.aclose()
     assert (refused.value.code, refused.value.field) == ("invalid_field", "params.temperature")
+
+
+# --- bodies that took the worker down or held its memory (issue 14) -------------------------
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+@pytest.mark.parametrize("path", ["/v1/attempts", "/v1/leases/renew", "/admin/faults"])
+async def test_json_nested_too_deep_is_refused(engine: EngineUnderTest, path: str, depth: int):
+    raw = b'{"a": ' * depth + b"1" + b"}" * depth
+    async with http_client() as http:
+        response = await http.post(engine.worker.base_url + path, content=raw)
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json")
+    assert "deeper than 64" in response.json()["error"]["message"]
+
+
+async def test_a_deep_but_sane_tool_schema_is_served(engine: EngineUnderTest):
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(20):
+        schema = {"type": "object", "properties": {"x": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    async with http_client() as http:
+        response = await http.post(
+            engine.worker.base_url + "/v1/attempts",
+            json=_start_body(engine, params={"tools": [tool], "tool_choice": "none"}),
+        )
+        assert response.status_code == 200, response.text
+        assert b'"type": "done"' in response.content
+
+
+_HEAD = b'"attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 5000, "model": "sim"'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"request_id": "\\ud800", ' + _HEAD + b', "prompt": "x"}',
+        b'{"request_id": "r", ' + _HEAD + b', "prompt": "\\udfff"}',
+        b'{"request_id": "r", ' + _HEAD + b', "prompt": "x", "params": {"temperature": NaN}}',
+        b'{"request_id": "r", ' + _HEAD + b', "prompt": "x", "params": {"seed": ' + b"9" * 5000 + b"}}",
+    ],
+    ids=["lone surrogate id", "lone surrogate prompt", "NaN", "5,000 digits"],
+)
+async def test_json_no_writer_could_echo_is_refused_and_the_listing_still_answers(engine: EngineUnderTest, raw: bytes):
+    async with http_client() as http:
+        response = await http.post(engine.worker.base_url + "/v1/attempts", content=raw)
+        assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json"), response.text
+        listing = await http.get(engine.worker.base_url + "/admin/attempts")
+        assert listing.status_code == 200
+
+
+async def test_a_body_over_the_limit_is_refused_without_reading_it(engine: EngineUnderTest):
+    """A declared 50 MB body is refused at once (the worker reads none of it); a chunked
+    one is refused once it passes the limit (8 MiB by default)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", engine.worker.port)
+    try:
+        writer.write(
+            b"POST /v1/attempts HTTP/1.1\r\nhost: w\r\ncontent-type: application/json\r\n"
+            b"content-length: 50000000\r\n\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 413"), head
+    finally:
+        writer.close()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(9):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    async with http_client() as http:
+        response = await http.post(engine.worker.base_url + "/v1/attempts", content=chunks())
+    assert (response.status_code, response.json()["error"]["code"]) == (413, "body_too_large")
