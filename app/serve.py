@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
+from app.contract.worker_token import TOKEN_ENV
 from app.supervisor import Child, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
@@ -130,6 +132,8 @@ def _with_sim_workers(
 ) -> tuple[GatewayConfig, list[Child]]:
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
     names = [arg for name in models for arg in ("--model", name)]
+    if config.worker_token:  # the configured token, not a generated one: the gateway sends that
+        os.environ[TOKEN_ENV] = config.worker_token
     if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept
         names += ["--sim-decode-ms-per-token", str(ms_per_token)]
     children: list[Child] = []
