@@ -30,15 +30,15 @@ def phasegate(*args: str) -> list[str]:
 
 def start(command: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
     """Start ``command`` in its own process group (so ``stop`` ends its children too)."""
-    output = log.open("ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(
-        command,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-        stdout=output,
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("ab") if log else contextlib.nullcontext() as output:  # the child keeps its own copy
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            stdout=output if output is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:

@@ -33,6 +33,7 @@ _COMMON = {
     "presence_penalty",
     "frequency_penalty",
     "user",
+    "ignore_eos",  # vLLM's: generate max_tokens whatever the model says (benchmarks, long tests)
 }
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -97,6 +98,7 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "user": _optional(body, "user", str, None),
+        "ignore_eos": _optional(body, "ignore_eos", bool, False),
         "raw": body,
     }
     if endpoint == CHAT:

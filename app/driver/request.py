@@ -34,6 +34,7 @@ class GenerationRequest:
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -72,6 +73,8 @@ class GenerationRequest:
             params["tool_choice"] = self.tool_choice
         if self.response_format is not None:
             params["response_format"] = self.response_format
+        if self.ignore_eos:
+            params["ignore_eos"] = True
         return params
 
     def for_attempt(self, request_id: str, attempt: int, *, lease_ttl_s: float) -> AttemptRequest:

@@ -1,8 +1,9 @@
 """Crashes of the gateway itself and of its PostgreSQL, under load.
 
-- The gateway SIGKILLed mid-stream: on restart its recovery pass closes every
-  request it owned with ``gateway_lost`` and cancels their attempts; no request stays
-  open.
+- The gateway SIGKILLed mid-stream and started again: the new process is a new
+  instance, which sweeps its predecessor once that one's lease lapsed, closing every
+  request it owned with ``gateway_lost`` and cancelling their attempts; no request
+  stays open (tests/faults/test_instances.py has survivors sweep, SIGSTOP and drain).
 - PostgreSQL restarted mid-stream: while it is down new requests are refused with a
   clear 503; the streams in flight keep their guarantees and finish; nothing the
   gateway acknowledged is lost.
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,11 +72,14 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
-async def test_a_gateway_killed_under_load_closes_its_requests_on_restart(database_url: str) -> None:
+async def test_a_gateway_killed_under_load_is_swept_by_its_restart(database_url: str, tmp_path: Path) -> None:
     with running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "40"]) as worker:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
+        settings = tmp_path / "phasegate.toml"
+        settings.write_text("instance_lease_ttl_s = 2.0\nsweep_interval_s = 0.5\n")
         command = phasegate("serve", "--port", str(port), "--replica", f"worker={worker.base_url}#w1")
+        command += ["--config", str(settings)]
         command += ["--model", f"{MODEL}=rev", "--log-level", "warning"]
         env = {"DATABASE_URL": database_url}
         gateway = start(command, env)
@@ -85,7 +90,7 @@ async def test_a_gateway_killed_under_load_closes_its_requests_on_restart(databa
             stop(gateway, signal.SIGKILL)  # no shutdown, no flush: the process is gone
             await asyncio.to_thread(wait_for, lambda: len(results) == STREAMS, 30, "the clients to notice")
             assert all(isinstance(r, httpx.HTTPError) for r in results)  # cut mid-stream, no [DONE]
-            gateway = start(command, env)  # the same host and port: the same gateway id
+            gateway = start(command, env)  # the same host and port, a new instance
             await asyncio.to_thread(wait_http, url + "/readyz")
             store = await PostgresEventStore.connect(database_url)
             try:

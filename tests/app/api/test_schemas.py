@@ -224,3 +224,12 @@ def test_what_an_engine_reads_passes_when_well_formed() -> None:
     )
     assert request.tools == tuple(tools) and request.response_format == schema
     assert request.tool_choice == {"type": "function", "function": {"name": "g"}}
+
+
+def test_vllms_ignore_eos_is_validated_and_passed_on() -> None:
+    request = parse_request(COMPLETIONS, {"model": "m", "prompt": "p", "ignore_eos": True}, LIMITS)
+    assert request.ignore_eos and request.sampling()["ignore_eos"] is True
+    assert "ignore_eos" not in parse_request(CHAT, chat(ignore_eos=False), LIMITS).sampling()
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request(CHAT, chat(ignore_eos="yes"), LIMITS)
+    assert refused.value.param == "ignore_eos"
