@@ -24,8 +24,10 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY statemachine/ statemachine/
 COPY app/ app/
 COPY migrations/ migrations/
+# compiled here: the runtime's root filesystem may be read-only (deploy/kubernetes)
 RUN python -m venv "${APP_HOME}/venv" \
-    && "${APP_HOME}/venv/bin/pip" install --no-cache-dir -e .
+    && "${APP_HOME}/venv/bin/pip" install --no-cache-dir -e . \
+    && "${APP_HOME}/venv/bin/python" -m compileall -q app statemachine migrations
 
 FROM ${PYTHON_IMAGE}
 ARG APP_HOME=/opt/phasegate
@@ -34,6 +36,7 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/phasegate --cr
 COPY --from=build ${APP_HOME} ${APP_HOME}
 ENV PATH="${APP_HOME}/venv/bin:${PATH}" \
     PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
     PHASEGATE_DATA_DIR=/var/lib/phasegate
 WORKDIR /var/lib/phasegate
 USER 10001:10001
