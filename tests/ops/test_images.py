@@ -80,7 +80,7 @@ def test_worker_image_is_vllm_based() -> None:
     assert substitute(stage.base, dockerfile.global_args).startswith("vllm/vllm-openai:")
     entrypoint = stage.last("ENTRYPOINT")
     assert entrypoint is not None
-    assert entrypoint.exec_form()[:4] == ["phasegate", "worker", "--engine", "vllm"]  # type: ignore[index]
+    assert (entrypoint.exec_form() or [])[:4] == ["phasegate", "worker", "--engine", "vllm"]
     user = stage.last("USER")
     assert user is not None and user.text.split(":")[0] not in ("root", "0")
 
@@ -184,7 +184,9 @@ def test_gateway_image_installs_and_starts(replay_root: Path) -> None:
     entrypoint, cmd, healthcheck = runtime.last("ENTRYPOINT"), runtime.last("CMD"), runtime.last("HEALTHCHECK")
     assert entrypoint is not None and cmd is not None and healthcheck is not None
     argv, probe = (entrypoint.exec_form() or []) + (cmd.exec_form() or []), healthcheck.exec_form() or []
-    (exposed,) = runtime.last("EXPOSE").text.split()  # type: ignore[union-attr]
+    expose = runtime.last("EXPOSE")
+    assert expose is not None
+    (exposed,) = expose.text.split()
     assert argv[argv.index("--port") + 1] == exposed and f":{exposed}/healthz" in " ".join(probe)
     port = str(free_port())  # the image's port may be taken on this machine
     argv[argv.index("--port") + 1] = port
