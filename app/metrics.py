@@ -69,13 +69,32 @@ class Metrics:
             "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
         )
         self.in_flight = Gauge("phasegate_requests_in_flight", "Requests being served", registry=r)
-        self.gateway_instances = Gauge(
-            "phasegate_gateway_instances_live",
-            "Live gateway instances sharing the log, at the last heartbeat",
+        # Named by the dashboard and the alert rules (ops/grafana, ops/prometheus); defined
+        # here so they are exported, to be fed where the state they describe lives.
+        self.retry_budget_available = Gauge(
+            "phasegate_retry_budget_available", "Retries the global retry budget allows now", registry=r
+        )
+        self.retry_budget_denied = Counter(
+            "phasegate_retry_budget_denied", "Retries refused because the global retry budget was empty", registry=r
+        )
+        self.model_replicas_healthy = Gauge(
+            "phasegate_model_replicas_healthy", "Replicas in the pool that serve a model", ["model"], registry=r
+        )
+        self.requests_open = Gauge(
+            "phasegate_requests_open", "Non-terminal requests in the log, by phase", ["phase"], registry=r
+        )
+        self.oldest_open_request = Gauge(
+            "phasegate_requests_oldest_open_seconds",
+            "Age of the oldest non-terminal request in the log",
             registry=r,
         )
+        self.gateway_instances = Gauge(
+            "phasegate_gateway_instances", "Gateway instances whose lease is live in the log", registry=r
+        )
         self.instances_swept = Counter(
-            "phasegate_gateway_instances_swept", "Lapsed gateway instances this one took over", registry=r
+            "phasegate_gateway_instances_swept",
+            "Lapsed gateway instances this instance swept (their open requests closed)",
+            registry=r,
         )
         self.instances_fenced = Counter(
             "phasegate_gateway_instance_fenced", "Times this gateway lost its lease and registered again", registry=r

@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway"}
+        | {"app.gateway", "app.contract"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}
