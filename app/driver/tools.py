@@ -1,16 +1,20 @@
 """Tool calls: named, recorded, and executed once (the ledger claim, then the webhook).
 
 A tool call the model asks for is recorded as ``ToolCallEmitted`` with the
-idempotency key ``{request_id}:{tool_call_id}``; the gateway names tool calls the
-same way for every attempt, so a retry that asks for the same call meets the same
-key. The ledger (``tool_executions``) lets the first claimer run it and nobody else.
-Running it means POSTing it to ``tool_webhook_url`` with an ``Idempotency-Key``
-header, so the receiving service can deduplicate too.
+idempotency key ``{request_id}:{tool_call_id}``. The gateway names each call by its
+content (DESIGN.md §8): the choice, the function's name, the canonical arguments and
+how many identical calls came before it in the attempt. So a retry that asks for the
+same call meets the same key and reuses its one execution, and a retry that asks for
+a different call gets a new key and runs it. The ledger (``tool_executions``) lets
+the first claimer run it and nobody else. Running it means POSTing it to
+``tool_webhook_url`` with an ``Idempotency-Key`` header, so the receiving service
+can deduplicate too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import httpx
@@ -21,6 +25,20 @@ from app.replicas.base import ToolCall
 from statemachine import events as ev
 
 
+def canonical_arguments(arguments: str) -> str:
+    """The arguments as sorted, compact JSON; as they came when they are not JSON."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        return arguments
+
+
+def call_id(request_id: str, choice: int, name: str, arguments: str, occurrence: int) -> str:
+    """The gateway's id for a tool call, from its content (the same for every attempt)."""
+    material = "\0".join((request_id, str(choice), name, arguments, str(occurrence)))
+    return "call_" + hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
 class ToolCalls:
     """The tool calls of one request's current attempt, by choice, as the client gets them."""
 
@@ -28,19 +46,21 @@ class ToolCalls:
         self.ctx = ctx
         self.recorder = recorder
         self.by_choice: dict[int, list[dict[str, Any]]] = {}
+        self._occurrences: dict[tuple[int, str, str], int] = {}  # identical calls so far, this attempt
 
     def restart(self) -> None:
         """A new attempt: the calls of the one before never reached the client."""
         self.by_choice = {}
+        self._occurrences = {}
 
     async def emitted(self, attempt: int, lease_epoch: int, frame: ToolCall) -> None:
         """The attempt asked for a tool call: record it, and run it unless the ledger
         says another attempt already claimed it."""
         request_id = self.recorder.request_id
-        # The gateway names tool calls itself, the same way for every attempt, so a
-        # retried attempt that asks for the same call meets the same ledger entry.
-        digest = hashlib.sha256(f"{request_id}:{frame.choice}:{frame.index}".encode()).hexdigest()
-        tool_call_id = f"call_{digest[:24]}"
+        content = (frame.choice, frame.name, canonical_arguments(frame.arguments))
+        occurrence = self._occurrences.get(content, 0)
+        self._occurrences[content] = occurrence + 1
+        tool_call_id = call_id(request_id, *content, occurrence)
         key = f"{request_id}:{tool_call_id}"
         self.recorder.record(
             ev.ToolCallEmitted,

@@ -14,7 +14,8 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 "lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
-``{"delay_first_s": x}``, ``{"tool_call_then_die": true}``, ``{"nul_at": k}`` (U+0000 after the
+``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
+``{"nul_at": k}`` (U+0000 after the
 k-th word). A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting runs per
 ``Idempotency-Key`` (``GET /admin/tools``).
 """
@@ -169,7 +170,7 @@ class Upstream:
             yield b"data: [DONE]\n\n"
 
     async def _tool_call(self, head: dict[str, Any], behaviour: dict[str, Any]) -> AsyncIterator[bytes]:
-        function = {"name": behaviour["tool"], "arguments": "{}"}
+        function = {"name": behaviour["tool"], "arguments": behaviour.get("arguments", "{}")}
         call = {"index": 0, "id": "call_upstream", "type": "function", "function": function}
         yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]})
         if behaviour.get("tool_call_then_die"):
