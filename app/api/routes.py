@@ -269,19 +269,19 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
-    texts: dict[int, list[str]] = {}
+    deltas: dict[int, list[Delta]] = {}
     while not isinstance(output, Finished):
         if isinstance(output, Failed | Cancelled):
             return output
         if isinstance(output, Delta):
-            texts.setdefault(output.choice, []).append(output.text)
+            deltas.setdefault(output.choice, []).append(output)
         elif isinstance(output, Restarted):
-            texts.clear()  # the failed attempt's text never reached the client
+            deltas.clear()  # the failed attempt's text never reached the client
         output = await anext(driver.outputs)
     await driver.commit()
-    for choice in sorted(texts):
-        for text in texts[choice]:
-            driver.delivered(text)
+    for choice in sorted(deltas):
+        for delta in deltas[choice]:
+            driver.delivered(delta.text, delta.tokens)
     for calls in output.tool_calls.values():
         driver.delivered(json.dumps(calls), tokens=0)
     await driver.complete(output)
@@ -289,7 +289,7 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
     shape = ResponseShape(request, _response_id(request, driver.request_id), int(time.time()))
     choices = range(len(output.finish_reasons))
     body = shape.completion(
-        ["".join(texts.get(c, ())) for c in choices],
+        ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
         list(output.finish_reasons),
         output.usage,
         [output.tool_calls.get(c, []) for c in choices],
@@ -307,8 +307,8 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
                 yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
                 event_id += 1
                 started = True
-                driver.delivered(output.text)
-                delivered_tokens += 1
+                driver.delivered(output.text, output.tokens)
+                delivered_tokens += output.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))

@@ -145,7 +145,7 @@ class RequestLoop:
                 if run.generated_tokens == 0:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
                 run.generated_tokens += 1
-                yield Delta(frame.text, frame.choice)
+                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 deadline = run.deadline_due()
                 if deadline is not None:

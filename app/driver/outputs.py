@@ -16,6 +16,7 @@ from statemachine.policy import FailRequest
 class Delta:
     text: str
     choice: int = 0
+    tokens: int = 1  # engine tokens in it (DESIGN.md §11: delivered_output_tokens counts these)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class WorkerConfig:
     sim_prefill_ms_per_token: float = 0.1
     sim_decode_ms_per_token: float = 2.0
     sim_abort_ms: float = 0.0
+    sim_tokens_per_delta: int = 1  # engine tokens in each output (vLLM's stream interval)
     # vllm engine
     model_path: str | None = None
     max_model_len: int | None = None  # None: 512 for vllm, the sim's 32768
@@ -82,6 +83,9 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)
     p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
     p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
+    p.add_argument(
+        "--sim-tokens-per-delta", type=int, default=d.sim_tokens_per_delta, help="engine tokens in each output"
+    )
     p.add_argument("--model-path", help="vllm: the model directory")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="default: 512 (vllm), 32768 (sim)")
     p.add_argument("--dtype", default=d.dtype)
@@ -127,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         sim_abort_ms=args.sim_abort_ms,
+        sim_tokens_per_delta=max(args.sim_tokens_per_delta, 1),
         model_path=args.model_path,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
@@ -154,6 +159,7 @@ def make_engine(config: WorkerConfig) -> Engine:
         prefill_s_per_token=config.sim_prefill_ms_per_token / 1000,
         decode_s_per_token=config.sim_decode_ms_per_token / 1000,
         abort_s=config.sim_abort_ms / 1000,
+        tokens_per_delta=config.sim_tokens_per_delta,
     )
     if config.max_model_len is None:
         return SimEngine(models=config.models, timing=timing)

@@ -64,6 +64,7 @@ class SimTiming:
     prefill_s_per_token: float = 0.0001
     decode_s_per_token: float = 0.002
     abort_s: float = 0.0
+    tokens_per_delta: int = 1  # engine tokens in each output, as vLLM's stream interval batches them
 
 
 class _Running:
@@ -162,6 +163,13 @@ class SimEngine:
                 await asyncio.sleep(0)
             for choice in live:
                 output = choice.step()
+                for _ in range(timing.tokens_per_delta - 1):
+                    if output.finish_reason is not None:
+                        break
+                    more = choice.step()
+                    output = EngineOutput(
+                        choice.choice, output.token_ids + more.token_ids, output.text + more.text, more.finish_reason
+                    )
                 running.generated += len(output.token_ids)
                 put(output)
             live = [c for c in live if c.finish_reason is None]
