@@ -1,14 +1,17 @@
-"""Chaos: many concurrent streams while workers are killed and restarted at random,
-then an invariant check over the log and the clients' transcripts.
+"""Chaos: many concurrent streams while workers (and gateways) are killed and
+restarted at random, then an invariant check over the log and the clients' transcripts.
 
     python ops/chaos.py                                  # 500 streams, 60 s, 3 sim workers
     python ops/chaos.py --streams 50 --seconds 15 --seed 7
+    python ops/chaos.py --gateways 3 --kill-gateway-every 5
 
-Real processes: sim workers and a gateway (``phasegate serve``) on an embedded
-PostgreSQL (or ``DATABASE_URL``). Clients stream chat completions back to back and
-keep what they received. Every ``--kill-every`` seconds (jittered) a random worker
-is SIGKILLed and started again on its port a moment later. When the clients stop,
-the gateway drains and the checker prints one table:
+Real processes: sim workers and gateways (``phasegate serve``) on one embedded
+PostgreSQL (or ``DATABASE_URL``). Clients, spread over the gateways, stream chat
+completions back to back and keep what they received. Every ``--kill-every``
+seconds (jittered) a random worker is SIGKILLed and started again on its port a
+moment later; with ``--kill-gateway-every``, a random gateway too, started again as
+a new instance while the others sweep the one that died. When the clients stop,
+every request must be terminal, the gateways drain, and the checker prints one table:
 
     requests      every request a client sent and got an id for
     completed     ended with [DONE]; the log says completed
@@ -17,9 +20,12 @@ the gateway drains and the checker prints one table:
     other         refused or failed before output (no replica, retries spent)
     no response   the connection failed before any answer (no request id; the
                   openai client retries these); each is checked against the log below
-    violations    requests breaking a rule of statemachine.invariants   (must be 0)
-    events lost   what a client received that the log does not show, or output the log
-                  delivered to a request no client got an answer for       (must be 0)
+    gateway lost  its gateway was killed under it: the log ends it gateway_lost, at
+                  most two delivery batches behind what the client received, never ahead
+    violations    requests breaking a rule of statemachine.invariants, or left open (must be 0)
+    events lost   a client and its log disagree: the text, the outcome, or the final error's
+                  code, partial_output and delivered tokens; or output the log delivered to
+                  a request no client got an answer for                    (must be 0)
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,10 +71,12 @@ class Report:
     retried: int = 0
     interrupted: int = 0
     other: int = 0
+    gateway_lost: int = 0
     no_response: int = 0
     violations: int = 0
     events_lost: int = 0
     kills: int = 0
+    gateway_kills: int = 0
     problems: list[str] = field(default_factory=list)
 
     def table(self) -> str:
@@ -79,10 +86,12 @@ class Report:
             ("retried", self.retried),
             ("interrupted", self.interrupted),
             ("other", self.other),
+            ("gateway lost", self.gateway_lost),
             ("no response", self.no_response),
             ("violations", self.violations),
             ("events lost", self.events_lost),
             ("worker kills", self.kills),
+            ("gateway kills", self.gateway_kills),
         ]
         return "\n".join(f"{name:>14} {value:>8}" for name, value in rows)
 
@@ -91,75 +100,90 @@ class Report:
 
 
 class Fleet:
-    """Sim workers on fixed ports, killed and restarted at random by a thread."""
+    """Processes on fixed ports (sim workers, or gateways), killed and restarted at random
+    by a thread: a restarted gateway is a new instance on the same port."""
 
-    def __init__(self, count: int, decode_ms: float, rng: random.Random) -> None:
-        self.ports = [free_port() for _ in range(count)]
-        self.decode_ms = decode_ms
+    def __init__(
+        self, commands: list[list[str]], ready_urls: list[str], rng: random.Random, env: dict[str, str] | None = None
+    ) -> None:
+        self.commands = commands
+        self.ready_urls = ready_urls
         self.rng = rng
-        self.processes: list[subprocess.Popen[bytes]] = [self._start(port) for port in self.ports]
+        self.env = env
+        self.processes: list[subprocess.Popen[bytes]] = [start(command, env) for command in commands]
         self.kills = 0
         self._stop = threading.Event()
 
-    def _start(self, port: int) -> subprocess.Popen[bytes]:
-        return start(
-            phasegate(
-                "worker",
-                "--port",
-                str(port),
-                "--engine",
-                "sim",
-                "--model",
-                MODEL,
-                "--sim-decode-ms-per-token",
-                str(self.decode_ms),
-                "--max-running",
-                "2000",
-                "--max-queued",
-                "2000",
-            )
-        )
+    @classmethod
+    def workers(cls, count: int, decode_ms: float, rng: random.Random) -> Fleet:
+        ports = [free_port() for _ in range(count)]
+        sim = ["--engine", "sim", "--model", MODEL, "--sim-decode-ms-per-token", str(decode_ms)]
+        sim += ["--max-running", "2000", "--max-queued", "2000"]
+        commands = [phasegate("worker", "--port", str(port), *sim) for port in ports]
+        return cls(commands, [f"http://127.0.0.1:{port}/v1/ready" for port in ports], rng)
+
+    @classmethod
+    def gateways(cls, count: int, workers: Fleet, settings: Path, database_url: str, rng: random.Random) -> Fleet:
+        ports = [free_port() for _ in range(count)]
+        replicas = [
+            arg
+            for number, url in enumerate(workers.ready_urls, start=1)
+            for arg in ("--replica", f"worker={url.removesuffix('/v1/ready')}#w{number}")
+        ]
+        serve = ["--log-level", "warning", "--model", f"{MODEL}=chaos", "--config", str(settings), *replicas]
+        commands = [phasegate("serve", "--port", str(port), *serve) for port in ports]
+        urls = [f"http://127.0.0.1:{port}/readyz" for port in ports]
+        return cls(commands, urls, rng, {"DATABASE_URL": database_url})
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [url.rsplit("/", 1)[0] if url.endswith("/readyz") else url for url in self.ready_urls]
 
     def wait_ready(self) -> None:
-        for port in self.ports:
-            wait_http(f"http://127.0.0.1:{port}/v1/ready")
+        for url in self.ready_urls:
+            wait_http(url)
 
     def chaos(self, kill_every_s: float, down_s: float) -> threading.Thread:
         def loop() -> None:
             while not self._stop.wait(kill_every_s * self.rng.uniform(0.5, 1.5)):
-                index = self.rng.randrange(len(self.ports))
+                index = self.rng.randrange(len(self.commands))
                 stop(self.processes[index], signal.SIGKILL)
                 self.kills += 1
                 if self._stop.wait(down_s):
                     break
-                self.processes[index] = self._start(self.ports[index])
+                self.processes[index] = start(self.commands[index], self.env)
 
         thread = threading.Thread(target=loop, daemon=True)
         thread.start()
         return thread
 
-    def calm(self, thread: threading.Thread) -> None:
+    def calm(self, thread: threading.Thread | None) -> None:
+        """Stop killing; start again whatever is down, and wait until all answer."""
         self._stop.set()
-        thread.join()
+        if thread is not None:
+            thread.join()
         for index, process in enumerate(self.processes):
             if process.poll() is not None:
-                self.processes[index] = self._start(self.ports[index])
+                self.processes[index] = start(self.commands[index], self.env)
+        self.wait_ready()
 
-    def close(self) -> None:
+    def close(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
         for process in self.processes:
-            stop(process)
+            stop(process, sig, grace_s)
 
 
 # --- the clients -----------------------------------------------------------------------------
 
 
-async def clients(gateway_url: str, streams: int, seconds: float, rng: random.Random) -> list[Transcript]:
+async def clients(gateway_urls: list[str], streams: int, seconds: float, rng: random.Random) -> list[Transcript]:
+    """``streams`` clients, spread over the gateways, each streaming back to back."""
     transcripts: list[Transcript] = []
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=120.0, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as http:
 
         async def client(n: int) -> None:
+            url = gateway_urls[n % len(gateway_urls)] + "/v1/chat/completions"
             await asyncio.sleep(rng.uniform(0, 1.0))
             while time.monotonic() < deadline:
                 body = {
@@ -168,30 +192,39 @@ async def clients(gateway_url: str, streams: int, seconds: float, rng: random.Ra
                     "stream": True,
                     "max_tokens": rng.randint(5, 60),
                 }
-                transcripts.append(await one(http, body))
+                transcript = await one(http, url, body)
+                transcripts.append(transcript)
+                if transcript.status == 0:
+                    await asyncio.sleep(0.2)  # its gateway is down: give the restart a moment
 
         await asyncio.gather(*(client(n) for n in range(streams)))
     return transcripts
 
 
-async def one(http: httpx.AsyncClient, body: dict[str, object]) -> Transcript:
+async def one(http: httpx.AsyncClient, url: str, body: dict[str, object]) -> Transcript:
+    transcript = Transcript("", 0)
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            transcript = Transcript(response.headers.get("x-request-id", ""), response.status_code)
+        async with http.stream("POST", url, json=body) as response:
+            transcript.request_id = response.headers.get("x-request-id", "")
+            transcript.status = response.status_code
             if response.status_code != 200:
                 transcript.error = json.loads(await response.aread()).get("error")
                 return transcript
             async for line in response.aiter_lines():
                 transcript.read(line)
             return transcript
-    except httpx.HTTPError as exc:  # the gateway itself never goes away here: record it
-        return Transcript("", 0, error={"code": "client_error", "message": repr(exc)})
+    except httpx.HTTPError as exc:
+        if not transcript.request_id:  # no answer at all: checked against the log by the checker
+            return Transcript("", 0, error={"code": "client_error", "message": repr(exc)})
+        transcript.cut = True  # mid-stream: its gateway died under it
+        return transcript
 
 
 # --- the checker -----------------------------------------------------------------------------
 
 
-async def check(database_url: str, gateway_id: str, transcripts: list[Transcript]) -> Report:
+async def check(database_url: str, transcripts: list[Transcript], batch_deltas: int) -> Report:
+    """Every request against its log; ``batch_deltas``: deltas per delivery batch at most."""
     report = Report()
     store = await PostgresEventStore.connect(database_url)
     try:
@@ -212,27 +245,24 @@ async def check(database_url: str, gateway_id: str, transcripts: list[Transcript
                 report.violations += 1
                 report.problems.append(f"{transcript.request_id}: {'; '.join(broken)}")
                 continue
-            state = fold(events)
-            delivered = "".join(e.text or "" for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens)
-            client_completed = transcript.done and transcript.error is None  # an error event also ends in [DONE]
-            if "".join(transcript.contents) != delivered or client_completed != (state.outcome is Outcome.COMPLETED):
+            disagreement = _disagreement(transcript, events, batch_deltas)
+            if disagreement is not None:
                 report.events_lost += 1
-                got = "".join(transcript.contents)
-                report.problems.append(
-                    f"{transcript.request_id}: the client got {got!r} (completed: {client_completed}),"
-                    f" the log says {delivered!r} ({state.outcome})"
-                )
+                report.problems.append(f"{transcript.request_id}: {disagreement}")
+            state = fold(events)
             report.retried += len(state.attempts) > 1
             if state.outcome is Outcome.COMPLETED:
                 report.completed += 1
             elif state.error_code == "upstream_decode_interrupted":
                 report.interrupted += 1
+            elif state.error_code == "gateway_lost":
+                report.gateway_lost += 1
             else:
                 report.other += 1
-        # A request the gateway accepted that no client got an answer for (its connection
+        # A request the gateways accepted that no client got an answer for (its connection
         # failed first) must not have delivered anything: that output would be lost.
         seen = {transcript.request_id for transcript in transcripts}
-        unseen = [rid for rid in await accepted_by(database_url, gateway_id) if rid not in seen]
+        unseen = [rid for rid in await accepted(database_url) if rid not in seen]
         for request_id in unseen:
             if any(isinstance(e, ev.DeltasDelivered) and e.tokens for e in await store.read(request_id)):
                 report.events_lost += 1
@@ -244,16 +274,59 @@ async def check(database_url: str, gateway_id: str, transcripts: list[Transcript
     return report
 
 
-async def accepted_by(database_url: str, gateway_id: str) -> list[str]:
+def _disagreement(transcript: Transcript, events: list[ev.Event], batch_deltas: int) -> str | None:
+    """How what the client received and what its log says differ, or ``None``."""
+    state = fold(events)
+    deliveries = [e for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens]
+    logged = "".join(e.text or "" for e in deliveries)
+    got = "".join(transcript.contents)
+    if transcript.cut:  # the gateway died: the log may lag two batches, never lead
+        behind = len(transcript.contents) - state.delivered_deltas
+        if state.error_code != "gateway_lost" or not got.startswith(logged) or not 0 <= behind <= 2 * batch_deltas:
+            return f"cut after {got!r}; the log says {logged!r} ({state.error_code}, {behind} deltas behind)"
+        return None
+    client_completed = transcript.done and transcript.error is None  # an error event also ends in [DONE]
+    if got != logged or client_completed != (state.outcome is Outcome.COMPLETED):
+        return f"the client got {got!r} (completed: {client_completed}), the log says {logged!r} ({state.outcome})"
+    error = transcript.error
+    if error is not None and (
+        error.get("code") != state.error_code
+        or error.get("partial_output") is not state.first_delta_sent
+        or error.get("delivered_output_tokens") != state.delivered_output_tokens
+    ):
+        return f"the client was told {error}, the log says {state.error_code} after {state.delivered_output_tokens}"
+    return None
+
+
+async def accepted(database_url: str) -> list[str]:
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        rows = await connection.fetch("SELECT request_id FROM requests WHERE gateway = $1", gateway_id)
+        rows = await connection.fetch("SELECT request_id FROM requests")
         return [row["request_id"] for row in rows]
     finally:
         await connection.close()
 
 
+async def until_all_ended(database_url: str, timeout_s: float) -> None:
+    """Wait until no request is open: the sweeps of killed gateways are done."""
+    store = await PostgresEventStore.connect(database_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while await store.unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+    finally:
+        await store.close()
+
+
 # --- the run ---------------------------------------------------------------------------------
+
+
+GATEWAY_SETTINGS = """
+instance_lease_ttl_s = 2.0
+sweep_interval_s = 0.5
+delivery_batch_tokens = 16
+"""
+BATCH_DELTAS = 16
 
 
 def run_chaos(
@@ -266,31 +339,36 @@ def run_chaos(
     down_s: float = 1.0,
     decode_ms: float = 20.0,
     seed: int = 1,
+    gateways: int = 1,
+    kill_gateway_every_s: float | None = None,
 ) -> Report:
     rng = random.Random(seed)
-    fleet = Fleet(workers, decode_ms, rng)
-    gateway_port = free_port()
-    command = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning", "--model", f"{MODEL}=chaos")
-    for number, port in enumerate(fleet.ports, start=1):
-        command += ["--replica", f"worker=http://127.0.0.1:{port}#w{number}"]
-    gateway = None
+    workdir = Path(tempfile.mkdtemp(prefix="phasegate-chaos-gateways-"))
+    settings = workdir / "phasegate.toml"
+    settings.write_text(GATEWAY_SETTINGS)
+    fleet = Fleet.workers(workers, decode_ms, rng)
+    front: Fleet | None = None
     try:
         fleet.wait_ready()
-        gateway = start(command, {"DATABASE_URL": database_url})
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        wait_http(gateway_url + "/readyz")
+        front = Fleet.gateways(gateways, fleet, settings, database_url, rng)
+        front.wait_ready()
         thread = fleet.chaos(kill_every_s, down_s)
-        transcripts = asyncio.run(clients(gateway_url, streams, seconds, rng))
+        gateway_thread = front.chaos(kill_gateway_every_s, down_s) if kill_gateway_every_s else None
+        transcripts = asyncio.run(clients(front.base_urls, streams, seconds, rng))
         fleet.calm(thread)
-        stop(gateway, signal.SIGTERM, grace_s=30.0)  # graceful: it drains its bookkeeping first
-        gateway = None
-        report = asyncio.run(check(database_url, f"{socket.gethostname()}:{gateway_port}", transcripts))
-        report.kills = fleet.kills
+        front.calm(gateway_thread)
+        # the last gateway killed is swept by a live one within its lease and a sweep
+        asyncio.run(until_all_ended(database_url, timeout_s=30.0))
+        front.close(signal.SIGTERM, grace_s=30.0)  # graceful: each drains its bookkeeping first
+        gateway_kills, front = front.kills, None
+        report = asyncio.run(check(database_url, transcripts, BATCH_DELTAS))
+        report.kills, report.gateway_kills = fleet.kills, gateway_kills
         return report
     finally:
-        if gateway is not None:
-            stop(gateway)
+        if front is not None:
+            front.close(signal.SIGKILL)
         fleet.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
@@ -301,6 +379,10 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between worker kills (jittered)")
     parser.add_argument("--decode-ms", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gateways", type=int, default=1, help="gateway instances sharing the log")
+    parser.add_argument(
+        "--kill-gateway-every", type=float, default=None, help="seconds between gateway SIGKILLs (jittered)"
+    )
     options = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-chaos-"))
     workdir.chmod(0o755)  # the embedded server's own user must enter it
@@ -317,6 +399,8 @@ def main() -> None:
             kill_every_s=options.kill_every,
             decode_ms=options.decode_ms,
             seed=options.seed,
+            gateways=options.gateways,
+            kill_gateway_every_s=options.kill_gateway_every,
         )
         print(report.table())
         print(f"{'took':>14} {time.monotonic() - began:>7.0f}s")

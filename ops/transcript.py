@@ -23,6 +23,7 @@ class Transcript:
     error: dict[str, Any] | None = None
     done: bool = False
     finish_reason: str | None = None
+    cut: bool = False  # the connection broke mid-stream (its gateway died under it)
 
     @property
     def text(self) -> str:

@@ -16,4 +16,23 @@ def test_a_reduced_chaos_run_keeps_every_invariant(database_url: str) -> None:
     assert report.problems == [] and report.violations == 0 and report.events_lost == 0
     assert report.kills >= 2 and report.requests >= 50
     assert report.retried + report.interrupted >= 1, "the kills hit no request: the run proved nothing"
-    assert report.completed + report.interrupted + report.other == report.requests
+    assert report.completed + report.interrupted + report.gateway_lost + report.other == report.requests
+
+
+def test_a_chaos_run_over_gateways_that_die_keeps_every_client_and_its_log_agreeing(database_url: str) -> None:
+    report = run_chaos(
+        database_url,
+        streams=24,
+        seconds=12.0,
+        workers=2,
+        kill_every_s=4.0,
+        decode_ms=15.0,
+        seed=5,
+        gateways=3,
+        kill_gateway_every_s=3.0,
+    )
+    print(report.table())
+    assert report.problems == [] and report.violations == 0 and report.events_lost == 0
+    assert report.gateway_kills >= 2 and report.requests >= 50
+    assert report.gateway_lost >= 1, "the gateway kills hit no stream: the run proved nothing"
+    assert report.completed + report.interrupted + report.gateway_lost + report.other == report.requests
