@@ -309,3 +309,22 @@ def test_a_second_gateway_on_a_taken_port_fails_and_touches_nothing(
         stream.ended.wait(30)
         assert stream.transcript.done and stream.transcript.error is None and stream.received == 60
         assert len(instances(database_url)) == 1
+
+
+def test_any_instance_answers_for_a_request_another_one_served(
+    database_url: str, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    token = "an-admin-token-for-the-test"
+    with gateways(database_url, worker, tmp_path, 2, settings=f'admin_token = "{token}"\n' + SETTINGS) as (a, b):
+        stream = Stream(a.url, max_tokens=8).start()
+        assert stream.ended.wait(30) and stream.transcript.done
+        request_id = stream.transcript.request_id
+        headers = {"authorization": f"Bearer {token}"}
+        summary = httpx.get(f"{b.url}/v1/requests/{request_id}", headers=headers)
+        assert summary.status_code == 200 and summary.json()["id"] == request_id
+        assert summary.json()["request"]["outcome"] == "completed"
+        events = httpx.get(f"{b.url}/v1/requests/{request_id}/events", headers=headers).json()
+        kinds = [e["type"] for e in events["data"]]
+        assert kinds[0] == "RequestAccepted" and kinds[-1] == "RequestCompleted"
+        page = httpx.get(f"{b.url}/ui/requests/{request_id}", headers=headers)
+        assert page.status_code == 200 and request_id in page.text

@@ -20,6 +20,7 @@ import pytest
 
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
+from app.store.instances import InstanceInfo, InstanceRegistry
 from statemachine.events import AttemptFenced, AttemptReleased, Decided, DeltasDelivered, FirstDeltaCommitted
 from tests.app.store import traces
 
@@ -201,6 +202,13 @@ def expect_timeline(result: list[asyncpg.Record]) -> None:
     ]
 
 
+def expect_instances(result: list[asyncpg.Record]) -> None:
+    (died, sweeper) = result
+    assert (died["name"], died["live"], died["released"], died["requests_swept"]) == ("gw-dead:8000", False, False, 1)
+    assert died["swept_by"] == sweeper["instance_id"] and died["swept_ms_after_lapse"] >= 0
+    assert (sweeper["name"], sweeper["live"], sweeper["swept_by"]) == ("gw-live:8000", True, None)
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -217,6 +225,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     13: expect_tool_calls,
     14: expect_decisions,
     15: expect_timeline,
+    16: expect_instances,
 }
 
 
@@ -230,6 +239,11 @@ async def audited(event_store: PostgresEventStore, database_url: str) -> AsyncIt
     await event_store.claim_tool_execution("req_tool:call_1", "req_tool", 1, "call_1", "get_weather", "{}")
     await event_store.record_tool_result("req_tool:call_1", result={"celsius": 21})
     await event_store.flush()
+    registry = InstanceRegistry(event_store)  # one instance died and was swept by another
+    await registry.register(InstanceInfo("gw_dead", "gw-dead:8000", "h1", 11, "0.1.0", None), ttl_s=0.001)
+    await registry.register(InstanceInfo("gw_live", "gw-live:8000", "h2", 12, "0.1.0", None), ttl_s=60.0)
+    assert await registry.claim_lapsed("gw_live") == ["gw_dead"]
+    await registry.swept("gw_dead", "gw_live", closed=1)
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         yield connection
