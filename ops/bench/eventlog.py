@@ -16,6 +16,9 @@ scratch database, migrates it, measures, and drops it.
 - group commit: ``--streams`` concurrent requests each appending ``--events`` token
   deliveries non-durably (one event per append, as the driver does), until flushed;
   the rate includes building the events;
+- instance guard: the same durable append with the store bound to a live gateway
+  instance (PostgreSQL checks its lease in the insert's own statement, migration
+  0004) and unbound, interleaved (issue 11's target: the guard adds <= 20 us at p50);
 - follow lag: a follower reads the log while one writer appends a durable event
   every 2 ms; lag is from the append's return to the follower's receipt.
 - ``--compare-core``: the same durable single-event INSERT through SQLAlchemy Core,
@@ -42,6 +45,7 @@ from app.store.codec import to_row
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT
+from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 from statemachine.events import (
     AttemptStarted,
@@ -123,6 +127,28 @@ async def bench_durable(store: PostgresEventStore, count: int) -> Durable:
     finally:
         await direct.close()
     return result
+
+
+async def bench_guard(store: PostgresEventStore, count: int) -> tuple[list[float], list[float]]:
+    """Durable single deliveries with the instance guard on and off, in alternating blocks."""
+    registry = InstanceRegistry(store)
+    await registry.register(InstanceInfo("gw_bench", "bench:0", "bench", os.getpid(), "bench", None), ttl_s=3600.0)
+    guarded: list[float] = []
+    unguarded: list[float] = []
+    seq = {"guard-on": 3, "guard-off": 3}
+    for name in seq:
+        await store.append(name, 0, opening(name))
+    for block in range(0, count, 100):
+        for name, instance, samples in (("guard-on", "gw_bench", guarded), ("guard-off", None, unguarded)):
+            store.writer.bind_instance(instance)
+            for index in range(block, min(block + 100, count) + 1):  # the first one binds: not measured
+                began = time.perf_counter()
+                await store.append(name, seq[name], [delivery(name, seq[name] - 3)])
+                seq[name] += 1
+                if index > block:
+                    samples.append(time.perf_counter() - began)
+    store.writer.bind_instance(None)
+    return guarded, unguarded
 
 
 async def bench_durable_openings(store: PostgresEventStore, count: int) -> list[float]:
@@ -251,6 +277,13 @@ async def run(args: argparse.Namespace, url: str) -> None:
         print(
             f"  SELECT 1          p50 {percentile(durable.round_trip, 0.5) * ms:.3f} ms   "
             f"p99 {percentile(durable.round_trip, 0.99) * ms:.3f} ms   (a round trip on this machine)"
+        )
+        guarded, unguarded = await bench_guard(store, args.durable)
+        on, off = percentile(guarded, 0.5), percentile(unguarded, 0.5)
+        print(
+            f"instance guard on   p50 {on * ms:.3f} ms   p99 {percentile(guarded, 0.99) * ms:.3f} ms   "
+            f"off p50 {off * ms:.3f} ms   p99 {percentile(unguarded, 0.99) * ms:.3f} ms   "
+            f"(the guard adds {(on - off) * 1e6:+.0f} us at p50)"
         )
         openings = await bench_durable_openings(store, args.durable)
         print(
