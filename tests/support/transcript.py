@@ -66,7 +66,8 @@ def check_request(events: list[ev.Event], transcript: Transcript | None = None) 
         if not transcript.tool_calls:  # (a choice's tool calls are one more delta of no tokens)
             assert len(transcript.contents) == state.delivered_deltas, "the client's deltas are not the log's"
         if transcript.error is not None and transcript.status == 200:
-            # the final error says what the log says: tokens (deltas can hold several)
+            # the final error says what the log says: its code, and tokens (deltas can hold several)
+            assert transcript.error["code"] == state.error_code
             assert transcript.error["delivered_output_tokens"] == state.delivered_output_tokens
             assert transcript.error["partial_output"] is state.first_delta_sent
     return state
