@@ -135,7 +135,7 @@ class _Api:
             first = await _unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
             log.error("request %s refused: the event log is unavailable", request_id)
-            self.ctx.spawn(driver.close_after_log_loss(), name=f"log lost {request_id}")
+            driver.log_lost(output_delivered=False)
             return _failure_response(request_id, log_loss.failure(0), headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
@@ -278,7 +278,7 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
         elif isinstance(output, Restarted):
             deltas.clear()  # the failed attempt's text never reached the client
         output = await anext(driver.outputs)
-    await driver.commit()
+    await driver.commit(flush=False)  # durable with the completion: the body goes out after both
     for choice in sorted(deltas):
         for delta in deltas[choice]:
             driver.delivered(delta.text, delta.tokens)
@@ -333,7 +333,7 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
         # Nothing more of this request can be recorded, so nothing more is sent: the
         # final error of DESIGN.md §6; the request is closed in the log when it is back.
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
-        driver.ctx.spawn(driver.close_after_log_loss(), name=f"log lost {driver.request_id}")
+        driver.log_lost(output_delivered=delivered_tokens > 0 or started)
         yield sse_event(event_id, json.dumps(failure_body(driver.request_id, log_loss.failure(delivered_tokens))))
         yield DONE
     except (asyncio.CancelledError, GeneratorExit):

@@ -5,7 +5,7 @@ and acts) plus its two edges: the client's side, where the HTTP layer calls
 ``commit()`` before the first content byte, ``delivered()`` after each write,
 ``complete()`` before the last bytes and ``client_gone()`` when the client left;
 and the gateway's side, which ends a request after the log was lost
-(``close_after_log_loss``) or itself (the loop's ``interrupt``: a drain, an instance
+(``log_lost``) or itself (the loop's ``interrupt``: a drain, an instance
 that lost its lease).
 """
 
@@ -26,12 +26,16 @@ log = logging.getLogger("phasegate.driver")
 class RequestDriver(RequestLoop):
     # --- the client's side: called by the HTTP layer ---------------------------------
 
-    async def commit(self) -> None:
-        """The commit point: durable before the first content byte is written."""
+    async def commit(self, *, flush: bool = True) -> None:
+        """The commit point: durable before the first content byte is written. A whole
+        answer (``flush=False``) makes it durable with its completion, in one append,
+        since its first byte goes out after that: a failed append then leaves neither."""
         run = self.run
         assert run is not None, "commit needs the attempt whose output is delivered"
         self.recorder.record(ev.FirstDeltaCommitted, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        await self.recorder.flush(durable=True)
+        if flush:
+            await self.recorder.flush(durable=True)
+            self.recorder.appending_deliveries = True
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
     def delivered(self, text: str, tokens: int = 1) -> None:
@@ -55,16 +59,20 @@ class RequestDriver(RequestLoop):
             self.ctx.pool.succeeded(self.run.replica)
         await self._end("completed")
 
-    async def close_after_log_loss(self) -> None:
-        """The log stopped taking this request's events and its client was told
-        (:func:`app.driver.log_loss.failure`): stop the attempt, end the request in the
-        log once the log is back, and forget it either way."""
+    def log_lost(self, *, output_delivered: bool) -> None:
+        """The log stopped taking this request's events and its client was told so
+        (:func:`app.driver.log_loss.failure`): from now on nothing more is recorded but
+        what the client saw happen; the attempt stops and, once the log is back, the
+        request is ended there (in the background)."""
+        self.recorder.seal(output_delivered=output_delivered)
+        self.ctx.spawn(self._close_after_log_loss(), name=f"log lost {self.request_id}")
+
+    async def _close_after_log_loss(self) -> None:
         with contextlib.suppress(RuntimeError):  # still running: it ends on its own cancellation
             await self.outputs.aclose()
         run, self.run = self.run, None
         if run is not None:
             await run.release()  # unrenewed, its lease lapses on the replica; the close cancels it too
-        self.recorder.withdraw_end()  # a completion the log did not take: the client was told it failed
         await log_loss.close_when_back(self.ctx, self.recorder)
         self.count_end("failed")
         self.ctx.drivers.pop(self.request_id, None)

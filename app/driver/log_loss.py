@@ -5,12 +5,15 @@ longer than that), or PostgreSQL refuses the request's events outright; either w
 nothing more of the request can be recorded, so the client must not be sent more of
 its answer than the log will show. The HTTP layer ends the response with the final
 error of DESIGN.md §6 (:func:`failure`, code ``event_log_unavailable``) and starts
-:meth:`~app.driver.driver.RequestDriver.close_after_log_loss`. That stops the attempt
-and, once the log takes appends again (:func:`close_when_back`), writes what the
-request still had queued and ends it there: ``RequestFailed`` with the same code, the
-attempt cancelled (:func:`app.driver.recovery.close_in_log`). Until then, or for good
-if the log stays away longer than ``GIVE_UP_AFTER_S``, the request is open in the log,
-and the gateway's next start closes it (``gateway_lost``).
+:meth:`~app.driver.driver.RequestDriver.log_lost`. That seals the request's recorder,
+which keeps only what the client saw happen (not a completion the client was told
+failed, not a commit point whose first delta never went out), and stops the attempt.
+Once the log takes appends again (:func:`close_when_back`), what it kept is written
+and the request ends there: ``RequestFailed`` with the same code, the attempt
+cancelled (:func:`app.driver.recovery.close_in_log`), so the log says what the client
+was told. Until then, or for good if the log stays away longer than
+``GIVE_UP_AFTER_S``, the request is open in the log, and a live instance sweeps it
+once this one's lease lapsed (``gateway_lost``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from app.driver.context import GatewayContext
 from app.driver.outputs import Failed
 from app.driver.recorder import Recorder
 from app.driver.recovery import close_in_log
-from app.store.errors import StoreError, StoreUnavailable
+from app.store.errors import InstanceFenced, StoreError, StoreUnavailable
 from statemachine.state import fold
 
 log = logging.getLogger("phasegate.driver")
@@ -58,7 +61,7 @@ async def close_when_back(ctx: GatewayContext, recorder: Recorder) -> None:
             state = fold(await ctx.store.read(request_id))
             await close_in_log(ctx, state, code=EVENT_LOG_UNAVAILABLE, message=MESSAGE)
             return
-        except StoreUnavailable:
+        except (StoreUnavailable, InstanceFenced):  # away; or away so long this instance lapsed
             if ctx.clock() >= give_up_at:
                 log.error("request %s stays open in the log: it was away too long", request_id)
                 return

@@ -34,7 +34,7 @@ from typing import Any
 from app.driver.context import GatewayContext
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
-from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, ReleaseReason
+from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
 from statemachine.policy import Action, FailRequest, decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
@@ -67,6 +67,10 @@ class Recorder:
         self._lock = asyncio.Lock()
         self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
         self._appending: asyncio.Task[None] | None = None  # closed batches on their way to the log
+        self._sealed = False  # the log was lost: nothing more is recorded (seal())
+        # Batches go to the log as they close once the commit point is durable; a whole
+        # answer's deliveries go with its completion instead, in the same append.
+        self.appending_deliveries = False
 
     @property
     def request_id(self) -> str:
@@ -74,10 +78,14 @@ class Recorder:
 
     # --- building events -------------------------------------------------------------
 
-    def record(self, cls: type[Event], **fields: Any) -> Event:
-        """Stamp, apply and queue one event; an open delivery batch is closed first."""
+    def record(self, cls: type[Event], **fields: Any) -> None:
+        """Stamp, apply and queue one event; an open delivery batch is closed first.
+        Nothing, once sealed (the log was lost: the request is closed from the log)."""
+        if self._sealed:
+            log.debug("request %s: %s not recorded: the request is sealed", self.request_id, cls.__name__)
+            return
         self.close_batch()
-        return self._queue(cls, fields)
+        self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
         self.record(ev.Decided, **decided_fields(action))
@@ -104,13 +112,14 @@ class Recorder:
             self.record(ev.LeaseExpired, **scope)
             self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
 
-    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
+    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> None:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
-        return event
 
     def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str) -> None:
         """One delta written to the client; recorded in batches."""
+        if self._sealed:
+            return
         batch = self._batch
         if batch is not None and batch.attempt != attempt:
             self.close_batch()
@@ -138,7 +147,7 @@ class Recorder:
     def _append_deliveries(self) -> None:
         """Append what is queued, group-committed, in the background; if an append of the
         request is still on its way, it takes what queued meanwhile once it committed."""
-        if self._appending is None:
+        if self._appending is None and self.appending_deliveries:
             self._appending = self.ctx.spawn(self._append_grouped(), name=f"deliveries {self.request_id}")
 
     async def _append_grouped(self) -> None:
@@ -183,13 +192,23 @@ class Recorder:
             occurred_at=batch.first_at,
         )
 
-    def withdraw_end(self) -> None:
-        """Drop a queued terminal event, and what followed it, that the log never took:
-        the client was told that the request failed instead (app/driver/log_loss.py)."""
-        for index, event in enumerate(self._queued):
+    def seal(self, *, output_delivered: bool) -> None:
+        """The log stopped taking this request's events and its client was told it failed
+        (app/driver/log_loss.py): keep of the queue only what the client saw happen, and
+        record nothing more. A queued terminal event goes (the client was told otherwise),
+        and so does the commit point when nothing of the answer reached the client; what
+        was delivered stays, to be appended once the log is back. Later events (a fence's
+        bookkeeping) are dropped: the request is closed from the log instead."""
+        self.close_batch()
+        kept = []
+        for event in self._queued:
             if type(event) in TERMINAL_EVENT_TYPES:
-                del self._queued[index:]
-                return
+                break
+            if not output_delivered and isinstance(event, FirstDeltaCommitted):
+                break
+            kept.append(event)
+        self._queued = kept
+        self._sealed = True
 
     @property
     def delivered_output_tokens(self) -> int:

@@ -194,3 +194,64 @@ def test_postgres_away_past_the_grace_ends_streams_with_the_final_error(
             state = check_request(events, transcript)  # the log holds what the client got, and its end
             assert state.outcome is Outcome.FAILED and state.error_code == "event_log_unavailable"
         assert gateway.gateway.ctx.drivers == {}
+
+
+def test_postgres_lost_at_the_commit_point_is_logged_as_the_client_was_told(
+    database_url: str, postgres_server: EmbeddedPostgres | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit point (a stream's) or the completion (a whole answer's) cannot be made
+    durable: the client gets 503 with nothing delivered, and once PostgreSQL is back the
+    log ends the request the same way, with no commit point in it."""
+    if postgres_server is None:
+        pytest.skip("needs the embedded server (PHASEGATE_TEST_DATABASE_URL names an outside one)")
+    monkeypatch.setattr(recorder, "STORE_OUTAGE_GRACE_S", 0.5)
+    prompt = "held in prefill"
+    with (
+        running_worker(faults=True, args=["--model", MODEL]) as worker,
+        running_gateway(database_url, [worker]) as gateway,
+    ):
+        response = httpx.post(
+            worker.base_url + "/admin/faults",
+            json={"action": "slow_prefill", "prefill_ms": 3000, "times": None, "match": {"prompt_contains": prompt}},
+        )
+        assert response.status_code == 200, response.text
+        answers: list[tuple[bool, int, dict[str, object]]] = []
+
+        def ask(stream: bool) -> None:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": stream}
+            reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=60)
+            answers.append(
+                (stream, reply.status_code, reply.json() if reply.status_code != 200 else {"body": reply.text})
+            )
+
+        for stream in (True, True, False, False):
+            threading.Thread(target=ask, args=(stream,), daemon=True).start()
+        time.sleep(1.0)  # accepted, and held in prefill
+        postgres_server.stop(mode="fast")
+        try:
+            wait_for(lambda: len(answers) == 4, 30, "every request to be answered")
+        finally:
+            postgres_server.start()
+        for stream, status, body in answers:
+            assert "error" in body, f"stream={stream}: answered {status} {str(body)[:300]}"
+            error = body["error"]
+            assert isinstance(error, dict)
+            assert (status, error["code"], error["partial_output"]) == (503, "event_log_unavailable", False)
+            assert (error["delivered_output_tokens"], error["retryable"]) == (0, True)
+            request_id = error["request_id"]
+            assert isinstance(request_id, str)
+
+            def closed(request_id: str = request_id) -> bool:
+                return fold(gateway.events(request_id)).phase is Phase.TERMINATED
+
+            wait_for(closed, 30, "the request to be closed in the log")
+            events = gateway.events(request_id)
+            assert violations(events) == []
+            (failed,) = [e for e in events if isinstance(e, ev.RequestFailed)]
+            assert (failed.code, failed.partial_output, failed.delivered_output_tokens, failed.retryable) == (
+                "event_log_unavailable",
+                False,
+                0,
+                True,
+            ), f"stream={stream}: the log says otherwise than the client was told"
+            assert not any(isinstance(e, ev.FirstDeltaCommitted | ev.RequestCompleted) for e in events)
