@@ -146,8 +146,14 @@ class _Api:
             return first
         assert isinstance(first, Delta | Finished)
         shape = ResponseShape(generation, _response_id(generation, request_id), int(time.time()))
+        connection = _Connection()
         return EventSourceResponse(
-            _stream_body(driver, shape, first), headers=headers, ping=15, send_timeout=30, sep="\n"
+            _stream_body(driver, shape, first, connection),
+            headers=headers,
+            ping=15,
+            send_timeout=30,
+            sep="\n",
+            client_close_handler_callable=connection.closed,
         )
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
@@ -297,7 +303,18 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
     return JSONResponse(body)
 
 
-async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Output) -> AsyncIterator[bytes]:
+class _Connection:
+    """Whether the client is still there, as far as the server has noticed."""
+
+    open = True
+
+    async def closed(self, message: Any) -> None:
+        self.open = False
+
+
+async def _stream_body(
+    driver: RequestDriver, shape: ResponseShape, output: Output, connection: _Connection
+) -> AsyncIterator[bytes]:
     event_id = 0
     started = False
     delivered_tokens = 0
@@ -305,6 +322,9 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
         while True:
             if type(output) is Delta:
                 yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
+                if not connection.open:  # its send returned, but to a client already gone
+                    driver.client_gone()
+                    return
                 event_id += 1
                 started = True
                 driver.delivered(output.text, output.tokens)
