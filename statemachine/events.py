@@ -161,6 +161,10 @@ class DeltasDelivered(AttemptScoped):
 
     ``text`` holds the delivered text under the "full" content policy,
     ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
+    ``deltas`` says where each delta is, so a stream can be resumed at any of them
+    (DESIGN.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
+    delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
+    before it was recorded.
     """
 
     from_index: int
@@ -168,6 +172,7 @@ class DeltasDelivered(AttemptScoped):
     tokens: int
     text: str | None
     text_sha256: str | None
+    deltas: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

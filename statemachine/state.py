@@ -185,6 +185,12 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
         )
     if event.tokens < 0:
         raise _illegal(state, event, "negative token count")
+    if event.deltas and (
+        len(event.deltas) != event.to_index - event.from_index
+        or sum(tokens for _, _, tokens in event.deltas) != event.tokens
+        or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
+    ):
+        raise _illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
     return {
         "delivered_deltas": event.to_index,
         "delivered_output_tokens": state.delivered_output_tokens + event.tokens,

@@ -287,9 +287,9 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
     await driver.commit(flush=False)  # durable with the completion: the body goes out after both
     for choice in sorted(deltas):
         for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens)
-    for calls in output.tool_calls.values():
-        driver.delivered(json.dumps(calls), tokens=0)
+            driver.delivered(delta.text, delta.tokens, delta.choice)
+    for choice, calls in sorted(output.tool_calls.items()):
+        driver.delivered(json.dumps(calls), tokens=0, choice=choice)
     await driver.complete(output)
     request = driver.request
     shape = ResponseShape(request, _response_id(request, driver.request_id), int(time.time()))
@@ -327,13 +327,13 @@ async def _stream_body(
                     return
                 event_id += 1
                 started = True
-                driver.delivered(output.text, output.tokens)
+                driver.delivered(output.text, output.tokens, output.choice)
                 delivered_tokens += output.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
                     event_id += 1
-                    driver.delivered(json.dumps(calls), tokens=0)
+                    driver.delivered(json.dumps(calls), tokens=0, choice=choice)
                 await driver.complete(output)
                 for choice, reason in enumerate(output.finish_reasons):
                     yield sse_event(event_id, shape.finish_chunk(reason, choice))

@@ -38,15 +38,15 @@ class RequestDriver(RequestLoop):
             self.recorder.appending_deliveries = True
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
-    def delivered(self, text: str, tokens: int = 1) -> None:
-        """A delta was written to the client."""
+    def delivered(self, text: str, tokens: int = 1, choice: int = 0) -> None:
+        """A delta of ``choice`` was written to the client (no tokens: its tool calls)."""
         run = self.run
         assert run is not None
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
-        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text)
+        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice)
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out."""

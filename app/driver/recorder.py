@@ -55,6 +55,7 @@ class _OpenBatch:
     first_at: datetime  # wall clock: the event's time
     tokens: int = 0
     texts: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
 
 
 class Recorder:
@@ -116,7 +117,7 @@ class Recorder:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
 
-    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str) -> None:
+    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
         """One delta written to the client; recorded in batches."""
         if self._sealed:
             return
@@ -132,6 +133,7 @@ class Recorder:
             asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
         batch.tokens += tokens
         batch.texts.append(text)
+        batch.shapes.append((choice, len(text), tokens))
         if len(batch.texts) >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
@@ -188,6 +190,7 @@ class Recorder:
                 "tokens": batch.tokens,
                 "text": text if policy == "full" else None,
                 "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
+                "deltas": tuple(batch.shapes),
             },
             occurred_at=batch.first_at,
         )

@@ -204,6 +204,44 @@ def test_only_the_committing_attempt_delivers_and_without_gaps() -> None:
     assert_illegal(driver, negative, "negative token count")
 
 
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        ((0, 2, 1),),  # one delta for two indexes
+        ((0, 1, 1), (0, 1, 2)),  # three tokens, the event says two
+        ((0, 1, 1), (1, 2, 1)),  # three characters, the text has two
+    ],
+)
+def test_the_deltas_shapes_must_fit_the_batch(deltas: tuple[tuple[int, int, int], ...]) -> None:
+    driver = running()
+    driver.deliver(1)
+    batch = next_event(
+        driver,
+        ev.DeltasDelivered,
+        **driver.scoped(),
+        from_index=1,
+        to_index=3,
+        tokens=2,
+        text="ab",
+        text_sha256=None,
+        deltas=deltas,
+    )
+    assert_illegal(driver, batch, "the deltas' shapes disagree")
+    fitting = next_event(
+        driver,
+        ev.DeltasDelivered,
+        **driver.scoped(),
+        from_index=1,
+        to_index=3,
+        tokens=2,
+        text="ab",
+        text_sha256=None,
+        deltas=((0, 1, 1), (1, 1, 1)),
+    )
+    driver.state = apply(driver.state, fitting)
+    assert driver.state.delivered_deltas == 3 and driver.state.delivered_output_tokens == 3
+
+
 def test_a_fenced_attempt_publishes_nothing() -> None:
     driver = running()
     driver.fail(FailureKind.LIVENESS_UNCERTAIN)
