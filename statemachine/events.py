@@ -118,6 +118,7 @@ class ClientDisconnected(RequestScoped):
 class RequestCompleted(RequestScoped):
     finish_reason: str
     usage: dict[str, int]
+    finish_reasons: tuple[str, ...] = ()  # one per choice (empty in logs written before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,17 @@ class RequestFailed(RequestScoped):
 @dataclass(frozen=True, slots=True)
 class RequestCancelled(RequestScoped):
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResumed(RequestScoped):
+    """A client picked the ended request's stream up again from the log (DESIGN.md §12):
+    bookkeeping after the terminal event of what was sent, deltas ``[from_index,
+    to_index)`` and then the end, by the gateway instance ``gateway``."""
+
+    from_index: int
+    to_index: int
+    gateway: str
 
 
 # --- attempt-scoped events -------------------------------------------------------------
@@ -244,6 +256,7 @@ Event = (
     | RequestCompleted
     | RequestFailed
     | RequestCancelled
+    | StreamResumed
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in typing.get_args(Event)}

@@ -46,13 +46,15 @@ from app.api.errors import (
     failure_body,
     retry_headers,
 )
+from app.api.resume import resume_routes
 from app.api.schemas import parse_request
-from app.api.sse import DONE, ResponseShape, sse_event
+from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.tenancy import tenant_of
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
-from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
+from app.driver.request import CHAT, COMPLETIONS
 from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
@@ -74,6 +76,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         *admin_routes(ctx),
+        *resume_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     origins = ctx.config.cors_allow_origins
@@ -145,7 +148,7 @@ class _Api:
             first.headers.update(headers)
             return first
         assert isinstance(first, Delta | Finished)
-        shape = ResponseShape(generation, _response_id(generation, request_id), int(time.time()))
+        shape = ResponseShape(generation, response_id(generation, request_id), int(time.time()))
         connection = _Connection()
         return EventSourceResponse(
             _stream_body(driver, shape, first, connection),
@@ -172,16 +175,7 @@ class _Api:
         raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")
 
     def _authenticate(self, request: Request) -> str:
-        keys = self.ctx.config.api_keys
-        if not keys:
-            return "default"
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        for key, tenant in keys.items():
-            if hmac.compare_digest(key.encode(), token.encode()):
-                return tenant
-        raise Unauthorized("incorrect API key")
+        return tenant_of(self.ctx.config, request)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -292,7 +286,7 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
         driver.delivered(json.dumps(calls), tokens=0, choice=choice)
     await driver.complete(output)
     request = driver.request
-    shape = ResponseShape(request, _response_id(request, driver.request_id), int(time.time()))
+    shape = ResponseShape(request, response_id(request, driver.request_id), int(time.time()))
     choices = range(len(output.finish_reasons))
     body = shape.completion(
         ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
@@ -364,11 +358,6 @@ async def _stream_body(
 def _failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
     headers = headers | retry_headers(failed.retryable)
     return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-
-
-def _response_id(request: GenerationRequest, request_id: str) -> str:
-    prefix = "chatcmpl" if request.endpoint == CHAT else "cmpl"
-    return f"{prefix}-{request_id.removeprefix('req_')}"
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -54,6 +54,7 @@ class RequestDriver(RequestLoop):
             ev.RequestCompleted,
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",
             usage=finished.usage,
+            finish_reasons=finished.finish_reasons,
         )
         if self.run is not None:
             self.ctx.pool.succeeded(self.run.replica)

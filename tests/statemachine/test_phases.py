@@ -70,7 +70,7 @@ LEGAL = {
     (Phase.FENCED, "AttemptReleased"): Phase.PREFILL,
     **{
         (Phase.TERMINATED, name): Phase.TERMINATED
-        for name in ["CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased"]
+        for name in ["CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased", "StreamResumed"]
     },
     **{
         (phase, name): Phase.TERMINATED
@@ -106,9 +106,19 @@ def test_the_expected_table_is_the_table() -> None:
     assert actual == LEGAL
 
 
-def test_terminated_absorbs_all_but_fence_bookkeeping() -> None:
+def test_terminated_absorbs_all_but_bookkeeping() -> None:
     allowed = {cls.__name__ for cls in TRANSITIONS[Phase.TERMINATED]}
-    assert allowed == {"CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased"}
+    assert allowed == {"CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased", "StreamResumed"}
+
+
+def test_a_resumed_stream_names_deltas_that_were_delivered() -> None:
+    driver = running()
+    driver.deliver(3)
+    driver.complete()
+    resumed = next_event(driver, ev.StreamResumed, from_index=1, to_index=4, gateway="gw_a")
+    assert_illegal(driver, resumed, r"deltas \[1, 4\) were never delivered")
+    driver.state = apply(driver.state, next_event(driver, ev.StreamResumed, from_index=1, to_index=3, gateway="gw_a"))
+    assert driver.state.phase is Phase.TERMINATED
 
 
 def test_the_rendered_diagram_is_current() -> None:
