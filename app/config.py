@@ -91,6 +91,7 @@ class GatewayConfig:
     instance_lease_ttl_s: float = 10.0  # an instance's lease, renewed every third of it
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
+    idempotency_ttl_s: float = 86400.0  # how long an Idempotency-Key binds its request
 
     def __post_init__(self) -> None:
         if self.content_policy not in CONTENT_POLICIES:

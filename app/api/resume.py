@@ -12,6 +12,10 @@ and it never appends to a live request, which only its owner does. Any instance
 serves any request. Once the end was sent, the instance records what it sent as
 ``StreamResumed``, bookkeeping after the terminal event (expected-version guarded).
 
+A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
+to that request the same way (:func:`attach`): a streamed one is served from the log
+(from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
+
 Under ``content_policy`` ``digest`` or ``none`` the log has no text: 409
 ``resume_unavailable``, carrying the recorded outcome.
 """
@@ -21,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 
 from sse_starlette import EventSourceResponse
@@ -43,6 +46,7 @@ from statemachine.state import fold
 log = logging.getLogger("phasegate.api")
 
 FOLLOW_EVERY_S = 0.02  # how often a live request's log is read again
+ATTACH_WAIT_S = 10.0  # how long an attaching POST waits for the request it names to reach the log
 MAX_EVENT_ID = 1 << 31
 
 
@@ -74,7 +78,7 @@ class _Resume:
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         generation = _shape_of(accepted)
-        shape = ResponseShape(generation, response_id(generation, request_id), int(time.time()))
+        shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
         return EventSourceResponse(
             self._follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
         )
@@ -137,6 +141,55 @@ class _Resume:
                 return
 
 
+async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
+    """Answer a POST whose ``Idempotency-Key`` started ``request_id``, from its log."""
+    headers = {"x-request-id": request_id}
+    follower = _Resume(ctx)
+    try:
+        after = _after(request)
+        events = await follower._read(request_id)
+        waited = 0.0
+        while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            waited += FOLLOW_EVERY_S
+            events = await follower._read(request_id)
+        if not events:
+            raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
+        _check_resumable(events)
+    except ApiError as error:
+        return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    generation = _shape_of(accepted)
+    shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
+    if stream:
+        body = follower._follow(request_id, events, after, shape)
+        return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+    while fold(events).outcome is None:  # a whole answer: once the request ended
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        events = await follower._read(request_id)
+    state = fold(events)
+    terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
+    if not isinstance(terminal, ev.RequestCompleted):
+        failed = _failure(terminal, state)
+        return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
+    texts: dict[int, list[str]] = {}
+    calls: dict[int, list[dict[str, object]]] = {}
+    for event in events:
+        if isinstance(event, ev.DeltasDelivered):
+            for _, choice, text, tokens in _deltas(event):
+                if tokens:
+                    texts.setdefault(choice, []).append(text)
+                else:
+                    calls[choice] = json.loads(text)
+    reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
+    choices = range(len(reasons))
+    completion = shape.completion(
+        ["".join(texts.get(c, ())) for c in choices], reasons, terminal.usage, [calls.get(c, []) for c in choices]
+    )
+    return JSONResponse(completion, headers=headers)
+
+
 def _after(request: Request) -> int:
     """The last delta index the client has: ``Last-Event-ID`` or ``?after``; -1 for none."""
     raw = request.headers.get("last-event-id")
@@ -161,6 +214,10 @@ def _check_resumable(events: list[ev.Event]) -> None:
                 f"; its outcome: {outcome.value if outcome else 'still running'}"
             )
             raise error
+
+
+def _created(accepted: ev.RequestAccepted) -> int:
+    return int(accepted.occurred_at.timestamp())
 
 
 def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:

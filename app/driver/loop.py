@@ -60,6 +60,7 @@ class RequestLoop:
         self.recorder = Recorder(ctx, RequestState(request_id=request_id))
         self.run: AttemptRun | None = None
         self.accepted_at = ctx.clock()
+        self.created = 0  # the response's "created": when it was accepted, as the log tells it
         self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
         self.last_delivery_at: float | None = None
         self.tool_calls = ToolCalls(ctx, self.recorder)
@@ -78,10 +79,10 @@ class RequestLoop:
 
     # --- acceptance ------------------------------------------------------------------
 
-    def accept(self) -> None:
+    def accept(self, idempotency_key: str | None = None) -> None:
         """Record the request; its first pull appends it with the first attempt (group-committed)."""
         request = self.request
-        self.recorder.record(
+        accepted = self.recorder.record(
             ev.RequestAccepted,
             model=request.model,
             model_revision=self.ctx.config.model_revision(request.model) or "unknown",
@@ -93,11 +94,13 @@ class RequestLoop:
             n=request.n,
             guided=request.guided,
             tools=bool(request.tools),
-            idempotency_key=None,
+            idempotency_key=idempotency_key,
             max_attempts=self.ctx.config.policy.max_attempts,
             seed=request.seed,
             gateway=self.ctx.gateway_id,
         )
+        assert accepted is not None
+        self.created = int(accepted.occurred_at.timestamp())
         self.ctx.drivers[self.request_id] = self
         self.ctx.metrics.in_flight.inc()
         # the input, for replaying an incident; off the path to the first token

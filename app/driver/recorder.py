@@ -79,14 +79,15 @@ class Recorder:
 
     # --- building events -------------------------------------------------------------
 
-    def record(self, cls: type[Event], **fields: Any) -> None:
-        """Stamp, apply and queue one event; an open delivery batch is closed first.
-        Nothing, once sealed (the log was lost: the request is closed from the log)."""
+    def record(self, cls: type[Event], **fields: Any) -> Event | None:
+        """Stamp, apply and queue one event, and return it; an open delivery batch is
+        closed first. Nothing, once sealed (the log was lost: the request is closed from
+        the log)."""
         if self._sealed:
             log.debug("request %s: %s not recorded: the request is sealed", self.request_id, cls.__name__)
-            return
+            return None
         self.close_batch()
-        self._queue(cls, fields)
+        return self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
         self.record(ev.Decided, **decided_fields(action))
@@ -113,9 +114,10 @@ class Recorder:
             self.record(ev.LeaseExpired, **scope)
             self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
 
-    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> None:
+    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
+        return event
 
     def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
         """One delta written to the client; recorded in batches."""
