@@ -21,6 +21,7 @@ from app.api.errors import failure_body, retry_headers
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
+from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.store.errors import StoreError
 
@@ -100,6 +101,12 @@ async def stream_body(
                 yield DONE
                 return
             elif isinstance(output, Cancelled):
+                if output.reason == CANCELLED_BY_CLIENT:  # a stop button: whoever still reads is told
+                    cancelled = Failed(
+                        "request_cancelled", "the client cancelled the request", started, delivered_tokens, False, 499
+                    )
+                    yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled)))
+                    yield DONE
                 return
             output = await anext(driver.outputs)
     except StoreError:

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from app.api.admin import admin_routes
 from app.api.answers import Connection, failure_response, stream_body, whole_answer
+from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
     IdempotencyKeyReused,
@@ -76,6 +77,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/metrics", api.metrics, methods=["GET"]),
         *admin_routes(ctx),
         *resume_routes(ctx),
+        *cancel_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     origins = ctx.config.cors_allow_origins

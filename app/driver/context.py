@@ -38,6 +38,8 @@ class LiveRequest(Protocol):
 
     def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
 
+    def cancel_now(self) -> None: ...
+
 
 @dataclass
 class GatewayContext:

@@ -24,6 +24,43 @@ log = logging.getLogger("phasegate.driver")
 
 
 class RequestDriver(RequestLoop):
+    # --- acceptance ------------------------------------------------------------------
+
+    def accept(self, idempotency_key: str | None = None) -> None:
+        """Record the request; its first pull appends it with the first attempt (group-committed)."""
+        request = self.request
+        accepted = self.recorder.record(
+            ev.RequestAccepted,
+            model=request.model,
+            model_revision=self.ctx.config.model_revision(request.model) or "unknown",
+            tenant=self.tenant,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            params_digest=request.params_digest(),
+            prompt_tokens=request.estimated_prompt_tokens,
+            n=request.n,
+            guided=request.guided,
+            tools=bool(request.tools),
+            idempotency_key=idempotency_key,
+            max_attempts=self.ctx.config.policy.max_attempts,
+            seed=request.seed,
+            gateway=self.ctx.gateway_id,
+        )
+        assert accepted is not None
+        self.created = int(accepted.occurred_at.timestamp())
+        self.ctx.drivers[self.request_id] = self
+        self.ctx.metrics.in_flight.inc()
+        # the input, for replaying an incident; off the path to the first token
+        self.ctx.spawn(
+            self.ctx.store.record_input(
+                self.request_id,
+                request.raw,
+                model_revision=self.ctx.config.model_revision(request.model),
+                seed=request.seed,
+            ),
+            name=f"input {self.request_id}",
+        )
+
     # --- the client's side: called by the HTTP layer ---------------------------------
 
     async def commit(self, *, flush: bool = True) -> None:
