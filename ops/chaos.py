@@ -282,7 +282,10 @@ def _disagreement(transcript: Transcript, events: list[ev.Event], batch_deltas: 
     got = "".join(transcript.contents)
     if transcript.cut:  # the gateway died: the log may lag two batches, never lead
         behind = len(transcript.contents) - state.delivered_deltas
-        if state.error_code != "gateway_lost" or not got.startswith(logged) or not 0 <= behind <= 2 * batch_deltas:
+        # ... or it died between recording the completion (durable, before the last bytes)
+        # and sending the finish: every delta was logged, the log says completed
+        ended = state.error_code == "gateway_lost" or (state.outcome is Outcome.COMPLETED and behind == 0)
+        if not ended or not got.startswith(logged) or not 0 <= behind <= 2 * batch_deltas:
             return f"cut after {got!r}; the log says {logged!r} ({state.error_code}, {behind} deltas behind)"
         return None
     client_completed = transcript.done and transcript.error is None  # an error event also ends in [DONE]
