@@ -21,6 +21,7 @@ from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
+SHA256_PREFIX = "sha256:"  # an api_keys entry that is a key's digest, not the key
 
 
 class ConfigError(ValueError):
@@ -65,8 +66,11 @@ class GatewayConfig:
     data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
     replicas: tuple[ReplicaConfig, ...] = ()
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open, tenant "default"
-    admin_token: str | None = None
+    # key (or "sha256:<hex of the key>") -> tenant; with none here and none in the api_keys
+    # table (phasegate keys): open, tenant "default". Never printed.
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    api_key_cache_s: float = 10.0  # how long a key looked up in PostgreSQL is trusted (a revocation's delay)
+    admin_token: str | None = field(default=None, repr=False)
     # the worker protocol's shared secret, sent to every worker replica (never printed)
     worker_token: str | None = field(default=None, repr=False)
     worker_token_file: Path | None = None  # read at load when worker_token is not set
@@ -108,6 +112,13 @@ class GatewayConfig:
                 raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("metrics_token must have at least 16 characters")
+        for key, tenant in self.api_keys.items():
+            if not isinstance(key, str) or not isinstance(tenant, str) or not key or not tenant:
+                raise ConfigError("api_keys: each entry is a key (or sha256:<hex>) = tenant, both text")
+            if key.startswith(SHA256_PREFIX) and not re.fullmatch(r"[0-9a-f]{64}", key.removeprefix(SHA256_PREFIX)):
+                raise ConfigError("api_keys: a sha256: entry is 'sha256:' and 64 lowercase hex digits")
+        if self.api_key_cache_s < 0:
+            raise ConfigError("api_key_cache_s must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:

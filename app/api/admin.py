@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.auth import Authenticator
 from app.api.errors import (
     ApiError,
     Forbidden,
@@ -51,9 +52,9 @@ MAX_REQUEST_ID_CHARS = 256
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def admin_routes(ctx: GatewayContext) -> list[Route]:
+def admin_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
     """The admin routes of the gateway over ``ctx``."""
-    admin = _Admin(ctx)
+    admin = _Admin(ctx, authenticator)
     return [
         Route("/v1/requests/{request_id}", admin.guarded(admin.summary), methods=["GET"]),
         Route("/v1/requests/{request_id}/events", admin.guarded(admin.events), methods=["GET"]),
@@ -62,8 +63,9 @@ def admin_routes(ctx: GatewayContext) -> list[Route]:
 
 
 class _Admin:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
 
     def guarded(self, handler: Handler, *, browser: bool = False) -> Handler:
         """``handler`` behind the admin token; every ApiError becomes its JSON answer."""

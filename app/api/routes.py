@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
+from app.api.auth import Authenticator
 from app.api.errors import (
     ApiError,
     InvalidRequest,
@@ -65,7 +66,8 @@ REFUSALS = {
 
 
 def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
-    api = _Api(ctx)
+    authenticator = Authenticator(ctx.config, ctx.store)
+    api = _Api(ctx, authenticator)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -73,7 +75,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
-        *admin_routes(ctx),
+        *admin_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     origins = ctx.config.cors_allow_origins
@@ -96,8 +98,9 @@ def new_request_id() -> str:
 
 
 class _Api:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
@@ -115,7 +118,7 @@ class _Api:
             self.ctx.metrics.rejected.labels(code=refused.code).inc()
             return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
-            tenant = self._authenticate(request)
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             generation = parse_request(
                 endpoint, await _json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
             )
@@ -165,22 +168,10 @@ class _Api:
         state = driver.state  # pragma: no cover - a bug in the driver if it happens
         raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")
 
-    def _authenticate(self, request: Request) -> str:
-        keys = self.ctx.config.api_keys
-        if not keys:
-            return "default"
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        for key, tenant in keys.items():
-            if hmac.compare_digest(key.encode(), token.encode()):
-                return tenant
-        raise Unauthorized("incorrect API key")
-
     async def models(self, request: Request) -> Response:
-        try:
-            self._authenticate(request)  # with API keys configured, listing models needs one too
-        except Unauthorized as error:
+        try:  # with API keys configured, listing models needs one too
+            await self.authenticator.tenant(request.headers.get("authorization", ""))
+        except (Unauthorized, ServiceUnavailable) as error:
             return _refused(error)
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "phasegate", "root": revision}
@@ -218,7 +209,9 @@ class _Api:
 
 def _refused(error: ApiError) -> JSONResponse:
     request_id = new_request_id()
-    headers = {"x-request-id": request_id, "www-authenticate": "Bearer", **retry_headers(error.retryable)}
+    headers = {"x-request-id": request_id, **retry_headers(error.retryable)}
+    if isinstance(error, Unauthorized):
+        headers["www-authenticate"] = "Bearer"
     return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
 

@@ -1,0 +1,123 @@
+"""Tenants: API keys stored hashed, analysts bound to tenants, row-level security.
+
+Revision ID: 0006
+Revises: 0004
+Create Date: 2026-12-01
+
+``api_keys`` holds the SHA-256 of each key created by ``phasegate keys create``,
+never the key. ``analyst_tenants`` binds PostgreSQL roles to the tenants whose rows
+they may read. Every table of the log gets row-level security with one SELECT
+policy: a row is visible when its request's tenant is bound to the current role
+(directly or through a role it is a member of). Tables without a tenant column
+(``request_events``, ``tool_executions``, ``request_inputs``) reach it through
+``requests`` (an ``EXISTS`` on the request id, by primary key), so the hot path
+appends nothing more. The gateway is unaffected: it connects as the tables' owner,
+which row-level security does not restrict. ``phasegate_analysts`` is the read-only
+group role (SELECT on the log's tables), created when the migrating role may create
+roles; roles are cluster-wide, so the downgrade leaves it in place.
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision: str = "0006"
+down_revision: str | None = "0004"
+branch_labels: str | None = None
+depends_on: str | None = None
+
+ANALYSTS = "phasegate_analysts"
+LOG_TABLES = ("requests", "request_attempts", "request_events", "tool_executions", "request_inputs")
+
+API_KEYS = """
+CREATE TABLE api_keys (
+    id          text PRIMARY KEY,            -- key_…, what `phasegate keys list|revoke` name
+    tenant      text NOT NULL,
+    key_sha256  text NOT NULL UNIQUE CHECK (key_sha256 ~ '^[0-9a-f]{64}$'),
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    revoked_at  timestamptz
+)
+"""
+ANALYST_TENANTS = """
+CREATE TABLE analyst_tenants (
+    role_name   text NOT NULL,               -- a PostgreSQL role (a login or a group role)
+    tenant      text NOT NULL,
+    PRIMARY KEY (role_name, tenant)
+)
+"""
+
+# The tenants the current role may read. SECURITY DEFINER: analysts need no grant on
+# the mapping; a mapping that names a role that no longer exists is ignored.
+VISIBLE_TENANTS = """
+CREATE FUNCTION visible_tenants() RETURNS SETOF text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path FROM CURRENT
+AS $$
+    SELECT binding.tenant FROM analyst_tenants AS binding
+      JOIN pg_catalog.pg_roles AS role ON role.rolname = binding.role_name
+     WHERE pg_catalog.pg_has_role(current_user, role.oid, 'USAGE')
+$$
+"""
+
+_BY_TENANT = "tenant IN (SELECT visible_tenants())"
+
+
+def _through_requests(table: str) -> str:
+    return (
+        "EXISTS (SELECT 1 FROM requests AS r"
+        f" WHERE r.request_id = {table}.request_id AND r.tenant IN (SELECT visible_tenants()))"
+    )
+
+
+POLICIES = {
+    "requests": _BY_TENANT,
+    "request_attempts": _through_requests("request_attempts"),
+    "request_events": _through_requests("request_events"),
+    "tool_executions": _through_requests("tool_executions"),
+    "request_inputs": _through_requests("request_inputs"),
+}
+
+ROLE = f"""
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ANALYSTS}') THEN
+        IF (SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user) THEN
+            CREATE ROLE {ANALYSTS} NOLOGIN;
+        ELSE
+            RAISE NOTICE 'cannot create role {ANALYSTS}: create it and grant SELECT (docs/audit.md)';
+            RETURN;
+        END IF;
+    END IF;
+    GRANT SELECT ON {", ".join(LOG_TABLES)} TO {ANALYSTS};
+    GRANT EXECUTE ON FUNCTION visible_tenants() TO {ANALYSTS};
+END
+$$
+"""
+UNGRANT = f"""
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ANALYSTS}') THEN
+        REVOKE SELECT ON {", ".join(LOG_TABLES)} FROM {ANALYSTS};
+    END IF;
+END
+$$
+"""
+
+
+def upgrade() -> None:
+    op.execute(API_KEYS)
+    op.execute(ANALYST_TENANTS)
+    op.execute(VISIBLE_TENANTS)
+    for table, visible in POLICIES.items():
+        op.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
+        op.execute(f"CREATE POLICY tenant_rows ON {table} FOR SELECT USING ({visible})")
+    op.execute(ROLE)
+
+
+def downgrade() -> None:
+    op.execute(UNGRANT)
+    for table in POLICIES:
+        op.execute(f"DROP POLICY tenant_rows ON {table}")
+        op.execute(f"ALTER TABLE {table} DISABLE ROW LEVEL SECURITY")
+    op.execute("DROP FUNCTION visible_tenants()")
+    op.execute("DROP TABLE analyst_tenants")
+    op.execute("DROP TABLE api_keys")
