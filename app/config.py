@@ -37,6 +37,58 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimit:
+    """One tenant's limits; ``None`` takes the default's, 0 is no limit."""
+
+    concurrent_streams: int | None = None  # generation requests in flight, streamed or not
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # estimated prompt tokens at admission, output tokens as delivered
+
+    def __post_init__(self) -> None:
+        for name in ("concurrent_streams", "requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"tenant_limits: {name} must be a whole number, 0 for no limit")
+
+    def over(self, default: TenantLimit) -> TenantLimit:
+        """This tenant's limits, each unset one taken from ``default``."""
+        return TenantLimit(
+            *(
+                default_value if value is None else value
+                for value, default_value in (
+                    (self.concurrent_streams, default.concurrent_streams),
+                    (self.requests_per_minute, default.requests_per_minute),
+                    (self.tokens_per_minute, default.tokens_per_minute),
+                )
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Per-tenant limits: ``default`` for every tenant, ``tenants`` overriding it field by field."""
+
+    default: TenantLimit = field(default_factory=TenantLimit)
+    tenants: dict[str, TenantLimit] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> TenantLimit:
+        own = self.tenants.get(tenant)
+        return self.default if own is None else own.over(self.default)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> TenantLimits:
+        """``[tenant_limits]``'s keys are the defaults; ``[tenant_limits.tenants.NAME]`` a tenant's."""
+        values = dict(values)
+        tenants = values.pop("tenants", {})
+        if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
+            raise ConfigError("tenant_limits.tenants: a table per tenant")
+        try:
+            return cls(TenantLimit(**values), {name: TenantLimit(**limit) for name, limit in tenants.items()})
+        except TypeError as exc:
+            raise ConfigError(f"tenant_limits: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     id: str
     url: str
@@ -79,6 +131,7 @@ class GatewayConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # off unless configured
     content_policy: str = "full"  # how delivered text is kept in the log: full, digest or none
     max_body_bytes: int = 1 << 20
     retry_budget_burst: int = 20  # global retries available at once
@@ -187,6 +240,8 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             values["policy"] = PolicyConfig.from_mapping(values["policy"])
         if isinstance(values.get("timeouts"), dict):
             values["timeouts"] = Timeouts(**values["timeouts"])
+        if isinstance(values.get("tenant_limits"), dict):
+            values["tenant_limits"] = TenantLimits.from_mapping(values["tenant_limits"])
         if isinstance(values.get("limits"), dict):
             values["limits"] = Limits(**values["limits"])
         if "cors_allow_origins" in values:

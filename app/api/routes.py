@@ -15,12 +15,13 @@ that leaves, which cancels upstream through the driver.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -47,6 +48,7 @@ from app.api.errors import (
     failure_body,
     retry_headers,
 )
+from app.api.limits import RateLimited, TenantLimiter
 from app.api.schemas import parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
 from app.driver import log_loss
@@ -67,7 +69,8 @@ REFUSALS = {
 
 def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
     authenticator = Authenticator(ctx.config, ctx.store)
-    api = _Api(ctx, authenticator)
+    limiter = TenantLimiter(ctx.config.tenant_limits, ctx.drivers, lambda: ctx.budget.share)
+    api = _Api(ctx, authenticator, limiter)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -98,9 +101,10 @@ def new_request_id() -> str:
 
 
 class _Api:
-    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator, limiter: TenantLimiter) -> None:
         self.ctx = ctx
         self.authenticator = authenticator
+        self.limiter = limiter
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
@@ -124,10 +128,14 @@ class _Api:
             )
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
+            # no await from here to driver.accept(): the admitted request is live at once
+            self.limiter.admit(tenant, request_id, generation.estimated_prompt_tokens)
         except ApiError as error:
             self.ctx.metrics.rejected.labels(code=error.code).inc()
             log.info("rejected request %s: %s %s", request_id, error.code, error.message)
             headers |= retry_headers(error.retryable)
+            if isinstance(error, RateLimited):
+                headers["retry-after"] = str(error.retry_after_s)
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
@@ -142,6 +150,8 @@ class _Api:
             return _failure_response(request_id, log_loss.failure(0), headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
+        if not isinstance(first, Delta | Finished) or not generation.stream:  # answered whole, or failed
+            self.limiter.charge(tenant, driver.state.delivered_output_tokens)
         if isinstance(first, Failed):
             return _failure_response(request_id, first, headers)
         if isinstance(first, JSONResponse):
@@ -149,8 +159,9 @@ class _Api:
             return first
         assert isinstance(first, Delta | Finished)
         shape = ResponseShape(generation, _response_id(generation, request_id), int(time.time()))
+        charge = functools.partial(self.limiter.charge, tenant)
         return EventSourceResponse(
-            _stream_body(driver, shape, first), headers=headers, ping=15, send_timeout=30, sep="\n"
+            _stream_body(driver, shape, first, charge), headers=headers, ping=15, send_timeout=30, sep="\n"
         )
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
@@ -290,7 +301,9 @@ async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONR
     return JSONResponse(body)
 
 
-async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Output) -> AsyncIterator[bytes]:
+async def _stream_body(
+    driver: RequestDriver, shape: ResponseShape, output: Output, charge: Callable[[int], None]
+) -> AsyncIterator[bytes]:
     event_id = 0
     started = False
     delivered_tokens = 0
@@ -332,6 +345,8 @@ async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Outp
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise
+    finally:
+        charge(delivered_tokens)  # the tenant's tokens per minute: what it was sent
 
 
 def _failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
