@@ -24,21 +24,8 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
-from app.api.errors import ApiError
+from app.api.errors import RateLimited
 from app.config import TenantLimit, TenantLimits
-
-
-class RateLimited(ApiError):
-    """429 with ``Retry-After``: the tenant is over one of its limits."""
-
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
-    retryable = True
-
-    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)

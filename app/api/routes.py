@@ -41,6 +41,7 @@ from app.api.errors import (
     ApiError,
     InvalidRequest,
     NotFound,
+    RateLimited,
     RequestTooLarge,
     ServiceUnavailable,
     Unauthorized,
@@ -48,7 +49,7 @@ from app.api.errors import (
     failure_body,
     retry_headers,
 )
-from app.api.limits import RateLimited, TenantLimiter
+from app.api.limits import TenantLimiter
 from app.api.schemas import parse_request
 from app.api.sse import DONE, ResponseShape, sse_event
 from app.driver import log_loss
