@@ -8,8 +8,9 @@ Create Date: 2026-12-01
 never the key. ``analyst_tenants`` binds PostgreSQL roles to the tenants whose rows
 they may read. Every table of the log gets row-level security with one SELECT
 policy: a row is visible when its request's tenant is bound to the current role
-(directly or through a role it is a member of). Tables without a tenant column
-(``request_events``, ``tool_executions``, ``request_inputs``) reach it through
+(directly or through a role it is a member of); ``analyst_tenants`` itself shows a
+role its own bindings, which is what the other policies read. Tables without a
+tenant column (``request_events``, ``tool_executions``, ``request_inputs``) reach it through
 ``requests`` (an ``EXISTS`` on the request id, by primary key), so the hot path
 appends nothing more. The gateway is unaffected: it connects as the tables' owner,
 which row-level security does not restrict. ``phasegate_analysts`` is the read-only
@@ -46,29 +47,25 @@ CREATE TABLE analyst_tenants (
 )
 """
 
-# The tenants the current role may read. SECURITY DEFINER: analysts need no grant on
-# the mapping; a mapping that names a role that no longer exists is ignored.
-VISIBLE_TENANTS = """
-CREATE FUNCTION visible_tenants() RETURNS SETOF text
-LANGUAGE sql STABLE SECURITY DEFINER SET search_path FROM CURRENT
-AS $$
-    SELECT binding.tenant FROM analyst_tenants AS binding
-      JOIN pg_catalog.pg_roles AS role ON role.rolname = binding.role_name
-     WHERE pg_catalog.pg_has_role(current_user, role.oid, 'USAGE')
-$$
+# A role sees the bindings of the roles it is (or is a member of); a binding that names
+# a role that no longer exists is ignored (pg_has_role on a missing name would raise).
+OWN_BINDINGS = """
+EXISTS (SELECT 1 FROM pg_catalog.pg_roles AS role
+         WHERE role.rolname = analyst_tenants.role_name
+           AND pg_catalog.pg_has_role(current_user, role.oid, 'USAGE'))
 """
-
-_BY_TENANT = "tenant IN (SELECT visible_tenants())"
+_BY_TENANT = "tenant IN (SELECT tenant FROM analyst_tenants)"
 
 
 def _through_requests(table: str) -> str:
     return (
         "EXISTS (SELECT 1 FROM requests AS r"
-        f" WHERE r.request_id = {table}.request_id AND r.tenant IN (SELECT visible_tenants()))"
+        f" WHERE r.request_id = {table}.request_id AND r.tenant IN (SELECT tenant FROM analyst_tenants))"
     )
 
 
 POLICIES = {
+    "analyst_tenants": OWN_BINDINGS,
     "requests": _BY_TENANT,
     "request_attempts": _through_requests("request_attempts"),
     "request_events": _through_requests("request_events"),
@@ -81,14 +78,17 @@ DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ANALYSTS}') THEN
         IF (SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user) THEN
-            CREATE ROLE {ANALYSTS} NOLOGIN;
+            BEGIN
+                CREATE ROLE {ANALYSTS} NOLOGIN;
+            EXCEPTION WHEN duplicate_object OR unique_violation THEN
+                NULL;  -- another database of the server made it meanwhile
+            END;
         ELSE
             RAISE NOTICE 'cannot create role {ANALYSTS}: create it and grant SELECT (docs/audit.md)';
             RETURN;
         END IF;
     END IF;
-    GRANT SELECT ON {", ".join(LOG_TABLES)} TO {ANALYSTS};
-    GRANT EXECUTE ON FUNCTION visible_tenants() TO {ANALYSTS};
+    GRANT SELECT ON {", ".join(LOG_TABLES)}, analyst_tenants TO {ANALYSTS};
 END
 $$
 """
@@ -96,7 +96,7 @@ UNGRANT = f"""
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ANALYSTS}') THEN
-        REVOKE SELECT ON {", ".join(LOG_TABLES)} FROM {ANALYSTS};
+        REVOKE SELECT ON {", ".join(LOG_TABLES)}, analyst_tenants FROM {ANALYSTS};
     END IF;
 END
 $$
@@ -106,7 +106,6 @@ $$
 def upgrade() -> None:
     op.execute(API_KEYS)
     op.execute(ANALYST_TENANTS)
-    op.execute(VISIBLE_TENANTS)
     for table, visible in POLICIES.items():
         op.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
         op.execute(f"CREATE POLICY tenant_rows ON {table} FOR SELECT USING ({visible})")
@@ -118,6 +117,5 @@ def downgrade() -> None:
     for table in POLICIES:
         op.execute(f"DROP POLICY tenant_rows ON {table}")
         op.execute(f"ALTER TABLE {table} DISABLE ROW LEVEL SECURITY")
-    op.execute("DROP FUNCTION visible_tenants()")
     op.execute("DROP TABLE analyst_tenants")
     op.execute("DROP TABLE api_keys")
