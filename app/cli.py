@@ -6,6 +6,7 @@
     phasegate replay    re-run requests' recorded decisions, from the log or a trace file
     phasegate trace     export requests as a trace file, import one elsewhere
     phasegate keys      API keys, stored hashed: create (printed once), list, revoke
+    phasegate tenants   a tenant's data: erase its content, keep the events
 
 Each subcommand's module is imported only when it runs, so ``phasegate worker`` does
 not load the gateway and ``phasegate serve`` does not load vLLM.
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # db, replay, trace, keys
+    return int(args.run(args))  # db, replay, trace, keys, tenants
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""``phasegate keys …``: API keys, stored hashed.
+"""``phasegate keys …`` and ``phasegate tenants …``: API keys, and a tenant's content.
 
     phasegate keys create --tenant T     a new key, printed once (only its SHA-256 is kept)
     phasegate keys list [--tenant T]     id, tenant, fingerprint, created, revoked
     phasegate keys revoke ID             the key stops working within the gateways' key cache
+    phasegate tenants erase T            a tenant's recorded content goes; the events stay
 
 Like ``phasegate db``, these use ``DATABASE_URL`` or the embedded server, and need the
 schema at revision 0006 or later (``phasegate db upgrade``).
@@ -20,11 +21,12 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.store import keys
+from app.store.content import erase_tenant
 from app.store.database import database_from_env
 
 
 def add_tenant_parsers(subparsers: Any) -> None:
-    """Register ``keys`` on the CLI's subparsers."""
+    """Register ``keys`` and ``tenants`` on the CLI's subparsers."""
     keys_parser = subparsers.add_parser("keys", help="API keys stored hashed in the log's database")
     commands = keys_parser.add_subparsers(dest="keys_command", required=True)
     create = commands.add_parser("create", help="create a key for a tenant; the key is printed once")
@@ -34,6 +36,14 @@ def add_tenant_parsers(subparsers: Any) -> None:
     revoke = commands.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id", metavar="ID")
     keys_parser.set_defaults(run=run_keys_command)
+
+    tenants = subparsers.add_parser("tenants", help="a tenant's data in the log")
+    tenant_commands = tenants.add_subparsers(dest="tenants_command", required=True)
+    erase = tenant_commands.add_parser(
+        "erase", help="remove a tenant's content (delivered text, inputs, tool data); keep the events"
+    )
+    erase.add_argument("tenant")
+    tenants.set_defaults(run=run_tenants_command)
 
 
 def run_keys_command(args: argparse.Namespace) -> int:
@@ -45,6 +55,13 @@ def run_keys_command(args: argparse.Namespace) -> int:
     if args.keys_command == "list":
         return _with_database(lambda connection: _list(connection, args.tenant))
     return _with_database(lambda connection: _revoke(connection, args.key_id))
+
+
+def run_tenants_command(args: argparse.Namespace) -> int:
+    if not _valid_tenant(args.tenant):
+        print("a tenant is 1 to 200 printable characters", file=sys.stderr)
+        return 2
+    return _with_database(lambda connection: _erase(connection, args.tenant))
 
 
 def _valid_tenant(tenant: str) -> bool:
@@ -70,6 +87,17 @@ async def _revoke(connection: Any, key_id: str) -> int:
         print(f"no unrevoked key {key_id}", file=sys.stderr)
         return 1
     print(f"revoked {key_id}; gateways refuse it once their key cache expires (api_key_cache_s)")
+    return 0
+
+
+async def _erase(connection: Any, tenant: str) -> int:
+    erased = await erase_tenant(connection, tenant)
+    print(
+        f"tenant {tenant}: {erased.requests} request(s); content removed from {erased.events} event(s),"
+        f" {erased.tool_executions} tool execution(s) and {erased.inputs} recorded input(s)"
+    )
+    if erased.unfinished:
+        print(f"{erased.unfinished} of them still open: erase again once they ended", file=sys.stderr)
     return 0
 
 
