@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from app.api.errors import ServiceUnavailable, Unauthorized
 from app.config import SHA256_PREFIX, GatewayConfig
 from app.store import keys
 from app.store.errors import StoreError
+
+log = logging.getLogger("phasegate.api")
 
 OPEN_TENANT = "default"
 MAX_CACHED = 10_000  # digests cached at most; unknown keys are cached too, so bound them
@@ -43,13 +46,16 @@ class Authenticator:
     """Maps ``Authorization: Bearer <key>`` to a tenant, or raises :class:`Unauthorized`."""
 
     def __init__(self, config: GatewayConfig, store: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        self._configured = [
-            (
-                (key.removeprefix(SHA256_PREFIX) if key.startswith(SHA256_PREFIX) else keys.key_digest(key)).encode(),
-                tenant,
-            )
-            for key, tenant in config.api_keys.items()
-        ]
+        self._configured: list[tuple[bytes, str]] = []
+        for key, tenant in config.api_keys.items():
+            if not key.startswith(SHA256_PREFIX):
+                self._configured.append((keys.key_digest(key).encode(), tenant))
+            elif keys.SHA256_HEX.fullmatch(digest := key.removeprefix(SHA256_PREFIX).lower()):
+                self._configured.append((digest.encode(), tenant))
+            else:  # the entry itself is not logged: it may be a key pasted in the wrong place
+                log.warning(
+                    "api_keys: an entry of tenant %r is 'sha256:' without 64 hex digits; it matches no key", tenant
+                )
         self._reading = getattr(store, "reading", None)  # None: a store with no key table
         self._ttl_s = config.api_key_cache_s
         self._clock = clock

@@ -5,6 +5,7 @@ PostgreSQL, with the real ``openai`` client."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,9 @@ import openai
 import pytest
 
 from app import cli
+from app.api.auth import Authenticator
+from app.api.errors import Unauthorized
+from app.config import load_config
 from app.store.database import asyncpg_dsn
 from ops.processes import free_port, phasegate, start, stop, wait_http
 from statemachine import events as ev
@@ -205,3 +209,17 @@ def test_secrets_are_never_in_the_server_log(
     text = log.read_text()
     assert "gateway instance" in text  # the log was written
     assert not [secret for secret in secrets if secret in text]
+
+
+async def test_configured_digests_in_either_case_and_a_placeholder_that_matches_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = "sk-kept-elsewhere"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    config = load_config(None, api_keys={f"sha256:{digest.upper()}": "team-u", "sha256:CHANGE-ME": "team-p"})
+    with caplog.at_level(logging.WARNING, logger="phasegate.api"):
+        authenticator = Authenticator(config, store=None)
+    assert await authenticator.tenant(f"Bearer {key}") == "team-u"
+    with pytest.raises(Unauthorized):
+        await authenticator.tenant("Bearer sha256:CHANGE-ME")
+    assert "'team-p'" in caplog.text and "CHANGE-ME" not in caplog.text  # the tenant named, not the entry
