@@ -5,6 +5,8 @@
     phasegate db        the log's schema: upgrade, downgrade, current, check
     phasegate replay    re-run requests' recorded decisions, from the log or a trace file
     phasegate trace     export requests as a trace file, import one elsewhere
+    phasegate keys      API keys, stored hashed: create (printed once), list, revoke
+    phasegate tenants   a tenant's data: erase its content, keep the events
 
 Each subcommand's module is imported only when it runs, so ``phasegate worker`` does
 not load the gateway and ``phasegate serve`` does not load vLLM.
@@ -18,6 +20,7 @@ import sys
 from app.incident.commands import add_incident_parsers
 from app.serve import add_serve_parser
 from app.store.commands import add_db_parser
+from app.store.tenant_commands import add_tenant_parsers
 from app.worker.config import add_worker_parser
 
 
@@ -28,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_parser(sub)
     add_db_parser(sub)
     add_incident_parsers(sub)
+    add_tenant_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         from app.serve import serve
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # db, replay, trace
+    return int(args.run(args))  # db, replay, trace, keys, tenants
 
 
 if __name__ == "__main__":

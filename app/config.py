@@ -21,6 +21,7 @@ from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
+SHA256_PREFIX = "sha256:"  # an api_keys entry that is a key's digest, not the key
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,58 @@ class Limits:
 
     max_tokens: int = 4096  # the most a request may ask for
     default_max_tokens: int = 256  # used when a request does not say
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimit:
+    """One tenant's limits; ``None`` takes the default's, 0 is no limit."""
+
+    concurrent_streams: int | None = None  # generation requests in flight, streamed or not
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # estimated prompt tokens at admission, output tokens as delivered
+
+    def __post_init__(self) -> None:
+        for name in ("concurrent_streams", "requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"tenant_limits: {name} must be a whole number, 0 for no limit")
+
+    def over(self, default: TenantLimit) -> TenantLimit:
+        """This tenant's limits, each unset one taken from ``default``."""
+        return TenantLimit(
+            *(
+                default_value if value is None else value
+                for value, default_value in (
+                    (self.concurrent_streams, default.concurrent_streams),
+                    (self.requests_per_minute, default.requests_per_minute),
+                    (self.tokens_per_minute, default.tokens_per_minute),
+                )
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Per-tenant limits: ``default`` for every tenant, ``tenants`` overriding it field by field."""
+
+    default: TenantLimit = field(default_factory=TenantLimit)
+    tenants: dict[str, TenantLimit] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> TenantLimit:
+        own = self.tenants.get(tenant)
+        return self.default if own is None else own.over(self.default)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> TenantLimits:
+        """``[tenant_limits]``'s keys are the defaults; ``[tenant_limits.tenants.NAME]`` a tenant's."""
+        values = dict(values)
+        tenants = values.pop("tenants", {})
+        if not isinstance(tenants, dict) or not all(isinstance(v, dict) for v in tenants.values()):
+            raise ConfigError("tenant_limits.tenants: a table per tenant")
+        try:
+            return cls(TenantLimit(**values), {name: TenantLimit(**limit) for name, limit in tenants.items()})
+        except TypeError as exc:
+            raise ConfigError(f"tenant_limits: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +118,11 @@ class GatewayConfig:
     data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
     replicas: tuple[ReplicaConfig, ...] = ()
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open, tenant "default"
-    admin_token: str | None = None
+    # key (or "sha256:<hex of the key>") -> tenant; with none here and none in the api_keys
+    # table (phasegate keys): open, tenant "default". Never printed.
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    api_key_cache_s: float = 10.0  # how long a key looked up in PostgreSQL is trusted (a revocation's delay)
+    admin_token: str | None = field(default=None, repr=False)
     # the worker protocol's shared secret, sent to every worker replica (never printed)
     worker_token: str | None = field(default=None, repr=False)
     worker_token_file: Path | None = None  # read at load when worker_token is not set
@@ -75,6 +131,7 @@ class GatewayConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # off unless configured
     content_policy: str = "full"  # how delivered text is kept in the log: full, digest or none
     max_body_bytes: int = 1 << 20
     retry_budget_burst: int = 20  # global retries available at once
@@ -109,6 +166,13 @@ class GatewayConfig:
                 raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("metrics_token must have at least 16 characters")
+        for key, tenant in self.api_keys.items():
+            if not isinstance(key, str) or not isinstance(tenant, str) or not key or not tenant:
+                raise ConfigError("api_keys: each entry is a key (or sha256:<hex>) = tenant, both text")
+        # a "sha256:" entry that is not 64 hex digits (a placeholder never replaced) can
+        # match no key: the gateway warns at start, naming the tenant (app/api/auth.py)
+        if self.api_key_cache_s < 0:
+            raise ConfigError("api_key_cache_s must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
@@ -177,6 +241,8 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             values["policy"] = PolicyConfig.from_mapping(values["policy"])
         if isinstance(values.get("timeouts"), dict):
             values["timeouts"] = Timeouts(**values["timeouts"])
+        if isinstance(values.get("tenant_limits"), dict):
+            values["tenant_limits"] = TenantLimits.from_mapping(values["tenant_limits"])
         if isinstance(values.get("limits"), dict):
             values["limits"] = Limits(**values["limits"])
         if "cors_allow_origins" in values:

@@ -69,7 +69,7 @@ class Gateway:
     ) -> Gateway:
         if config.apply_migrations:
             await upgrade_async(database_url)
-        store = await PostgresEventStore.connect(database_url)
+        store = await PostgresEventStore.connect(database_url, content_policy=config.content_policy)
         metrics = Metrics()
         pool = ReplicaPool(
             [Replica(replica, replica_client(replica, config)) for replica in config.replicas],

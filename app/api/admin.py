@@ -6,9 +6,12 @@
 
 Authentication: ``Authorization: Bearer <admin_token>``, or HTTP Basic auth with the
 token as the password (any user name), so a browser can open the page: a 401 from
-``/ui/`` asks for it with ``WWW-Authenticate: Basic``. With no ``admin_token``
-configured the endpoints answer 403 ``admin_disabled``: they exist, but nobody may
-use them. Errors have the OpenAI shape of :mod:`app.api.errors`.
+``/ui/`` asks for it with ``WWW-Authenticate: Basic``. The admin token reads every
+request; a tenant's API key (in the same places) reads only that tenant's requests,
+and another tenant's request is 404 as an unknown one is, so that a key cannot learn
+which ids exist. With neither an ``admin_token`` nor API keys configured the
+endpoints answer 403 ``admin_disabled``: they exist, but nobody may use them. Errors
+have the OpenAI shape of :mod:`app.api.errors`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.auth import Authenticator
 from app.api.errors import (
     ApiError,
     Forbidden,
@@ -39,6 +43,7 @@ from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
 from app.ui.page import render_page
+from statemachine.events import Event, RequestAccepted
 from statemachine.jsonform import to_json
 
 log = logging.getLogger("phasegate.admin")
@@ -48,12 +53,13 @@ MAX_PAGE = 1000
 MAX_SEQ = 2**31 - 1  # events.version is a PostgreSQL integer
 MAX_REQUEST_ID_CHARS = 256
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request, "str | None"], Awaitable[Response]]  # the request, and the tenant it is read for
+Guarded = Callable[[Request], Awaitable[Response]]
 
 
-def admin_routes(ctx: GatewayContext) -> list[Route]:
+def admin_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
     """The admin routes of the gateway over ``ctx``."""
-    admin = _Admin(ctx)
+    admin = _Admin(ctx, authenticator)
     return [
         Route("/v1/requests/{request_id}", admin.guarded(admin.summary), methods=["GET"]),
         Route("/v1/requests/{request_id}/events", admin.guarded(admin.events), methods=["GET"]),
@@ -62,18 +68,19 @@ def admin_routes(ctx: GatewayContext) -> list[Route]:
 
 
 class _Admin:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
 
-    def guarded(self, handler: Handler, *, browser: bool = False) -> Handler:
-        """``handler`` behind the admin token; every ApiError becomes its JSON answer."""
+    def guarded(self, handler: Handler, *, browser: bool = False) -> Guarded:
+        """``handler`` behind the admin token or a tenant's key; every ApiError becomes its JSON answer."""
 
         async def guarded(request: Request) -> Response:
             exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
             try:
-                self._authenticate(request)
+                tenant = await self._reader(request)
                 _check_request_id(request.path_params.get("request_id", ""))
-                response = await handler(request)
+                response = await handler(request, tenant)
             except ApiError as error:
                 headers = {"x-request-id": exchange, **retry_headers(error.retryable)}
                 if isinstance(error, Unauthorized) and browser:
@@ -91,26 +98,31 @@ class _Admin:
 
         return guarded
 
-    def _authenticate(self, request: Request) -> None:
+    async def _reader(self, request: Request) -> str | None:
+        """Who reads: ``None`` for the admin token (every request), else the key's tenant."""
         token = self.ctx.config.admin_token
-        if not token:
+        keys = await self.authenticator.required()
+        if not token and not keys:
             raise Forbidden(
                 "the admin endpoints are disabled: set admin_token in the gateway's configuration",
                 code="admin_disabled",
             )
+        code = "invalid_admin_token" if token else "invalid_api_key"
         offered = _offered_token(request.headers.get("authorization", ""))
         if offered is None:
-            raise Unauthorized(
-                "missing admin token: send 'Authorization: Bearer <admin token>'", code="invalid_admin_token"
-            )
-        if not hmac.compare_digest(offered.encode(), token.encode()):
-            raise Unauthorized("incorrect admin token", code="invalid_admin_token")
+            raise Unauthorized("missing admin token or API key: send 'Authorization: Bearer <token>'", code=code)
+        if token and hmac.compare_digest(offered.encode(), token.encode()):
+            return None
+        tenant = await self.authenticator.tenant_of_key(offered) if keys else None
+        if tenant is None:
+            raise Unauthorized("incorrect admin token or API key", code=code)
+        return tenant
 
-    async def summary(self, request: Request) -> Response:
+    async def summary(self, request: Request, tenant: str | None) -> Response:
         request_id = request.path_params["request_id"]
         async with self._reading() as connection:
             found = await queries.request_summary(connection, request_id)
-        if found is None:
+        if found is None or (tenant is not None and found.request.get("tenant") != tenant):
             raise _unknown(request_id)
         return JSONResponse(
             {
@@ -121,11 +133,13 @@ class _Admin:
             }
         )
 
-    async def events(self, request: Request) -> Response:
+    async def events(self, request: Request, tenant: str | None) -> Response:
         request_id = request.path_params["request_id"]
         after_seq = _integer(request, "after_seq", 0, minimum=0, maximum=MAX_SEQ)
         limit = _integer(request, "limit", DEFAULT_PAGE, minimum=1, maximum=MAX_PAGE)
         async with self._reading() as connection:
+            if tenant is not None and await queries.request_tenant(connection, request_id) != tenant:
+                raise _unknown(request_id)
             page = await queries.events_page(connection, request_id, after_seq=after_seq, limit=limit + 1)
             if not page and not await queries.known_requests(connection, [request_id]):
                 raise _unknown(request_id)
@@ -140,10 +154,10 @@ class _Admin:
             }
         )
 
-    async def page(self, request: Request) -> Response:
+    async def page(self, request: Request, tenant: str | None) -> Response:
         request_id = request.path_params["request_id"]
         events = await self.ctx.store.read(request_id)
-        if not events:
+        if not events or (tenant is not None and not _tenants(events[0], tenant)):
             raise _unknown(request_id)
         return HTMLResponse(render_page(events))
 
@@ -189,6 +203,10 @@ def _check_request_id(request_id: str) -> None:
             param="request_id",
             code="invalid_request_id",
         )
+
+
+def _tenants(first: Event, tenant: str) -> bool:
+    return isinstance(first, RequestAccepted) and first.tenant == tenant
 
 
 def _unknown(request_id: str) -> NotFound:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
@@ -67,8 +67,14 @@ class Connection:
 
 
 async def stream_body(
-    driver: RequestDriver, shape: ResponseShape, output: Output, connection: Connection
+    driver: RequestDriver,
+    shape: ResponseShape,
+    output: Output,
+    connection: Connection,
+    charge: Callable[[int], None],
 ) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed answer; ``charge`` takes the tokens the client was sent
+    (the tenant's tokens per minute) when it ends, however it ends."""
     event_id = 0
     started = False
     delivered_tokens = 0
@@ -119,6 +125,8 @@ async def stream_body(
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise
+    finally:
+        charge(delivered_tokens)
 
 
 def failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.auth import Authenticator
 from app.api.errors import ApiError, NotFound, ServiceUnavailable
-from app.api.tenancy import tenant_of
 from app.driver.context import GatewayContext
 from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceRegistry
@@ -31,19 +31,20 @@ log = logging.getLogger("phasegate.api")
 FORWARD_TIMEOUT_S = 10.0
 
 
-def cancel_routes(ctx: GatewayContext) -> list[Route]:
-    return [Route("/v1/requests/{request_id}/cancel", _Cancel(ctx).cancel, methods=["POST"])]
+def cancel_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
+    return [Route("/v1/requests/{request_id}/cancel", _Cancel(ctx, authenticator).cancel, methods=["POST"])]
 
 
 class _Cancel:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
         headers = {"x-request-id": request_id}
         try:
-            tenant = tenant_of(self.ctx.config, request)
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             try:
                 events = await self.ctx.store.read(request_id)
             except StoreUnavailable:

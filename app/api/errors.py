@@ -9,6 +9,7 @@
     ├── RequestTooLarge      413   body over the size limit
     ├── UnsupportedMediaType 415   a POST body not declared as application/json
     ├── IdempotencyKeyReused 422   an Idempotency-Key sent again with another body
+    ├── RateLimited          429   a tenant over one of its limits (app/api/limits.py), with Retry-After
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
 
 Each says whether the same request may succeed if sent again (``retryable``). Where it
@@ -104,6 +105,19 @@ class IdempotencyKeyReused(ApiError):
     type = "invalid_request_error"
     code = "idempotency_key_reused"
     retryable = False
+
+
+class RateLimited(ApiError):
+    """The tenant is over one of its limits; ``retry_after_s`` goes out as ``Retry-After``."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    retryable = True
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class ServiceUnavailable(ApiError):

@@ -32,9 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
-from app.api.tenancy import tenant_of
 from app.driver.context import GatewayContext
 from app.driver.outputs import Failed
 from app.driver.request import GenerationRequest
@@ -56,21 +56,23 @@ class ResumeUnavailable(ApiError):
     code = "resume_unavailable"
 
 
-def resume_routes(ctx: GatewayContext) -> list[Route]:
-    return [Route("/v1/requests/{request_id}/stream", _Resume(ctx).stream, methods=["GET"])]
+def resume_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
+    return [Route("/v1/requests/{request_id}/stream", _Resume(ctx, authenticator).stream, methods=["GET"])]
 
 
 class _Resume:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
+        self.follower = _Follower(ctx)
 
     async def stream(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
         headers = {"x-request-id": request_id}
         try:
-            tenant = tenant_of(self.ctx.config, request)
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             after = _after(request)
-            events = await self._read(request_id)
+            events = await self.follower.read(request_id)
             accepted = events[0] if events else None
             if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
                 raise NotFound(f"no request '{request_id}'", code="request_not_found")  # nor another tenant's
@@ -80,10 +82,17 @@ class _Resume:
         generation = _shape_of(accepted)
         shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
         return EventSourceResponse(
-            self._follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
+            self.follower.follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
         )
 
-    async def _read(self, request_id: str) -> list[ev.Event]:
+
+class _Follower:
+    """Reads a request's log, and follows it to its end."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def read(self, request_id: str) -> list[ev.Event]:
         try:
             return await self.ctx.store.read(request_id)
         except StoreUnavailable:
@@ -91,7 +100,7 @@ class _Resume:
                 "the request log is unavailable; retry shortly", code="event_log_unavailable"
             ) from None
 
-    async def _follow(
+    async def follow(
         self, request_id: str, events: list[ev.Event], after: int, shape: ResponseShape
     ) -> AsyncIterator[bytes]:
         """Deltas after ``after`` from the log, reading on while the request is live."""
@@ -144,15 +153,15 @@ class _Resume:
 async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
     """Answer a POST whose ``Idempotency-Key`` started ``request_id``, from its log."""
     headers = {"x-request-id": request_id}
-    follower = _Resume(ctx)
+    follower = _Follower(ctx)
     try:
         after = _after(request)
-        events = await follower._read(request_id)
+        events = await follower.read(request_id)
         waited = 0.0
         while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
             await asyncio.sleep(FOLLOW_EVERY_S)
             waited += FOLLOW_EVERY_S
-            events = await follower._read(request_id)
+            events = await follower.read(request_id)
         if not events:
             raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
         _check_resumable(events)
@@ -163,11 +172,11 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     generation = _shape_of(accepted)
     shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
     if stream:
-        body = follower._follow(request_id, events, after, shape)
+        body = follower.follow(request_id, events, after, shape)
         return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
     while fold(events).outcome is None:  # a whole answer: once the request ended
         await asyncio.sleep(FOLLOW_EVERY_S)
-        events = await follower._read(request_id)
+        events = await follower.read(request_id)
     state = fold(events)
     terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
     if not isinstance(terminal, ev.RequestCompleted):

@@ -15,6 +15,7 @@ that leaves, which cancels upstream through the driver.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import uuid
@@ -33,22 +34,24 @@ from starlette.routing import Route
 
 from app.api.admin import admin_routes
 from app.api.answers import Connection, failure_response, stream_body, whole_answer
+from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
+    RateLimited,
     RequestTooLarge,
     ServiceUnavailable,
     Unauthorized,
     UnsupportedMediaType,
     retry_headers,
 )
+from app.api.limits import TenantLimiter
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
-from app.api.tenancy import tenant_of
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -67,7 +70,9 @@ REFUSALS = {
 
 
 def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
-    api = _Api(ctx)
+    authenticator = Authenticator(ctx.config, ctx.store)
+    limiter = TenantLimiter(ctx.config.tenant_limits, ctx.drivers, lambda: ctx.budget.share)
+    api = _Api(ctx, authenticator, limiter)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -75,9 +80,9 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
-        *admin_routes(ctx),
-        *resume_routes(ctx),
-        *cancel_routes(ctx),
+        *admin_routes(ctx, authenticator),
+        *resume_routes(ctx, authenticator),
+        *cancel_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     origins = ctx.config.cors_allow_origins
@@ -100,8 +105,10 @@ def new_request_id() -> str:
 
 
 class _Api:
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator, limiter: TenantLimiter) -> None:
         self.ctx = ctx
+        self.authenticator = authenticator
+        self.limiter = limiter
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
@@ -119,7 +126,7 @@ class _Api:
             self.ctx.metrics.rejected.labels(code=refused.code).inc()
             return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
-            tenant = self._authenticate(request)
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             generation = parse_request(
                 endpoint, await _json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
             )
@@ -130,10 +137,14 @@ class _Api:
                 original = await self._claim(tenant, key, request_id, generation)
                 if original is not None:  # the same POST again: its request, from the log
                     return await attach(self.ctx, original, request, stream=generation.stream)
+            # no await from here to driver.accept(): the admitted request is live at once
+            self.limiter.admit(tenant, request_id, generation.estimated_prompt_tokens)
         except ApiError as error:
             self.ctx.metrics.rejected.labels(code=error.code).inc()
             log.info("rejected request %s: %s %s", request_id, error.code, error.message)
             headers |= retry_headers(error.retryable)
+            if isinstance(error, RateLimited):
+                headers["retry-after"] = str(error.retry_after_s)
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
@@ -148,6 +159,8 @@ class _Api:
             return failure_response(request_id, log_loss.failure(0), headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
+        if not isinstance(first, Delta | Finished) or not generation.stream:  # answered whole, or failed
+            self.limiter.charge(tenant, driver.state.delivered_output_tokens)
         if isinstance(first, Failed):
             return failure_response(request_id, first, headers)
         if isinstance(first, JSONResponse):
@@ -156,8 +169,9 @@ class _Api:
         assert isinstance(first, Delta | Finished)
         shape = ResponseShape(generation, response_id(generation, request_id), driver.created)
         connection = Connection()
+        charge = functools.partial(self.limiter.charge, tenant)
         return EventSourceResponse(
-            stream_body(driver, shape, first, connection),
+            stream_body(driver, shape, first, connection, charge),
             headers=headers,
             ping=15,
             send_timeout=30,
@@ -179,9 +193,6 @@ class _Api:
             return output
         state = driver.state  # pragma: no cover - a bug in the driver if it happens
         raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")
-
-    def _authenticate(self, request: Request) -> str:
-        return tenant_of(self.ctx.config, request)
 
     async def _claim(self, tenant: str, key: str, request_id: str, generation: GenerationRequest) -> str | None:
         """Claim ``key`` for this request: ``None`` when it starts one, else the request
@@ -205,9 +216,9 @@ class _Api:
         return claimed.request_id
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._authenticate(request)  # with API keys configured, listing models needs one too
-        except Unauthorized as error:
+        try:  # with API keys configured, listing models needs one too
+            await self.authenticator.tenant(request.headers.get("authorization", ""))
+        except (Unauthorized, ServiceUnavailable) as error:
             return _refused(error)
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "phasegate", "root": revision}
@@ -245,7 +256,9 @@ class _Api:
 
 def _refused(error: ApiError) -> JSONResponse:
     request_id = new_request_id()
-    headers = {"x-request-id": request_id, "www-authenticate": "Bearer", **retry_headers(error.retryable)}
+    headers = {"x-request-id": request_id, **retry_headers(error.retryable)}
+    if isinstance(error, Unauthorized):
+        headers["www-authenticate"] = "Bearer"
     return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
 

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from app.store import schema
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import from_row, storable, to_row
+from app.store.content import kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable
 from app.store.follow import FollowCursor
@@ -48,7 +49,8 @@ class PostgresEventStore(EventStore):
     ``max_queued_events``: accepted but unwritten events at most; appends wait beyond.
     ``poll_interval``: how often followers look for commits made by other processes
     (this process's own commits wake them at once). ``pool_size``: connections for
-    reads, follows and the tool ledger (the writer has its own).
+    reads, follows and the tool ledger (the writer has its own). ``content_policy``:
+    what recorded inputs keep (:func:`app.store.content.kept_input`).
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class PostgresEventStore(EventStore):
         max_queued_events: int = 20_000,
         poll_interval: float = 0.05,
         pool_size: int = 5,
+        content_policy: str = "full",
     ) -> None:
         self.url = sqlalchemy_url(url)
+        self.content_policy = content_policy
         self.poll_interval = poll_interval
         self._engine: AsyncEngine = create_async_engine(
             self.url, pool_size=pool_size, max_overflow=2 * pool_size, pool_pre_ping=True
@@ -257,7 +261,10 @@ class PostgresEventStore(EventStore):
         # flush delay. A caller resumes once its input is written.
         if self._closed:
             raise StoreClosed("the event store is closed")
-        self._pending_inputs.append((request_id, json.dumps(body), model_revision, seed))
+        kept = kept_input(body, self.content_policy)
+        if kept is None:
+            return
+        self._pending_inputs.append((request_id, json.dumps(kept), model_revision, seed))
         if self._inputs_written is None:
             self._inputs_written = asyncio.get_running_loop().create_task(self._write_inputs())
         await asyncio.shield(self._inputs_written)

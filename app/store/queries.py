@@ -144,3 +144,10 @@ async def request_summary(connection: AsyncConnection, request_id: str) -> Reque
     )
     rows = [{key: value for key, value in attempt.items() if key != "request_id"} for attempt in attempts.mappings()]
     return RequestSummary(dict(row), rows)
+
+
+async def request_tenant(connection: AsyncConnection, request_id: str) -> str | None:
+    """The tenant whose request ``request_id`` is, or ``None`` when the log has no such request."""
+    found = await connection.execute(text("SELECT tenant FROM requests WHERE request_id = :id"), {"id": request_id})
+    tenant: str | None = found.scalar_one_or_none()
+    return tenant

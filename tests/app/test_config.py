@@ -20,7 +20,7 @@ def test_the_documented_file_is_a_valid_configuration(tmp_path: Path, monkeypatc
     path.write_text(example)
     config = load_config(path)
     assert [r.kind for r in config.replicas] == ["worker", "openai"]
-    assert config.replicas[0].models == ("tiny-llama",) and config.api_keys == {"sk-team-a": "team-a"}
+    assert config.replicas[0].models == ("tiny-llama",) and config.api_keys["sk-team-a"] == "team-a"
     assert config.policy.max_attempts == 2 and config.policy.retry_max_prompt_tokens == 8000
     assert config.timeouts.stall_s == 2.0 and config.limits.max_tokens == 4096
     assert config.model_revision("tiny-llama") == "2026-11-30"

@@ -1,0 +1,78 @@
+"""What the log keeps of content (DESIGN.md §13): recorded inputs under the content
+policy, and a tenant's content erased while its events stay.
+
+Content is what a client sent or was sent: the request's body (``request_inputs``),
+the delivered text (``DeltasDelivered.text``, or its digest), tool call arguments
+(``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool results and
+errors (``tool_executions``). Everything else is the event skeleton: what happened,
+when, where, how many tokens. The fold and replay read only the skeleton, so they
+work on an erased log as on one recorded under the ``none`` policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+
+
+def kept_input(body: dict[str, Any], content_policy: str) -> dict[str, Any] | None:
+    """What ``request_inputs`` keeps of a request's body: all of it (``full``), the
+    SHA-256 of its canonical JSON (``digest``), or nothing, not even a row (``none``)."""
+    if content_policy == "full":
+        return body
+    if content_policy == "digest":
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return {"sha256": hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()}
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Erased:
+    """What ``erase_tenant`` found and changed."""
+
+    requests: int  # the tenant's requests in the log
+    unfinished: int  # of them still open: their later events may hold content again
+    events: int  # events whose content was removed
+    tool_executions: int
+    inputs: int
+
+
+_OF_TENANT = "SELECT request_id FROM requests WHERE tenant = :tenant"
+_COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM requests WHERE tenant = :tenant")
+# as if recorded under the "none" policy: no text and no digest; arguments as a redacted
+# trace writes them (statemachine/trace.py)
+_EVENTS = text(
+    f"""
+    UPDATE request_events SET body = CASE type
+        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null}}'::jsonb
+        ELSE jsonb_set(body, '{{arguments}}', '""'::jsonb) END
+     WHERE request_id IN ({_OF_TENANT})
+       AND ((type = 'DeltasDelivered' AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
+         OR (type = 'ToolCallEmitted' AND body->>'arguments' <> ''))
+    """
+)
+_TOOLS = text(
+    f"""
+    UPDATE tool_executions SET arguments = '', result = NULL, error = NULL
+     WHERE request_id IN ({_OF_TENANT}) AND (arguments <> '' OR result IS NOT NULL OR error IS NOT NULL)
+    """
+)
+_INPUTS = text(f"DELETE FROM request_inputs WHERE request_id IN ({_OF_TENANT})")
+
+
+async def erase_tenant(connection: Any, tenant: str) -> Erased:
+    """Remove ``tenant``'s content from the log, in the caller's transaction; the events,
+    their order and every count stay. Running it again changes nothing more."""
+    values = {"tenant": tenant}
+    requests, unfinished = (await connection.execute(_COUNT, values)).one()
+    return Erased(
+        requests=requests,
+        unfinished=unfinished,
+        events=(await connection.execute(_EVENTS, values)).rowcount,
+        tool_executions=(await connection.execute(_TOOLS, values)).rowcount,
+        inputs=(await connection.execute(_INPUTS, values)).rowcount,
+    )
