@@ -2,11 +2,16 @@
 
     GET /v1/requests/{id}                       the request as the read models tell it
     GET /v1/requests/{id}/events?after_seq=&limit=   its events, a page at a time
+    GET /ui/requests?outcome=&model=&tenant=&migration=&since=&until=&before=
+                                                recent requests, newest first, a page at a time
     GET /ui/requests/{id}                       the timeline page (HTML with an SVG)
 
 Authentication: ``Authorization: Bearer <admin_token>``, or HTTP Basic auth with the
 token as the password (any user name), so a browser can open the page: a 401 from
-``/ui/`` asks for it with ``WWW-Authenticate: Basic``. With no ``admin_token``
+``/ui/`` asks for it with ``WWW-Authenticate: Basic``. The pages under ``/ui/`` also
+take the token once in the URL, as ``phasegate serve`` prints it (``?token=…``): the
+answer is a redirect to the same page without it, setting an HttpOnly, SameSite=Strict
+cookie (an HMAC of the token, not the token) that the pages accept from then on. With no ``admin_token``
 configured the endpoints answer 403 ``admin_disabled``: they exist, but nobody may
 use them. Errors have the OpenAI shape of :mod:`app.api.errors`.
 """
@@ -15,15 +20,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from app.api.errors import (
@@ -39,6 +46,7 @@ from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
 from app.ui.page import render_page
+from app.ui.request_list import BadFilter, RequestFilter, recent_requests, render_requests_page
 from statemachine.jsonform import to_json
 
 log = logging.getLogger("phasegate.admin")
@@ -47,6 +55,7 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 MAX_SEQ = 2**31 - 1  # events.version is a PostgreSQL integer
 MAX_REQUEST_ID_CHARS = 256
+UI_COOKIE = "phasegate_admin"
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -57,6 +66,7 @@ def admin_routes(ctx: GatewayContext) -> list[Route]:
     return [
         Route("/v1/requests/{request_id}", admin.guarded(admin.summary), methods=["GET"]),
         Route("/v1/requests/{request_id}/events", admin.guarded(admin.events), methods=["GET"]),
+        Route("/ui/requests", admin.guarded(admin.request_list, browser=True), methods=["GET"]),
         Route("/ui/requests/{request_id}", admin.guarded(admin.page, browser=True), methods=["GET"]),
     ]
 
@@ -71,7 +81,9 @@ class _Admin:
         async def guarded(request: Request) -> Response:
             exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
             try:
-                self._authenticate(request)
+                if browser and "token" in request.query_params:
+                    return self._hand_over(request, exchange)
+                self._authenticate(request, browser=browser)
                 _check_request_id(request.path_params.get("request_id", ""))
                 response = await handler(request)
             except ApiError as error:
@@ -91,13 +103,11 @@ class _Admin:
 
         return guarded
 
-    def _authenticate(self, request: Request) -> None:
-        token = self.ctx.config.admin_token
-        if not token:
-            raise Forbidden(
-                "the admin endpoints are disabled: set admin_token in the gateway's configuration",
-                code="admin_disabled",
-            )
+    def _authenticate(self, request: Request, *, browser: bool = False) -> None:
+        token = self._token()
+        cookie = request.cookies.get(UI_COOKIE) if browser else None
+        if cookie is not None and hmac.compare_digest(cookie.encode(), _cookie_value(token).encode()):
+            return
         offered = _offered_token(request.headers.get("authorization", ""))
         if offered is None:
             raise Unauthorized(
@@ -105,6 +115,44 @@ class _Admin:
             )
         if not hmac.compare_digest(offered.encode(), token.encode()):
             raise Unauthorized("incorrect admin token", code="invalid_admin_token")
+
+    def _token(self) -> str:
+        token = self.ctx.config.admin_token
+        if not token:
+            raise Forbidden(
+                "the admin endpoints are disabled: set admin_token in the gateway's configuration",
+                code="admin_disabled",
+            )
+        return token
+
+    def _hand_over(self, request: Request, exchange: str) -> Response:
+        """``?token=`` once: the same page without it, and a cookie that stands for it."""
+        token = self._token()
+        if not hmac.compare_digest(request.query_params["token"].encode(), token.encode()):
+            raise Unauthorized("incorrect admin token", code="invalid_admin_token")
+        rest = [(name, value) for name, value in request.query_params.multi_items() if name != "token"]
+        target = request.url.path + (f"?{urlencode(rest)}" if rest else "")
+        response = RedirectResponse(target, status_code=303, headers={"x-request-id": exchange})
+        response.set_cookie(
+            UI_COOKIE,
+            _cookie_value(token),
+            path="/ui/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        response.headers["cache-control"] = "no-store"
+        response.headers["referrer-policy"] = "no-referrer"  # the token must not leave in a Referer
+        return response
+
+    async def request_list(self, request: Request) -> Response:
+        try:
+            wanted = RequestFilter.parse(request.query_params)
+        except BadFilter as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+        async with self._reading() as connection:
+            page = await recent_requests(connection, wanted)
+        return HTMLResponse(render_requests_page(page, wanted))
 
     async def summary(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -166,6 +214,11 @@ def _offered_token(authorization: str) -> str | None:
             return None
         return password or None
     return None
+
+
+def _cookie_value(token: str) -> str:
+    """What the UI cookie holds: derived from the token, so the cookie is not the token itself."""
+    return hmac.new(token.encode(), b"phasegate ui cookie", hashlib.sha256).hexdigest()
 
 
 def _integer(request: Request, name: str, default: int, *, minimum: int, maximum: int) -> int:

@@ -43,7 +43,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.replicas": frozenset({BOTTOM, "app.config"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
-    "app.ui": frozenset({BOTTOM, "app.incident"}),
+    # the pages; the list of requests reads the read models' table
+    "app.ui": frozenset({BOTTOM, "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
     "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
