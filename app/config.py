@@ -21,6 +21,7 @@ from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -91,8 +92,11 @@ class GatewayConfig:
     instance_lease_ttl_s: float = 10.0  # an instance's lease, renewed every third of it
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
+    log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if self.content_policy not in CONTENT_POLICIES:
             raise ConfigError(f"content_policy must be one of {', '.join(CONTENT_POLICIES)}")
         ids = [replica.id for replica in self.replicas]

@@ -33,7 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
+from app import logs
+from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
 from app.supervisor import Child, run_dir, start_worker
 
@@ -63,6 +64,9 @@ def add_serve_parser(sub: Any) -> None:
         "--sim-ms-per-token", type=float, default=None, help="the simulated workers' time per token (default 2)"
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-format", choices=LOG_FORMATS, help="text (default) or json: one object a line, with request_id"
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -71,9 +75,7 @@ def serve(args: argparse.Namespace) -> int:
     # While it runs, DrainingServer handles them.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_on_signal)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
-    overrides: dict[str, Any] = {"host": args.host, "port": args.port}
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
     if args.replica:
         overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
     if args.model:
@@ -83,6 +85,10 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"phasegate serve: {exc}")
         return 2
+    logs.configure(args.log_level, config.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
+    logs.redact(*_secrets(config))
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres
 
@@ -101,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if not config.replicas:
             config = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token, children)
+            logs.redact(config.worker_token)  # generated for the sim workers
         if config.database_url:
             url = sqlalchemy_url(config.database_url)
         else:
@@ -127,6 +134,19 @@ class _Deferred:
 
     holding = False
     pending: int | None = None
+
+
+def _secrets(config: GatewayConfig) -> list[str | None]:
+    """What no log line may hold: keys, tokens, the DSN's password (the printed demo URL is
+    not a log line)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    password = None
+    if config.database_url:
+        with contextlib.suppress(ArgumentError, ValueError):
+            password = make_url(config.database_url).password
+    return [*config.api_keys, config.admin_token, config.worker_token, config.metrics_token, password]
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -228,6 +248,7 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket, generat
                 self.should_exit = self.force_exit = True
 
         async def _drain(self) -> None:
+            logs.bind_instance(lambda: gateway.instance_id)  # started by a signal, outside any exchange
             print(f"phasegate drains: open streams get up to {config.drain_s:g}s (a second signal stops now)")
             try:
                 await gateway.drain()
@@ -242,6 +263,7 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket, generat
             host=config.host,
             port=config.port,
             log_level="warning",
+            log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             lifespan="on",
             # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
             # balancers' (often 60 s), so they close idle connections first: at uvicorn's

@@ -33,6 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # leaves: settings, the gateway's Prometheus metrics, child processes
     "app.config": frozenset({BOTTOM, "app.contract"}),
     "app.metrics": frozenset(),
+    "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.supervisor": frozenset({"app.contract"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
@@ -40,7 +41,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.worker": frozenset({"app.contract"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
-    "app.replicas": frozenset({BOTTOM, "app.config"}),
+    "app.replicas": frozenset({BOTTOM, "app.config", "app.logs"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
@@ -49,6 +50,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
+        | {"app.logs"}
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
@@ -56,7 +58,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.contract"}
+        | {"app.gateway", "app.contract", "app.logs"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}
