@@ -93,6 +93,8 @@ class GatewayConfig:
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
     log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
+    otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; unset: no tracing (the otel extra)
+    otel_service_name: str = "phasegate"
 
     def __post_init__(self) -> None:
         if self.log_format not in LOG_FORMATS:

@@ -89,6 +89,14 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
     logs.redact(*_secrets(config))
+    if config.otel_endpoint:
+        from app import tracing
+
+        try:
+            tracing.configure(config.otel_endpoint, config.otel_service_name)
+        except tracing.TracingUnavailable as exc:
+            print(f"phasegate serve: {exc}")
+            return 2
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres
 

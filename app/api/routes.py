@@ -55,6 +55,7 @@ from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Resta
 from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
 from app.logs import LogContext, bind_request
 from app.store.errors import StoreError
+from app.tracing import RequestSpans
 
 log = logging.getLogger("phasegate.api")
 
@@ -79,6 +80,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     # every log line names the gateway instance, and a request's lines its current attempt
     middleware = [Middleware(LogContext, instance=lambda: ctx.gateway_id, attempt_of=_attempt_of(ctx))]
+    middleware.append(Middleware(RequestSpans))  # a span per generation request, when tracing is on
     origins = ctx.config.cors_allow_origins
     if origins:  # off unless configured: no page elsewhere may read an answer
         middleware.append(

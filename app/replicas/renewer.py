@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from app import logs
+from app import logs, tracing
 from app.replicas.base import AttemptRequest, ReplicaClient, UpstreamFailure
 
 log = logging.getLogger("phasegate.pool")
@@ -47,7 +47,7 @@ class LeaseRenewer:
                 # the rounds serve every request on the replica: their lines name none of them
                 self._rounds(),
                 name=f"lease renewals on {self.client.replica_id}",
-                context=logs.detached(),
+                context=tracing.without_span(logs.detached()),
             )
 
     async def drop(self, attempt: Leased) -> None:
