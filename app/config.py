@@ -92,6 +92,7 @@ class GatewayConfig:
     instance_lease_ttl_s: float = 10.0  # an instance's lease, renewed every third of it
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
+    idempotency_ttl_s: float = 86400.0  # how long an Idempotency-Key binds its request
     log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; unset: no tracing (the otel extra)
     otel_service_name: str = "phasegate"

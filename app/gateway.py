@@ -29,6 +29,7 @@ from app.replicas.base import ReplicaClient
 from app.replicas.openai_upstream import OpenAIUpstream
 from app.replicas.pool import Replica, ReplicaPool
 from app.replicas.worker import WorkerReplica
+from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
 
@@ -86,6 +87,7 @@ class Gateway:
             budget=RetryBudget(config.retry_budget_burst, config.retry_budget_per_s),
             metrics=metrics,
             tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
+            idempotency=IdempotencyKeys(store),
         )
         return cls(ctx, store)
 

@@ -118,6 +118,7 @@ class ClientDisconnected(RequestScoped):
 class RequestCompleted(RequestScoped):
     finish_reason: str
     usage: dict[str, int]
+    finish_reasons: tuple[str, ...] = ()  # one per choice (empty in logs written before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,17 @@ class RequestFailed(RequestScoped):
 @dataclass(frozen=True, slots=True)
 class RequestCancelled(RequestScoped):
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResumed(RequestScoped):
+    """A client picked the ended request's stream up again from the log (DESIGN.md §12):
+    bookkeeping after the terminal event of what was sent, deltas ``[from_index,
+    to_index)`` and then the end, by the gateway instance ``gateway``."""
+
+    from_index: int
+    to_index: int
+    gateway: str
 
 
 # --- attempt-scoped events -------------------------------------------------------------
@@ -161,6 +173,10 @@ class DeltasDelivered(AttemptScoped):
 
     ``text`` holds the delivered text under the "full" content policy,
     ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
+    ``deltas`` says where each delta is, so a stream can be resumed at any of them
+    (DESIGN.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
+    delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
+    before it was recorded.
     """
 
     from_index: int
@@ -168,6 +184,7 @@ class DeltasDelivered(AttemptScoped):
     tokens: int
     text: str | None
     text_sha256: str | None
+    deltas: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +256,7 @@ Event = (
     | RequestCompleted
     | RequestFailed
     | RequestCancelled
+    | StreamResumed
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in typing.get_args(Event)}

@@ -48,7 +48,7 @@ def _dump(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, tuple):
-        return list(value)
+        return [_dump(item) for item in value]
     if isinstance(value, dict):
         return dict(value)
     if isinstance(value, enum.Enum):
@@ -153,6 +153,14 @@ def _parse_str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _parse_int_triples(value: Any) -> tuple[tuple[int, int, int], ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(item, list) and len(item) == 3 and all(type(n) is int and n >= 0 for n in item) for item in value
+    ):
+        raise TypeError("expected a list of [choice, characters, tokens]")
+    return tuple((item[0], item[1], item[2]) for item in value)
+
+
 def _parse_int_map(value: Any) -> dict[str, int]:
     if not isinstance(value, dict) or not all(type(item) is int for item in value.values()):
         raise TypeError("expected an object of integers")
@@ -187,6 +195,8 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_str_tuple
     if annotation == dict[str, int]:
         return _parse_int_map
+    if annotation == tuple[tuple[int, int, int], ...]:
+        return _parse_int_triples
     if annotation == dict[str, Any]:
         return _parse_object
     raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard

@@ -34,6 +34,7 @@ from statemachine.events import (
     RequestCompleted,
     RequestFailed,
     RetryBudgetDenied,
+    StreamResumed,
     ToolCallEmitted,
     UpstreamFailed,
 )
@@ -107,7 +108,8 @@ TRANSITIONS: dict[Phase, dict[type[Event], Phase]] = {
         RequestFailed: TERMINATED,
         RequestCancelled: TERMINATED,
     },
-    TERMINATED: _FENCE_BOOKKEEPING,
+    # an ended request's stream, resumed from the log, is bookkeeping too (DESIGN.md §12)
+    TERMINATED: {**_FENCE_BOOKKEEPING, StreamResumed: TERMINATED},
 }
 
 

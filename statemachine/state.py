@@ -46,6 +46,7 @@ from statemachine.events import (
     RequestFailed,
     RequestScoped,
     RetryBudgetDenied,
+    StreamResumed,
     ToolCallEmitted,
     UpstreamFailed,
 )
@@ -185,6 +186,12 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
         )
     if event.tokens < 0:
         raise _illegal(state, event, "negative token count")
+    if event.deltas and (
+        len(event.deltas) != event.to_index - event.from_index
+        or sum(tokens for _, _, tokens in event.deltas) != event.tokens
+        or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
+    ):
+        raise _illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
     return {
         "delivered_deltas": event.to_index,
         "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
@@ -277,6 +284,12 @@ def _on_failed(state: RequestState, event: RequestFailed) -> Changes:
     return {"outcome": Outcome.FAILED, "error_code": event.code, "pending": frozenset()}
 
 
+def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
+    if not 0 <= event.from_index <= event.to_index <= state.delivered_deltas:
+        raise _illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) were never delivered")
+    return {}
+
+
 def _on_cancelled(state: RequestState, event: RequestCancelled) -> Changes:
     return {"outcome": Outcome.CANCELLED, "error_code": event.reason, "pending": frozenset()}
 
@@ -345,4 +358,5 @@ _HANDLERS: dict[type[Event], Callable[[RequestState, Any], Changes]] = {
     RequestCompleted: _on_completed,
     RequestFailed: _on_failed,
     RequestCancelled: _on_cancelled,
+    StreamResumed: _on_stream_resumed,
 }

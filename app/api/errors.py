@@ -8,6 +8,7 @@
     ├── NotFound             404   unknown model, unknown request, unknown route
     ├── RequestTooLarge      413   body over the size limit
     ├── UnsupportedMediaType 415   a POST body not declared as application/json
+    ├── IdempotencyKeyReused 422   an Idempotency-Key sent again with another body
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
 
 Each says whether the same request may succeed if sent again (``retryable``). Where it
@@ -95,6 +96,13 @@ class UnsupportedMediaType(ApiError):
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
+    retryable = False
+
+
+class IdempotencyKeyReused(ApiError):
+    status = 422
+    type = "invalid_request_error"
+    code = "idempotency_key_reused"
     retryable = False
 
 

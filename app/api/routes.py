@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -35,19 +32,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
+from app.api.answers import Connection, failure_response, stream_body, whole_answer
+from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
+    IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
     RequestTooLarge,
     ServiceUnavailable,
     Unauthorized,
     UnsupportedMediaType,
-    failure_body,
     retry_headers,
 )
+from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
-from app.api.sse import DONE, ResponseShape, sse_event
+from app.api.sse import ResponseShape, response_id
+from app.api.tenancy import tenant_of
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -60,6 +61,7 @@ from app.tracing import RequestSpans
 log = logging.getLogger("phasegate.api")
 
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody reads it
+MAX_IDEMPOTENCY_KEY = 255
 REFUSALS = {
     "gateway_draining": "the gateway is shutting down; send the request again (another instance takes it)",
     "gateway_lost": "the gateway lost its place in the request log and is rejoining; retry shortly",
@@ -76,6 +78,8 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         *admin_routes(ctx),
+        *resume_routes(ctx),
+        *cancel_routes(ctx),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     # every log line names the gateway instance, and a request's lines its current attempt
@@ -136,6 +140,11 @@ class _Api:
             )
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
+            key = _idempotency_key(request)
+            if key is not None:
+                original = await self._claim(tenant, key, request_id, generation)
+                if original is not None:  # the same POST again: its request, from the log
+                    return await attach(self.ctx, original, request, stream=generation.stream)
         except ApiError as error:
             self.ctx.metrics.rejected.labels(code=error.code).inc()
             log.info("rejected request %s: %s %s", request_id, error.code, error.message)
@@ -143,27 +152,33 @@ class _Api:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         if not self.ctx.store.accepting:
             log.error("request %s refused: the event log is unavailable", request_id)
-            return _failure_response(request_id, log_loss.failure(0), headers)
+            return failure_response(request_id, log_loss.failure(0), headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
-        driver.accept()
+        driver.accept(idempotency_key=key)
         log.debug("request %s accepted: %s, model %s, tenant %s", request_id, endpoint, generation.model, tenant)
         try:
             first = await _unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
             log.error("request %s refused: the event log is unavailable", request_id)
             driver.log_lost(output_delivered=False)
-            return _failure_response(request_id, log_loss.failure(0), headers)
+            return failure_response(request_id, log_loss.failure(0), headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
         if isinstance(first, Failed):
-            return _failure_response(request_id, first, headers)
+            return failure_response(request_id, first, headers)
         if isinstance(first, JSONResponse):
             first.headers.update(headers)
             return first
         assert isinstance(first, Delta | Finished)
-        shape = ResponseShape(generation, _response_id(generation, request_id), int(time.time()))
+        shape = ResponseShape(generation, response_id(generation, request_id), driver.created)
+        connection = Connection()
         return EventSourceResponse(
-            _stream_body(driver, shape, first), headers=headers, ping=15, send_timeout=30, sep="\n"
+            stream_body(driver, shape, first, connection),
+            headers=headers,
+            ping=15,
+            send_timeout=30,
+            sep="\n",
+            client_close_handler_callable=connection.closed,
         )
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
@@ -175,23 +190,35 @@ class _Api:
             if isinstance(output, Failed | Cancelled):
                 return output
             if not driver.request.stream:
-                return await _whole_answer(driver, output)
+                return await whole_answer(driver, output)
             await driver.commit()
             return output
         state = driver.state  # pragma: no cover - a bug in the driver if it happens
         raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")
 
     def _authenticate(self, request: Request) -> str:
-        keys = self.ctx.config.api_keys
-        if not keys:
-            return "default"
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        for key, tenant in keys.items():
-            if hmac.compare_digest(key.encode(), token.encode()):
-                return tenant
-        raise Unauthorized("incorrect API key")
+        return tenant_of(self.ctx.config, request)
+
+    async def _claim(self, tenant: str, key: str, request_id: str, generation: GenerationRequest) -> str | None:
+        """Claim ``key`` for this request: ``None`` when it starts one, else the request
+        that the same body started with it before (another body: 422)."""
+        keys = self.ctx.idempotency
+        if keys is None:
+            raise InvalidRequest("this gateway's log does not keep idempotency keys", param="Idempotency-Key")
+        digest = f"{generation.endpoint}:{generation.params_digest()}"
+        try:
+            claimed = await keys.claim(tenant, key, request_id, digest, self.ctx.config.idempotency_ttl_s)
+        except StoreError:
+            raise ServiceUnavailable(
+                "the request log is unavailable; retry shortly", code="event_log_unavailable"
+            ) from None
+        if claimed.new:
+            return None
+        if claimed.body_digest != digest:
+            raise IdempotencyKeyReused(
+                "this Idempotency-Key was used for another request body; use a new key", param="Idempotency-Key"
+            )
+        return claimed.request_id
 
     async def models(self, request: Request) -> Response:
         try:
@@ -238,6 +265,17 @@ def _refused(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
 
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isascii() and key.isprintable()):
+        raise InvalidRequest(
+            f"'Idempotency-Key' must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
+            param="Idempotency-Key",
+            code="invalid_idempotency_key",
+        )
+    return key
+
+
 async def _json_body(request: Request, limit: int) -> Any:
     # JSON only: a browser page may post text/plain or a form cross-origin without asking
     # (no CORS preflight), but not application/json
@@ -282,89 +320,6 @@ async def _unless_client_leaves(request: Request, driver: RequestDriver, work: A
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
-    deltas: dict[int, list[Delta]] = {}
-    while not isinstance(output, Finished):
-        if isinstance(output, Failed | Cancelled):
-            return output
-        if isinstance(output, Delta):
-            deltas.setdefault(output.choice, []).append(output)
-        elif isinstance(output, Restarted):
-            deltas.clear()  # the failed attempt's text never reached the client
-        output = await anext(driver.outputs)
-    await driver.commit(flush=False)  # durable with the completion: the body goes out after both
-    for choice in sorted(deltas):
-        for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens)
-    for calls in output.tool_calls.values():
-        driver.delivered(json.dumps(calls), tokens=0)
-    await driver.complete(output)
-    request = driver.request
-    shape = ResponseShape(request, _response_id(request, driver.request_id), int(time.time()))
-    choices = range(len(output.finish_reasons))
-    body = shape.completion(
-        ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
-        list(output.finish_reasons),
-        output.usage,
-        [output.tool_calls.get(c, []) for c in choices],
-    )
-    return JSONResponse(body)
-
-
-async def _stream_body(driver: RequestDriver, shape: ResponseShape, output: Output) -> AsyncIterator[bytes]:
-    event_id = 0
-    started = False
-    delivered_tokens = 0
-    try:
-        while True:
-            if type(output) is Delta:
-                yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
-                event_id += 1
-                started = True
-                driver.delivered(output.text, output.tokens)
-                delivered_tokens += output.tokens
-            elif isinstance(output, Finished):
-                for choice, calls in sorted(output.tool_calls.items()):
-                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
-                    event_id += 1
-                    driver.delivered(json.dumps(calls), tokens=0)
-                await driver.complete(output)
-                for choice, reason in enumerate(output.finish_reasons):
-                    yield sse_event(event_id, shape.finish_chunk(reason, choice))
-                    event_id += 1
-                if driver.request.include_usage:
-                    yield sse_event(event_id, shape.usage_chunk(output.usage))
-                yield DONE
-                return
-            elif isinstance(output, Failed):
-                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output)))
-                yield DONE
-                return
-            elif isinstance(output, Cancelled):
-                return
-            output = await anext(driver.outputs)
-    except StoreError:
-        # Nothing more of this request can be recorded, so nothing more is sent: the
-        # final error of DESIGN.md §6; the request is closed in the log when it is back.
-        log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
-        driver.log_lost(output_delivered=delivered_tokens > 0 or started)
-        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, log_loss.failure(delivered_tokens))))
-        yield DONE
-    except (asyncio.CancelledError, GeneratorExit):
-        driver.client_gone()
-        raise
-
-
-def _failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
-    headers = headers | retry_headers(failed.retryable)
-    return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-
-
-def _response_id(request: GenerationRequest, request_id: str) -> str:
-    prefix = "chatcmpl" if request.endpoint == CHAT else "cmpl"
-    return f"{prefix}-{request_id.removeprefix('req_')}"
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

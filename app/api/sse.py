@@ -21,6 +21,12 @@ def sse_event(event_id: int | str, payload: str) -> bytes:
     return f"id: {event_id}\ndata: {payload}\n\n".encode()
 
 
+def response_id(request: GenerationRequest, request_id: str) -> str:
+    """The OpenAI id of the response to ``request``, from the gateway's request id."""
+    prefix = "chatcmpl" if request.endpoint == CHAT else "cmpl"
+    return f"{prefix}-{request_id.removeprefix('req_')}"
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 

@@ -15,6 +15,7 @@ from app.driver.budget import RetryBudget
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.base import EventStore
+from app.store.idempotency import IdempotencyKeys
 from statemachine.request_state import RequestState
 
 log = logging.getLogger("phasegate.driver")
@@ -37,6 +38,8 @@ class LiveRequest(Protocol):
 
     def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
 
+    def cancel_now(self) -> None: ...
+
 
 @dataclass
 class GatewayContext:
@@ -50,6 +53,7 @@ class GatewayContext:
     wall_clock: Callable[[], datetime] = utc_now
     clock: Callable[[], float] = time.monotonic
     gateway_id: str = "gateway"  # this instance's id, recorded on every request it accepts
+    idempotency: IdempotencyKeys | None = None  # the Idempotency-Key table (PostgreSQL only)
     refusal: str | None = None  # why new requests get 503 now: gateway_draining, gateway_lost
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
     background: set[asyncio.Task[Any]] = field(default_factory=set)

@@ -24,6 +24,43 @@ log = logging.getLogger("phasegate.driver")
 
 
 class RequestDriver(RequestLoop):
+    # --- acceptance ------------------------------------------------------------------
+
+    def accept(self, idempotency_key: str | None = None) -> None:
+        """Record the request; its first pull appends it with the first attempt (group-committed)."""
+        request = self.request
+        accepted = self.recorder.record(
+            ev.RequestAccepted,
+            model=request.model,
+            model_revision=self.ctx.config.model_revision(request.model) or "unknown",
+            tenant=self.tenant,
+            endpoint=request.endpoint,
+            stream=request.stream,
+            params_digest=request.params_digest(),
+            prompt_tokens=request.estimated_prompt_tokens,
+            n=request.n,
+            guided=request.guided,
+            tools=bool(request.tools),
+            idempotency_key=idempotency_key,
+            max_attempts=self.ctx.config.policy.max_attempts,
+            seed=request.seed,
+            gateway=self.ctx.gateway_id,
+        )
+        assert accepted is not None
+        self.created = int(accepted.occurred_at.timestamp())
+        self.ctx.drivers[self.request_id] = self
+        self.ctx.metrics.in_flight.inc()
+        # the input, for replaying an incident; off the path to the first token
+        self.ctx.spawn(
+            self.ctx.store.record_input(
+                self.request_id,
+                request.raw,
+                model_revision=self.ctx.config.model_revision(request.model),
+                seed=request.seed,
+            ),
+            name=f"input {self.request_id}",
+        )
+
     # --- the client's side: called by the HTTP layer ---------------------------------
 
     async def commit(self, *, flush: bool = True) -> None:
@@ -38,15 +75,15 @@ class RequestDriver(RequestLoop):
             self.recorder.appending_deliveries = True
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
-    def delivered(self, text: str, tokens: int = 1) -> None:
-        """A delta was written to the client."""
+    def delivered(self, text: str, tokens: int = 1, choice: int = 0) -> None:
+        """A delta of ``choice`` was written to the client (no tokens: its tool calls)."""
         run = self.run
         assert run is not None
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
-        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text)
+        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice)
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out."""
@@ -54,6 +91,7 @@ class RequestDriver(RequestLoop):
             ev.RequestCompleted,
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",
             usage=finished.usage,
+            finish_reasons=finished.finish_reasons,
         )
         if self.run is not None:
             self.ctx.pool.succeeded(self.run.replica)

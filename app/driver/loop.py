@@ -47,6 +47,7 @@ from statemachine.request_state import DEAD_KINDS, RequestState
 log = logging.getLogger("phasegate.driver")
 
 LEASE_EXPIRY_MARGIN_S = 0.05  # clocks differ a little: wait past the replica's expiry
+CANCELLED_BY_CLIENT = "cancelled_by_client"  # RequestCancelled's reason for a stop button
 
 
 class RequestLoop:
@@ -60,6 +61,7 @@ class RequestLoop:
         self.recorder = Recorder(ctx, RequestState(request_id=request_id))
         self.run: AttemptRun | None = None
         self.accepted_at = ctx.clock()
+        self.created = 0  # the response's "created": when it was accepted, as the log tells it
         self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
         self.last_delivery_at: float | None = None
         self.tool_calls = ToolCalls(ctx, self.recorder)
@@ -75,41 +77,6 @@ class RequestLoop:
     @property
     def state(self) -> RequestState:
         return self.recorder.state
-
-    # --- acceptance ------------------------------------------------------------------
-
-    def accept(self) -> None:
-        """Record the request; its first pull appends it with the first attempt (group-committed)."""
-        request = self.request
-        self.recorder.record(
-            ev.RequestAccepted,
-            model=request.model,
-            model_revision=self.ctx.config.model_revision(request.model) or "unknown",
-            tenant=self.tenant,
-            endpoint=request.endpoint,
-            stream=request.stream,
-            params_digest=request.params_digest(),
-            prompt_tokens=request.estimated_prompt_tokens,
-            n=request.n,
-            guided=request.guided,
-            tools=bool(request.tools),
-            idempotency_key=None,
-            max_attempts=self.ctx.config.policy.max_attempts,
-            seed=request.seed,
-            gateway=self.ctx.gateway_id,
-        )
-        self.ctx.drivers[self.request_id] = self
-        self.ctx.metrics.in_flight.inc()
-        # the input, for replaying an incident; off the path to the first token
-        self.ctx.spawn(
-            self.ctx.store.record_input(
-                self.request_id,
-                request.raw,
-                model_revision=self.ctx.config.model_revision(request.model),
-                seed=request.seed,
-            ),
-            name=f"input {self.request_id}",
-        )
 
     # --- the loop --------------------------------------------------------------------
 
@@ -353,6 +320,11 @@ class RequestLoop:
         if self.state.phase is Phase.TERMINATED and not any(a.live for a in self.state.attempts):
             self.ctx.drivers.pop(self.request_id, None)
 
+    def cancel_now(self) -> None:
+        """The client asked to stop (``POST /v1/requests/{id}/cancel``): end at once,
+        recorded as ``RequestCancelled``, the attempt cancelled as bookkeeping."""
+        self.interrupt(CANCELLED_BY_CLIENT, "the client cancelled the request", record=True)
+
     def interrupt(self, code: str, message: str, *, record: bool) -> None:
         """End the request now with the final error ``code``: recorded as
         ``RequestFailed`` (a drain), or not (a fenced instance, whose log the sweeper
@@ -363,7 +335,7 @@ class RequestLoop:
         if self._pulling is not None:
             self._pulling.cancel()
 
-    async def _end_interrupted(self) -> Failed:
+    async def _end_interrupted(self) -> Output:
         assert self._interrupted is not None
         code, message, record = self._interrupted
         run, self.run = self.run, None
@@ -372,9 +344,13 @@ class RequestLoop:
                 self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
                 self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
             self.recorder.close_batch()
-            failed = await self._fail(ended_by_gateway(self.state, code, message))()
-            assert isinstance(failed, Failed)
-            return failed
+            if code == CANCELLED_BY_CLIENT:
+                end = self._cancel_request(CancelRequest(CANCELLED_BY_CLIENT))
+            else:
+                end = self._fail(ended_by_gateway(self.state, code, message))
+            output = await end()
+            assert output is not None
+            return output
         delivered = self.recorder.delivered_output_tokens  # the log may lag: nothing more is written to it
         if run is not None:
             await run.release()  # its lease lapses unrenewed; the sweeper cancels it

@@ -55,6 +55,7 @@ class _OpenBatch:
     first_at: datetime  # wall clock: the event's time
     tokens: int = 0
     texts: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
 
 
 class Recorder:
@@ -78,14 +79,15 @@ class Recorder:
 
     # --- building events -------------------------------------------------------------
 
-    def record(self, cls: type[Event], **fields: Any) -> None:
-        """Stamp, apply and queue one event; an open delivery batch is closed first.
-        Nothing, once sealed (the log was lost: the request is closed from the log)."""
+    def record(self, cls: type[Event], **fields: Any) -> Event | None:
+        """Stamp, apply and queue one event, and return it; an open delivery batch is
+        closed first. Nothing, once sealed (the log was lost: the request is closed from
+        the log)."""
         if self._sealed:
             log.debug("request %s: %s not recorded: the request is sealed", self.request_id, cls.__name__)
-            return
+            return None
         self.close_batch()
-        self._queue(cls, fields)
+        return self._queue(cls, fields)
 
     def record_decided(self, action: Action) -> None:
         self.record(ev.Decided, **decided_fields(action))
@@ -112,11 +114,12 @@ class Recorder:
             self.record(ev.LeaseExpired, **scope)
             self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
 
-    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> None:
+    def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
+        return event
 
-    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str) -> None:
+    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
         """One delta written to the client; recorded in batches."""
         if self._sealed:
             return
@@ -132,6 +135,7 @@ class Recorder:
             asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
         batch.tokens += tokens
         batch.texts.append(text)
+        batch.shapes.append((choice, len(text), tokens))
         if len(batch.texts) >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
@@ -188,6 +192,7 @@ class Recorder:
                 "tokens": batch.tokens,
                 "text": text if policy == "full" else None,
                 "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
+                "deltas": tuple(batch.shapes),
             },
             occurred_at=batch.first_at,
         )

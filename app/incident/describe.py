@@ -58,6 +58,8 @@ def _detail(event: Event) -> str:
         return f"deltas [{event.from_index}, {event.to_index}) {event.tokens} tokens {shown}"
     if isinstance(event, ev.ToolCallEmitted):
         return f"{event.name} {event.tool_call_id}"
+    if isinstance(event, ev.StreamResumed):
+        return f"deltas [{event.from_index}, {event.to_index}) sent again from the log by {event.gateway}"
     if isinstance(event, ev.UpstreamFailed):
         kind = f"{event.kind.value} ({event.deadline.value} deadline)" if event.deadline else event.kind.value
         status = f" HTTP {event.upstream_status}" if event.upstream_status is not None else ""

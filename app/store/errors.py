@@ -58,6 +58,22 @@ class InvalidAppend(StoreError, ValueError):
     """The events given to ``append`` do not fit the request and version given."""
 
 
+# A gap in a stream, raised by the projection trigger (migrations/versions/0001).
+STREAM_GAP_SQLSTATE = "PG409"
+# An append by a gateway instance whose lease lapsed (migrations/versions/0004).
+INSTANCE_FENCED_SQLSTATE = "PG410"
+
+
+def rejection(request_id: str, expected_version: int, error: Exception) -> StoreError:
+    """What PostgreSQL's refusal of one request's append means, as a store error."""
+    sqlstate = getattr(error, "sqlstate", "") or ""
+    if sqlstate == INSTANCE_FENCED_SQLSTATE:
+        return InstanceFenced(str(error))
+    if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
+        return StreamConflict(request_id, expected_version, str(error))
+    return StoreError(f"PostgreSQL rejected the append of request {request_id}: {error}")
+
+
 # SQLSTATE classes that mean "the server is not there for us now": connection
 # exceptions (08), operator intervention such as shutdown or restart (57), and
 # system errors such as an I/O error (58).

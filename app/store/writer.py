@@ -46,22 +46,11 @@ from dataclasses import dataclass
 import asyncpg
 
 from app.store.codec import EventRow
-from app.store.errors import (
-    InstanceFenced,
-    StoreClosed,
-    StoreError,
-    StoreUnavailable,
-    StreamConflict,
-    is_unavailable,
-)
+from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, rejection
 from app.store.insert import insert_rows
 
 logger = logging.getLogger("phasegate.store.writer")
 
-# A gap in a stream, raised by the projection trigger (migrations/versions/0001).
-STREAM_GAP_SQLSTATE = "PG409"
-# An append by a gateway instance whose lease lapsed (migrations/versions/0004).
-INSTANCE_FENCED_SQLSTATE = "PG410"
 _FAILURES_KEPT = 10_000  # failed requests remembered, oldest forgotten first
 # What PostgreSQL, or asyncpg before sending, refuses about the rows themselves (a
 # conflict, a value out of range): it fails the offending append, never the writer.
@@ -350,7 +339,7 @@ class GroupCommitWriter:
                 except _REJECTIONS as exc:
                     if is_unavailable(exc):
                         raise
-                    entry.error = _rejection(entry, exc)
+                    entry.error = rejection(entry.request_id, entry.expected_version, exc)
                     failed[entry.request_id] = entry.error
 
     def _settle(self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False) -> None:
@@ -408,12 +397,3 @@ class GroupCommitWriter:
             time.monotonic() - began,
             self._queued_events,
         )
-
-
-def _rejection(entry: PendingAppend, exc: Exception) -> StoreError:
-    sqlstate = getattr(exc, "sqlstate", "") or ""
-    if sqlstate == INSTANCE_FENCED_SQLSTATE:
-        return InstanceFenced(str(exc))
-    if sqlstate == STREAM_GAP_SQLSTATE or sqlstate.startswith("23"):
-        return StreamConflict(entry.request_id, entry.expected_version, str(exc))
-    return StoreError(f"PostgreSQL rejected the append of request {entry.request_id}: {exc}")

@@ -292,6 +292,10 @@ def _client_lane(canvas: _Canvas, y: float, top: float, bottom: float) -> None:
         elif isinstance(event, ev.ClientDisconnected):
             shape = f'<path d="M{x - 6} {y - 6} L{x + 6} {y + 6} M{x + 6} {y - 6} L{x - 6} {y + 6}" stroke="#333"/>'
             canvas.mark("client-gone", event, shape, label=_label(x, y + 24, "client disconnected"))
+        elif isinstance(event, ev.StreamResumed):
+            shape = f'<path d="M{x - 6} {y} L{x + 6} {y - 6} L{x + 6} {y + 6} Z" fill="#333"/>'
+            words = f"resumed: deltas {event.from_index}-{event.to_index}"
+            canvas.mark("client-resumed", event, shape, label=_label(x, y + 24, words))
         elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
             _terminal(canvas, event, x, y)
     text = "".join(delivered)

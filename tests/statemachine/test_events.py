@@ -33,6 +33,8 @@ def sample_value(annotation: Any) -> Any:
         return samples[annotation]
     if annotation == dict[str, int]:
         return {"prompt_tokens": 3, "completion_tokens": 5}
+    if annotation == tuple[tuple[int, int, int], ...]:
+        return ((0, 4, 1), (1, 6, 2))
     return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}
 
 
@@ -143,6 +145,10 @@ def test_missing_envelope_field_is_named() -> None:
         ("NoReplicaAvailable", "excluded", ["w1", 2], "expected a list of strings"),
         ("RequestCompleted", "usage", {"tokens": "many"}, "expected an object of integers"),
         ("Decided", "params", [], "expected an object"),
+        ("DeltasDelivered", "deltas", [[0, 4]], r"expected a list of \[choice, characters, tokens\]"),
+        ("DeltasDelivered", "deltas", [[0, -1, 1]], "expected a list of"),
+        ("DeltasDelivered", "deltas", [[0, True, 1]], "expected a list of"),
+        ("DeltasDelivered", "deltas", {"0": 1}, "expected a list of"),
     ],
 )
 def test_wrong_body_types_are_rejected(type_name: str, field: str, value: Any, message: str) -> None:

@@ -70,7 +70,7 @@ LEGAL = {
     (Phase.FENCED, "AttemptReleased"): Phase.PREFILL,
     **{
         (Phase.TERMINATED, name): Phase.TERMINATED
-        for name in ["CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased"]
+        for name in ["CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased", "StreamResumed"]
     },
     **{
         (phase, name): Phase.TERMINATED
@@ -106,9 +106,19 @@ def test_the_expected_table_is_the_table() -> None:
     assert actual == LEGAL
 
 
-def test_terminated_absorbs_all_but_fence_bookkeeping() -> None:
+def test_terminated_absorbs_all_but_bookkeeping() -> None:
     allowed = {cls.__name__ for cls in TRANSITIONS[Phase.TERMINATED]}
-    assert allowed == {"CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased"}
+    assert allowed == {"CancelSent", "CancelAcked", "LeaseExpired", "AttemptReleased", "StreamResumed"}
+
+
+def test_a_resumed_stream_names_deltas_that_were_delivered() -> None:
+    driver = running()
+    driver.deliver(3)
+    driver.complete()
+    resumed = next_event(driver, ev.StreamResumed, from_index=1, to_index=4, gateway="gw_a")
+    assert_illegal(driver, resumed, r"deltas \[1, 4\) were never delivered")
+    driver.state = apply(driver.state, next_event(driver, ev.StreamResumed, from_index=1, to_index=3, gateway="gw_a"))
+    assert driver.state.phase is Phase.TERMINATED
 
 
 def test_the_rendered_diagram_is_current() -> None:
@@ -202,6 +212,44 @@ def test_only_the_committing_attempt_delivers_and_without_gaps() -> None:
         driver, ev.DeltasDelivered, **scope, from_index=2, to_index=3, tokens=-1, text="", text_sha256=None
     )
     assert_illegal(driver, negative, "negative token count")
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        ((0, 2, 1),),  # one delta for two indexes
+        ((0, 1, 1), (0, 1, 2)),  # three tokens, the event says two
+        ((0, 1, 1), (1, 2, 1)),  # three characters, the text has two
+    ],
+)
+def test_the_deltas_shapes_must_fit_the_batch(deltas: tuple[tuple[int, int, int], ...]) -> None:
+    driver = running()
+    driver.deliver(1)
+    batch = next_event(
+        driver,
+        ev.DeltasDelivered,
+        **driver.scoped(),
+        from_index=1,
+        to_index=3,
+        tokens=2,
+        text="ab",
+        text_sha256=None,
+        deltas=deltas,
+    )
+    assert_illegal(driver, batch, "the deltas' shapes disagree")
+    fitting = next_event(
+        driver,
+        ev.DeltasDelivered,
+        **driver.scoped(),
+        from_index=1,
+        to_index=3,
+        tokens=2,
+        text="ab",
+        text_sha256=None,
+        deltas=((0, 1, 1), (1, 1, 1)),
+    )
+    driver.state = apply(driver.state, fitting)
+    assert driver.state.delivered_deltas == 3 and driver.state.delivered_output_tokens == 3
 
 
 def test_a_fenced_attempt_publishes_nothing() -> None:

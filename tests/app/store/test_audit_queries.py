@@ -21,7 +21,14 @@ import pytest
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
 from app.store.instances import InstanceInfo, InstanceRegistry
-from statemachine.events import AttemptFenced, AttemptReleased, Decided, DeltasDelivered, FirstDeltaCommitted
+from statemachine.events import (
+    AttemptFenced,
+    AttemptReleased,
+    Decided,
+    DeltasDelivered,
+    FirstDeltaCommitted,
+    StreamResumed,
+)
 from tests.app.store import traces
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
@@ -209,6 +216,11 @@ def expect_instances(result: list[asyncpg.Record]) -> None:
     assert (sweeper["name"], sweeper["live"], sweeper["swept_by"]) == ("gw-live:8000", True, None)
 
 
+def expect_resumed(result: list[asyncpg.Record]) -> None:
+    delivered = LOG["req_retry"].state.delivered_deltas
+    assert [r[:4] for r in rows(result)] == [("req_retry", 1, delivered, "gw_live")]
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -226,6 +238,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     14: expect_decisions,
     15: expect_timeline,
     16: expect_instances,
+    17: expect_resumed,
 }
 
 
@@ -239,6 +252,9 @@ async def audited(event_store: PostgresEventStore, database_url: str) -> AsyncIt
     await event_store.claim_tool_execution("req_tool:call_1", "req_tool", 1, "call_1", "get_weather", "{}")
     await event_store.record_tool_result("req_tool:call_1", result={"celsius": 21})
     await event_store.flush()
+    retried = LOG["req_retry"]  # its stream was resumed from the log after it ended
+    resumed = StreamResumed("req_retry", retried.state.seq + 1, at(100), 1, retried.state.delivered_deltas, "gw_live")
+    await event_store.append("req_retry", retried.state.seq, [resumed])
     registry = InstanceRegistry(event_store)  # one instance died and was swept by another
     await registry.register(InstanceInfo("gw_dead", "gw-dead:8000", "h1", 11, "0.1.0", None), ttl_s=0.001)
     await registry.register(InstanceInfo("gw_live", "gw-live:8000", "h2", 12, "0.1.0", None), ttl_s=60.0)

@@ -18,6 +18,7 @@ from statemachine.events import (
     FailureKind,
     NoReplicaAvailable,
     RetryBudgetDenied,
+    StreamResumed,
     UpstreamFailed,
 )
 from statemachine.jsonform import to_json
@@ -44,6 +45,7 @@ def one_of_each() -> list[Event]:
         RetryBudgetDenied("req_codec", 9, T0, "global"),
         NoReplicaAvailable("req_codec", 9, T0, ("w1", "w2"), "all ejected"),
         UpstreamFailed("req_codec", 9, T0, 2, 3, FailureKind.OVERLOADED, "queued", Deadline.SOFT, 503, "busy"),
+        StreamResumed("req_codec", 9, T0, 0, 2, "gw_b"),
     ):
         samples[type(event).__name__] = event
     assert set(samples) == set(EVENT_TYPES)

@@ -18,7 +18,15 @@ from app.store.database import asyncpg_dsn
 from tests.app.store import traces
 
 ROOT = Path(__file__).resolve().parents[3]
-OURS = {"request_events", "requests", "request_attempts", "tool_executions", "request_inputs", "gateway_instances"}
+OURS = {
+    "request_events",
+    "requests",
+    "request_attempts",
+    "tool_executions",
+    "request_inputs",
+    "gateway_instances",
+    "idempotency_keys",
+}
 
 
 async def tables(url: str) -> set[str]:
@@ -104,8 +112,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0004",
-        "0004",
+        "schema at revision 0005",
+        "0005",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -116,7 +124,7 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0004 (head)" in current.stdout.decode()
+    assert "0005 (head)" in current.stdout.decode()
 
 
 async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:

@@ -135,3 +135,13 @@ def test_a_lease_is_placed_between_the_events_around_its_end() -> None:
         for line in g.iter(f"{SVG}line")
     ]
     assert len(lease_lines) == 2 and all(x > 0 for x in lease_lines)
+
+
+def test_a_resumed_stream_is_marked_on_the_client_lane() -> None:
+    driver = ModelDriver("req_resumed")
+    driver.deliver(3)
+    driver.complete()
+    driver.record(ev.StreamResumed, from_index=1, to_index=3, gateway="gw_b")
+    delivered = 3
+    page = render_page(driver.events)
+    assert 'data-mark="client-resumed"' in page and f"resumed: deltas 1-{delivered}" in page

@@ -1,0 +1,126 @@
+"""A generation request's answer, as the driver's outputs come: a stream or a whole body.
+
+A streamed answer goes out as SSE events whose ids are delta indexes; each content
+delta counts as delivered once its send returned while the client was still there
+(as far as the server noticed). A whole answer is collected, committed with its
+completion in one durable append, and sent once. If the log fails mid-answer the
+stream ends with the final error ``event_log_unavailable`` (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from app.api.errors import failure_body, retry_headers
+from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.driver import log_loss
+from app.driver.driver import RequestDriver
+from app.driver.loop import CANCELLED_BY_CLIENT
+from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
+from app.store.errors import StoreError
+
+log = logging.getLogger("phasegate.api")
+
+
+async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
+    deltas: dict[int, list[Delta]] = {}
+    while not isinstance(output, Finished):
+        if isinstance(output, Failed | Cancelled):
+            return output
+        if isinstance(output, Delta):
+            deltas.setdefault(output.choice, []).append(output)
+        elif isinstance(output, Restarted):
+            deltas.clear()  # the failed attempt's text never reached the client
+        output = await anext(driver.outputs)
+    await driver.commit(flush=False)  # durable with the completion: the body goes out after both
+    for choice in sorted(deltas):
+        for delta in deltas[choice]:
+            driver.delivered(delta.text, delta.tokens, delta.choice)
+    for choice, calls in sorted(output.tool_calls.items()):
+        driver.delivered(json.dumps(calls), tokens=0, choice=choice)
+    await driver.complete(output)
+    request = driver.request
+    shape = ResponseShape(request, response_id(request, driver.request_id), driver.created)
+    choices = range(len(output.finish_reasons))
+    body = shape.completion(
+        ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
+        list(output.finish_reasons),
+        output.usage,
+        [output.tool_calls.get(c, []) for c in choices],
+    )
+    return JSONResponse(body)
+
+
+class Connection:
+    """Whether the client is still there, as far as the server has noticed."""
+
+    open = True
+
+    async def closed(self, message: Any) -> None:
+        self.open = False
+
+
+async def stream_body(
+    driver: RequestDriver, shape: ResponseShape, output: Output, connection: Connection
+) -> AsyncIterator[bytes]:
+    event_id = 0
+    started = False
+    delivered_tokens = 0
+    try:
+        while True:
+            if type(output) is Delta:
+                yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
+                if not connection.open:  # its send returned, but to a client already gone
+                    driver.client_gone()
+                    return
+                event_id += 1
+                started = True
+                driver.delivered(output.text, output.tokens, output.choice)
+                delivered_tokens += output.tokens
+            elif isinstance(output, Finished):
+                for choice, calls in sorted(output.tool_calls.items()):
+                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
+                    event_id += 1
+                    driver.delivered(json.dumps(calls), tokens=0, choice=choice)
+                await driver.complete(output)
+                for choice, reason in enumerate(output.finish_reasons):
+                    yield sse_event(event_id, shape.finish_chunk(reason, choice))
+                    event_id += 1
+                if driver.request.include_usage:
+                    yield sse_event(event_id, shape.usage_chunk(output.usage))
+                yield DONE
+                return
+            elif isinstance(output, Failed):
+                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output)))
+                yield DONE
+                return
+            elif isinstance(output, Cancelled):
+                if output.reason == CANCELLED_BY_CLIENT:  # a stop button: whoever still reads is told
+                    cancelled = Failed(
+                        "request_cancelled", "the client cancelled the request", started, delivered_tokens, False, 499
+                    )
+                    yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled)))
+                    yield DONE
+                return
+            output = await anext(driver.outputs)
+    except StoreError:
+        # Nothing more of this request can be recorded, so nothing more is sent: the
+        # final error of DESIGN.md §6; the request is closed in the log when it is back.
+        log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
+        driver.log_lost(output_delivered=delivered_tokens > 0 or started)
+        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, log_loss.failure(delivered_tokens))))
+        yield DONE
+    except (asyncio.CancelledError, GeneratorExit):
+        driver.client_gone()
+        raise
+
+
+def failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
+    headers = headers | retry_headers(failed.retryable)
+    return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)

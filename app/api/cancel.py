@@ -1,0 +1,87 @@
+"""``POST /v1/requests/{id}/cancel``: a stop button (DESIGN.md §12).
+
+The request's tenant ends it at once: recorded as ``RequestCancelled`` (reason
+``cancelled_by_client``), its attempt cancelled as bookkeeping, and a client still
+reading its stream gets the final error ``request_cancelled``. Only the instance that
+owns a live request may append to it, so another instance forwards the call to the
+owner's address (``gateway_instances.address``). An ended request is left as it is:
+the answer says how it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.api.errors import ApiError, NotFound, ServiceUnavailable
+from app.api.tenancy import tenant_of
+from app.driver.context import GatewayContext
+from app.store.errors import StoreUnavailable
+from app.store.instances import InstanceRegistry
+from app.store.postgres import PostgresEventStore
+from statemachine import events as ev
+from statemachine.state import fold
+
+log = logging.getLogger("phasegate.api")
+
+FORWARD_TIMEOUT_S = 10.0
+
+
+def cancel_routes(ctx: GatewayContext) -> list[Route]:
+    return [Route("/v1/requests/{request_id}/cancel", _Cancel(ctx).cancel, methods=["POST"])]
+
+
+class _Cancel:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        headers = {"x-request-id": request_id}
+        try:
+            tenant = tenant_of(self.ctx.config, request)
+            try:
+                events = await self.ctx.store.read(request_id)
+            except StoreUnavailable:
+                raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+            accepted = events[0] if events else None
+            if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
+                raise NotFound(f"no request '{request_id}'", code="request_not_found")
+            state = fold(events)
+            if state.outcome is not None:
+                return JSONResponse(_answer(request_id, "ended", state.outcome.value), headers=headers)
+            driver = self.ctx.drivers.get(request_id)
+            if driver is not None:
+                driver.cancel_now()
+                return JSONResponse(_answer(request_id, "cancelled", "cancelled"), headers=headers)
+            return await self._forward(request, request_id, accepted.gateway, headers)
+        except ApiError as error:
+            return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+
+    async def _forward(self, request: Request, request_id: str, owner: str | None, headers: dict[str, str]) -> Response:
+        """The request is live on another instance: ask it, which alone appends to it."""
+        address = None
+        if owner is not None and owner != self.ctx.gateway_id and isinstance(self.ctx.store, PostgresEventStore):
+            rows = await InstanceRegistry(self.ctx.store).recent(limit=1000)
+            address = next((row["address"] for row in rows if row["instance_id"] == owner and row["live"]), None)
+        if address is None:
+            # no live owner: it is being swept (gateway_lost) or it just ended
+            raise ServiceUnavailable(
+                "the request's gateway is not reachable; it ends shortly", code="owner_unavailable"
+            )
+        forwarded = {"authorization": request.headers.get("authorization", "")}
+        try:
+            async with httpx.AsyncClient(timeout=FORWARD_TIMEOUT_S) as http:
+                answer = await http.post(f"{address}/v1/requests/{request_id}/cancel", headers=forwarded)
+        except httpx.HTTPError as exc:
+            log.warning("request %s: forwarding the cancel to %s failed: %r", request_id, address, exc)
+            raise ServiceUnavailable("the request's gateway did not answer", code="owner_unavailable") from None
+        return Response(answer.content, status_code=answer.status_code, headers=headers, media_type="application/json")
+
+
+def _answer(request_id: str, status: str, outcome: str) -> dict[str, str]:
+    return {"object": "request.cancel", "id": request_id, "status": status, "outcome": outcome}

@@ -1,0 +1,276 @@
+"""Resuming a stream from the log (DESIGN.md §12): ``GET /v1/requests/{id}/stream``.
+
+How this works: a client that lost its stream asks again with ``Last-Event-ID: k`` (what
+an SSE client library sends on reconnect) or ``?after=k``, as the tenant that made the
+request. SSE event ids are delta indexes, and ``DeltasDelivered`` records each delta's
+choice, length and tokens, so the log alone rebuilds deltas ``k+1…`` exactly once, with
+their ids, and then the end: the finish (and ``[DONE]``) or the final error the request
+ended with. A request still live is followed in the log: its deliveries reach the log
+while it streams (within a delivery batch and a group commit), so the resumer reads on
+until the terminal event, with no seam between the log and a live tail to get wrong,
+and it never appends to a live request, which only its owner does. Any instance
+serves any request. Once the end was sent, the instance records what it sent as
+``StreamResumed``, bookkeeping after the terminal event (expected-version guarded).
+
+A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
+to that request the same way (:func:`attach`): a streamed one is served from the log
+(from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
+
+Under ``content_policy`` ``digest`` or ``none`` the log has no text: 409
+``resume_unavailable``, carrying the recorded outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
+from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.tenancy import tenant_of
+from app.driver.context import GatewayContext
+from app.driver.outputs import Failed
+from app.driver.request import GenerationRequest
+from app.store.errors import StoreError, StoreUnavailable, StreamConflict
+from statemachine import events as ev
+from statemachine.request_state import RequestState
+from statemachine.state import fold
+
+log = logging.getLogger("phasegate.api")
+
+FOLLOW_EVERY_S = 0.02  # how often a live request's log is read again
+ATTACH_WAIT_S = 10.0  # how long an attaching POST waits for the request it names to reach the log
+MAX_EVENT_ID = 1 << 31
+
+
+class ResumeUnavailable(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    code = "resume_unavailable"
+
+
+def resume_routes(ctx: GatewayContext) -> list[Route]:
+    return [Route("/v1/requests/{request_id}/stream", _Resume(ctx).stream, methods=["GET"])]
+
+
+class _Resume:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def stream(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        headers = {"x-request-id": request_id}
+        try:
+            tenant = tenant_of(self.ctx.config, request)
+            after = _after(request)
+            events = await self._read(request_id)
+            accepted = events[0] if events else None
+            if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
+                raise NotFound(f"no request '{request_id}'", code="request_not_found")  # nor another tenant's
+            _check_resumable(events)
+        except ApiError as error:
+            return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        generation = _shape_of(accepted)
+        shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
+        return EventSourceResponse(
+            self._follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
+        )
+
+    async def _read(self, request_id: str) -> list[ev.Event]:
+        try:
+            return await self.ctx.store.read(request_id)
+        except StoreUnavailable:
+            raise ServiceUnavailable(
+                "the request log is unavailable; retry shortly", code="event_log_unavailable"
+            ) from None
+
+    async def _follow(
+        self, request_id: str, events: list[ev.Event], after: int, shape: ResponseShape
+    ) -> AsyncIterator[bytes]:
+        """Deltas after ``after`` from the log, reading on while the request is live."""
+        position = after + 1  # the next delta index to send
+        seen = 0  # events of the log taken into account
+        while True:
+            for event in events[seen:]:
+                seen = event.seq
+                if isinstance(event, ev.DeltasDelivered):
+                    for index, choice, text, tokens in _deltas(event):
+                        if index >= position:
+                            yield sse_event(index, _delta_chunk(shape, text, choice, tokens, first=index == 0))
+                            position = index + 1
+                elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
+                    state = fold(events[:seen])
+                    for chunk in _ending(shape, request_id, event, state):
+                        yield chunk
+                    await self._record(request_id, after + 1, max(position, after + 1))
+                    return
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            try:
+                events = await self.ctx.store.read(request_id)
+            except StoreUnavailable:
+                continue  # the log is away: the follower waits for it
+
+    async def _record(self, request_id: str, from_index: int, to_index: int) -> None:
+        """``StreamResumed`` after the terminal event: what this resume sent."""
+        for _ in range(3):  # another resumer, or the owner's late bookkeeping, may append first
+            try:
+                events = await self.ctx.store.read(request_id)
+                state = fold(events)
+                to_index = min(to_index, state.delivered_deltas)
+                resumed = ev.StreamResumed(
+                    request_id=request_id,
+                    seq=state.seq + 1,
+                    occurred_at=self.ctx.wall_clock(),
+                    from_index=min(from_index, to_index),
+                    to_index=to_index,
+                    gateway=self.ctx.gateway_id,
+                )
+                await self.ctx.store.append(request_id, state.seq, [resumed], durable=True)
+                return
+            except StreamConflict:
+                continue
+            except StoreError as exc:
+                log.warning("request %s: the resume was not recorded: %s", request_id, exc)
+                return
+
+
+async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
+    """Answer a POST whose ``Idempotency-Key`` started ``request_id``, from its log."""
+    headers = {"x-request-id": request_id}
+    follower = _Resume(ctx)
+    try:
+        after = _after(request)
+        events = await follower._read(request_id)
+        waited = 0.0
+        while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            waited += FOLLOW_EVERY_S
+            events = await follower._read(request_id)
+        if not events:
+            raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
+        _check_resumable(events)
+    except ApiError as error:
+        return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    generation = _shape_of(accepted)
+    shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
+    if stream:
+        body = follower._follow(request_id, events, after, shape)
+        return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+    while fold(events).outcome is None:  # a whole answer: once the request ended
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        events = await follower._read(request_id)
+    state = fold(events)
+    terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
+    if not isinstance(terminal, ev.RequestCompleted):
+        failed = _failure(terminal, state)
+        return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
+    texts: dict[int, list[str]] = {}
+    calls: dict[int, list[dict[str, object]]] = {}
+    for event in events:
+        if isinstance(event, ev.DeltasDelivered):
+            for _, choice, text, tokens in _deltas(event):
+                if tokens:
+                    texts.setdefault(choice, []).append(text)
+                else:
+                    calls[choice] = json.loads(text)
+    reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
+    choices = range(len(reasons))
+    completion = shape.completion(
+        ["".join(texts.get(c, ())) for c in choices], reasons, terminal.usage, [calls.get(c, []) for c in choices]
+    )
+    return JSONResponse(completion, headers=headers)
+
+
+def _after(request: Request) -> int:
+    """The last delta index the client has: ``Last-Event-ID`` or ``?after``; -1 for none."""
+    raw = request.headers.get("last-event-id")
+    param = "Last-Event-ID"
+    if raw is None:
+        raw, param = request.query_params.get("after"), "after"
+    if raw is None or raw == "":
+        return -1
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= MAX_EVENT_ID:
+        raise InvalidRequest(f"'{param}' must be a delta index (a non-negative integer)", param=param)
+    return int(raw)
+
+
+def _check_resumable(events: list[ev.Event]) -> None:
+    for event in events:
+        if isinstance(event, ev.DeltasDelivered) and (
+            event.text is None or (not event.deltas and event.to_index - event.from_index > 1)
+        ):
+            outcome = fold(events).outcome
+            error = ResumeUnavailable(
+                "the log keeps no text of this request (content_policy), so its stream cannot be resumed"
+                f"; its outcome: {outcome.value if outcome else 'still running'}"
+            )
+            raise error
+
+
+def _created(accepted: ev.RequestAccepted) -> int:
+    return int(accepted.occurred_at.timestamp())
+
+
+def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:
+    return GenerationRequest(
+        endpoint=accepted.endpoint,
+        model=accepted.model,
+        stream=True,
+        include_usage=False,
+        max_tokens=0,
+        n=accepted.n,
+    )
+
+
+def _deltas(event: ev.DeltasDelivered) -> Iterator[tuple[int, int, str, int]]:
+    """``(index, choice, text, tokens)`` of each delta of the batch."""
+    text = event.text or ""
+    shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
+    offset = 0
+    for index, (choice, chars, tokens) in enumerate(shapes, start=event.from_index):
+        yield index, choice, text[offset : offset + chars], tokens
+        offset += chars
+
+
+def _delta_chunk(shape: ResponseShape, text: str, choice: int, tokens: int, *, first: bool) -> str:
+    if tokens == 0:  # a choice's tool calls, as their JSON
+        return shape.tool_calls_chunk(json.loads(text), choice, first=first)
+    return shape.content_chunk(text, choice, first=first)
+
+
+def _ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:
+    """What followed the deltas: the finish, or the final error; then ``[DONE]``."""
+    next_id = state.delivered_deltas
+    if isinstance(terminal, ev.RequestCompleted):
+        reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
+        for choice, reason in enumerate(reasons):
+            yield sse_event(next_id + choice, shape.finish_chunk(reason, choice))
+    else:
+        failed = _failure(terminal, state)
+        yield sse_event(next_id, json.dumps(failure_body(request_id, failed)))
+    yield DONE
+
+
+def _failure(terminal: ev.Event, state: RequestState) -> Failed:
+    partial = state.first_delta_sent
+    if isinstance(terminal, ev.RequestFailed):
+        return Failed(
+            terminal.code,
+            terminal.message,
+            terminal.partial_output,
+            terminal.delivered_output_tokens,
+            terminal.retryable,
+            http_status=502,
+        )
+    assert isinstance(terminal, ev.RequestCancelled)
+    message = f"the request was cancelled ({terminal.reason})"
+    return Failed("request_cancelled", message, partial, state.delivered_output_tokens, False, http_status=499)
