@@ -22,6 +22,7 @@ from statemachine.policy import PolicyConfig
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
 SHA256_PREFIX = "sha256:"  # an api_keys entry that is a key's digest, not the key
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -149,8 +150,13 @@ class GatewayConfig:
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
     idempotency_ttl_s: float = 86400.0  # how long an Idempotency-Key binds its request
+    log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
+    otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; unset: no tracing (the otel extra)
+    otel_service_name: str = "phasegate"
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if self.content_policy not in CONTENT_POLICIES:
             raise ConfigError(f"content_policy must be one of {', '.join(CONTENT_POLICIES)}")
         ids = [replica.id for replica in self.replicas]

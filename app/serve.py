@@ -4,9 +4,15 @@ With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
 starts two simulated workers as child processes. The port is bound first: a second
 process on a taken port fails before it touches anything. SIGTERM (or Ctrl-C) drains
 (DESIGN.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
-streams get up to ``drain_s`` and then their final error; a second signal stops at
-once. Then the workers and the database it started stop too: nothing it started is
-left running.
+streams get up to ``drain_s`` and then their final error; a second signal ends them
+with that error now (a third stops at once). Then the workers and the database it
+started stop too: nothing it started is left running. A signal before the server runs
+(while PostgreSQL or the workers start) stops the same way, without a traceback.
+
+With no ``admin_token`` configured and a loopback listen address (the demo's case), it
+generates one and prints, once, a local URL that carries it, as Jupyter does: the
+requests page opens from there (the page swaps the token for a cookie). A configured
+token is never printed.
 """
 
 from __future__ import annotations
@@ -15,16 +21,20 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from app.config import ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
+from app import logs
+from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
 from app.supervisor import Child, run_dir, start_worker
 
@@ -54,12 +64,18 @@ def add_serve_parser(sub: Any) -> None:
         "--sim-ms-per-token", type=float, default=None, help="the simulated workers' time per token (default 2)"
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-format", choices=LOG_FORMATS, help="text (default) or json: one object a line, with request_id"
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
-    overrides: dict[str, Any] = {"host": args.host, "port": args.port}
+    # Until the server runs (and after it stopped), SIGTERM and Ctrl-C unwind through the
+    # finally below as SystemExit: no KeyboardInterrupt traceback, nothing left running.
+    # While it runs, DrainingServer handles them.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
     if args.replica:
         overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
     if args.model:
@@ -69,6 +85,18 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"phasegate serve: {exc}")
         return 2
+    logs.configure(args.log_level, config.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
+    logs.redact(*_secrets(config))
+    if config.otel_endpoint:
+        from app import tracing
+
+        try:
+            tracing.configure(config.otel_endpoint, config.otel_service_name)
+        except tracing.TracingUnavailable as exc:
+            print(f"phasegate serve: {exc}")
+            return 2
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres
 
@@ -80,20 +108,25 @@ def serve(args: argparse.Namespace) -> int:
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
-    # uvicorn stops gracefully on SIGTERM, then raises the signal again with the handler
-    # found at start: make that one unwind through the finally below, like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    generated_token = None
+    if config.admin_token is None and _is_loopback(config.host):
+        generated_token = secrets.token_urlsafe(24)
+        config = dataclasses.replace(config, admin_token=generated_token)
     try:
         if not config.replicas:
-            config, children = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token)
+            config = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token, children)
+            logs.redact(config.worker_token)  # generated for the sim workers
         if config.database_url:
             url = sqlalchemy_url(config.database_url)
         else:
             database = EmbeddedPostgres(config.data_dir)
-            url = database.start()
+            with _uninterrupted():
+                url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
-        asyncio.run(_run(config, url, listener))
+        asyncio.run(_run(config, url, listener, generated_token))
     finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # the cleanup below runs to its end
+            signal.signal(signum, signal.SIG_IGN)
         listener.close()
         for child in children:
             child.stop()
@@ -103,8 +136,58 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+class _Deferred:
+    """Whether a stop signal now waits for the end of a start that must not be cut in two
+    (a child started but not yet in the list of what to stop)."""
+
+    holding = False
+    pending: int | None = None
+
+
+def _secrets(config: GatewayConfig) -> list[str | None]:
+    """What no log line may hold: keys, tokens, the DSN's password (the printed demo URL is
+    not a log line)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    password = None
+    if config.database_url:
+        with contextlib.suppress(ArgumentError, ValueError):
+            password = make_url(config.database_url).password
+    return [*config.api_keys, config.admin_token, config.worker_token, config.metrics_token, password]
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    if _Deferred.holding:
+        _Deferred.pending = signum
+        return
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold a stop signal until the block ends, then act on it."""
+    _Deferred.holding = True
+    try:
+        yield
+    except Exception:
+        # A terminal sends Ctrl-C to the whole foreground group: pg_ctl or initdb got it
+        # too and failed. That is the stop asked for, not an error to report.
+        if _Deferred.pending is None:
+            raise
+    finally:
+        _Deferred.holding = False
+    if _Deferred.pending is not None:
+        raise SystemExit(128 + _Deferred.pending)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -128,27 +211,31 @@ def _model(text: str) -> tuple[str, str]:
 
 
 def _with_sim_workers(
-    config: GatewayConfig, count: int, workdir: Path, ms_per_token: float | None
-) -> tuple[GatewayConfig, list[Child]]:
+    config: GatewayConfig, count: int, workdir: Path, ms_per_token: float | None, children: list[Child]
+) -> GatewayConfig:
+    """``config`` with ``count`` sim workers as its replicas, each in ``children`` as soon as it
+    started (so a signal meanwhile still stops every one)."""
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
     names = [arg for name in models for arg in ("--model", name)]
     if config.worker_token:  # the configured token, not a generated one: the gateway sends that
         os.environ[TOKEN_ENV] = config.worker_token
     if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept
         names += ["--sim-decode-ms-per-token", str(ms_per_token)]
-    children: list[Child] = []
     for number in range(1, count + 1):
         worker_id = f"sim-{number}"
-        children.append(start_worker(worker_id, ["--engine", "sim", "--worker-id", worker_id, *names], run_dir=workdir))
+        with _uninterrupted():
+            children.append(
+                start_worker(worker_id, ["--engine", "sim", "--worker-id", worker_id, *names], run_dir=workdir)
+            )
     replicas = tuple(ReplicaConfig(id=child.name, url=child.url) for child in children)
-    return load_config(None, **{**_as_dict(config), "replicas": replicas, "models": models}), children
+    return load_config(None, **{**_as_dict(config), "replicas": replicas, "models": models})
 
 
 def _as_dict(config: GatewayConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None:
+async def _run(config: GatewayConfig, url: str, listener: socket.socket, generated_token: str | None) -> None:
     import uvicorn
 
     from app.gateway import Gateway
@@ -156,16 +243,20 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None
     class DrainingServer(uvicorn.Server):
         """uvicorn, whose first SIGTERM or SIGINT drains the gateway before it stops."""
 
-        draining = False
+        signals = 0
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if self.draining:  # a second signal: stop now
+            self.signals += 1
+            if self.signals == 1:
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), name="drain"))
+            elif self.signals == 2:  # end open streams now, with their final error, and stop
+                print("phasegate stops: open streams end now (a third signal stops at once)", flush=True)
+                loop.call_soon_threadsafe(lambda: loop.create_task(gateway.instance.drain(0), name="drain now"))
+            else:
                 self.should_exit = self.force_exit = True
-                return
-            self.draining = True
-            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), name="drain"))
 
         async def _drain(self) -> None:
+            logs.bind_instance(lambda: gateway.instance_id)  # started by a signal, outside any exchange
             print(f"phasegate drains: open streams get up to {config.drain_s:g}s (a second signal stops now)")
             try:
                 await gateway.drain()
@@ -180,6 +271,7 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None
             host=config.host,
             port=config.port,
             log_level="warning",
+            log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             lifespan="on",
             # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
             # balancers' (often 60 s), so they close idle connections first: at uvicorn's
@@ -187,7 +279,7 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None
             timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
-    banner = asyncio.get_running_loop().create_task(_announce(server, config))
+    banner = asyncio.get_running_loop().create_task(_announce(server, config, generated_token))
     try:
         await server.serve(sockets=[listener])
     finally:
@@ -196,7 +288,7 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket) -> None
             await banner
 
 
-async def _announce(server: Any, config: GatewayConfig) -> None:
+async def _announce(server: Any, config: GatewayConfig, generated_token: str | None) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     base = f"http://{config.host}:{config.port}"
@@ -209,4 +301,8 @@ async def _announce(server: Any, config: GatewayConfig) -> None:
         f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f'-d \'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\''
     )
+    if generated_token is not None:  # generated for this run only: printed once, here
+        print(f"requests and their timelines: {base}/ui/requests?token={generated_token}")
+    elif config.admin_token:
+        print(f"requests and their timelines: {base}/ui/requests (with the configured admin token)")
     print("Ctrl-C drains the gateway, then stops it and everything it started.", flush=True)

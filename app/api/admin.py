@@ -6,7 +6,11 @@
 
 Authentication: ``Authorization: Bearer <admin_token>``, or HTTP Basic auth with the
 token as the password (any user name), so a browser can open the page: a 401 from
-``/ui/`` asks for it with ``WWW-Authenticate: Basic``. The admin token reads every
+``/ui/`` asks for it with ``WWW-Authenticate: Basic``. The pages under ``/ui/`` also
+take the admin token once in the URL, as ``phasegate serve`` prints it (``?token=…``):
+the answer is a redirect to the same page without it, setting an HttpOnly,
+SameSite=Strict cookie (an HMAC of the token, not the token) that the pages accept
+from then on (``/ui/requests`` lists recent requests). The admin token reads every
 request; a tenant's API key (in the same places) reads only that tenant's requests,
 and another tenant's request is 404 as an unknown one is, so that a key cannot learn
 which ids exist. With neither an ``admin_token`` nor API keys configured the
@@ -18,15 +22,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import hashlib
 import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
@@ -43,6 +50,7 @@ from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
 from app.ui.page import render_page
+from app.ui.request_list import BadFilter, RequestFilter, recent_requests, render_requests_page
 from statemachine.events import Event, RequestAccepted
 from statemachine.jsonform import to_json
 
@@ -52,6 +60,7 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 MAX_SEQ = 2**31 - 1  # events.version is a PostgreSQL integer
 MAX_REQUEST_ID_CHARS = 256
+UI_COOKIE = "phasegate_admin"
 
 Handler = Callable[[Request, "str | None"], Awaitable[Response]]  # the request, and the tenant it is read for
 Guarded = Callable[[Request], Awaitable[Response]]
@@ -63,6 +72,7 @@ def admin_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Rout
     return [
         Route("/v1/requests/{request_id}", admin.guarded(admin.summary), methods=["GET"]),
         Route("/v1/requests/{request_id}/events", admin.guarded(admin.events), methods=["GET"]),
+        Route("/ui/requests", admin.guarded(admin.request_list, browser=True), methods=["GET"]),
         Route("/ui/requests/{request_id}", admin.guarded(admin.page, browser=True), methods=["GET"]),
     ]
 
@@ -78,7 +88,9 @@ class _Admin:
         async def guarded(request: Request) -> Response:
             exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
             try:
-                tenant = await self._reader(request)
+                if browser and "token" in request.query_params:
+                    return self._hand_over(request, exchange)
+                tenant = await self._reader(request, browser=browser)
                 _check_request_id(request.path_params.get("request_id", ""))
                 response = await handler(request, tenant)
             except ApiError as error:
@@ -98,9 +110,12 @@ class _Admin:
 
         return guarded
 
-    async def _reader(self, request: Request) -> str | None:
+    async def _reader(self, request: Request, *, browser: bool = False) -> str | None:
         """Who reads: ``None`` for the admin token (every request), else the key's tenant."""
         token = self.ctx.config.admin_token
+        cookie = request.cookies.get(UI_COOKIE) if browser and token else None
+        if token and cookie is not None and hmac.compare_digest(cookie.encode(), _cookie_value(token).encode()):
+            return None
         keys = await self.authenticator.required()
         if not token and not keys:
             raise Forbidden(
@@ -117,6 +132,42 @@ class _Admin:
         if tenant is None:
             raise Unauthorized("incorrect admin token or API key", code=code)
         return tenant
+
+    def _hand_over(self, request: Request, exchange: str) -> Response:
+        """``?token=`` once: the same page without it, and a cookie that stands for it."""
+        token = self.ctx.config.admin_token
+        if not token:
+            raise Forbidden(
+                "the admin endpoints are disabled: set admin_token in the gateway's configuration",
+                code="admin_disabled",
+            )
+        if not hmac.compare_digest(request.query_params["token"].encode(), token.encode()):
+            raise Unauthorized("incorrect admin token", code="invalid_admin_token")
+        rest = [(name, value) for name, value in request.query_params.multi_items() if name != "token"]
+        target = request.url.path + (f"?{urlencode(rest)}" if rest else "")
+        response = RedirectResponse(target, status_code=303, headers={"x-request-id": exchange})
+        response.set_cookie(
+            UI_COOKIE,
+            _cookie_value(token),
+            path="/ui/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        response.headers["cache-control"] = "no-store"
+        response.headers["referrer-policy"] = "no-referrer"  # the token must not leave in a Referer
+        return response
+
+    async def request_list(self, request: Request, tenant: str | None) -> Response:
+        try:
+            wanted = RequestFilter.parse(request.query_params)
+        except BadFilter as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
+        if tenant is not None:  # a tenant's key lists its own requests only
+            wanted = dataclasses.replace(wanted, tenant=tenant)
+        async with self._reading() as connection:
+            page = await recent_requests(connection, wanted)
+        return HTMLResponse(render_requests_page(page, wanted))
 
     async def summary(self, request: Request, tenant: str | None) -> Response:
         request_id = request.path_params["request_id"]
@@ -180,6 +231,11 @@ def _offered_token(authorization: str) -> str | None:
             return None
         return password or None
     return None
+
+
+def _cookie_value(token: str) -> str:
+    """What the UI cookie holds: derived from the token, so the cookie is not the token itself."""
+    return hmac.new(token.encode(), b"phasegate ui cookie", hashlib.sha256).hexdigest()
 
 
 def _integer(request: Request, name: str, default: int, *, minimum: int, maximum: int) -> int:

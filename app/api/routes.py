@@ -57,7 +57,9 @@ from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
+from app.logs import LogContext, bind_request
 from app.store.errors import StoreError
+from app.tracing import RequestSpans
 
 log = logging.getLogger("phasegate.api")
 
@@ -85,9 +87,12 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *cancel_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
+    # every log line names the gateway instance, and a request's lines its current attempt
+    middleware = [Middleware(LogContext, instance=lambda: ctx.gateway_id, attempt_of=_attempt_of(ctx))]
+    middleware.append(Middleware(RequestSpans))  # a span per generation request, when tracing is on
     origins = ctx.config.cors_allow_origins
     if origins:  # off unless configured: no page elsewhere may read an answer
-        starlette_options["middleware"] = [
+        middleware.append(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(origins),
@@ -96,8 +101,17 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 expose_headers=["x-request-id"],
                 max_age=600,
             )
-        ]
-    return Starlette(routes=routes, exception_handlers=handlers, **starlette_options)
+        )
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
+
+
+def _attempt_of(ctx: GatewayContext) -> Any:
+    def attempt_of(request_id: str) -> int | None:
+        driver = ctx.drivers.get(request_id)
+        current = driver.state.current_attempt if driver is not None else None
+        return current.attempt if current is not None else None
+
+    return attempt_of
 
 
 def new_request_id() -> str:
@@ -118,6 +132,7 @@ class _Api:
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
         request_id = new_request_id()
+        bind_request(request_id)  # this task's log lines, and those of every task it starts
         headers = {"x-request-id": request_id}
         if self.ctx.refusal is not None:  # draining, or fenced until it registers again
             refused = ServiceUnavailable(
@@ -151,6 +166,7 @@ class _Api:
             return failure_response(request_id, log_loss.failure(0), headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
         driver.accept(idempotency_key=key)
+        log.debug("request %s accepted: %s, model %s, tenant %s", request_id, endpoint, generation.model, tenant)
         try:
             first = await _unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:

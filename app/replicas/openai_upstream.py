@@ -28,6 +28,7 @@ import httpx
 import orjson
 
 from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
+from app.tracing import inject_traceparent
 from statemachine.events import FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
@@ -60,6 +61,7 @@ class OpenAIUpstream:
             headers=headers,
             timeout=httpx.Timeout(connect=connect_timeout_s, read=None, write=10.0, pool=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
         )
 
     async def start(self, request: AttemptRequest) -> _OpenAIStream:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 from typing import Protocol
 
+from app import logs, tracing
 from app.replicas.base import AttemptRequest, ReplicaClient, UpstreamFailure
 
 log = logging.getLogger("phasegate.pool")
@@ -43,7 +44,10 @@ class LeaseRenewer:
         self._held[attempt.request.request_id, attempt.request.attempt] = attempt
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
-                self._rounds(), name=f"lease renewals on {self.client.replica_id}"
+                # the rounds serve every request on the replica: their lines name none of them
+                self._rounds(),
+                name=f"lease renewals on {self.client.replica_id}",
+                context=tracing.without_span(logs.detached()),
             )
 
     async def drop(self, attempt: Leased) -> None:

@@ -18,6 +18,7 @@ from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, UpstreamFailure
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
+from app.tracing import inject_traceparent
 from statemachine.events import FailureKind
 
 
@@ -30,7 +31,10 @@ class WorkerReplica:
         self, replica_id: str, base_url: str, *, connect_timeout_s: float = 2.0, token: str | None = None
     ) -> None:
         self.replica_id = replica_id
-        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
+        )
         # Reads are bounded by the driver's own stall timer, not by httpx.
         self.client = WorkerClient(
             base_url,

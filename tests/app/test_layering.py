@@ -33,6 +33,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     # leaves: settings, the gateway's Prometheus metrics, child processes
     "app.config": frozenset({BOTTOM, "app.contract"}),
     "app.metrics": frozenset(),
+    "app.logs": frozenset(),  # what a log line is about, its format, its redaction
+    "app.tracing": frozenset(),  # OpenTelemetry, off unless configured
     "app.supervisor": frozenset({"app.contract"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
@@ -40,14 +42,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.worker": frozenset({"app.contract"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
-    "app.replicas": frozenset({BOTTOM, "app.config"}),
+    "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
-    "app.ui": frozenset({BOTTOM, "app.incident"}),
+    # the pages; the list of requests reads the read models' table
+    "app.ui": frozenset({BOTTOM, "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
     "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
+        | {"app.logs", "app.tracing"}
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
@@ -55,7 +59,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.contract"}
+        | {"app.gateway", "app.contract", "app.logs", "app.tracing"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

@@ -81,3 +81,13 @@ def execute_sql(database_url: str, statement: str, **params: Any) -> int:
 
     touched: int = _run(_with_connection(database_url, run))
     return touched
+
+
+def fetch_sql(database_url: str, statement: str, **params: Any) -> list[dict[str, Any]]:
+    """The rows of one SQL query, as an analyst's console would show them."""
+
+    async def run(connection: AsyncConnection) -> list[dict[str, Any]]:
+        return [dict(row) for row in (await connection.execute(text(statement), params)).mappings()]
+
+    rows: list[dict[str, Any]] = _run(_with_connection(database_url, run))
+    return rows

@@ -23,6 +23,7 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.forwarded = bytearray()  # every byte sent on to the target, to read what a client sent
 
     @property
     def url(self) -> str:
@@ -47,12 +48,12 @@ class TcpProxy:
         except OSError:
             client_writer.close()
             return
-        for reader, writer in ((client_reader, upstream_writer), (upstream_reader, client_writer)):
-            task = asyncio.ensure_future(self._pump(reader, writer))
+        for reader, writer, kept in ((client_reader, upstream_writer, True), (upstream_reader, client_writer, False)):
+            task = asyncio.ensure_future(self._pump(reader, writer, kept))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kept: bool = False) -> None:
         assert self._open is not None
         try:
             while True:
@@ -61,6 +62,8 @@ class TcpProxy:
                 await self._open.wait()  # read before the cut: held, not forwarded
                 if not data:
                     break
+                if kept:
+                    self.forwarded += data
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):

@@ -1,0 +1,225 @@
+"""``phasegate serve`` as a user runs it: a real process on its embedded defaults (its own
+PostgreSQL, two sim workers), stopped with Ctrl-C as a terminal sends it (SIGINT to the
+process group).
+
+- it prints once a local URL with a generated admin token, and that URL opens the list of
+  requests; a configured token is never printed;
+- the first Ctrl-C drains, the second ends the open stream with its final error
+  (``gateway_draining``) and stops: no traceback, nothing it started left running;
+- a Ctrl-C while it starts (PostgreSQL being created, migrations running) stops it the same
+  quiet way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.processes import REPO, free_port, phasegate
+
+NOISE = ("Traceback", "KeyboardInterrupt", "Task was destroyed", "Exception ignored", "ERROR")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    """The embedded PostgreSQL's home, where its own user can enter (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="phasegate-serve-test-"))
+    path.chmod(0o755)
+    yield path / "data"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def launch(
+    data_dir: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``phasegate serve ARGS`` in a session of its own, as a shell runs a foreground job."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "PHASEGATE_WORKER_TOKEN")}
+    clean["PHASEGATE_DATA_DIR"] = str(data_dir)
+    output = tmp_path / "serve.log"
+    with output.open("wb") as log:
+        process = subprocess.Popen(
+            phasegate("serve", *args),
+            cwd=REPO,
+            env={**clean, **(env or {})},
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return process, output
+
+
+def ctrl_c(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal sends its foreground job
+
+
+def wait_for_line(output: Path, pattern: str, process: subprocess.Popen[bytes], timeout: float = 60) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, output.read_text(errors="replace"))
+        if found:
+            return found
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"no {pattern!r} in the output:\n{output.read_text(errors='replace')}")
+
+
+def exited(process: subprocess.Popen[bytes], timeout: float) -> int:
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        end(process)
+        raise AssertionError(f"phasegate serve still ran {timeout:g}s after Ctrl-C") from None
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (its sim workers live in sessions of their own)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def end(process: subprocess.Popen[bytes]) -> None:
+    """After a failure: stop it as a service manager would (SIGTERM, then SIGKILL), children too."""
+    children = children_of(process.pid)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
+    for pid in children:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_quiet_and_clean(output: Path, data_dir: Path) -> str:
+    text = output.read_text(errors="replace")
+    for noise in NOISE:
+        assert noise not in text, text
+    assert not (data_dir / "pgdata" / "postmaster.pid").exists(), "its PostgreSQL still runs"
+    return text
+
+
+@pytest.fixture
+def demo(data_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
+    port = free_port()
+    process, output = launch(data_dir, tmp_path, "--port", str(port), "--sim-ms-per-token", "50")
+    try:
+        url = wait_for_line(output, r"(http://127\.0\.0\.1:\d+/ui/requests\?token=[\w-]+)", process).group(1)
+        yield process, output, url
+    finally:
+        end(process)
+
+
+def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
+    demo: tuple[subprocess.Popen[bytes], Path, str], data_dir: Path
+) -> None:
+    process, output, url = demo
+    base = url.split("/ui/")[0]
+    with httpx.Client(base_url=base, timeout=30, follow_redirects=True) as http:
+        body = {"model": "phasegate-sim", "max_tokens": 3, "messages": [{"role": "user", "content": "Hello"}]}
+        answered = http.post("/v1/chat/completions", json=body)
+        assert answered.status_code == 200
+        request_id = answered.headers["x-request-id"]
+        page = http.get(url)  # the printed URL, as a browser opens it
+        assert page.status_code == 200 and f'data-request="{request_id}"' in page.text
+        assert "token" not in str(page.url)
+        assert http.get(f"/ui/requests/{request_id}").status_code == 200  # the cookie opens the timeline
+    token = url.rsplit("=", 1)[1]
+    assert output.read_text().count(token) == 1  # printed once, nowhere else
+
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "phasegate-sim", "stream": True, "max_tokens": 400, "ignore_eos": True}
+        body["messages"] = [{"role": "user", "content": "count slowly"}]
+        with (
+            httpx.Client(base_url=base, timeout=60) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) > 6:
+                    streaming.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert streaming.wait(30)
+    workers = {pid for pid in children_of(process.pid) if "worker" in Path(f"/proc/{pid}/cmdline").read_text()}
+    assert len(workers) == 2
+    ctrl_c(process)
+    wait_for_line(output, "phasegate drains", process, timeout=10)
+    time.sleep(0.5)
+    assert reader.is_alive()  # draining lets the stream run on
+    ctrl_c(process)
+    assert exited(process, 30) == 0
+    reader.join(10)
+    finals = [json.loads(line[5:]) for line in lines if line.startswith("data:") and '"error"' in line]
+    assert [final["error"]["code"] for final in finals] == ["gateway_draining"]
+    assert lines[-1] == "data: [DONE]" or lines[-2:] == ["data: [DONE]", ""]
+    text = assert_quiet_and_clean(output, data_dir)
+    assert "open streams end now" in text
+    assert not [pid for pid in workers if alive(pid)], "a sim worker outlived phasegate serve"
+
+
+@pytest.mark.parametrize("moment", ["PostgreSQL cluster created", "embedded PostgreSQL in"])
+def test_ctrl_c_while_it_starts_stops_it_quietly(data_dir: Path, tmp_path: Path, moment: str) -> None:
+    process, output = launch(data_dir, tmp_path, "--port", str(free_port()))
+    try:
+        wait_for_line(output, moment, process)
+        workers = children_of(process.pid)
+        ctrl_c(process)
+        assert exited(process, 30) == 128 + signal.SIGINT
+    finally:
+        end(process)
+    assert_quiet_and_clean(output, data_dir)
+    assert not [pid for pid in workers if alive(pid)], "a child outlived phasegate serve"
+
+
+def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Path, database_url: str) -> None:
+    token = "configured-admin-token-0123456789"
+    config = tmp_path / "phasegate.toml"
+    config.write_text(f'admin_token = "{token}"\n')
+    process, output = launch(
+        data_dir, tmp_path, "--port", str(free_port()), "--config", str(config), env={"DATABASE_URL": database_url}
+    )
+    try:
+        line = wait_for_line(output, r"requests and their timelines: (.*)", process).group(1)
+        assert line.endswith("/ui/requests (with the configured admin token)")
+        wait_for_line(output, "Ctrl-C drains", process)
+        ctrl_c(process)
+        assert exited(process, 30) == 0
+    finally:
+        end(process)
+    assert token not in output.read_text()
