@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ class GatewayContext:
     clock: Callable[[], float] = time.monotonic
     gateway_id: str = "gateway"  # this instance's id, recorded on every request it accepts
     idempotency: IdempotencyKeys | None = None  # the Idempotency-Key table (PostgreSQL only)
+    # monotonic: until when this instance may deliver (its lease as it must assume it);
+    # app/driver/instance.py keeps it, unbounded without one
+    lease_valid_until: float = math.inf
     refusal: str | None = None  # why new requests get 503 now: gateway_draining, gateway_lost
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
     background: set[asyncio.Task[Any]] = field(default_factory=set)

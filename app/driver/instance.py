@@ -98,7 +98,7 @@ class GatewayInstance:
         log.info("gateway instance %s (%s) registered", instance_id, info.name)
 
     def _lease_until(self, valid_until: float) -> None:
-        self.valid_until = valid_until
+        self.valid_until = self.ctx.lease_valid_until = valid_until
         if self._expiry is not None:
             self._expiry.cancel()
         delay = max(valid_until - self.ctx.clock(), 0.0)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from app.driver.attempt import AttemptRun
 from app.driver.context import GatewayContext
+from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
@@ -108,6 +109,11 @@ class RequestLoop:
                 continue
             finally:
                 self._pulling = None
+            if self.ctx.clock() >= self.ctx.lease_valid_until:
+                # this instance's lease lapsed (a pause, a partition): nothing more goes out,
+                # even before the lease's own timer runs (DESIGN.md §11)
+                self.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
+                continue
             if type(frame) is Token:
                 if run.generated_tokens == 0:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
