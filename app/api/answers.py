@@ -81,6 +81,8 @@ async def stream_body(
     try:
         while True:
             if type(output) is Delta:
+                if driver.recorder.behind:  # two batches on their way to the log: let it catch up
+                    await driver.recorder.until_the_log_moves()
                 yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()

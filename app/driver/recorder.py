@@ -12,8 +12,10 @@ order things happened.
 Deliveries reach the log while the stream runs (DESIGN.md §11): a batch that closes
 (full, or aged by a timer) is appended at once, group-committed and never awaited on
 the per-token path, and while one append of the request is on its way to the commit
-the next batches wait for it, then go together. So the log is behind what the client
-received by at most two batches (one open, one committing) and never ahead of it.
+the next batch waits for it. While one batch commits and the next is closed and
+waiting, the HTTP layer sends nothing more (``behind``, ``until_the_log_moves``), so
+the log is behind what the client received by at most two batches and never ahead of
+it, however slow the commits get under load.
 
 Appends run shielded: a client that disconnects mid-append cancels the HTTP task,
 not the append. While PostgreSQL is down, a durable flush retries for
@@ -68,6 +70,8 @@ class Recorder:
         self._lock = asyncio.Lock()
         self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
         self._appending: asyncio.Task[None] | None = None  # closed batches on their way to the log
+        self._batches_waiting = 0  # closed delivery batches queued behind the one on its way
+        self._log_moved = asyncio.Event()  # an append of this request committed
         self._sealed = False  # the log was lost: nothing more is recorded (seal())
         # Batches go to the log as they close once the commit point is durable; a whole
         # answer's deliveries go with its completion instead, in the same append.
@@ -165,13 +169,32 @@ class Recorder:
                         committed = await self.ctx.store.append_grouped(self.request_id, self.appended_version, events)
                     except StoreUnavailable:
                         return  # still queued here: the next flush takes them along
-                    del self._queued[: len(events)]
+                    self._taken(len(events))
                     self.appended_version += len(events)
                 await committed
+                self._log_moved.set()
         except StoreError as exc:  # a conflict: the request's next append conflicts too
             log.warning("request %s: recording deliveries failed: %s", self.request_id, exc)
         finally:
             self._appending = None
+            self._log_moved.set()
+
+    def _taken(self, count: int) -> None:
+        """The first ``count`` queued events went to the store."""
+        del self._queued[:count]
+        self._batches_waiting = sum(1 for event in self._queued if type(event) is DeltasDelivered)
+        self._log_moved.set()
+
+    @property
+    def behind(self) -> bool:
+        """Two batches of deliveries are on their way to the log (one committing, one
+        waiting for it): deliver no more until the log moves."""
+        return self._batches_waiting > 0 and self._appending is not None
+
+    async def until_the_log_moves(self) -> None:
+        while self.behind:
+            self._log_moved.clear()
+            await self._log_moved.wait()
 
     def close_batch(self) -> None:
         """Record the open delivery batch now (before an event that must count it)."""
@@ -196,6 +219,7 @@ class Recorder:
             },
             occurred_at=batch.first_at,
         )
+        self._batches_waiting += 1
 
     def seal(self, *, output_delivered: bool) -> None:
         """The log stopped taking this request's events and its client was told it failed
@@ -256,5 +280,5 @@ class Recorder:
                     delay = min(delay * 2, 1.0)
                     continue
                 self.ctx.metrics.append_seconds.labels(durable=str(durable).lower()).observe(self.ctx.clock() - started)
-                del self._queued[: len(events)]
+                self._taken(len(events))
                 self.appended_version = version

@@ -42,7 +42,7 @@ from statemachine.state import fold
 from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
-LEASE_TTL_S = 2.0
+LEASE_TTL_S = 4.0  # long enough that a loaded CI machine never lapses a live one
 SWEEP_S = 0.5
 BATCH = 4  # deltas per DeltasDelivered at most; the log may lag the client by two batches
 SETTINGS = f"""
