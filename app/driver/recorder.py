@@ -192,9 +192,15 @@ class Recorder:
         return self._batches_waiting > 0 and self._appending is not None
 
     async def until_the_log_moves(self) -> None:
-        while self.behind:
-            self._log_moved.clear()
-            await self._log_moved.wait()
+        """Wait until fewer than two batches are on their way; :class:`StoreUnavailable`
+        if the log takes none for ``STORE_OUTAGE_GRACE_S`` (as a durable append would)."""
+        try:
+            async with asyncio.timeout(STORE_OUTAGE_GRACE_S):
+                while self.behind:
+                    self._log_moved.clear()
+                    await self._log_moved.wait()
+        except TimeoutError:
+            raise StoreUnavailable(f"the log took no delivery of request {self.request_id} in time") from None
 
     def close_batch(self) -> None:
         """Record the open delivery batch now (before an event that must count it)."""
