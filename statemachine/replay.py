@@ -12,7 +12,7 @@ marks each one. Like Temporal's replayer it returns a result and raises only whe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from statemachine.events import Decided, Event
@@ -78,9 +78,14 @@ def decision_of(event: Decided) -> dict[str, Any]:
 def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> ReplayResult:
     """Fold ``events`` (one request, in seq order) and check each recorded decision.
 
+    Without ``config`` the request is replayed under the defaults with the retry
+    budget its ``RequestAccepted`` recorded, so the log alone replays; a given
+    ``config`` is the what-if question and is used as it is.
+
     Raises :class:`~statemachine.errors.IllegalTransition` if the trace itself breaks
     the state machine: that is a broken trace, not a divergent decision.
     """
+    from_the_log = config is None
     config = config or PolicyConfig()
     state: RequestState | None = None
     runs: list[DecisionRun] = []
@@ -102,6 +107,8 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
             runs.append(DecisionRun(run_seq, tuple(recorded), tuple(recomputed)))
             recorded = []
         state = apply(state, event)
+        if from_the_log and state.max_attempts and state.max_attempts != config.max_attempts:
+            config = replace(config, max_attempts=state.max_attempts)
     if state is None:
         raise ValueError("replay() needs at least one event")
     if recorded:

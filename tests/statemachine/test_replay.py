@@ -81,6 +81,16 @@ def test_replaying_with_another_policy_shows_what_it_would_have_done() -> None:
     )
 
 
+def test_without_a_policy_the_budget_comes_from_the_log() -> None:
+    driver = ModelDriver("req_one_attempt", config=PolicyConfig(max_attempts=1))
+    driver.fail(ev.FailureKind.REPLICA_EXITED)  # a budget of 1, spent: failed at once
+    assert driver.events[0].max_attempts == 1  # type: ignore[attr-defined]
+    assert replay(driver.events).ok  # as `phasegate replay REQUEST_ID` runs it, with no config
+    what_if = replay(driver.events, PolicyConfig(max_attempts=2))  # a given config is the what-if
+    assert what_if.divergence is not None
+    assert [d["action"] for d in what_if.divergence.recomputed] == ["start_attempt"]
+
+
 def test_a_missing_decision_at_the_end_is_a_divergence() -> None:
     driver = ModelDriver("req_tail")
     driver.record(ev.UpstreamFailed, **driver.scoped(), kind=ev.FailureKind.REPLICA_EXITED, detail="gone")

@@ -212,12 +212,6 @@ def test_max_attempts_one_means_no_retry_at_all(
     assert decisions_of(events) == [("start_attempt", "request_accepted"), ("fail_request", "retry_budget_exhausted")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FOUND: decide() reads max_attempts from PolicyConfig, not from the RequestAccepted.max_attempts "
-    "the log recorded, so replaying a log written under max_attempts=1 without the gateway's config "
-    "(phasegate replay REQUEST_ID) reports a divergence the gateway never made",
-)
 def test_a_log_written_under_max_attempts_one_replays_from_the_log_alone(
     database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
 ) -> None:
