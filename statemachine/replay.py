@@ -12,7 +12,7 @@ marks each one. Like Temporal's replayer it returns a result and raises only whe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from statemachine.events import Decided, Event
@@ -54,6 +54,7 @@ class ReplayResult:
     events: int
     decisions: int
     runs: tuple[DecisionRun, ...] = ()  # every decision run, in log order
+    config: PolicyConfig = field(default_factory=PolicyConfig)  # what the decisions were recomputed with
 
     @property
     def ok(self) -> bool:
@@ -115,7 +116,7 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
         runs.append(DecisionRun(run_seq, tuple(recorded), tuple(recomputed)))
     first = next((run for run in runs if not run.agrees), None)
     divergence = None if first is None else Divergence(first.seq, first.recorded, first.recomputed)
-    return ReplayResult(state.request_id, divergence, state, count, decisions, tuple(runs))
+    return ReplayResult(state.request_id, divergence, state, count, decisions, tuple(runs), config)
 
 
 def _recomputed(action: Any) -> dict[str, Any]:

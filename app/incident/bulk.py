@@ -77,7 +77,7 @@ class BulkSummary:
 
 
 async def replay_many(
-    streams: AsyncIterator[Sequence[Event]], total: int, config: PolicyConfig, progress: Progress | None
+    streams: AsyncIterator[Sequence[Event]], total: int, config: PolicyConfig | None, progress: Progress | None
 ) -> BulkSummary:
     """Replay every request ``streams`` yields (``total`` of them, for the progress bar)."""
     summary = BulkSummary()

@@ -106,7 +106,7 @@ def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 def _run_replay(args: argparse.Namespace) -> int:
     from app.incident.single import replay_report
 
-    config = load_policy(args.policy) if args.policy else PolicyConfig()
+    config = load_policy(args.policy) if args.policy else None  # None: each request's recorded budget
     selection = _selection(args)
     if selection is not None and args.targets:
         raise CommandError("give request ids or trace files, or a selection (--since …), not both")
@@ -166,14 +166,15 @@ async def _read_from_log(url: str, request_ids: Sequence[str]) -> list[list[Even
     return sorted(streams, key=lambda events: order[events[0].request_id])
 
 
-async def _replay_selection(url: str, selection: Selection, config: PolicyConfig) -> int:
+async def _replay_selection(url: str, selection: Selection, config: PolicyConfig | None) -> int:
     from app.incident.bulk import Progress, replay_many
     from app.incident.timeline import describe_config
     from app.store.queries import read_requests, select_requests
 
     async with _connected(url) as connection:
         request_ids = await select_requests(connection, selection)
-        print(f"replaying {plural(len(request_ids), 'request')} with {describe_config(config)}", file=sys.stderr)
+        policy = describe_config(config) if config else "the defaults and each request's recorded max_attempts"
+        print(f"replaying {plural(len(request_ids), 'request')} with {policy}", file=sys.stderr)
         progress = Progress(len(request_ids), sys.stderr)
         summary = await replay_many(read_requests(connection, request_ids), len(request_ids), config, progress)
     print(summary.render())

@@ -14,8 +14,11 @@ from statemachine.replay import replay
 OK, DIVERGED = 0, 1
 
 
-def replay_report(streams: Sequence[Sequence[Event]], config: PolicyConfig, out: TextIO, *, timelines: bool) -> int:
-    """Replay each request's events with ``config`` and report it to ``out``; 0 if none diverged."""
+def replay_report(
+    streams: Sequence[Sequence[Event]], config: PolicyConfig | None, out: TextIO, *, timelines: bool
+) -> int:
+    """Replay each request's events with ``config`` (``None``: the defaults with the
+    request's recorded budget) and report it to ``out``; 0 if none diverged."""
     status = OK
     for number, events in enumerate(streams):
         if number:
@@ -33,7 +36,7 @@ def replay_report(streams: Sequence[Sequence[Event]], config: PolicyConfig, out:
         if timelines:
             rows, _ = timeline(events, result)
             out.write(render_table(rows) + "\n")
-        out.write(render_verdict(events, result, config) + "\n")
+        out.write(render_verdict(events, result) + "\n")
         if result.divergence is not None:
             status = DIVERGED
     out.flush()

@@ -107,12 +107,12 @@ def render_table(rows: Sequence[TimelineRow]) -> str:
     return "\n".join(lines)
 
 
-def render_verdict(events: Sequence[Event], result: ReplayResult, config: PolicyConfig) -> str:
+def render_verdict(events: Sequence[Event], result: ReplayResult) -> str:
     """The lines after the table: counts, the policy replayed with, then the divergence or none."""
     versions = sorted({event.policy_version for event in events if isinstance(event, ev.Decided)})
     head = (
         f"request {result.request_id}: {plural(result.events, 'event')}, {plural(result.decisions, 'decision')}"
-        f" (recorded by policy {', '.join(versions) or '-'}; replayed with {describe_config(config)})"
+        f" (recorded by policy {', '.join(versions) or '-'}; replayed with {describe_config(result.config)})"
     )
     if result.divergence is None:
         return f"{head}\nno divergence"

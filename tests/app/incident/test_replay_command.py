@@ -139,7 +139,7 @@ def test_a_night_replays_by_selection_with_progress_and_a_summary(phasegate: Run
     assert phasegate("trace", "import", str(DIVERGENT)).status == 0  # accepted 2026-11-30T12:00
     ran = phasegate("replay", "--since", "2026-11-30T00:00")
     assert ran.status == 1
-    assert "replaying 5 requests with max_attempts=2" in ran.err
+    assert "replaying 5 requests with the defaults and each request's recorded max_attempts" in ran.err
     assert "replayed 5/5 requests" in ran.err  # the progress, a line per tenth off a terminal
     summary = ran.out.splitlines()
     assert summary[0].startswith("replayed 5 requests, ") and "events/s; replay alone" in summary[0]
