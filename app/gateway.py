@@ -32,6 +32,7 @@ from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
+from app.tracing import AttemptSpans
 
 log = logging.getLogger("phasegate.gateway")
 
@@ -88,6 +89,7 @@ class Gateway:
             metrics=metrics,
             tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
             idempotency=IdempotencyKeys(store),
+            tracing=AttemptSpans(),
         )
         return cls(ctx, store)
 

@@ -34,7 +34,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.config": frozenset({BOTTOM, "app.contract"}),
     "app.metrics": frozenset(),
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
-    "app.tracing": frozenset(),  # OpenTelemetry, off unless configured
+    "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
-        {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api"}
+        {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
