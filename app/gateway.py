@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
+from app.driver import gauges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
 from app.driver.instance import GatewayInstance
@@ -91,6 +92,7 @@ class Gateway:
             idempotency=IdempotencyKeys(store),
             tracing=AttemptSpans(),
         )
+        metrics.on_scrape = lambda: gauges.sample(ctx)
         return cls(ctx, store)
 
     @contextlib.asynccontextmanager
