@@ -3,7 +3,8 @@
     cli → serve → gateway → api → driver → (store, replicas) → statemachine
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
-gateway must share (the worker token's, the engine inputs' checks), a leaf.
+gateway must share (the worker token's, the engine inputs' checks), a leaf; and
+``app.logs``, the leaf that formats every phasegate process's lines.
 
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
@@ -39,7 +40,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset({"app.contract"}),
+    "app.worker": frozenset({"app.contract", "app.logs"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
     "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),

@@ -113,7 +113,9 @@ def workers() -> Iterator[list[WorkerProcess]]:
     with contextlib.ExitStack() as stack:
         yield [
             stack.enter_context(
-                running_worker(faults=True, token=WORKER_TOKEN, args=[*SIM_ARGS, "--worker-id", f"w{n}"])
+                running_worker(
+                    faults=True, token=WORKER_TOKEN, args=[*SIM_ARGS, "--worker-id", f"w{n}", "--log-format", "json"]
+                )
             )
             for n in (1, 2)
         ]
@@ -189,6 +191,7 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
             time.sleep(2.0)  # the left request's cancel and fence settle
     finally:
         stop(process, signal.SIGTERM, grace_s=30)
+    worker_logs = {f"w{n}": worker.logs() for n, worker in enumerate(workers, 1)}
     text = output.read_text()
     for secret in SECRETS:
         assert secret not in banner.read_text()
@@ -220,3 +223,21 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
     late_cancel = by_message[f"request {answered_id}: a cancel came after it ended (completed)"]
     assert [line.get("request_id") for line in (resuming, *sent, late_cancel)] == [cut_id, cut_id, answered_id]
     assert resuming.get("instance") == late_cancel.get("instance") == instance
+
+    # the workers' lines (phasegate worker --log-format json): JSON, naming the worker, every
+    # line about an attempt with its request id and attempt, and never the worker token
+    cut_attempts: list[dict[str, object]] = []
+    for name, worker_text in worker_logs.items():
+        assert WORKER_TOKEN not in worker_text
+        worker_lines = [json.loads(line) for line in worker_text.splitlines() if line.strip()]
+        assert any(line["message"].startswith(f"worker {name} ready") for line in worker_lines)
+        assert all(line.get("instance") == name for line in worker_lines), worker_lines
+        about_attempts = [line for line in worker_lines if line["message"].startswith("attempt ")]
+        assert about_attempts and all(line.get("request_id") and line.get("attempt") for line in about_attempts)
+        assert {str(line["request_id"]) for line in about_attempts} <= set(about)  # the gateway's requests
+        cut_attempts += [line for line in about_attempts if line["request_id"] == cut_id]
+    # the cut request's attempt: admitted, then stopped by the gateway's cancel (its fence)
+    assert [(line["message"], line["attempt"]) for line in cut_attempts] == [
+        ("attempt admitted (running)", 1),
+        ("attempt stopped early: cancelled", 1),
+    ]
