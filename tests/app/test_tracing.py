@@ -8,7 +8,9 @@ and the replica received that span's ``traceparent``. Under it, each attempt is 
 that says what the log says of it (replica, lease epoch, phase, outcome, the commit
 point, the fence, the cancel acknowledgement), and ``RequestAccepted`` records the trace
 id, which the request's JSON and timeline page show. With tracing off (the default) no
-span is made and no ``traceparent`` leaves the gateway.
+span is made and no ``traceparent`` leaves the gateway. Last, the attempt spans made from
+recorded event sequences alone (tests/app/store/traces.py): how each way an attempt
+ends ends its span, and the bound on the requests followed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import pytest
 from app import tracing
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
+from statemachine.request_state import RequestState
+from statemachine.state import apply
 from tests.app.conftest import add_fault
+from tests.app.store import traces
 from tests.support.gateway import MODEL, running_gateway
 from tests.support.scripted_upstream import running_scripted_upstream
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy
@@ -197,3 +202,66 @@ def test_each_attempt_is_a_child_span_saying_what_the_log_says(
     assert accepted.trace_id == trace_id  # type: ignore[attr-defined]
     assert summary["trace_id"] == trace_id
     assert trace_id in page
+
+
+# --- the spans from the log's events alone (the events the driver records, built by the fold) ---
+
+
+def feed(attempt_spans: tracing.AttemptSpans, trace: traces.Trace) -> None:
+    """Hand ``attempt_spans`` the trace's events as the recorder does, each with the state it made."""
+    state = RequestState(request_id=trace.request_id)
+    for event in trace.events:
+        state = apply(state, event)
+        attempt_spans.recorded(state, event)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "outcome", "phase", "fence_events", "ended_by"),
+    [
+        (traces.stalled_in_decode, "cancel_acked", "fenced", ["cancel_sent", "cancel_acked"], ev.AttemptReleased),
+        (traces.fenced_then_retried, "lease_expired", "fenced", ["cancel_sent", "lease_expired"], ev.AttemptReleased),
+        (traces.retried_before_first_delta, "replica_exited", "prefill", [], ev.UpstreamFailed),
+    ],
+)
+def test_an_attempt_span_ends_when_the_log_says_the_attempt_ended(
+    spans: Any,
+    scenario: Callable[[str], traces.Trace],
+    outcome: str,
+    phase: str,
+    fence_events: list[str],
+    ended_by: type[ev.Event],
+) -> None:
+    trace = scenario("req_spans")
+    feed(tracing.AttemptSpans(), trace)
+    first = next(s for s in spans.get_finished_spans() if s.name == "attempt 1")
+    assert (first.attributes["phasegate.outcome"], first.attributes["phasegate.phase"]) == (outcome, phase)
+    assert [e.name for e in first.events if e.name in ("cancel_sent", "cancel_acked", "lease_expired")] == fence_events
+    (ended,) = [e for e in trace.events if isinstance(e, ended_by) and e.attempt == 1]  # type: ignore[attr-defined]
+    assert first.end_time == nanoseconds(ended.occurred_at)
+
+
+def test_an_attempt_fenced_after_the_request_failed_keeps_its_span_until_released(spans: Any) -> None:
+    trace = traces.stalled_in_decode("req_spans")
+    attempt_spans, state = tracing.AttemptSpans(), RequestState(request_id=trace.request_id)
+    finished_at_each = []
+    for event in trace.events:
+        state = apply(state, event)
+        attempt_spans.recorded(state, event)
+        finished_at_each.append((type(event), len(spans.get_finished_spans())))
+    # the request ended with its terminal event; its attempt's span only once the fence released it
+    kinds = [kind for kind, _ in finished_at_each]
+    assert kinds.index(ev.RequestFailed) < kinds.index(ev.CancelAcked) < len(kinds) - 1
+    assert kinds[-1] is ev.AttemptReleased
+    assert [finished for _, finished in finished_at_each] == [0] * (len(kinds) - 1) + [1]
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["phasegate.outcome"] == "cancel_acked"
+
+
+def test_past_the_bound_the_oldest_requests_open_spans_end_untracked(spans: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(tracing, "MAX_TRACED_REQUESTS", 2)
+    attempt_spans = tracing.AttemptSpans()
+    for request_id in ("req_a", "req_b", "req_c"):  # each still decoding
+        feed(attempt_spans, traces.in_flight(request_id))
+    (evicted,) = spans.get_finished_spans()
+    assert evicted.attributes["phasegate.request_id"] == "req_a"
+    assert evicted.attributes["phasegate.outcome"] == "untracked"
