@@ -20,6 +20,13 @@ from statemachine.phases import Phase
 DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
 
 
+def is_server_error(status: int | None, code: str | None) -> bool:
+    """A replica's server error about the request itself: HTTP 500 (it failed on this
+    input), or a worker's ``engine_error`` frame (its engine failed on this request).
+    502, 503 and 504 speak of the path or the replica's state, not of the request."""
+    return status == 500 or code == "engine_error"
+
+
 class Outcome(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
@@ -81,6 +88,11 @@ class AttemptState:
     def live(self) -> bool:
         """Presumed able to publish: not known dead, not released, not finished."""
         return not self.dead and self.released is None and not self.completed
+
+    @property
+    def server_error(self) -> bool:
+        """It failed with a server error about the request (:func:`is_server_error`)."""
+        return self.failure is not None and is_server_error(self.upstream_status, self.upstream_code)
 
     @property
     def fence_wait(self) -> FenceWait:

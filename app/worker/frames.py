@@ -149,7 +149,10 @@ async def frames(worker: AttemptHost, attempt: Attempt) -> AsyncIterator[bytes]:
 
 
 async def _prefill_fault(worker: AttemptHost, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
-    """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
+    """Faults before the engine starts: die in prefill, fail as an engine would (the caller
+    turns the :class:`EngineFailed` into an ``engine_error`` frame), or a long prefill."""
+    if fault.action is FaultAction.ENGINE_ERROR:
+        raise EngineFailed(f"injected fault {fault.id}: the engine failed on this request")
     if fault.action is FaultAction.DIE and fault.point is Point.PREFILL:
         await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
         die()
