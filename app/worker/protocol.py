@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.vllm_extras import SAMPLING_EXTRAS, check_sampling_extras, check_structured_outputs
 
 
 class Code(enum.StrEnum):
@@ -92,6 +93,8 @@ SAMPLING_FIELDS = frozenset(
         "ignore_eos",
         "presence_penalty",
         "frequency_penalty",
+        *SAMPLING_EXTRAS,
+        "structured_outputs",
     }
 )
 START_FIELDS = frozenset(
@@ -127,6 +130,11 @@ class Sampling:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int | None = None  # vLLM's extras (app/contract/vllm_extras.py); None: the engine's default
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    structured_outputs: dict[str, Any] | None = None
 
     def tool_names(self) -> list[str]:
         return [tool["function"]["name"] for tool in self.tools]
@@ -385,6 +393,11 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
             out["tool_choice"] = check_tool_choice(params["tool_choice"], out.get("tools", ()))
         if params.get("response_format") is not None:
             out["response_format"] = check_response_format(params["response_format"])
+        out.update(check_sampling_extras(params, out.get("max_tokens")))
+        if params.get("structured_outputs") is not None:
+            if out.get("response_format", {}).get("type", "text") != "text":
+                raise BadInput("structured_outputs", "cannot be combined with a response_format")
+            out["structured_outputs"] = check_structured_outputs(params["structured_outputs"])
     except BadInput as bad:
         raise _engine_input(bad, p) from None
     return Sampling(**out)

@@ -8,9 +8,12 @@ delay that stands for the engine finishing its step in flight), with the number 
 tokens it had produced.
 
 The text is a pure function of the request: model, rendered prompt, seed, temperature,
-top_p and choice seed a ``random.Random``, so every replica produces the same tokens for
-the same request. Tool-call ids derive from the request id, so two attempts of one
-request emit the same id (and the same idempotency key).
+top_p (and vLLM's top_k, min_p, repetition_penalty when given) and choice seed a
+``random.Random``, so every replica produces the same tokens for the same request.
+``min_tokens`` holds the end off that long; a structured-output ``choice`` is answered
+with one of its strings, ``json``/``json_object`` with a JSON text; ``regex`` and
+``grammar`` are passed over (the sim's words are not constrained by them). Tool-call
+ids derive from the request id, so two attempts of one request emit the same id (and the same idempotency key).
 """
 
 from __future__ import annotations
@@ -182,10 +185,13 @@ class _Choice:
     def __init__(self, spec: AttemptSpec, prompt: str, choice: int, room: int) -> None:
         s: Sampling = spec.sampling
         material = f"{spec.model}\0{prompt}\0{s.seed}\0{s.temperature}\0{s.top_p}\0{choice}"
+        extras = (s.top_k, s.min_p, s.repetition_penalty)
+        if extras != (None, None, None):  # given only: the text of a request without them stays as it was
+            material += "\0" + "\0".join(map(str, extras))
         self.rng = random.Random(hashlib.sha256(material.encode()).digest())
         self.choice = choice
         self.stop = s.stop
-        natural = self.rng.randint(16, 128)
+        natural = max(self.rng.randint(16, 128), s.min_tokens)
         self.length = min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
         self.ends_by_length = s.ignore_eos or self.length < natural
         self.produced = 0
@@ -200,7 +206,10 @@ class _Choice:
             schema = next(t["function"] for t in s.tools if t["function"]["name"] == name).get("parameters") or {}
             arguments = json.dumps(self._arguments(schema), sort_keys=True)
             return ToolCallOutput(0, tool_call_id(spec.request_id, choice, 0), name, arguments)
-        if s.response_format and s.response_format.get("type") != "text":
+        structured = s.structured_outputs or {}
+        if "choice" in structured:  # one of the strings, whole, as one token
+            return [(VOCAB_SIZE + 2, self.rng.choice(structured["choice"]))]
+        if (s.response_format and s.response_format.get("type") != "text") or {"json", "json_object"} & set(structured):
             return [(VOCAB_SIZE + 1, '{"text": "')]
         return None
 
@@ -224,6 +233,10 @@ class _Choice:
             return EngineOutput(self.choice, ids, "", "tool_calls", self.script)
         if self.script:
             token_id, text = self.script.pop(0)
+            if token_id == VOCAB_SIZE + 2:  # a structured choice: that string is the whole answer
+                self.text, self.finish_reason = text, "stop"
+                self.produced += 1
+                return EngineOutput(self.choice, [token_id], text, "stop")
         else:
             token_id = self.rng.randrange(VOCAB_SIZE)
             text = VOCAB[token_id]

@@ -125,15 +125,27 @@ class VllmEngine:
 
     def _sampling_params(self, spec: AttemptSpec, room: int) -> Any:
         from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found, unused-ignore]
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
 
         s = spec.sampling
-        structured = None
-        if s.response_format is not None and s.response_format["type"] == "json_object":
-            structured = StructuredOutputsParams(json_object=True)
-        elif s.response_format is not None and s.response_format["type"] == "json_schema":
-            structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])
         try:
+            structured = None
+            if s.response_format is not None and s.response_format["type"] == "json_object":
+                structured = StructuredOutputsParams(json_object=True)
+            elif s.response_format is not None and s.response_format["type"] == "json_schema":
+                structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])
+            elif s.structured_outputs is not None:  # checked: one constraint, vLLM's own names
+                structured = StructuredOutputsParams(**s.structured_outputs)
+            extras = {
+                name: value
+                for name, value in (
+                    ("top_k", s.top_k),
+                    ("min_p", s.min_p),
+                    ("repetition_penalty", s.repetition_penalty),
+                )
+                if value is not None
+            }
             return SamplingParams(
                 n=s.n,
                 temperature=s.temperature,
@@ -144,10 +156,12 @@ class VllmEngine:
                 ignore_eos=s.ignore_eos,
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,
+                min_tokens=min(s.min_tokens, room),
                 structured_outputs=structured,
+                **extras,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except ValueError as exc:
+        except (ValueError, VLLMValidationError) as exc:  # 0.32's VLLMValidationError is no ValueError
             raise Refusal(400, Code.INVALID_FIELD, f"params: {exc}", field="params") from None
 
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:

@@ -6,7 +6,7 @@ never answer is tested against this small server, run as its own process on a re
 socket. It streams deterministic text for any prompt; ``POST /admin/script`` queues
 behaviours that the next requests consume one each (``"attempt": n`` keeps one for
 the gateway's n-th attempt of a request, read from the ``x-request-id`` it sends); ``GET /admin/requests`` counts
-the generation requests it received. Run: ``python -m tests.support.scripted_upstream
+the generation requests it received and shows the last one's body. Run: ``python -m tests.support.scripted_upstream
 --port P``.
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
@@ -57,6 +57,7 @@ class Upstream:
     def __init__(self, token_delay_s: float) -> None:
         self.script: deque[dict[str, Any]] = deque()
         self.requests = 0
+        self.last_body: dict[str, Any] | None = None  # the last generation request, as received
         self.token_delay_s = token_delay_s
         self.tool_runs: dict[str, int] = {}
 
@@ -68,7 +69,7 @@ class Upstream:
         return JSONResponse({"queued": len(self.script)})
 
     async def admin_requests(self, request: Request) -> Response:
-        return JSONResponse({"requests": self.requests})
+        return JSONResponse({"requests": self.requests, "last_body": self.last_body})
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
@@ -76,6 +77,7 @@ class Upstream:
         if body.get("max_tokens") == 1 and body.get("prompt") == "ping":
             return JSONResponse({"choices": [{"text": "pong", "finish_reason": "length"}]})  # health probe
         self.requests += 1
+        self.last_body = body
         attempt = int(request.headers.get("x-request-id", "x.0").rsplit(".", 1)[-1] or 0)
         behaviour = self._take(attempt)
         if behaviour.get("hang"):
@@ -220,6 +222,12 @@ class ScriptedUpstream:
     @property
     def requests(self) -> int:
         return int(httpx.get(self.base_url + "/admin/requests").json()["requests"])
+
+    @property
+    def last_body(self) -> dict[str, Any] | None:
+        """The body of the last generation request it received."""
+        body: dict[str, Any] | None = httpx.get(self.base_url + "/admin/requests").json()["last_body"]
+        return body
 
     @property
     def tool_runs(self) -> dict[str, int]:
