@@ -48,11 +48,15 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     request = driver.request
     shape = ResponseShape(request, response_id(request, driver.request_id), driver.created)
     choices = range(len(output.finish_reasons))
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = [[entry for delta in deltas.get(c, ()) for entry in delta.logprobs or ()] for c in choices]
     body = shape.completion(
         ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
         list(output.finish_reasons),
         output.usage,
         [output.tool_calls.get(c, []) for c in choices],
+        logprobs,
     )
     return JSONResponse(body)
 
@@ -83,7 +87,8 @@ async def stream_body(
             if type(output) is Delta:
                 if driver.recorder.behind:  # two batches on their way to the log: let it catch up
                     await driver.recorder.until_the_log_moves()
-                yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
+                chunk = shape.content_chunk(output.text, output.choice, first=not started, logprobs=output.logprobs)
+                yield sse_event(event_id, chunk)
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()
                     return

@@ -18,6 +18,7 @@ from typing import Any
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
 from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.logprobs import requested_logprobs
 from app.contract.vllm_extras import LEGACY_GUIDED, SAMPLING_EXTRAS, check_sampling_extras, structured_outputs_of
 from app.driver.request import CHAT, GenerationRequest
 
@@ -39,12 +40,18 @@ _COMMON = {
     "structured_outputs",
     *LEGACY_GUIDED,
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-# Parameters of the OpenAI API that phasegate knows and deliberately does not serve.
-UNSUPPORTED = {
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "response_format",
     "logprobs",
     "top_logprobs",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+# Parameters of the OpenAI API that phasegate knows and deliberately does not serve.
+UNSUPPORTED = {
     "logit_bias",
     "functions",
     "function_call",
@@ -108,6 +115,7 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
     with _engine_rules():
         common["sampling_extras"] = check_sampling_extras(body, max_tokens)
         common["structured_outputs"] = structured_outputs_of(body)
+        common["logprobs"] = requested_logprobs(body, chat=endpoint == CHAT)
     if endpoint == CHAT:
         tools = _tools(body)
         response_format = _response_format(body)

@@ -122,7 +122,7 @@ class RequestLoop:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
                     self.charges.settle(poison=False)  # an attempt produced output: not poison
                 run.generated_tokens += 1
-                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1)
+                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 deadline = run.deadline_due()
                 if deadline is not None:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract.logprobs import as_params
 from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
@@ -39,6 +40,7 @@ class GenerationRequest:
     # and its structured-output constraint (app/contract/vllm_extras.py)
     sampling_extras: dict[str, Any] = field(default_factory=dict)
     structured_outputs: dict[str, Any] | None = None
+    logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -83,6 +85,7 @@ class GenerationRequest:
         params.update(self.sampling_extras)
         if self.structured_outputs is not None:
             params["structured_outputs"] = self.structured_outputs
+        params.update(as_params(self.logprobs, chat=self.endpoint == CHAT))
         return params
 
     def for_attempt(self, request_id: str, attempt: int, *, lease_ttl_s: float) -> AttemptRequest:

@@ -15,6 +15,7 @@ from collections import deque
 
 import httpx
 
+from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 
@@ -95,7 +96,10 @@ class AttemptFrames:
             obj = _loads(line)
             kind = obj["type"]
             if kind == "token":
-                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"])
+                logprobs = obj.get("logprobs")
+                if logprobs is not None:
+                    logprobs = from_wire(logprobs)
+                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs)
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":

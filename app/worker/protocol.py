@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.logprobs import requested_logprobs
 from app.contract.vllm_extras import SAMPLING_EXTRAS, check_sampling_extras, check_structured_outputs
 
 
@@ -95,6 +96,8 @@ SAMPLING_FIELDS = frozenset(
         "frequency_penalty",
         *SAMPLING_EXTRAS,
         "structured_outputs",
+        "logprobs",
+        "top_logprobs",
     }
 )
 START_FIELDS = frozenset(
@@ -135,6 +138,7 @@ class Sampling:
     repetition_penalty: float | None = None
     min_tokens: int = 0
     structured_outputs: dict[str, Any] | None = None
+    logprobs: int | None = None  # alternatives wanted at each token (app/contract/logprobs.py)
 
     def tool_names(self) -> list[str]:
         return [tool["function"]["name"] for tool in self.tools]
@@ -398,6 +402,7 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
             if out.get("response_format", {}).get("type", "text") != "text":
                 raise BadInput("structured_outputs", "cannot be combined with a response_format")
             out["structured_outputs"] = check_structured_outputs(params["structured_outputs"])
+        out["logprobs"] = requested_logprobs(params, chat=None)
     except BadInput as bad:
         raise _engine_input(bad, p) from None
     return Sampling(**out)

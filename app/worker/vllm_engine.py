@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker.engine import EngineFailed, EngineOutput, Prepared, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
@@ -157,6 +158,7 @@ class VllmEngine:
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,
                 min_tokens=min(s.min_tokens, room),
+                logprobs=s.logprobs,
                 structured_outputs=structured,
                 **extras,
                 output_kind=RequestOutputKind.DELTA,
@@ -166,17 +168,40 @@ class VllmEngine:
 
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         engine_input, params = prepared.payload
+        top = prepared.spec.sampling.logprobs
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
             async with contextlib.aclosing(self._llm.generate(engine_input, params, engine_request_id)) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
-                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason)
+                        logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top)
+                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
             raise EngineFailed(repr(exc)) from exc
+
+    def _logprobs(self, output: Any, top: int) -> list[Any]:
+        """vLLM's log probabilities of an output's new tokens, as a token frame carries them
+        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does."""
+        entries: list[Any] = []
+        for position, token_id in enumerate(output.token_ids):
+            step = output.logprobs[position]
+            chosen = step.get(token_id) if step is not None else None
+            if chosen is None:  # vLLM's server sends such a token without a log probability
+                entries.append([self._decoded(token_id, None), LOWEST_LOGPROB, []])
+                continue
+            alternatives = [
+                [self._decoded(tid, p.decoded_token), clamped(p.logprob)]
+                for rank, (tid, p) in enumerate(step.items())
+                if rank < top
+            ]
+            entries.append([self._decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
+        return entries
+
+    def _decoded(self, token_id: int, decoded: str | None) -> str:
+        return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
 
     async def abort(self, engine_request_id: str) -> int | None:
         await self._llm.abort(engine_request_id)

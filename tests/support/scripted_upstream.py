@@ -15,9 +15,10 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
-``{"nul_at": k}`` (U+0000 after the
-k-th word). A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting runs per
-``Idempotency-Key`` (``GET /admin/tools``).
+``{"nul_at": k}`` (U+0000 after the k-th word). A request asking for ``logprobs`` gets
+-0.5 for each word and one alternative. A request with tools gets a tool call.
+``POST /tools/execute`` is a tool webhook counting runs per ``Idempotency-Key``
+(``GET /admin/tools``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class Upstream:
         words = answer(prompt, int(body.get("max_tokens") or 16))
         if chat and body.get("tools"):
             behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
+        if body.get("logprobs") is not None:  # as vLLM: -0.5 for each word, -1.5 for one alternative
+            behaviour = {**behaviour, "logprobs": True}
         return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
 
     def _take(self, attempt: int) -> dict[str, Any]:
@@ -153,6 +156,8 @@ class Upstream:
             if behaviour.get("nul_at") == index:
                 word = f"{word}\x00"  # U+0000: valid text that PostgreSQL cannot hold
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            if behaviour.get("logprobs"):
+                choice["logprobs"] = _logprobs(word, chat)
             yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
             if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":
                 await asyncio.sleep(0.05)  # let the chunk leave, then die
@@ -181,6 +186,13 @@ class Upstream:
         yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
         yield _sse({**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
         yield b"data: [DONE]\n\n"
+
+
+def _logprobs(word: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        top = [{"token": word, "logprob": -0.5}, {"token": "~", "logprob": -1.5}]
+        return {"content": [{"token": word, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": top}]}
+    return {"tokens": [word], "token_logprobs": [-0.5], "top_logprobs": [{word: -0.5, "~": -1.5}], "text_offset": [0]}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

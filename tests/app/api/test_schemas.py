@@ -116,7 +116,7 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function", "invalid_request", "must be an object"),
         (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),
         (CHAT, chat(response_format={"type": "yaml"}), "response_format.type", "invalid_request", "json_schema"),
-        (CHAT, chat(logprobs=True), "logprobs", "unsupported_parameter", "does not support 'logprobs'"),
+        (CHAT, chat(logit_bias={}), "logit_bias", "unsupported_parameter", "does not support .logit_bias."),
         (CHAT, chat(frobnicate=1), "frobnicate", "unsupported_parameter", "unrecognized request argument"),
         (CHAT, chat(prompt="x"), "prompt", "unsupported_parameter", "unrecognized"),
         (COMPLETIONS, {"model": "m"}, "prompt", "invalid_request", "'prompt' is required"),
