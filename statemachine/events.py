@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
+# A token's log probability and the likeliest tokens at its place:
+# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order.
+TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
+DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
+
 
 class FailureKind(enum.StrEnum):
     """What the driver observed when an attempt failed (DESIGN.md §4)."""
@@ -82,6 +87,7 @@ class RequestAccepted(RequestScoped):
     max_attempts: int  # the per-request retry budget in force when accepted
     seed: int | None
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
+    logprobs: int | None = None  # log probabilities asked for: alternatives at each token (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +182,9 @@ class DeltasDelivered(AttemptScoped):
     ``deltas`` says where each delta is, so a stream can be resumed at any of them
     (DESIGN.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
     delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
-    before it was recorded.
+    before it was recorded. ``logprobs``, for a request that asked for them and only
+    with the text ("full"), holds per delta its tokens' log probabilities as the client
+    got them (a tool-calls delta: none).
     """
 
     from_index: int
@@ -185,6 +193,7 @@ class DeltasDelivered(AttemptScoped):
     text: str | None
     text_sha256: str | None
     deltas: tuple[tuple[int, int, int], ...] = ()
+    logprobs: DeltaLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,6 +192,8 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
         or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
     ):
         raise _illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
+    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
+        raise _illegal(state, event, "log probabilities are kept with the text, one entry per delta")
     return {
         "delivered_deltas": event.to_index,
         "delivered_output_tokens": state.delivered_output_tokens + event.tokens,

@@ -41,7 +41,7 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     await driver.commit(flush=False)  # durable with the completion: the body goes out after both
     for choice in sorted(deltas):
         for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens, delta.choice)
+            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs)
     for choice, calls in sorted(output.tool_calls.items()):
         driver.delivered(json.dumps(calls), tokens=0, choice=choice)
     await driver.complete(output)
@@ -94,7 +94,7 @@ async def stream_body(
                     return
                 event_id += 1
                 started = True
-                driver.delivered(output.text, output.tokens, output.choice)
+                driver.delivered(output.text, output.tokens, output.choice, output.logprobs)
                 delivered_tokens += output.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):

@@ -75,6 +75,10 @@ class ResponseShape:
             f"{self._usage_tail}"
         )
 
+    def passed(self, text: str, choice: int = 0) -> None:
+        """Text of ``choice`` sent before (a resumed stream): later tokens' offsets follow it."""
+        self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
+
     def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0, *, first: bool = False) -> str:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]

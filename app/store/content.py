@@ -2,7 +2,8 @@
 policy, and a tenant's content erased while its events stay.
 
 Content is what a client sent or was sent: the request's body (``request_inputs``),
-the delivered text (``DeltasDelivered.text``, or its digest), tool call arguments
+the delivered text (``DeltasDelivered.text``, or its digest, and the log probabilities
+kept with it), tool call arguments
 (``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool results and
 errors (``tool_executions``). Everything else is the event skeleton: what happened,
 when, where, how many tokens. The fold and replay read only the skeleton, so they
@@ -48,7 +49,7 @@ _COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM req
 _EVENTS = text(
     f"""
     UPDATE request_events SET body = CASE type
-        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null}}'::jsonb
+        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
         ELSE jsonb_set(body, '{{arguments}}', '""'::jsonb) END
      WHERE request_id IN ({_OF_TENANT})
        AND ((type = 'DeltasDelivered' AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))

@@ -252,6 +252,27 @@ def test_the_deltas_shapes_must_fit_the_batch(deltas: tuple[tuple[int, int, int]
     assert driver.state.delivered_deltas == 3 and driver.state.delivered_output_tokens == 3
 
 
+A_LOGPROB = ("a", -0.5, (("a", -0.5),))
+
+
+@pytest.mark.parametrize(
+    ("text", "logprobs"),
+    [
+        (None, ((A_LOGPROB,), (A_LOGPROB,))),  # kept without the text: the content policy broken
+        ("ab", ((A_LOGPROB,),)),  # one entry for two deltas
+    ],
+)
+def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None, logprobs: ev.DeltaLogprobs) -> None:
+    driver = running()
+    driver.deliver(1)
+    fields = {"from_index": 1, "to_index": 3, "tokens": 2, "text_sha256": None, "deltas": ((0, 1, 1), (0, 1, 1))}
+    batch = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text=text, logprobs=logprobs)
+    assert_illegal(driver, batch, "log probabilities are kept with the text, one entry per delta")
+    kept = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text="ab", logprobs=((A_LOGPROB,), ()))
+    driver.state = apply(driver.state, kept)
+    assert driver.state.delivered_deltas == 3
+
+
 def test_a_fenced_attempt_publishes_nothing() -> None:
     driver = running()
     driver.fail(FailureKind.LIVENESS_UNCERTAIN)

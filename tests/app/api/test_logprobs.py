@@ -5,14 +5,20 @@ to the same request must agree token by token."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from app.config import ReplicaConfig
+from statemachine import events as ev
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import running_scripted_upstream
+from tests.support.transcript import of
+from tests.support.workers import WorkerProcess
 
 
 def test_chat_logprobs_stream_and_whole_agree(gateway: RunningGateway, unique_prompt: Callable[[str], str]) -> None:
@@ -105,3 +111,57 @@ def test_an_openai_compatible_replicas_logprobs_are_passed_on(database_url: str)
     legacy = completion.choices[0].logprobs
     assert legacy is not None and "".join(legacy.tokens) == completion.choices[0].text
     assert set(legacy.token_logprobs) == {-0.5}
+
+
+def client_logprobs(stream: Any) -> list[tuple[str, float, tuple[tuple[str, float], ...]]]:
+    got = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            for e in (choice.logprobs and choice.logprobs.content) or ():
+                got.append((e.token, e.logprob, tuple((t.token, t.logprob) for t in e.top_logprobs)))
+    return got
+
+
+@pytest.mark.parametrize("policy", ["full", "digest", "none"])
+def test_logprobs_are_recorded_with_the_text_under_the_content_policy(
+    database_url: str, sim_pair: list[WorkerProcess], policy: str
+) -> None:
+    with running_gateway(database_url, sim_pair, content_policy=policy) as gateway:
+        stream = gateway.openai().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "kept?"}],
+            max_tokens=10,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        received = client_logprobs(stream)
+        request_id = stream.response.headers["x-request-id"]
+        events = gateway.events(request_id)
+        resumed = [] if policy != "full" else resumed_logprobs(gateway, request_id, after=3)
+    (accepted,) = of(events, ev.RequestAccepted)
+    assert accepted.logprobs == 2  # type: ignore[attr-defined]  # what was asked: the skeleton, always
+    batches = of(events, ev.DeltasDelivered)
+    assert len(received) == 10 and batches
+    if policy == "full":
+        recorded = [entry for batch in batches for delta in batch.logprobs for entry in delta]  # type: ignore[attr-defined]
+        assert recorded == received
+        assert resumed == received[4:]  # resumed from the log, as the client first got them
+    else:
+        assert all(batch.logprobs is None for batch in batches)  # type: ignore[attr-defined]
+
+
+def resumed_logprobs(gateway: RunningGateway, request_id: str, after: int) -> list[Any]:
+    got: list[Any] = []
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        path = f"/v1/requests/{request_id}/stream"
+        with http.stream("GET", path, headers={"last-event-id": str(after)}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:]).get("choices", ()):
+                    for e in (choice.get("logprobs") or {}).get("content", ()):
+                        top = tuple((t["token"], t["logprob"]) for t in e["top_logprobs"])
+                        got.append((e["token"], e["logprob"], top))
+    return got
