@@ -198,13 +198,18 @@ class DeltasDelivered(AttemptScoped):
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEmitted(AttemptScoped):
-    """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``."""
+    """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``.
+
+    ``arguments`` holds the call's arguments under the "full" content policy, else "";
+    ``arguments_sha256`` their digest under "digest", else ``None``.
+    """
 
     index: int
     tool_call_id: str
     name: str
     arguments: str
     idempotency_key: str
+    arguments_sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

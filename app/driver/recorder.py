@@ -27,13 +27,13 @@ flush that meets an outage leaves its events queued and returns.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from app.driver.context import GatewayContext
+from app.store.content import kept_text
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import (
@@ -227,8 +227,8 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        text = "".join(batch.texts)
         policy = self.ctx.config.content_policy
+        text, text_sha256 = kept_text("".join(batch.texts), policy)
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
         self._queue(
@@ -239,8 +239,8 @@ class Recorder:
                 "from_index": batch.from_index,
                 "to_index": batch.from_index + len(batch.texts),
                 "tokens": batch.tokens,
-                "text": text if policy == "full" else None,
-                "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
+                "text": text,
+                "text_sha256": text_sha256,
                 "deltas": tuple(batch.shapes),
                 # with the text only: log probabilities are content (DESIGN.md §13)
                 "logprobs": tuple(batch.logprobs) if batch.logprobs is not None and policy == "full" else None,
