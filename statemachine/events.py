@@ -22,6 +22,12 @@ TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
 DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
 
 
+# Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
+FINISH_REASONS = frozenset(
+    {"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error", "repetition"}
+)
+
+
 class FailureKind(enum.StrEnum):
     """What the driver observed when an attempt failed (DESIGN.md §4)."""
 
@@ -122,6 +128,8 @@ class ClientDisconnected(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestCompleted(RequestScoped):
+    """How the request ended well: ``finish_reason`` (and per choice) one of :data:`FINISH_REASONS`."""
+
     finish_reason: str
     usage: dict[str, int]
     finish_reasons: tuple[str, ...] = ()  # one per choice (empty in logs written before)

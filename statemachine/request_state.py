@@ -146,6 +146,7 @@ class RequestState:
     outcome: Outcome | None = None
     error_code: str | None = None
     finish_reason: str | None = None
+    last_occurred_at: datetime | None = None  # the log's times never go back
 
     @property
     def first_delta_sent(self) -> bool:

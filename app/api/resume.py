@@ -42,7 +42,7 @@ from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
 from statemachine.events import TokenLogprob
 from statemachine.request_state import RequestState
-from statemachine.state import fold
+from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
 
@@ -137,10 +137,10 @@ class _Follower:
                 events = await self.ctx.store.read(request_id)
                 state = fold(events)
                 to_index = min(to_index, state.delivered_deltas)
-                resumed = ev.StreamResumed(
-                    request_id=request_id,
-                    seq=state.seq + 1,
-                    occurred_at=self.ctx.wall_clock(),
+                _, resumed = advance(  # stamped no earlier than the log's last event, whatever our clock says
+                    state,
+                    ev.StreamResumed,
+                    self.ctx.wall_clock(),
                     from_index=min(from_index, to_index),
                     to_index=to_index,
                     gateway=self.ctx.gateway_id,

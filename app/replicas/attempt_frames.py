@@ -18,6 +18,7 @@ import httpx
 from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
+from statemachine.events import FINISH_REASONS
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done
@@ -106,6 +107,8 @@ class AttemptFrames:
                 return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
             if kind == "done":
                 frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
+                if not FINISH_REASONS.issuperset((frame.finish_reason, *frame.finish_reasons)):
+                    raise ValueError(f"unknown finish reason in {frame.finish_reasons!r}")
                 self.done = True
                 self._lines.clear()
                 await self._finish()

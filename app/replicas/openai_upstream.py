@@ -30,7 +30,7 @@ import orjson
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
 from app.tracing import inject_traceparent
-from statemachine.events import FailureKind
+from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
@@ -206,6 +206,10 @@ class _OpenAIStream:
                         slot["name"] += function.get("name") or ""
                         slot["arguments"] += function.get("arguments") or ""
                     if choice.get("finish_reason"):
+                        if choice["finish_reason"] not in FINISH_REASONS:  # the log could not hold it
+                            raise UpstreamFailure(
+                                FailureKind.LIVENESS_UNCERTAIN, f"unknown finish reason {choice['finish_reason']!r}"
+                            )
                         finish_reasons[number] = choice["finish_reason"]
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None

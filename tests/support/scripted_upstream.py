@@ -15,10 +15,10 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
-``{"nul_at": k}`` (U+0000 after the k-th word). A request asking for ``logprobs`` gets
--0.5 for each word and one alternative. A request with tools gets a tool call.
-``POST /tools/execute`` is a tool webhook counting runs per ``Idempotency-Key``
-(``GET /admin/tools``).
+``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
+ends with). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
+A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
+runs per ``Idempotency-Key`` (``GET /admin/tools``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Upstream:
                 await asyncio.sleep(0.05)  # let the chunk leave, then die
                 os._exit(1)
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        yield _sse({**head, "choices": [{**last, "finish_reason": "length"}]})
+        yield _sse({**head, "choices": [{**last, "finish_reason": behaviour.get("finish_reason", "length")}]})
         yield _sse(
             {
                 **head,

@@ -138,6 +138,19 @@ def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
     assert replay(events).ok
 
 
+def test_an_unknown_finish_reason_is_a_malformed_stream_and_never_reaches_the_log(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"finish_reason": "eos"})  # no word OpenAI or vLLM uses: the fold would refuse it
+    request_id, text = chat(gateway, stream=False)  # a whole answer: nothing was delivered, so it is retried
+    assert text == EXPECTED
+    events = gateway.events(request_id)
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.LIVENESS_UNCERTAIN and "unknown finish reason 'eos'" in failed.detail  # type: ignore[attr-defined]
+    (completed,) = of(events, ev.RequestCompleted)
+    assert completed.finish_reason == "length" and replay(events).ok  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("no_done", ["hold", "close"])
 def test_a_stream_without_done_completes_once_every_choice_finished(
     gateway: RunningGateway, upstreams: list[ScriptedUpstream], no_done: str
