@@ -7,7 +7,8 @@ the alternatives wanted at each place (``None``: no log probabilities at all).
 On the way from an engine to the client each generated token carries one
 :data:`TokenLogprob`, as a worker's token frame holds it (``"logprobs": [[token,
 logprob, [[alternative, logprob], …]], …]``, one per token of the frame): the token's
-text, its log probability, and the most likely tokens at its place, best first.
+text, its log probability, and the most likely tokens at its place, best first. The
+end-of-sequence token that stopped a choice has none, as vLLM's server gives none.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class VllmEngine:
         }
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._special_ids: frozenset[int] = frozenset()
         self._render: Any = None
 
     async def start(self) -> None:
@@ -92,6 +93,7 @@ class VllmEngine:
         # in a thread: loading takes tens of seconds, and /v1/ready must answer meanwhile
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
+        self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
         self._render = _token_prompt_renderer(self._llm)
 
     async def close(self) -> None:
@@ -184,9 +186,18 @@ class VllmEngine:
 
     def _logprobs(self, output: Any, top: int) -> list[Any]:
         """vLLM's log probabilities of an output's new tokens, as a token frame carries them
-        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does."""
+        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does. The end of
+        sequence that stopped it has none: vLLM's server leaves it out of the answer too."""
         entries: list[Any] = []
-        for position, token_id in enumerate(output.token_ids):
+        token_ids = list(output.token_ids)
+        if (
+            output.finish_reason == "stop"
+            and output.stop_reason is None
+            and token_ids
+            and token_ids[-1] in self._special_ids
+        ):
+            token_ids.pop()
+        for position, token_id in enumerate(token_ids):
             step = output.logprobs[position]
             chosen = step.get(token_id) if step is not None else None
             if chosen is None:  # vLLM's server sends such a token without a log probability

@@ -170,7 +170,7 @@ def test_vllms_extras_and_logprobs_through_both_replica_kinds(database_url: str,
     assert set(got) == {"a-worker", "b-server"}
     for text, content in got.values():
         assert text in ("yes", "no")  # the choice constrained the output
-        assert "".join(entry.token for entry in content) == text
+        assert "".join(entry.token for entry in content) == text  # no entry for the end of sequence
         assert all(entry.logprob <= 0 and 1 <= len(entry.top_logprobs) <= 2 for entry in content)
     (worker_text, worker_lp), (server_text, server_lp) = got["a-worker"], got["b-server"]
     assert worker_text == server_text and [e.token for e in worker_lp] == [e.token for e in server_lp]
