@@ -110,6 +110,25 @@ def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: 
     assert len(of(gateway.events(request_id), ev.AttemptStarted)) == 2
 
 
+def test_a_500_from_every_upstream_is_poison_and_ejects_neither(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    for upstream in upstreams:  # each attempt, wherever it lands, gets a 500
+        upstream.script({"status": 500, "message": "the engine crashed on this request"})
+    asked = sum(upstream.requests for upstream in upstreams)
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai(max_retries=2).chat.completions.create(  # the SDK's default retries: refused by the header
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6
+        )
+    assert caught.value.status_code == 502 and caught.value.code == "poison_request"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    events = gateway.events(caught.value.response.headers["x-request-id"])
+    assert [f.upstream_status for f in of(events, ev.UpstreamFailed)] == [500, 500]  # type: ignore[attr-defined]
+    assert sum(upstream.requests for upstream in upstreams) - asked == 2  # one attempt each, no client retry
+    pool = gateway.gateway.ctx.pool
+    assert [replica.consecutive_failures for replica in pool.replicas.values()] == [0, 0]
+
+
 @pytest.mark.parametrize(
     ("behaviour", "kind"),
     [
