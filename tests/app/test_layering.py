@@ -43,13 +43,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.worker": frozenset({"app.contract", "app.logs"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
-    "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),
+    "app.replicas": frozenset({BOTTOM, "app.config", "app.contract", "app.logs", "app.tracing"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
     "app.ui": frozenset({BOTTOM, "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
-    "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
+    "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
         | {"app.logs", "app.tracing"}
