@@ -1,0 +1,355 @@
+"""phasegate beside its peers, in front of one fake vLLM upstream, side by side in one run.
+
+    python ops/bench/peers.py                       # the table: relay, vllm-router, phasegate, LiteLLM
+    python ops/bench/peers.py --install             # first create the peers' venvs (PyPI)
+    python ops/bench/peers.py --saturation          # phasegate alone: --processes 1 against 2, pinned
+
+The upstream (``ops/bench/fake_vllm.py``, its own process) streams vLLM's exact chunks:
+first token after 20 ms, then one every 5 ms, 32 tokens. In front of it, each on its own
+port: a null TCP relay (the floor), vllm-router (round robin) and the LiteLLM proxy when
+their venvs exist (``--install`` creates them from PyPI under ``--venvs``; a peer that
+is missing or fails to install is skipped, with the reason printed), and phasegate,
+which fronts the upstream as an ``openai`` replica with its log on an embedded
+PostgreSQL that this script starts (content policy ``full``, the commit point durable).
+
+For each peer: a paired run at one stream (direct and gateway requests alternate inside
+one run, so both see the same machine), then a run at 100 streams (N clients sending
+requests back to back; each client's first request is a warm-up), beside one direct run
+at 100. *Added* is the gateway's figure minus direct's. The CPU per 1,000 tokens counts
+every process of the gateway (its process tree, via /proc), and for phasegate
+PostgreSQL's processes are counted beside it, since the log is part of the cost.
+
+``--saturation`` measures what ``phasegate serve --processes N`` gives: for N = 1 and then
+2, each gateway process pinned to its own core (the bench sets the affinity of every
+thread of each process), the same many streams, and the requests and tokens per second
+they carried. The clients, the upstream and PostgreSQL share the machine's cores with
+the gateways, and so does anything else running on it: the script prints how busy the
+machine was (all processes, /proc/stat) beside what the gateways used, so a ratio below N
+can be read as what the machine allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from app.store.embedded import EmbeddedPostgres  # noqa: E402
+from app.store.migrate import upgrade  # noqa: E402
+from ops.bench.measure import Sample, closed_loop, descendants, ms, pct, row, tree_cpu_seconds  # noqa: E402
+from ops.bench.sse_load import ChatClient  # noqa: E402
+from ops.processes import free_port, phasegate, start, stop  # noqa: E402
+
+MODEL = "m"
+HOST = "127.0.0.1"
+API_KEY = "sk-" + secrets.token_hex(32)  # what every client sends; LiteLLM wants a strong master key
+PEERS = ("relay", "vllm-router", "phasegate", "litellm")
+# what --install puts in each peer's venv; LiteLLM's 1.107.0 release was reported compromised
+INSTALL = {"vllm-router": ["vllm-router"], "litellm": ["litellm[proxy]!=1.107.0"]}
+
+
+@dataclass
+class Peer:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    version: str
+
+    def gateway_pids(self) -> list[int]:
+        """The processes that serve requests: the children of a supervisor, else itself."""
+        return descendants(self.process.pid)[1:] or [self.process.pid]
+
+
+# --- the peers -----------------------------------------------------------------------------------
+
+
+def venv_of(venvs: Path, name: str) -> Path:
+    return venvs / name
+
+
+def install(venvs: Path, name: str) -> str | None:
+    """Create ``name``'s venv and install it; why not, or None."""
+    venv = venv_of(venvs, name)
+    steps = [[sys.executable, "-m", "venv", str(venv)], [str(venv / "bin/pip"), "install", "-q", *INSTALL[name]]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).splitlines()
+            lines = [line for line in output if "is ignored: it is neither" not in line]
+            return f"{' '.join(step[:3])} failed: {' / '.join(lines[-3:])}"
+    return None
+
+
+def version(venv: Path, package: str) -> str:
+    done = subprocess.run(
+        [str(venv / "bin/python"), "-c", f"import importlib.metadata as m; print(m.version('{package}'))"],
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip() or "?"
+
+
+def start_peer(name: str, upstream_port: int, workdir: Path, options: argparse.Namespace, database_url: str) -> Peer:
+    port = free_port()
+    upstream = f"http://{HOST}:{upstream_port}"
+    log = workdir / f"{name}.log"
+    env: dict[str, str] = {}
+    if name == "relay":
+        command = [sys.executable, "-m", "ops.bench.relay", "--port", str(port)]
+        command += ["--upstream", f"{HOST}:{upstream_port}"]
+        release = "asyncio"
+    elif name == "vllm-router":
+        venv = venv_of(options.venvs, name)
+        command = [str(venv / "bin/vllm-router"), "--host", HOST, "--port", str(port)]
+        command += ["--worker-urls", upstream, "--policy", "round_robin", "--log-level", "warning"]
+        release = version(venv, "vllm-router")
+    elif name == "litellm":
+        venv = venv_of(options.venvs, name)
+        config = workdir / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            f"  - model_name: {MODEL}\n"
+            "    litellm_params:\n"
+            f"      model: hosted_vllm/{MODEL}\n"
+            f"      api_base: {upstream}/v1\n"
+            "      api_key: none\n"
+            "litellm_settings:\n  telemetry: false\n"
+        )
+        command = [str(venv / "bin/litellm"), "--config", str(config), "--host", HOST, "--port", str(port)]
+        env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": API_KEY}
+        release = version(venv, "litellm")
+    else:
+        config = workdir / "phasegate.toml"
+        config.write_text(
+            f'content_policy = "full"\n[models]\n"{MODEL}" = "bench"\n'
+            f'[[replicas]]\nid = "fake-vllm"\nurl = "{upstream}"\nkind = "openai"\n'
+        )
+        command = phasegate("serve", "--config", str(config), "--port", str(port), "--log-level", "warning")
+        if options.processes is not None:
+            command += ["--processes", str(options.processes)]
+        env = {"DATABASE_URL": database_url}
+        release = "this tree"
+    return Peer(name, port, start(command, env, log), release)
+
+
+def wait_serving(peer: Peer, timeout_s: float = 120.0) -> None:
+    """Until one chat through ``peer`` streams whole."""
+    deadline = time.monotonic() + timeout_s
+
+    async def once() -> bool:
+        client, sample = ChatClient(HOST, peer.port, MODEL, 4, API_KEY), Sample()
+        await client.chat(0, sample, False)
+        await client.close()
+        return sample.requests == 1
+
+    while time.monotonic() < deadline:
+        if peer.process.poll() is not None:
+            raise RuntimeError(f"{peer.name} exited with {peer.process.returncode}")
+        if asyncio.run(once()):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"{peer.name} did not serve within {timeout_s:g}s")
+
+
+# --- the runs ------------------------------------------------------------------------------------
+
+
+async def paired(direct_port: int, gateway_port: int, pairs: int, tokens: int) -> tuple[Sample, Sample]:
+    """One stream: a direct request, then one through the gateway, ``pairs`` times (after warm-ups)."""
+    direct, gateway = Sample(), Sample()
+    clients = [ChatClient(HOST, port, MODEL, tokens, API_KEY) for port in (direct_port, gateway_port)]
+    for n in range(pairs + 3):
+        await clients[0].chat(n, direct, n >= 3)
+        await clients[1].chat(n, gateway, n >= 3)
+    for client in clients:
+        await client.close()
+    return direct, gateway
+
+
+async def loaded(port: int, streams: int, seconds: float, tokens: int) -> tuple[Sample, float]:
+    """``streams`` clients back to back for ``seconds``: the sample and the seconds it took."""
+    sample = Sample()
+    clients = [ChatClient(HOST, port, MODEL, tokens, API_KEY) for _ in range(streams)]
+    began = time.monotonic()
+    await closed_loop(streams, seconds, lambda n, keep: clients[n].chat(n, sample, keep))
+    elapsed = time.monotonic() - began
+    for client in clients:
+        await client.close()
+    return sample, elapsed
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine used so far (/proc/stat, all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def postmaster_pid(database: EmbeddedPostgres) -> int:
+    return int((database.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+
+
+def per_k(seconds: float, tokens: int) -> str:
+    return f"{seconds / max(tokens, 1) * 1000:.3f}"
+
+
+@dataclass
+class Result:
+    name: str
+    version: str
+    one: tuple[Sample, Sample]
+    many: Sample
+    elapsed: float
+    cpu_s: float
+    pg_cpu_s: float | None
+
+
+def table(results: list[Result], direct: Sample, direct_elapsed: float, streams: int) -> None:
+    direct_rate = direct.requests / direct_elapsed
+    print()
+    print(f"direct at {streams} streams: {direct_rate:.0f} req/s, TTFT p50 {ms(pct(direct.ttft, 0.5))}")
+    heads = ["+ttft p50@1", f"req/s@{streams}", "% direct", f"+ttft p50@{streams}", f"+ttft p99@{streams}"]
+    heads += ["+gap p50@1", f"+gap p50@{streams}", "cpu s/1k tok", "pg s/1k tok", "failed"]
+    print(f"{'system':<24}", row(*heads, width=13))
+    for result in results:
+        (d1, g1), many = result.one, result.many
+        rate = many.requests / result.elapsed
+        cells = [ms(pct(g1.ttft, 0.5) - pct(d1.ttft, 0.5)), f"{rate:.0f}", f"{100 * rate / direct_rate:.1f}"]
+        cells += [ms(pct(many.ttft, q) - pct(direct.ttft, q)) for q in (0.5, 0.99)]
+        cells += [ms(pct(g1.gaps, 0.5) - pct(d1.gaps, 0.5)), ms(pct(many.gaps, 0.5) - pct(direct.gaps, 0.5))]
+        cells += [per_k(result.cpu_s, many.tokens)]
+        cells += [per_k(result.pg_cpu_s, many.tokens) if result.pg_cpu_s is not None else "-"]
+        cells += [f"{g1.failures + many.failures}"]
+        print(f"{result.name + ' ' + result.version:<24}", row(*cells, width=13))
+
+
+def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, database: EmbeddedPostgres) -> None:
+    url = database.url
+    available = []
+    for name in options.peers.split(","):
+        if name in INSTALL:
+            if options.install and not (venv_of(options.venvs, name) / "bin/python").exists():
+                print(f"installing {name} into {venv_of(options.venvs, name)} …", flush=True)
+                why = install(options.venvs, name)
+                if why:
+                    print(f"{name}: skipped: {why}")
+                    continue
+            if not (venv_of(options.venvs, name) / "bin/python").exists():
+                print(f"{name}: skipped: not installed (run with --install; venvs in {options.venvs})")
+                continue
+        available.append(name)
+    print(
+        f"fake vLLM upstream: TTFT {options.ttft_ms:g} ms, {options.token_ms:g} ms/token, {options.tokens} tokens;"
+        f" {options.pairs} pairs at 1 stream, {options.seconds:g} s at {options.streams} streams;"
+        f" {os.cpu_count()} cores",
+        flush=True,
+    )
+    direct, direct_elapsed = asyncio.run(loaded(upstream_port, options.streams, options.seconds, options.tokens))
+    results = []
+    for name in available:
+        peer = start_peer(name, upstream_port, workdir, options, url)
+        try:
+            wait_serving(peer)
+            one = asyncio.run(paired(upstream_port, peer.port, options.pairs, options.tokens))
+            cpu_before, pg_before = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(postmaster_pid(database))
+            many, elapsed = asyncio.run(loaded(peer.port, options.streams, options.seconds, options.tokens))
+            cpu_s = tree_cpu_seconds(peer.process.pid) - cpu_before
+            pg_cpu_s = tree_cpu_seconds(postmaster_pid(database)) - pg_before if name == "phasegate" else None
+            processes = len(peer.gateway_pids())
+            print(f"{name}: {processes} serving process(es); {many.requests} requests at {options.streams}", flush=True)
+            results.append(Result(name, peer.version, one, many, elapsed, cpu_s, pg_cpu_s))
+        except RuntimeError as exc:
+            print(f"{name}: skipped: {exc}; its log: {(workdir / f'{name}.log').read_text()[-600:]}")
+        finally:
+            stop(peer.process)
+    table(results, direct, direct_elapsed, options.streams)
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of ``pid`` onto ``core`` (what ``taskset -a -p -c`` does)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+
+
+def saturation(options: argparse.Namespace, upstream_port: int, workdir: Path, database: EmbeddedPostgres) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    print(
+        f"saturation: phasegate --processes N, each gateway process pinned to its own core of {cores};"
+        f" {options.saturation_streams} streams for {options.seconds:g} s",
+        flush=True,
+    )
+    heads = ["processes", "req/s", "tokens/s", "gw cores", "pg cores", "machine", "failed"]
+    print(row(*heads))
+    rates = {}
+    for processes in (1, 2):
+        options.processes = processes
+        peer = start_peer("phasegate", upstream_port, workdir, options, database.url)
+        try:
+            wait_serving(peer)
+            gateways = peer.gateway_pids()
+            for index, pid in enumerate(gateways):
+                pin(pid, cores[index % len(cores)])
+            pg = postmaster_pid(database)
+            before = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(pg), machine_busy_seconds()
+            sample, elapsed = asyncio.run(
+                loaded(peer.port, options.saturation_streams, options.seconds, options.tokens)
+            )
+            after = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(pg), machine_busy_seconds()
+            used = [(b - a) / elapsed for a, b in zip(before, after, strict=True)]
+            rates[processes] = sample.requests / elapsed
+            cells = [f"{rates[processes]:.0f}", f"{sample.tokens / elapsed:.0f}"]
+            print(row(len(gateways), *cells, *(f"{share:.2f}" for share in used), sample.failures), flush=True)
+        finally:
+            stop(peer.process)
+    print(f"N=2 / N=1 saturation throughput: {rates[2] / rates[1]:.2f}×")
+    print("(cores: CPU seconds per second; 'machine' counts every process on it, this bench's and any other's)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", default=",".join(PEERS), help="which, of " + ", ".join(PEERS))
+    parser.add_argument("--install", action="store_true", help="create the missing peers' venvs from PyPI")
+    parser.add_argument("--venvs", type=Path, default=Path.home() / ".cache" / "phasegate-peers")
+    parser.add_argument("--pairs", type=int, default=100, help="paired requests at one stream")
+    parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long each run at --streams lasts")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--token-ms", type=float, default=5.0)
+    parser.add_argument("--processes", type=int, default=None, help="phasegate serve --processes (default: its own)")
+    parser.add_argument("--saturation", action="store_true", help="phasegate --processes 1 against 2, pinned")
+    parser.add_argument("--saturation-streams", type=int, default=300)
+    options = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="phasegate-peers-"))
+    workdir.chmod(0o755)  # the embedded server's own user must enter it
+    database = EmbeddedPostgres(workdir / "pg")
+    upstream_port = free_port()
+    upstream_cmd = [sys.executable, "-m", "ops.bench.fake_vllm", "--port", str(upstream_port)]
+    upstream_cmd += ["--ttft-ms", str(options.ttft_ms), "--token-ms", str(options.token_ms), "--model", MODEL]
+    upstream = start(upstream_cmd, log=workdir / "upstream.log")
+    try:
+        upgrade(database.start())
+        wait_serving(Peer("fake vLLM", upstream_port, upstream, ""))
+        if options.saturation:
+            saturation(options, upstream_port, workdir, database)
+        else:
+            compare(options, upstream_port, workdir, database)
+    finally:
+        stop(upstream)
+        database.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
