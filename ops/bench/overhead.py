@@ -247,7 +247,8 @@ def main() -> None:
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
         f"[timeouts]\nstall_s = {options.hold_stall_s}\n"
     )
-    gateway_cmd = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning", "--config", str(config))
+    gateway_cmd = phasegate("serve", "--processes", "1", "--port", str(gateway_port), "--log-level", "warning")
+    gateway_cmd += ["--config", str(config)]
     try:
         with (
             running(worker_cmd) as _,
