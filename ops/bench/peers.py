@@ -47,7 +47,16 @@ sys.path.insert(0, str(REPO))
 
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
-from ops.bench.measure import Sample, closed_loop, descendants, ms, pct, row, tree_cpu_seconds  # noqa: E402
+from ops.bench.measure import (  # noqa: E402
+    Sample,
+    closed_loop,
+    cpu_seconds,
+    descendants,
+    ms,
+    pct,
+    row,
+    tree_cpu_seconds,
+)
 from ops.bench.sse_load import ChatClient  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop  # noqa: E402
 
@@ -275,23 +284,36 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
     table(results, direct, direct_elapsed, options.streams)
 
 
+def readings(gateway: int, postgres: int, upstream: int) -> list[float]:
+    """CPU seconds so far: the gateway's tree, PostgreSQL's, the load (this bench's clients
+    and the upstream), the whole machine."""
+    load = cpu_seconds(os.getpid()) + tree_cpu_seconds(upstream)
+    return [tree_cpu_seconds(gateway), tree_cpu_seconds(postgres), load, machine_busy_seconds()]
+
+
 def pin(pid: int, core: int) -> None:
     """Every thread of ``pid`` onto ``core`` (what ``taskset -a -p -c`` does)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         os.sched_setaffinity(int(task.name), {core})
 
 
-def saturation(options: argparse.Namespace, upstream_port: int, workdir: Path, database: EmbeddedPostgres) -> None:
+def saturation(
+    options: argparse.Namespace,
+    upstream: subprocess.Popen[bytes],
+    upstream_port: int,
+    workdir: Path,
+    database: EmbeddedPostgres,
+) -> None:
     cores = sorted(os.sched_getaffinity(0))
     print(
         f"saturation: phasegate --processes N, each gateway process pinned to its own core of {cores};"
         f" {options.saturation_streams} streams for {options.seconds:g} s",
         flush=True,
     )
-    heads = ["processes", "req/s", "tokens/s", "gw cores", "pg cores", "machine", "failed"]
+    heads = ["processes", "req/s", "tokens/s", "gw cores", "pg cores", "load cores", "others", "failed"]
     print(row(*heads))
-    rates = {}
-    for processes in (1, 2):
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for processes in [1, 2] * options.rounds:  # alternating, so both see the machine's changing load
         options.processes = processes
         peer = start_peer("phasegate", upstream_port, workdir, options, database.url)
         try:
@@ -300,19 +322,25 @@ def saturation(options: argparse.Namespace, upstream_port: int, workdir: Path, d
             for index, pid in enumerate(gateways):
                 pin(pid, cores[index % len(cores)])
             pg = postmaster_pid(database)
-            before = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(pg), machine_busy_seconds()
+
+            pids = peer.process.pid, pg, upstream.pid
+            before = readings(*pids)
             sample, elapsed = asyncio.run(
                 loaded(peer.port, options.saturation_streams, options.seconds, options.tokens)
             )
-            after = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(pg), machine_busy_seconds()
-            used = [(b - a) / elapsed for a, b in zip(before, after, strict=True)]
-            rates[processes] = sample.requests / elapsed
-            cells = [f"{rates[processes]:.0f}", f"{sample.tokens / elapsed:.0f}"]
+            used = [(b - a) / elapsed for a, b in zip(before, readings(*pids), strict=True)]
+            used[3] -= sum(used[:3])  # what the rest of the machine used meanwhile
+            rates[processes].append(sample.requests / elapsed)
+            cells = [f"{rates[processes][-1]:.0f}", f"{sample.tokens / elapsed:.0f}"]
             print(row(len(gateways), *cells, *(f"{share:.2f}" for share in used), sample.failures), flush=True)
         finally:
             stop(peer.process)
-    print(f"N=2 / N=1 saturation throughput: {rates[2] / rates[1]:.2f}×")
-    print("(cores: CPU seconds per second; 'machine' counts every process on it, this bench's and any other's)")
+    ratio = sum(rates[2]) / sum(rates[1])
+    print(f"N=2 / N=1 saturation throughput: {ratio:.2f}× (over {options.rounds} alternating round(s) each)")
+    print(
+        "(cores: CPU seconds per second; load: this bench's clients and the fake upstream;"
+        " others: every other process on the machine meanwhile)"
+    )
 
 
 def main() -> None:
@@ -329,6 +357,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=None, help="phasegate serve --processes (default: its own)")
     parser.add_argument("--saturation", action="store_true", help="phasegate --processes 1 against 2, pinned")
     parser.add_argument("--saturation-streams", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=2, help="--saturation: alternating rounds of N=1 and N=2")
     options = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-peers-"))
@@ -342,7 +371,7 @@ def main() -> None:
         upgrade(database.start())
         wait_serving(Peer("fake vLLM", upstream_port, upstream, ""))
         if options.saturation:
-            saturation(options, upstream_port, workdir, database)
+            saturation(options, upstream, upstream_port, workdir, database)
         else:
             compare(options, upstream_port, workdir, database)
     finally:
