@@ -229,7 +229,7 @@ def table(results: list[Result], direct: Sample, direct_elapsed: float, streams:
     print(f"direct at {streams} streams: {direct_rate:.0f} req/s, TTFT p50 {ms(pct(direct.ttft, 0.5))}")
     heads = ["+ttft p50@1", f"req/s@{streams}", "% direct", f"+ttft p50@{streams}", f"+ttft p99@{streams}"]
     heads += ["+gap p50@1", f"+gap p50@{streams}", "cpu s/1k tok", "pg s/1k tok", "failed"]
-    print(f"{'system':<24}", row(*heads, width=13))
+    print(f"{'system':<30}", row(*heads, width=13))
     for result in results:
         (d1, g1), many = result.one, result.many
         rate = many.requests / result.elapsed
@@ -239,7 +239,7 @@ def table(results: list[Result], direct: Sample, direct_elapsed: float, streams:
         cells += [per_k(result.cpu_s, many.tokens)]
         cells += [per_k(result.pg_cpu_s, many.tokens) if result.pg_cpu_s is not None else "-"]
         cells += [f"{g1.failures + many.failures}"]
-        print(f"{result.name + ' ' + result.version:<24}", row(*cells, width=13))
+        print(f"{result.name + ' ' + result.version:<30}", row(*cells, width=13))
 
 
 def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, database: EmbeddedPostgres) -> None:
@@ -276,7 +276,8 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
             pg_cpu_s = tree_cpu_seconds(postmaster_pid(database)) - pg_before if name == "phasegate" else None
             processes = len(peer.gateway_pids())
             print(f"{name}: {processes} serving process(es); {many.requests} requests at {options.streams}", flush=True)
-            results.append(Result(name, peer.version, one, many, elapsed, cpu_s, pg_cpu_s))
+            label = f"{peer.version}, {processes} proc" if name == "phasegate" else peer.version
+            results.append(Result(name, label, one, many, elapsed, cpu_s, pg_cpu_s))
         except RuntimeError as exc:
             print(f"{name}: skipped: {exc}; its log: {(workdir / f'{name}.log').read_text()[-600:]}")
         finally:
