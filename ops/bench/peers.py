@@ -55,6 +55,7 @@ from ops.bench.measure import (  # noqa: E402
     ms,
     pct,
     row,
+    rss_mib,
     tree_cpu_seconds,
 )
 from ops.bench.sse_load import ChatClient  # noqa: E402
@@ -275,7 +276,12 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
             cpu_s = tree_cpu_seconds(peer.process.pid) - cpu_before
             pg_cpu_s = tree_cpu_seconds(postmaster_pid(database)) - pg_before if name == "phasegate" else None
             processes = len(peer.gateway_pids())
-            print(f"{name}: {processes} serving process(es); {many.requests} requests at {options.streams}", flush=True)
+            rss = sum(rss_mib(pid) for pid in descendants(peer.process.pid))
+            print(
+                f"{name}: {processes} serving process(es), {rss:.0f} MiB resident in all;"
+                f" {many.requests} requests at {options.streams}",
+                flush=True,
+            )
             label = f"{peer.version}, {processes} proc" if name == "phasegate" else peer.version
             results.append(Result(name, label, one, many, elapsed, cpu_s, pg_cpu_s))
         except RuntimeError as exc:
