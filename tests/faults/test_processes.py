@@ -2,8 +2,9 @@
 (DESIGN.md §11), with real processes, a real sim worker and real PostgreSQL.
 
 - both children serve requests on the one port: two instance ids appear in
-  ``RequestAccepted.gateway``; a second ``phasegate serve`` on that port fails and
-  touches nothing;
+  ``RequestAccepted.gateway``; each has an address of its own, so a stop button sent to
+  the one that does not own a request is forwarded to the owner; a second
+  ``phasegate serve`` on that port fails and touches nothing;
 - a SIGKILLed child: its clients are cut, the other child's clients notice nothing,
   its requests are swept (``gateway_lost``, the log at most two batches behind the
   client), the port still serves, and the parent starts another child;
@@ -141,6 +142,16 @@ def test_two_processes_serve_one_port_as_two_instances(
         addresses = {row["address"] for row in rows.values()}
         assert len(addresses) == 2 and served.url not in addresses
         assert {row["pid"] for row in rows.values()}.isdisjoint({served.process.pid})
+        # a stop button sent to the process that does not own the request reaches the owner
+        long = Stream(served.url, max_tokens=2000).start()
+        wait_for(lambda: long.received >= 2, 30, "the long stream to be delivering")
+        request_id = long.transcript.request_id
+        owner = owners(database_url, [long])[request_id]
+        (other,) = [row for instance_id, row in rows.items() if instance_id != owner]
+        answer = httpx.post(f"{other['address']}/v1/requests/{request_id}/cancel", timeout=30)
+        assert answer.status_code == 200 and answer.json()["status"] == "cancelled", answer.text
+        assert long.ended.wait(30) and long.transcript.error is not None
+        assert long.transcript.error["code"] == "request_cancelled"
         env = {**os.environ, "DATABASE_URL": database_url}
         second = subprocess.run(served.command, env=env, capture_output=True, timeout=60)
         assert second.returncode != 0 and b"cannot listen" in second.stdout
