@@ -61,9 +61,11 @@ async def run_gateway(
     on_started: Callable[[], None],
     *,
     address: str | None = None,
+    backlog: int = 2048,
 ) -> None:
     """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
-    ``on_started`` is called once it accepts requests."""
+    ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
+    to ``listen`` and how many connections it accepts each time a socket is readable."""
     import uvicorn
 
     from app.gateway import Gateway
@@ -105,6 +107,7 @@ async def run_gateway(
             # balancers' (often 60 s), so they close idle connections first: at uvicorn's
             # 5 s default a request sent on a connection being closed got a reset.
             timeout_keep_alive=KEEP_ALIVE_S,
+            backlog=backlog,
         )
     )
 
@@ -133,11 +136,27 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-def _own_socket(host: str) -> socket.socket:
+class Listening(socket.socket):
+    """A socket already listening, whose queue length was set by whoever bound it.
+
+    asyncio calls ``listen(backlog)`` on a server's socket, then accepts up to ``backlog``
+    connections each time the socket is readable. On the socket that N processes share,
+    the first one awake would take a whole burst of connections: at 300 streams one
+    child got 0.30 of a core and its sibling 0.01 (``ops/bench/peers.py --saturation``).
+    So a child asks for a backlog of one, a connection each wakeup, and the sibling woken
+    by the same readiness takes the next; and here ``listen`` keeps the queue length
+    that the parent gave the socket, which a backlog of one would otherwise shrink.
+    """
+
+    def listen(self, backlog: int = 0, /) -> None:
+        pass
+
+
+def _own_socket(host: str) -> Listening:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = Listening(family, socket.SOCK_STREAM)
     sock.bind((host, 0))
-    sock.listen(128)
+    socket.socket.listen(sock, 128)
     return sock
 
 
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         from app import tracing
 
         tracing.configure(config.otel_endpoint, config.otel_service_name)  # the parent checked it works
-    listener = socket.socket(fileno=args.listen_fd)
+    listener = Listening(fileno=args.listen_fd)
     own = _own_socket(config.host)
     name = f"{config.instance_name or f'{socket.gethostname()}:{config.port}'}/{args.index}"
     config = dataclasses.replace(config, instance_name=name, apply_migrations=False)  # the parent migrated
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ready_file.write_text(json.dumps({"pid": os.getpid(), "index": args.index}))
 
     address = f"http://{config.host}:{own.getsockname()[1]}"
-    asyncio.run(run_gateway(config, spec.database_url, [listener, own], ready, address=address))
+    asyncio.run(run_gateway(config, spec.database_url, [listener, own], ready, address=address, backlog=1))
     return 0
 
 

@@ -328,18 +328,18 @@ def saturation(
             gateways = peer.gateway_pids()
             for index, pid in enumerate(gateways):
                 pin(pid, cores[index % len(cores)])
-            pg = postmaster_pid(database)
-
-            pids = peer.process.pid, pg, upstream.pid
-            before = readings(*pids)
+            pids = peer.process.pid, postmaster_pid(database), upstream.pid
+            before, each_before = readings(*pids), [cpu_seconds(pid) for pid in gateways]
             sample, elapsed = asyncio.run(
                 loaded(peer.port, options.saturation_streams, options.seconds, options.tokens)
             )
             used = [(b - a) / elapsed for a, b in zip(before, readings(*pids), strict=True)]
+            each = [(cpu_seconds(pid) - b) / elapsed for pid, b in zip(gateways, each_before, strict=True)]
             used[3] -= sum(used[:3])  # what the rest of the machine used meanwhile
             rates[processes].append(sample.requests / elapsed)
             cells = [f"{rates[processes][-1]:.0f}", f"{sample.tokens / elapsed:.0f}"]
-            print(row(len(gateways), *cells, *(f"{share:.2f}" for share in used), sample.failures), flush=True)
+            cells += [f"{share:.2f}" for share in used] + [sample.failures]
+            print(row(len(gateways), *cells), " each gateway:", " ".join(f"{c:.2f}" for c in each), flush=True)
         finally:
             stop(peer.process)
     ratio = sum(rates[2]) / sum(rates[1])
