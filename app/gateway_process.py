@@ -141,8 +141,8 @@ class Listening(socket.socket):
 
     asyncio calls ``listen(backlog)`` on a server's socket, then accepts up to ``backlog``
     connections each time the socket is readable. On the socket that N processes share,
-    the first one awake would take a whole burst of connections: at 300 streams one
-    child got 0.30 of a core and its sibling 0.01 (``ops/bench/peers.py --saturation``).
+    the first one awake would take a whole burst of connections, and keep them (see each
+    process's CPU in ``ops/bench/peers.py --saturation``; figures in docs/performance.md).
     So a child asks for a backlog of one, a connection each wakeup, and the sibling woken
     by the same readiness takes the next; and here ``listen`` keeps the queue length
     that the parent gave the socket, which a backlog of one would otherwise shrink.

@@ -10,7 +10,8 @@
   client), the port still serves, and the parent starts another child;
 - SIGTERM to the parent alone drains both children: new requests get 503
   ``gateway_draining``, short streams complete, long ones end with
-  ``gateway_draining``, recorded as such, and both instances give their lease back.
+  ``gateway_draining``, recorded as such, and both instances give their lease back;
+- a process that cannot serve fails the start (exit 1), and no process is left.
 """
 
 from __future__ import annotations
@@ -89,10 +90,9 @@ def live(database_url: str) -> list[asyncpg.Record]:
 
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -226,3 +226,28 @@ def test_sigterm_to_the_parent_drains_both_processes(database_url: str, worker: 
         assert len(set(accepted.values())) == 2  # both processes were draining streams
         rows = instances(database_url)
         assert len(rows) == 2 and all(row["released_at"] is not None for row in rows)  # leases given back
+
+
+def test_a_process_that_cannot_serve_fails_the_start(
+    empty_database_url: str, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    config = tmp_path / "phasegate.toml"
+    config.write_text("apply_migrations = false\n")  # no schema: an instance cannot register
+    command = phasegate("serve", "--processes", "2", "--config", str(config), "--port", str(free_port()))
+    command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}=rev"]
+    env = {**os.environ, "DATABASE_URL": empty_database_url}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 1, output.decode()
+    assert b"phasegate serve: gateway process" in output and b"is serving" not in output
+    assert children_of(process.pid) == [], "a gateway process outlived the failed start"
+
+
+def children_of(parent: int) -> list[int]:
+    """The gateway processes started by ``parent`` (each is told its parent's pid)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and f"--parent\x00{parent}\x00" in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+    return [pid for pid in found if alive(pid)]
