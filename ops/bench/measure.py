@@ -23,6 +23,11 @@ class Sample:
     tokens: int = 0
     requests: int = 0
     failures: int = 0
+    why: dict[str, int] = field(default_factory=dict)  # a failure's reason -> how many
+
+    def failed(self, reason: str) -> None:
+        self.failures += 1
+        self.why[reason] = self.why.get(reason, 0) + 1
 
 
 def pct(values: list[float], q: float) -> float:

@@ -82,8 +82,8 @@ async def direct(worker_url: str, streams: int, tokens: int, seconds: float, sam
             async for frame in stream:
                 if type(frame) is Token:
                     last = record(sample, began, last, keep)
-        except Exception:
-            sample.failures += 1
+        except Exception as exc:
+            sample.failed(type(exc).__name__)
 
     await closed_loop(streams, seconds, one)
     await client.aclose()
@@ -107,8 +107,8 @@ async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: 
                     async for line in response.aiter_lines():
                         if line.startswith("data: {") and '"content":' in line:
                             last = record(sample, began, last, keep)
-            except Exception:
-                sample.failures += 1
+            except Exception as exc:
+                sample.failed(type(exc).__name__)
 
         await closed_loop(streams, seconds, one)
 

@@ -199,6 +199,11 @@ async def loaded(port: int, streams: int, seconds: float, tokens: int) -> tuple[
     return sample, elapsed
 
 
+def print_failures(sample: Sample, prefix: str = "") -> None:
+    for why, count in sorted(sample.why.items(), key=lambda item: -item[1]):
+        print(f"{'':>12}{prefix}{count} failed: {why}")
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds every process of the machine used so far (/proc/stat, all but idle and iowait)."""
     fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -289,6 +294,9 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
         finally:
             stop(peer.process)
     table(results, direct, direct_elapsed, options.streams)
+    for result in results:
+        for sample in (result.one[1], result.many):
+            print_failures(sample, f"{result.name}: ")
 
 
 def readings(gateway: int, postgres: int, upstream: int) -> list[float]:
@@ -318,6 +326,7 @@ def saturation(
         flush=True,
     )
     heads = ["processes", "req/s", "tokens/s", "gw cores", "pg cores", "load cores", "others", "failed"]
+    heads += ["tok/s/gw core"]
     print(row(*heads))
     rates: dict[int, list[float]] = {1: [], 2: []}
     for processes in [1, 2] * options.rounds:  # alternating, so both see the machine's changing load
@@ -339,14 +348,22 @@ def saturation(
             rates[processes].append(sample.requests / elapsed)
             cells = [f"{rates[processes][-1]:.0f}", f"{sample.tokens / elapsed:.0f}"]
             cells += [f"{share:.2f}" for share in used] + [sample.failures]
-            print(row(len(gateways), *cells), " each gateway:", " ".join(f"{c:.2f}" for c in each), flush=True)
+            per_core = sample.tokens / elapsed / max(used[0], 0.01)
+            print(
+                row(len(gateways), *cells, f"{per_core:.0f}"),
+                " each gateway:",
+                " ".join(f"{c:.2f}" for c in each),
+                flush=True,
+            )
+            print_failures(sample)
         finally:
             stop(peer.process)
     ratio = sum(rates[2]) / sum(rates[1])
     print(f"N=2 / N=1 saturation throughput: {ratio:.2f}× (over {options.rounds} alternating round(s) each)")
     print(
         "(cores: CPU seconds per second; load: this bench's clients and the fake upstream;"
-        " others: every other process on the machine meanwhile)"
+        " others: every other process on the machine meanwhile; tok/s/gw core: tokens a second"
+        " per core the gateways got, which says how throughput follows the cores the machine allowed)"
     )
 
 

@@ -68,15 +68,15 @@ class ChatClient:
                 closing |= name == "connection" and value == "close"
             if not chunked:
                 await self.reader.readexactly(length)
-                raise RuntimeError(f"not a stream: {status!r}")
-            ok = status.split(b" ", 2)[1] == b"200"
+                raise RuntimeError(f"not a stream: HTTP {status.split(b' ', 2)[1].decode()}")
+            error = "" if status.split(b" ", 2)[1] == b"200" else f"HTTP {status.split(b' ', 2)[1].decode()}"
             done, rest = False, b""
             while size := int((await self.reader.readline()).split(b";")[0], 16):
                 rest += (await self.reader.readexactly(size + 2))[:-2]
                 *events, rest = rest.split(b"\n\n")
                 for event in events:
                     if event.startswith(b'data: {"error"'):
-                        ok = False
+                        error = f"error event {json.loads(event[6:])['error'].get('code')}"
                     elif event == b"data: [DONE]":
                         done = True
                     elif TOKEN.search(event):
@@ -84,9 +84,9 @@ class ChatClient:
             await self.reader.readline()  # the empty trailer
             if closing:
                 await self.close()
-            if not (ok and done):
-                raise RuntimeError(f"{status!r}, [DONE] {'seen' if done else 'missing'}")
+            if error or not done:
+                raise RuntimeError(error or "no [DONE]")
             sample.requests += 1
-        except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError):
-            sample.failures += 1
+        except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as exc:
+            sample.failed(str(exc) if isinstance(exc, RuntimeError) else type(exc).__name__)
             await self.close()
