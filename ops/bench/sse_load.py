@@ -18,6 +18,14 @@ from ops.bench.measure import Sample, record
 TOKEN = re.compile(rb'"content": ?"(?!")')
 
 
+def error_code(body: bytes) -> str:
+    """The OpenAI-style error's code in ``body``, else its first bytes."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:60])
+
+
 class ChatClient:
     """One client's connection to ``host:port``, reopened when the server closed it."""
 
@@ -67,8 +75,8 @@ class ChatClient:
                 length = int(value) if name == "content-length" else length
                 closing |= name == "connection" and value == "close"
             if not chunked:
-                await self.reader.readexactly(length)
-                raise RuntimeError(f"not a stream: HTTP {status.split(b' ', 2)[1].decode()}")
+                body = await self.reader.readexactly(length)
+                raise RuntimeError(f"not a stream: HTTP {status.split(b' ', 2)[1].decode()} {error_code(body)}")
             error = "" if status.split(b" ", 2)[1] == b"200" else f"HTTP {status.split(b' ', 2)[1].decode()}"
             done, rest = False, b""
             while size := int((await self.reader.readline()).split(b";")[0], 16):
@@ -76,7 +84,7 @@ class ChatClient:
                 *events, rest = rest.split(b"\n\n")
                 for event in events:
                     if event.startswith(b'data: {"error"'):
-                        error = f"error event {json.loads(event[6:])['error'].get('code')}"
+                        error = f"error event {error_code(event[6:])}"
                     elif event == b"data: [DONE]":
                         done = True
                     elif TOKEN.search(event):
