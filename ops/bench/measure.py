@@ -1,9 +1,10 @@
-"""What the benches share: samples of a streamed run, percentiles, a closed loop of clients,
+"""What the benches share: samples of a streamed run, percentiles, error codes, a closed loop of clients,
 CPU time of processes (and of whole process trees) from /proc, and the printing of rows."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,14 @@ class Sample:
     def failed(self, reason: str) -> None:
         self.failures += 1
         self.why[reason] = self.why.get(reason, 0) + 1
+
+
+def error_code(body: str | bytes) -> str:
+    """The OpenAI-style error's code in ``body``, else its first bytes."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return repr(body[:80])
 
 
 def pct(values: list[float], q: float) -> float:

@@ -53,7 +53,17 @@ from app.replicas.worker_client import WorkerClient  # noqa: E402
 from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
-from ops.bench.measure import Sample, closed_loop, cpu_seconds, ms, pct, record, row, rss_mib  # noqa: E402
+from ops.bench.measure import (  # noqa: E402
+    Sample,
+    closed_loop,
+    cpu_seconds,
+    error_code,
+    ms,
+    pct,
+    record,
+    row,
+    rss_mib,
+)
 from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
 
 MODEL = "sim"
@@ -182,13 +192,6 @@ async def upstream_failures(url: str, after: int) -> list[tuple[str, str, int]]:
         return [(row["kind"], row["detail"], row["n"]) for row in rows]
     finally:
         await connection.close()
-
-
-def error_code(body: str | bytes) -> str:
-    try:
-        return str(json.loads(body)["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return repr(body[:80])
 
 
 @dataclass

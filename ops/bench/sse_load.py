@@ -13,17 +13,9 @@ import json
 import re
 import time
 
-from ops.bench.measure import Sample, record
+from ops.bench.measure import Sample, error_code, record
 
 TOKEN = re.compile(rb'"content": ?"(?!")')
-
-
-def error_code(body: bytes) -> str:
-    """The OpenAI-style error's code in ``body``, else its first bytes."""
-    try:
-        return str(json.loads(body)["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return repr(body[:60])
 
 
 class ChatClient:
