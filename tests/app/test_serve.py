@@ -230,3 +230,13 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     finally:
         end(process)
     assert token not in output.read_text()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_processes_must_be_a_whole_number_of_at_least_one(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--processes", bad])
+    assert stopped.value.code == 2  # argparse's usage error, before anything starts
+    assert "--processes" in capsys.readouterr().err
