@@ -53,10 +53,9 @@ def replica_client(replica: ReplicaConfig, config: GatewayConfig) -> ReplicaClie
 
 
 class Gateway:
-    def __init__(self, ctx: GatewayContext, store: PostgresEventStore, address: str | None = None) -> None:
+    def __init__(self, ctx: GatewayContext, store: PostgresEventStore) -> None:
         self.ctx = ctx
-        address = address or f"http://{ctx.config.host}:{ctx.config.port}"
-        self.instance = GatewayInstance(ctx, store, address=address)
+        self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
         self._probes: asyncio.Task[None] | None = None
         self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
 
@@ -67,10 +66,7 @@ class Gateway:
         database_url: str,
         *,
         tool_runner: ToolRunner | None = None,
-        address: str | None = None,
     ) -> Gateway:
-        """The gateway of ``config`` on the log at ``database_url``; ``address`` is where other
-        instances reach this one (default: the configured host and port)."""
         if config.apply_migrations:
             await upgrade_async(database_url)
         store = await PostgresEventStore.connect(database_url, content_policy=config.content_policy)
@@ -93,7 +89,7 @@ class Gateway:
             tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
             idempotency=IdempotencyKeys(store),
         )
-        return cls(ctx, store, address)
+        return cls(ctx, store)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:

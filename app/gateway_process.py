@@ -94,7 +94,9 @@ async def run_gateway(
                 self.should_exit = True
 
     loop = asyncio.get_running_loop()
-    gateway = await Gateway.open(config, url, address=address)
+    gateway = await Gateway.open(config, url)
+    if address is not None:  # before the lifespan registers the instance
+        gateway.instance.address = address
     server = DrainingServer(
         uvicorn.Config(
             gateway.app,
