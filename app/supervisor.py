@@ -135,9 +135,8 @@ class GatewayProcesses:
         command += ["--ready-file", str(ready_file), "--parent", str(os.getpid())]
         process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
         assert process.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
+        with contextlib.suppress(BrokenPipeError), process.stdin:  # a child that died at once: run() sees it
             process.stdin.write(self.spec)
-            process.stdin.close()
         return GatewayChild(index, process, ready_file)
 
     def start(self, timeout_s: float = 60.0) -> None:
