@@ -21,6 +21,7 @@ import pytest
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
 from app.store.instances import InstanceInfo, InstanceRegistry
+from ops import traces
 from statemachine.events import (
     AttemptFenced,
     AttemptReleased,
@@ -29,7 +30,6 @@ from statemachine.events import (
     FirstDeltaCommitted,
     StreamResumed,
 )
-from tests.app.store import traces
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
 QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)
