@@ -8,11 +8,9 @@ query, fails.
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -22,6 +20,7 @@ from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
 from app.store.instances import InstanceInfo, InstanceRegistry
 from ops import traces
+from ops.audit_queries import bind, doc_queries
 from statemachine.events import (
     AttemptFenced,
     AttemptReleased,
@@ -31,8 +30,6 @@ from statemachine.events import (
     StreamResumed,
 )
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
-QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)
 BASE = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)  # in the past, for the "quiet for a minute" query
 HOUR = timedelta(hours=1)
 
@@ -58,23 +55,7 @@ LOG = {
         traces.in_flight("req_live", at=at(120)),
     )
 }
-PARAMETERS = {"request_id": "req_cut_1", "since": BASE}
-
-
-def doc_queries() -> dict[int, tuple[str, str]]:
-    return {int(number): (title, sql) for number, title, sql in QUERY.findall(DOC.read_text())}
-
-
-def bind(sql: str) -> tuple[str, list[Any]]:
-    """psql's ``:'name'`` variables as numbered parameters."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return re.sub(r":'(\w+)'", number, sql), [PARAMETERS[name] for name in names]
+PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60)}
 
 
 def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
@@ -221,6 +202,16 @@ def expect_resumed(result: list[asyncpg.Record]) -> None:
     assert [r[:4] for r in rows(result)] == [("req_retry", 1, delivered, "gw_live")]
 
 
+def expect_recent_failures(result: list[asyncpg.Record]) -> None:
+    # since minute 60: the later cuts, the stall, the client that left; newest first
+    assert [(r["request_id"], r["outcome"], r["error_code"]) for r in result] == [
+        ("req_gone", "cancelled", "client_gone"),
+        ("req_stall", "failed", "upstream_decode_interrupted"),
+        ("req_cut_3", "failed", "upstream_decode_interrupted"),
+        ("req_cut_2", "failed", "upstream_decode_interrupted"),
+    ]
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -239,6 +230,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     15: expect_timeline,
     16: expect_instances,
     17: expect_resumed,
+    18: expect_recent_failures,
 }
 
 
@@ -274,11 +266,11 @@ def test_every_query_has_an_expectation() -> None:
 
 @pytest.mark.parametrize("number", sorted(EXPECTATIONS), ids=lambda n: f"{n}. {doc_queries()[n][0]}")
 async def test_the_documented_query_returns_what_it_should(audited: asyncpg.Connection, number: int) -> None:
-    sql, parameters = bind(doc_queries()[number][1])
+    sql, parameters = bind(doc_queries()[number][1], PARAMETERS)
     EXPECTATIONS[number](await audited.fetch(sql, *parameters))
 
 
 async def test_the_disagreement_query_finds_a_drifted_read_model(audited: asyncpg.Connection) -> None:
     await audited.execute("UPDATE requests SET delivered_output_tokens = 0 WHERE request_id = 'req_cut_2'")
-    sql, parameters = bind(doc_queries()[7][1])
+    sql, parameters = bind(doc_queries()[7][1], PARAMETERS)
     assert [record["request_id"] for record in await audited.fetch(sql, *parameters)] == ["req_cut_2"]
