@@ -20,7 +20,7 @@ and by the log on the new primary:
   printed (it includes the promotion, done at once here, where an HA manager takes its
   own detection time).
 
-50 streams, as the issue asks; on CI's loaded 2 cores the whole test takes about 30 s.
+50 streams, as the issue asks; on a loaded 2-core machine the two cases take about 50 s together.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from tests.support.workers import running_worker
 pytestmark = pytest.mark.slow
 
 DELIVERING = 40  # past the commit point when the primary dies
-HELD = 10  # held in prefill (4 s) when the primary dies
+HELD = 10  # held in prefill (8 s) when the primary dies
 CODE = "event_log_unavailable"
 
 
@@ -119,10 +119,11 @@ async def log_of(url: str, request_ids: list[str]) -> tuple[dict[str, list[ev.Ev
 
 @pytest.mark.parametrize(
     "promote_after_s",
-    # at once, as a quick HA manager does: every stream rides it out; after 15 s, past the
-    # 10 s a durable append waits (STORE_OUTAGE_GRACE_S): the ends and commit points
-    # reached in the dark fail, and the log, once back, ends those requests as told
-    [0.0, 15.0],
+    # at once, as a quick HA manager does: every stream rides it out; after 20 s, past the
+    # 10 s a durable append waits (STORE_OUTAGE_GRACE_S) after the last commit point the
+    # held streams reach (8 s of prefill): what needed the log in the dark fails, and the
+    # log, once back, ends those requests as their clients were told
+    [0.0, 20.0],
     ids=["promoted_at_once", "promoted_after_the_grace"],
 )
 def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Path, promote_after_s: float) -> None:
@@ -132,7 +133,7 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
     with running_worker(
         faults=True, args=["--model", MODEL, "--sim-decode-ms-per-token", "20", "--max-running", "64"]
     ) as worker:
-        fault = {"action": "slow_prefill", "prefill_ms": 3000, "times": None, "match": {"prompt_contains": held_prompt}}
+        fault = {"action": "slow_prefill", "prefill_ms": 8000, "times": None, "match": {"prompt_contains": held_prompt}}
         assert httpx.post(worker.base_url + "/admin/faults", json=fault).status_code == 200
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -141,15 +142,16 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
         gateway = start(command, {"DATABASE_URL": pair.url()}, log=tmp_path / "gateway.log")
         try:
             wait_http(url + "/readyz")
-            # short answers end within the outage, long ones after it
+            # short answers may end before the kill; long ones (16 s) outlast any outage here
             short, short_seen = launch(url, [f"short {n}" for n in range(DELIVERING // 2)], max_tokens=60)
             long, long_seen = launch(url, [f"long {n}" for n in range(DELIVERING // 2)], max_tokens=800)
-            held, _ = launch(url, [f"{held_prompt} {n}" for n in range(HELD)], max_tokens=20)
+            held, held_seen = launch(url, [f"{held_prompt} {n}" for n in range(HELD)], max_tokens=20)
             wait_for(
                 lambda: min(short_seen + long_seen) >= 3, 60, "the delivering streams to be past their commit point"
             )
             killed_at = time.monotonic()
             pair.kill_primary()
+            held_before_their_commit_point = max(held_seen) == 0  # not so on a machine 8 s behind
             time.sleep(promote_after_s)
             promoted_at = time.monotonic()
             pair.promote()
@@ -195,7 +197,8 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
         ends["partial" if partial else "nothing delivered"] += 1
     assert fold_disagreements_in(sqlalchemy_url(pair.url()), ids) == []
     print(f"failover: streams {ends}")
-    if promote_after_s:  # each way a stream can meet a long outage was met
-        assert all(ends.values()), ends
+    if promote_after_s:  # the long answers outlast the grace; the held ones reach their commit point in it
+        assert ends["partial"] >= DELIVERING // 2, ends
+        assert ends["nothing delivered"] == HELD or not held_before_their_commit_point, ends
     else:
         assert ends["finished"] == len(transcripts), ends
