@@ -260,14 +260,15 @@ async def fresh_database(url: str, name: str) -> str:
 
 
 def report(generated: Generated, times: LoadTimes, analyzed: float) -> None:
-    rate = times.events / (times.copy_s + times.project_s)
+    loading = times.copy_s + times.project_s + times.index_s
     print(
         f"generated  {generated.requests:,} requests, {generated.events:,} events in {generated.seconds:.1f} s"
         f"   ({generated.events / generated.seconds:,.0f} events/s, Python: fold-built templates stamped)"
     )
     print(
-        f"loaded     {times.events:,} events: COPY {times.copy_s:.1f} s, read models {times.project_s:.1f} s"
-        f"   -> {rate:,.0f} events/s   (VACUUM ANALYZE afterwards: {analyzed:.1f} s)"
+        f"loaded     {times.events:,} events in {loading:.1f} s -> {times.events / loading:,.0f} events/s"
+        f"   (COPY {times.copy_s:.1f} s, read models {times.project_s:.1f} s, indexes {times.index_s:.1f} s;"
+        f" VACUUM ANALYZE afterwards {analyzed:.1f} s)"
     )
 
 
