@@ -89,6 +89,9 @@ async def load_events(
             await connection.copy_to_table("request_inputs", source=inputs, columns=list(INPUT_COLUMNS), freeze=empty)
         copied = time.perf_counter()
         loaded = int(await connection.fetchval("SELECT count(*) FROM request_events WHERE position > $1", before))
+        # statistics for what was just loaded: without them the projection's joins are
+        # planned for a few hundred rows (nested loops over millions)
+        await connection.execute("ANALYZE request_events")
         await project_loaded(connection, after_position=before)
         projected = time.perf_counter()
         for statement in rebuild:
