@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
+from app.driver import gauges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
 from app.driver.instance import GatewayInstance
@@ -32,6 +33,7 @@ from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
+from app.tracing import AttemptSpans
 
 log = logging.getLogger("phasegate.gateway")
 
@@ -88,7 +90,9 @@ class Gateway:
             metrics=metrics,
             tool_runner=tool_runner or (WebhookRunner(config.tool_webhook_url) if config.tool_webhook_url else None),
             idempotency=IdempotencyKeys(store),
+            tracing=AttemptSpans(),
         )
+        metrics.on_scrape = lambda: gauges.sample(ctx)
         return cls(ctx, store)
 
     @contextlib.asynccontextmanager

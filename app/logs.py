@@ -1,14 +1,17 @@
-"""The gateway's log lines: which request, attempt and instance each is about, as text or JSON.
+"""phasegate's log lines (the gateway's and the worker's): which request, attempt and
+instance each is about, as text or JSON.
 
 How this works: the edges bind what a line is about in context variables, so no log call
 has to say it. :class:`LogContext`, an ASGI middleware, binds the gateway instance for
 every exchange and for the lifespan (whose background tasks, heartbeats and sweeps,
 inherit it); the HTTP handler binds the request id with :func:`bind_request` as soon as
 it has one, and every task the request spawns inherits it. :class:`ContextFilter` puts
-``request_id``, ``attempt`` (the request's current attempt, asked of the gateway when
-the line is written) and ``instance`` on each record, unless the call gave them in
-``extra``. Shared tasks that one request happens to start (a replica's lease renewals)
-start in :func:`detached` context, so their lines name no request.
+``request_id``, ``attempt`` (bound with the request, as a worker binds the attempt it
+serves; else the request's current attempt, asked of the gateway when the line is
+written) and ``instance`` on each record, unless the call gave them in ``extra``. Shared
+tasks that one request happens to start (a replica's lease renewals) start in
+:func:`detached` context, so their lines name no request. A worker binds its own name
+as the instance.
 
 Secrets never reach a line: :class:`Redacting` wraps the formatter and replaces every
 registered secret (API keys, tokens, DSN passwords) in the finished line, exception
@@ -33,15 +36,18 @@ ASGIApp = Callable[
 ]
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("phasegate_request_id", default=None)
+_attempt: contextvars.ContextVar[int | None] = contextvars.ContextVar("phasegate_attempt", default=None)
 _instance: contextvars.ContextVar[Callable[[], str] | None] = contextvars.ContextVar("phasegate_instance", default=None)
 _attempt_of: contextvars.ContextVar[Callable[[str], int | None] | None] = contextvars.ContextVar(
     "phasegate_attempt_of", default=None
 )
 
 
-def bind_request(request_id: str) -> None:
-    """Lines written from here on (in this task and the tasks it starts) are about ``request_id``."""
+def bind_request(request_id: str, attempt: int | None = None) -> None:
+    """Lines written from here on (in this task and the tasks it starts) are about
+    ``request_id``, and about ``attempt`` of it if one is given."""
     _request_id.set(request_id)
+    _attempt.set(attempt)
 
 
 def bind_instance(instance: Callable[[], str]) -> None:
@@ -54,6 +60,7 @@ def detached() -> contextvars.Context:
     """The current context without its request: for a task that serves many requests."""
     context = contextvars.copy_context()
     context.run(_request_id.set, None)
+    context.run(_attempt.set, None)
     return context
 
 
@@ -84,6 +91,8 @@ class ContextFilter(logging.Filter):
         about = record.__dict__
         if about.get("request_id") is None:
             about["request_id"] = _request_id.get()
+        if about.get("attempt") is None:
+            about["attempt"] = _attempt.get() if about["request_id"] == _request_id.get() else None
         if about.get("attempt") is None:
             attempt_of, request_id = _attempt_of.get(), about["request_id"]
             about["attempt"] = attempt_of(request_id) if attempt_of is not None and request_id else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -69,8 +71,7 @@ class Metrics:
             "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
         )
         self.in_flight = Gauge("phasegate_requests_in_flight", "Requests being served", registry=r)
-        # Named by the dashboard and the alert rules (ops/grafana, ops/prometheus); defined
-        # here so they are exported, to be fed where the state they describe lives.
+        # The gateway's live state, set at each scrape (on_scrape: app/driver/gauges.py)
         self.retry_budget_available = Gauge(
             "phasegate_retry_budget_available", "Retries the global retry budget allows now", registry=r
         )
@@ -81,11 +82,11 @@ class Metrics:
             "phasegate_model_replicas_healthy", "Replicas in the pool that serve a model", ["model"], registry=r
         )
         self.requests_open = Gauge(
-            "phasegate_requests_open", "Non-terminal requests in the log, by phase", ["phase"], registry=r
+            "phasegate_requests_open", "Non-terminal requests this gateway drives, by phase", ["phase"], registry=r
         )
         self.oldest_open_request = Gauge(
             "phasegate_requests_oldest_open_seconds",
-            "Age of the oldest non-terminal request in the log",
+            "Age of the oldest non-terminal request this gateway drives",
             registry=r,
         )
         self.gateway_instances = Gauge(
@@ -100,5 +101,9 @@ class Metrics:
             "phasegate_gateway_instance_fenced", "Times this gateway lost its lease and registered again", registry=r
         )
 
+        # called before each scrape is rendered, to set the gauges of the live state
+        self.on_scrape: Callable[[], None] = lambda: None
+
     def render(self) -> bytes:
+        self.on_scrape()
         return generate_latest(self.registry)

@@ -217,6 +217,7 @@ def _with_sim_workers(
     started (so a signal meanwhile still stops every one)."""
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
     names = [arg for name in models for arg in ("--model", name)]
+    names += ["--log-format", config.log_format]  # their own log files, in the gateway's format
     if config.worker_token:  # the configured token, not a generated one: the gateway sends that
         os.environ[TOKEN_ENV] = config.worker_token
     if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept

@@ -51,13 +51,14 @@ class Trace:
         model: str = "tiny-llm",
         tenant: str = "acme",
         gateway: str | None = "gw-1",
+        trace_id: str | None = None,
     ):
         self.request_id = request_id
         self.clock = at
         self.events: list[Event] = []
         self.state = RequestState(request_id=request_id)
         self.actions: list[Action] = []
-        self._accept(model, tenant, gateway)
+        self._accept(model, tenant, gateway, trace_id)
 
     # --- the envelope ------------------------------------------------------------------
 
@@ -74,7 +75,7 @@ class Trace:
 
     # --- steps -------------------------------------------------------------------------
 
-    def _accept(self, model: str, tenant: str, gateway: str | None) -> None:
+    def _accept(self, model: str, tenant: str, gateway: str | None, trace_id: str | None) -> None:
         self.add(
             RequestAccepted,
             after_ms=0,
@@ -92,6 +93,7 @@ class Trace:
             max_attempts=2,
             seed=7,
             gateway=gateway,
+            trace_id=trace_id,
         )
 
     def decide(self, after_ms: float = 0.2) -> list[Action]:
@@ -236,9 +238,10 @@ def retried_before_first_delta(request_id: str, *, at: datetime = T0) -> Trace:
     return trace.completed()
 
 
-def fenced_then_retried(request_id: str, *, at: datetime = T0) -> Trace:
+def fenced_then_retried(request_id: str, *, at: datetime = T0, trace_id: str | None = None) -> Trace:
     """w2 stalls in prefill: fenced, its lease expires, then the retry on w3 answers."""
-    trace = Trace(request_id, at=at).start("w2").upstream_failed(FailureKind.LIVENESS_UNCERTAIN, "read timeout")
+    trace = Trace(request_id, at=at, trace_id=trace_id).start("w2")
+    trace.upstream_failed(FailureKind.LIVENESS_UNCERTAIN, "read timeout")
     trace.fence().lease_expired(1, after_ms=4200).released(1, ReleaseReason.LEASE_EXPIRED)
     trace.start("w3").first_token(30).first_delta().deliver("Ok")
     return trace.completed()

@@ -82,6 +82,7 @@ class RequestAccepted(RequestScoped):
     max_attempts: int  # the per-request retry budget in force when accepted
     seed: int | None
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
+    trace_id: str | None = None  # the OpenTelemetry trace of the request (32 hex digits), when traced
 
 
 @dataclass(frozen=True, slots=True)

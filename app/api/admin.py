@@ -181,6 +181,7 @@ class _Admin:
                 "id": request_id,
                 "request": _jsonable(found.request),
                 "attempts": [_jsonable(attempt) for attempt in found.attempts],
+                "trace_id": found.trace_id,
             }
         )
 

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, NotFound, ServiceUnavailable
 from app.driver.context import GatewayContext
+from app.logs import bind_request
 from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceRegistry
 from app.store.postgres import PostgresEventStore
@@ -52,11 +53,14 @@ class _Cancel:
             accepted = events[0] if events else None
             if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
                 raise NotFound(f"no request '{request_id}'", code="request_not_found")
+            bind_request(request_id)  # a request of the log: this task's lines are about it
             state = fold(events)
             if state.outcome is not None:
+                log.info("request %s: a cancel came after it ended (%s)", request_id, state.outcome.value)
                 return JSONResponse(_answer(request_id, "ended", state.outcome.value), headers=headers)
             driver = self.ctx.drivers.get(request_id)
             if driver is not None:
+                log.info("request %s: cancelled by its client", request_id)
                 driver.cancel_now()
                 return JSONResponse(_answer(request_id, "cancelled", "cancelled"), headers=headers)
             return await self._forward(request, request_id, accepted.gateway, headers)

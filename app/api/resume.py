@@ -38,6 +38,7 @@ from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver.context import GatewayContext
 from app.driver.outputs import Failed
 from app.driver.request import GenerationRequest
+from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
 from statemachine.request_state import RequestState
@@ -76,9 +77,11 @@ class _Resume:
             accepted = events[0] if events else None
             if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
                 raise NotFound(f"no request '{request_id}'", code="request_not_found")  # nor another tenant's
+            bind_request(request_id)  # a request of the log: this task's lines (and its stream's) are about it
             _check_resumable(events)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        log.info("request %s: its stream resumes from delta %d", request_id, after + 1)
         generation = _shape_of(accepted)
         shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
         return EventSourceResponse(
@@ -142,6 +145,7 @@ class _Follower:
                     gateway=self.ctx.gateway_id,
                 )
                 await self.ctx.store.append(request_id, state.seq, [resumed], durable=True)
+                log.debug("request %s: resumed deltas %d..%d sent", request_id, resumed.from_index, to_index - 1)
                 return
             except StreamConflict:
                 continue
@@ -152,6 +156,7 @@ class _Follower:
 
 async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
     """Answer a POST whose ``Idempotency-Key`` started ``request_id``, from its log."""
+    bind_request(request_id)  # the POST is about the request its key started, not a new one
     headers = {"x-request-id": request_id}
     follower = _Follower(ctx)
     try:

@@ -17,6 +17,7 @@ from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.base import EventStore
 from app.store.idempotency import IdempotencyKeys
+from statemachine.events import Event
 from statemachine.request_state import RequestState
 
 log = logging.getLogger("phasegate.driver")
@@ -37,9 +38,38 @@ class LiveRequest(Protocol):
     @property
     def state(self) -> RequestState: ...
 
+    @property
+    def accepted_at(self) -> float:
+        """When the request was accepted, on the monotonic clock."""
+        ...
+
     def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
 
     def cancel_now(self) -> None: ...
+
+
+class Tracing(Protocol):
+    """What the driver tells tracing (app/tracing.py), which it must not import: the trace
+    of a request being accepted, and every event it records. Called synchronously, on
+    the request's path: an implementation does little and never raises."""
+
+    def trace_id(self) -> str | None:
+        """The trace of the request accepted now (the current context's), if it is traced."""
+        ...
+
+    def recorded(self, state: RequestState, event: Event) -> None:
+        """``event`` was recorded; ``state`` is the request with it applied."""
+        ...
+
+
+class NotTraced:
+    """Tracing off: nothing is traced."""
+
+    def trace_id(self) -> str | None:
+        return None
+
+    def recorded(self, state: RequestState, event: Event) -> None:
+        return None
 
 
 @dataclass
@@ -60,6 +90,7 @@ class GatewayContext:
     lease_valid_until: float = math.inf
     refusal: str | None = None  # why new requests get 503 now: gateway_draining, gateway_lost
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
+    tracing: Tracing = field(default_factory=NotTraced)  # spans per attempt, when tracing is on
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done
 

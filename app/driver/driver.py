@@ -45,6 +45,7 @@ class RequestDriver(RequestLoop):
             max_attempts=self.ctx.config.policy.max_attempts,
             seed=request.seed,
             gateway=self.ctx.gateway_id,
+            trace_id=self.ctx.tracing.trace_id(),
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())

@@ -175,6 +175,7 @@ class RequestLoop:
         ctx, request = self.ctx, self.request
         if action.attempt > 1 and not ctx.budget.try_take():
             self.recorder.record(ev.RetryBudgetDenied, scope="global")
+            ctx.metrics.retry_budget_denied.inc()
             return None
         replica = ctx.pool.choose(request.model, action.exclude_replicas)
         if replica is None:

@@ -121,6 +121,7 @@ class Recorder:
     def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)
+        self.ctx.tracing.recorded(self.state, event)
         return event
 
     def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:

@@ -131,6 +131,7 @@ class RequestSummary:
 
     request: dict[str, Any]
     attempts: list[dict[str, Any]]
+    trace_id: str | None = None  # the request's OpenTelemetry trace, as RequestAccepted recorded it
 
 
 async def request_summary(connection: AsyncConnection, request_id: str) -> RequestSummary | None:
@@ -143,7 +144,14 @@ async def request_summary(connection: AsyncConnection, request_id: str) -> Reque
         text("SELECT * FROM request_attempts WHERE request_id = :id ORDER BY attempt"), {"id": request_id}
     )
     rows = [{key: value for key, value in attempt.items() if key != "request_id"} for attempt in attempts.mappings()]
-    return RequestSummary(dict(row), rows)
+    trace = await connection.execute(
+        text(
+            "SELECT body->>'trace_id' FROM request_events"
+            " WHERE request_id = :id AND type = 'RequestAccepted' ORDER BY version LIMIT 1"
+        ),
+        {"id": request_id},
+    )
+    return RequestSummary(dict(row), rows, trace.scalar_one_or_none())
 
 
 async def request_tenant(connection: AsyncConnection, request_id: str) -> str | None:

@@ -73,6 +73,8 @@ def _facts(events: Sequence[Event], result: ReplayResult | None) -> str:
             ("tenant", accepted.tenant),
             ("prompt tokens", str(accepted.prompt_tokens)),
         ]
+        if accepted.trace_id is not None:
+            facts.append(("trace", accepted.trace_id))
     facts.append(("accepted", accepted.occurred_at.isoformat(timespec="milliseconds")))
     if result is not None:
         state = result.final_state

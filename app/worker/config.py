@@ -32,6 +32,7 @@ class WorkerConfig:
     faults: tuple[dict[str, Any], ...] = ()
     ready_file: Path | None = None
     log_level: str = "warning"
+    log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance (the worker)
     token: str | None = field(default=None, repr=False)  # None: the protocol is open (loopback only)
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
     # sim engine
@@ -69,6 +70,12 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="JSON", help="a fault at startup (repeatable)")
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once listening")
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=d.log_format,
+        help="json: one object a line (docs/operations.md)",
+    )
     p.add_argument(
         "--token-file",
         type=Path,
@@ -126,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         faults=faults,
         ready_file=args.ready_file,
         log_level=args.log_level,
+        log_format=args.log_format,
         token=token,
         max_body_bytes=args.max_body_bytes,
         sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator
 from types import FrameType
@@ -29,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app import logs
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
@@ -87,6 +87,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
 
     async def start(request: Request) -> Response:
         spec = parse_start(await body_of(request), default_heartbeat_s=default_heartbeat_s)
+        logs.bind_request(spec.request_id, spec.attempt)  # this task's lines, its stream's included
         attempt = worker.admit(spec)
         return StreamingResponse(worker.frames(attempt), media_type="application/x-ndjson", headers=stream_headers)
 
@@ -111,6 +112,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
 
     async def cancel(request: Request) -> Response:
         ref = parse_ref(await body_of(request), with_ttl=False)
+        logs.bind_request(ref.request_id, ref.attempt)
         return JSONResponse(await worker.cancel(ref))
 
     def _unavailable() -> Refusal | None:
@@ -260,6 +262,7 @@ async def _serve(config: WorkerConfig) -> int:
         uvicorn.Config(
             app,
             log_level=config.log_level,
+            log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             access_log=False,
             timeout_graceful_shutdown=5,
             # Longer than any client's idle keep-alive (httpx: 5 s), so the client always
@@ -307,7 +310,11 @@ async def _serve(config: WorkerConfig) -> int:
 
 def run_worker(config: WorkerConfig) -> int:
     """Run a worker until SIGTERM has drained it; the process's exit code."""
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logs.configure(config.log_level, config.log_format)
+    logs.redact(config.token)
+    logs.bind_instance(lambda: config.name)
+    if config.log_format == "json":  # vLLM's lines too: through the root handler, not its own
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     # Plain asyncio on purpose: under uvloop, vLLM's output handler (zmq) and a busy
     # stream starved every other connection (renew, cancel) for seconds.
     return asyncio.run(_serve(config))

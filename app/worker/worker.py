@@ -68,10 +68,13 @@ class Worker:
     def admit(self, spec: AttemptSpec) -> Attempt:
         """Start an attempt or raise a :class:`Refusal`; nothing is sent before this returns."""
         try:
-            return self._admit(spec)
+            attempt = self._admit(spec)
         except Refusal as refusal:
             self.stats.rejected[refusal.code] = self.stats.rejected.get(refusal.code, 0) + 1
+            log.info("attempt refused: %d %s", refusal.status, refusal.code.value, extra=_about(spec))
             raise
+        log.info("attempt admitted (%s)", "running" if attempt.has_slot else "queued", extra=_about(spec))
+        return attempt
 
     def _admit(self, spec: AttemptSpec) -> Attempt:
         if self.draining:
@@ -141,6 +144,7 @@ class Worker:
             return
         attempt.stop = reason
         attempt.stopped_at = time.monotonic()
+        log.info("attempt stopped early: %s", reason.value, extra=_about(attempt.spec))
         self.stats.stopped[reason] = self.stats.stopped.get(reason, 0) + 1
         if reason is Stop.LEASE_EXPIRED:
             self.stats.lease_expiries += 1
@@ -161,7 +165,7 @@ class Worker:
         try:
             counted = await self.engine.abort(attempt.engine_request_id)
         except Exception:
-            log.exception("engine abort failed for %s", attempt.engine_request_id)
+            log.exception("engine abort failed for %s", attempt.engine_request_id, extra=_about(attempt.spec))
             return  # engine_over stays unset: the abort is not confirmed
         attempt.engine_generated = max(counted or 0, attempt.generated_tokens)
         self.release(attempt)
@@ -253,3 +257,8 @@ class Worker:
     def frames(self, attempt: Attempt) -> AsyncIterator[bytes]:
         """The response body of a started attempt (see frames.py)."""
         return frames(self, attempt)
+
+
+def _about(spec: AttemptSpec | AttemptRef) -> dict[str, object]:
+    """What a line about this attempt is about (its stop may come from a timer, with nothing bound)."""
+    return {"request_id": spec.request_id, "attempt": spec.attempt}

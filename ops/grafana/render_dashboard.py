@@ -59,8 +59,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel(
                 "Open requests by phase",
                 "short",
-                (("{{phase}}", "max by (phase) (phasegate_requests_open)"),),
-                "Non-terminal requests in the log (every instance reports the same log).",
+                (("{{phase}}", "sum by (phase) (phasegate_requests_open)"),),
+                "Non-terminal requests by phase, over every gateway instance (each reports those it drives).",
             ),
             Panel(
                 "Requests in flight by instance",
@@ -94,14 +94,14 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "Retry budget",
                 "short",
                 (
-                    ("available", "min(phasegate_retry_budget_available)"),
+                    ("available", "sum(phasegate_retry_budget_available)"),
                     ("denied/s", f"sum(rate(phasegate_retry_budget_denied_total[{RATE}]))"),
                     (
                         "fenced/s {{released_by}}",
                         f"sum by (released_by) (rate(phasegate_fenced_attempts_total[{RATE}]))",
                     ),
                 ),
-                "Retries the global budget allows now, and retries it refused.",
+                "Retries the global budget allows now (each instance holds its share), and retries it refused.",
             ),
         ),
     ),

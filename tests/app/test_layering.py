@@ -3,7 +3,8 @@
     cli → serve → gateway → api → driver → (store, replicas) → statemachine
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
-gateway must share (the worker token's, the engine inputs' checks), a leaf.
+gateway must share (the worker token's, the engine inputs' checks), a leaf; and
+``app.logs``, the leaf that formats every phasegate process's lines.
 
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
@@ -34,12 +35,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.config": frozenset({BOTTOM, "app.contract"}),
     "app.metrics": frozenset(),
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
-    "app.tracing": frozenset(),  # OpenTelemetry, off unless configured
+    "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset({"app.contract"}),
+    "app.worker": frozenset({"app.contract", "app.logs"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
     "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),
@@ -55,7 +56,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
-        {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api"}
+        {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}

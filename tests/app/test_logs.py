@@ -4,7 +4,8 @@ First the parts on their own (a logger, a context, a formatter: nothing to fake)
 a real ``phasegate serve --log-format json`` process over two real sim workers that
 require a worker token, with API keys, an admin token and a metrics token configured:
 requests are driven through it (answered, refused, cut by a stalled replica, left by
-their client; the admin API and pages opened with the token, ``/metrics`` scraped), and
+their client; the cut one resumed from the log, a cancel sent after the answered one
+ended; the admin API and pages opened with the token, ``/metrics`` scraped), and
 its captured output is read line by line: every line is JSON, names the gateway
 instance (as PostgreSQL lists it), every line that names a request carries its
 ``request_id`` (and ``attempt`` where the request had one), and no secret appears.
@@ -112,7 +113,9 @@ def workers() -> Iterator[list[WorkerProcess]]:
     with contextlib.ExitStack() as stack:
         yield [
             stack.enter_context(
-                running_worker(faults=True, token=WORKER_TOKEN, args=[*SIM_ARGS, "--worker-id", f"w{n}"])
+                running_worker(
+                    faults=True, token=WORKER_TOKEN, args=[*SIM_ARGS, "--worker-id", f"w{n}", "--log-format", "json"]
+                )
             )
             for n in (1, 2)
         ]
@@ -176,6 +179,11 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
                 for n, _ in enumerate(left.iter_lines()):
                     if n > 4:
                         break
+            tenant = {"authorization": f"Bearer {API_KEY}"}  # the cut stream resumed, a cancel after the end
+            resumed = http.get(f"/v1/requests/{cut.headers['x-request-id']}/stream", headers=tenant)
+            assert resumed.status_code == 200 and "upstream_decode_interrupted" in resumed.text
+            late = http.post(f"/v1/requests/{answered.headers['x-request-id']}/cancel", headers=tenant)
+            assert late.status_code == 200 and late.json()["status"] == "ended"
             admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
             assert http.get(f"/v1/requests/{answered.headers['x-request-id']}", headers=admin).status_code == 200
             assert http.get(f"/ui/requests?token={ADMIN_TOKEN}", follow_redirects=True).status_code == 200
@@ -183,6 +191,7 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
             time.sleep(2.0)  # the left request's cancel and fence settle
     finally:
         stop(process, signal.SIGTERM, grace_s=30)
+    worker_logs = {f"w{n}": worker.logs() for n, worker in enumerate(workers, 1)}
     text = output.read_text()
     for secret in SECRETS:
         assert secret not in banner.read_text()
@@ -206,3 +215,29 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
     with_attempt = [line for line in lines if line.get("attempt") is not None]
     assert with_attempt and all(line.get("request_id") for line in with_attempt)
     assert any(line.get("request_id") == left_id and line["attempt"] == 1 for line in with_attempt), about[left_id]
+    # the resume and cancel routes' lines carry the request's id, the resumed stream's task included
+    cut_id, answered_id = cut.headers["x-request-id"], answered.headers["x-request-id"]
+    by_message = {line["message"]: line for line in lines}
+    resuming = by_message[f"request {cut_id}: its stream resumes from delta 0"]
+    sent = [line for line in lines if line["message"].startswith(f"request {cut_id}: resumed deltas 0..")]
+    late_cancel = by_message[f"request {answered_id}: a cancel came after it ended (completed)"]
+    assert [line.get("request_id") for line in (resuming, *sent, late_cancel)] == [cut_id, cut_id, answered_id]
+    assert resuming.get("instance") == late_cancel.get("instance") == instance
+
+    # the workers' lines (phasegate worker --log-format json): JSON, naming the worker, every
+    # line about an attempt with its request id and attempt, and never the worker token
+    cut_attempts: list[dict[str, object]] = []
+    for name, worker_text in worker_logs.items():
+        assert WORKER_TOKEN not in worker_text
+        worker_lines = [json.loads(line) for line in worker_text.splitlines() if line.strip()]
+        assert any(line["message"].startswith(f"worker {name} ready") for line in worker_lines)
+        assert all(line.get("instance") == name for line in worker_lines), worker_lines
+        about_attempts = [line for line in worker_lines if line["message"].startswith("attempt ")]
+        assert about_attempts and all(line.get("request_id") and line.get("attempt") for line in about_attempts)
+        assert {str(line["request_id"]) for line in about_attempts} <= set(about)  # the gateway's requests
+        cut_attempts += [line for line in about_attempts if line["request_id"] == cut_id]
+    # the cut request's attempt: admitted, then stopped by the gateway's cancel (its fence)
+    assert [(line["message"], line["attempt"]) for line in cut_attempts] == [
+        ("attempt admitted (running)", 1),
+        ("attempt stopped early: cancelled", 1),
+    ]

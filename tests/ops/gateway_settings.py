@@ -1,4 +1,5 @@
-"""Deployment files' gateway settings, loaded by phasegate's own configuration code.
+"""Deployment files' gateway settings and worker commands, loaded by phasegate's own
+configuration code.
 
 Some settings the deployment files carry are being added by other issues at the same
 time (``drain_s``: gateway instances, issue 11; ``worker_token``: trust boundaries,
@@ -8,10 +9,13 @@ printed; once it has them they are loaded and validated like every other setting
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from app.config import GatewayConfig, load_config
+from app.worker.config import WorkerConfig, add_worker_parser, config_from_args
 
 PENDING = {"drain_s": "issue 11 (graceful drain)", "worker_token": "issue 14 (worker authentication)"}
 DEFAULT_DRAIN_S = 30.0  # DESIGN §11, until GatewayConfig carries drain_s
@@ -30,3 +34,10 @@ def drain_seconds(values: dict[str, Any]) -> float:
     if "drain_s" in values:
         return float(values["drain_s"])
     return float(getattr(GatewayConfig(), "drain_s", DEFAULT_DRAIN_S))
+
+
+def load_worker_command(argv: Sequence[str]) -> WorkerConfig:
+    """What ``phasegate worker ARGV`` would run with (SystemExit where it would refuse to start)."""
+    parser = argparse.ArgumentParser(prog="phasegate")
+    add_worker_parser(parser.add_subparsers(dest="command", required=True))
+    return config_from_args(parser.parse_args(["worker", *argv]))

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.ops.gateway_settings import load_gateway_settings
+from tests.ops.gateway_settings import load_gateway_settings, load_worker_command
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
@@ -94,6 +94,21 @@ def test_the_gateways_configuration_loads_and_names_compose_services() -> None:
         command = services[host]["command"]
         assert command[command.index("--port") + 1] == port and command[command.index("--host") + 1] == "0.0.0.0"
         assert set(config.models) <= set(command[i + 1] for i, word in enumerate(command) if word == "--model")
+
+
+def test_the_worker_starts_with_the_token_the_gateways_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off loopback a worker refuses to start without a token; the gateways send the same one."""
+    services = compose_file()["services"]
+    worker = services["worker-sim"]
+    token = worker["environment"]["PHASEGATE_WORKER_TOKEN"]
+    monkeypatch.setenv("PHASEGATE_WORKER_TOKEN", token)
+    config = load_worker_command(worker["command"][1:])
+    assert config.host == "0.0.0.0" and config.token == token
+    for name in ("gateway-1", "gateway-2"):
+        assert services[name]["environment"]["PHASEGATE_WORKER_TOKEN"] == token
+    monkeypatch.delenv("PHASEGATE_WORKER_TOKEN")
+    with pytest.raises(SystemExit, match="needs a token"):
+        load_worker_command(worker["command"][1:])
 
 
 def test_prometheus_scrapes_every_gateway_and_worker() -> None:

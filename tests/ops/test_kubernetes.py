@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.ops.gateway_settings import drain_seconds, load_gateway_settings
+from app.config import GatewayConfig
+from tests.ops.gateway_settings import drain_seconds, load_gateway_settings, load_worker_command
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "kubernetes"
@@ -61,6 +63,15 @@ def containers(workload: Resource) -> list[dict[str, Any]]:
 
 def gateway_settings() -> dict[str, Any]:
     return tomllib.loads(one("Secret", "phasegate")["stringData"]["phasegate.toml"])
+
+
+def loaded_gateway_settings() -> GatewayConfig:
+    """The settings file as a gateway pod loads it: its worker_token_file (the Secret's
+    worker-token, mounted) stands in a temporary file here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        token_file = Path(tmp) / "worker-token"
+        token_file.write_text(one("Secret", "phasegate")["stringData"]["worker-token"] + "\n")
+        return load_gateway_settings({**gateway_settings(), "worker_token_file": str(token_file)})
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -132,7 +143,7 @@ def test_workers_request_a_gpu_and_are_the_gateways_replicas() -> None:
     assert service["spec"]["clusterIP"] == "None", "a headless service: one DNS name per worker pod"
     assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels)
     (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
-    settings = load_gateway_settings(gateway_settings())
+    settings = loaded_gateway_settings()
     name, count = statefulset["metadata"]["name"], statefulset["spec"]["replicas"]
     expected = {f"http://{name}-{i}.{service['metadata']['name']}:{port}" for i in range(count)}
     assert {replica.url for replica in settings.replicas} == expected
@@ -166,7 +177,40 @@ def test_the_secret_holds_what_design_13_lists() -> None:
     settings = gateway_settings()
     assert settings["admin_token"]
     assert settings["api_keys"] and all(key.startswith("sha256:") for key in settings["api_keys"])
-    load_gateway_settings(settings)  # phasegate's own configuration code accepts it
+    loaded_gateway_settings()  # phasegate's own configuration code accepts it
+
+
+def mounted_secret_file(workload: Resource, key: str) -> str:
+    """Where ``workload``'s container finds the ``phasegate`` Secret's ``key``."""
+    spec = workload["spec"]["template"]["spec"]
+    (volume,) = [
+        v for v in spec["volumes"] if "secret" in v and key in {i["key"] for i in v["secret"].get("items", [])}
+    ]
+    (item,) = [i for i in volume["secret"]["items"] if i["key"] == key]
+    (mount,) = [m for m in containers(workload)[0]["volumeMounts"] if m["name"] == volume["name"]]
+    return f"{mount['mountPath']}/{item['path']}"
+
+
+def test_the_worker_token_reaches_both_ends(tmp_path: Path) -> None:
+    """The gateway reads the mounted worker-token; the worker (off loopback, so it refuses to
+    start without one) is given the same file, and its own option parsing accepts the command."""
+    token = one("Secret", "phasegate")["stringData"]["worker-token"]
+    settings = gateway_settings()
+    assert settings["worker_token_file"] == mounted_secret_file(one("Deployment"), "worker-token")
+    assert loaded_gateway_settings().worker_token == token
+    token_file = tmp_path / "worker-token"
+    token_file.write_text(token + "\n")
+
+    statefulset = one("StatefulSet")
+    worker_file = mounted_secret_file(statefulset, "worker-token")
+    args = containers(statefulset)[0]["args"]
+    assert f"--token-file={worker_file}" in args
+    image = (REPO / "deploy" / "worker" / "Dockerfile").read_text().splitlines()
+    (entrypoint,) = [json.loads(line.split(" ", 1)[1]) for line in image if line.startswith("ENTRYPOINT ")]
+    assert entrypoint[:2] == ["phasegate", "worker"]
+    given = [arg.replace(worker_file, str(token_file)) for arg in args]
+    config = load_worker_command(entrypoint[2:] + given)
+    assert config.token == token and config.host == "0.0.0.0" and config.log_format == "json"
 
 
 def test_the_cloudnativepg_cluster_and_the_database_url_agree() -> None:

@@ -32,6 +32,7 @@ from statemachine.events import (
 
 BASE = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)  # in the past, for the "quiet for a minute" query
 HOUR = timedelta(hours=1)
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"  # the OpenTelemetry trace req_fence was accepted in
 
 
 def at(minutes: float) -> datetime:
@@ -45,7 +46,7 @@ LOG = {
         traces.completed("req_ok_2", "w2", at=at(5), ttft_ms=40),
         traces.completed("req_ok_3", "w1", at=at(10), model="big-llm", tenant="globex", ttft_ms=100),
         traces.retried_before_first_delta("req_retry", at=at(20)),
-        traces.fenced_then_retried("req_fence", at=at(30)),
+        traces.fenced_then_retried("req_fence", at=at(30), trace_id=TRACE_ID),
         traces.interrupted_in_decode("req_cut_1", "w1", at=at(40)),
         traces.interrupted_in_decode("req_cut_2", "w1", at=at(75)),
         traces.interrupted_in_decode("req_cut_3", "w2", at=at(80)),
@@ -55,7 +56,7 @@ LOG = {
         traces.in_flight("req_live", at=at(120)),
     )
 }
-PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60)}
+PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID}
 
 
 def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
@@ -202,6 +203,10 @@ def expect_resumed(result: list[asyncpg.Record]) -> None:
     assert [r[:4] for r in rows(result)] == [("req_retry", 1, delivered, "gw_live")]
 
 
+def expect_traced(result: list[asyncpg.Record]) -> None:
+    assert rows(result) == [("req_fence", "completed", 2, ["w2", "w3"], at(30))]
+
+
 def expect_recent_failures(result: list[asyncpg.Record]) -> None:
     # since minute 60: the later cuts, the stall, the client that left; newest first
     assert [(r["request_id"], r["outcome"], r["error_code"]) for r in result] == [
@@ -230,7 +235,8 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     15: expect_timeline,
     16: expect_instances,
     17: expect_resumed,
-    18: expect_recent_failures,
+    18: expect_traced,
+    19: expect_recent_failures,
 }
 
 
