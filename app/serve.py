@@ -9,6 +9,11 @@ with that error now (a third stops at once). Then the workers and the database i
 started stop too: nothing it started is left running. A signal before the server runs
 (while PostgreSQL or the workers start) stops the same way, without a traceback.
 
+``--processes N`` (default: the container's CPU quota, else the cores; 1 for the demo)
+runs N gateway processes on the one port bound here (:class:`GatewayProcesses`): each an
+instance of its own, the stop signals forwarded to every one. With 1 the gateway runs in
+this process (:func:`run_gateway`).
+
 With no ``admin_token`` configured and a loopback listen address (the demo's case), it
 generates one and prints, once, a local URL that carries it, as Jupyter does: the
 requests page opens from there (the page swaps the token for a cookie). A configured
@@ -21,26 +26,26 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
+import pickle
 import secrets
 import shutil
 import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from app import logs
 from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
-from app.supervisor import Child, run_dir, start_worker
+from app.gateway_process import ChildSpec, quiet_libraries, run_gateway
+from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
-
-KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
 
 DEMO_MODEL = "phasegate-sim"
 DEMO_REVISION = "sim-1"
@@ -62,6 +67,11 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--sim-workers", type=int, default=2, help="simulated workers to start when no replica is set")
     p.add_argument(
         "--sim-ms-per-token", type=float, default=None, help="the simulated workers' time per token (default 2)"
+    )
+    p.add_argument(
+        "--processes",
+        type=_positive,
+        help="gateway processes sharing the port (default: the container's CPU quota, else the cores; 1 for the demo)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
@@ -86,8 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"phasegate serve: {exc}")
         return 2
     logs.configure(args.log_level, config.log_format)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
-    logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
+    quiet_libraries()
     logs.redact(*_secrets(config))
     if config.otel_endpoint:
         from app import tracing
@@ -105,6 +114,9 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"phasegate serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
         return 1
+    # the demo's simulated workers share the cores with it, and one process is plenty to try it
+    processes = args.processes or (default_processes() if config.replicas else 1)
+    code = 0
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
@@ -123,7 +135,11 @@ def serve(args: argparse.Namespace) -> int:
             with _uninterrupted():
                 url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
-        asyncio.run(_run(config, url, listener, generated_token))
+        if processes == 1:
+            announce = functools.partial(_announce, config, generated_token, 1)
+            asyncio.run(run_gateway(config, url, [listener], announce))
+        else:
+            code = _serve_processes(config, url, listener, generated_token, processes, args.log_level, workdir)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -133,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
         if database is not None:
             database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return code
 
 
 class _Deferred:
@@ -205,6 +221,40 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _serve_processes(
+    config: GatewayConfig, url: str, listener: socket.socket, token: str | None, count: int, level: str, workdir: Path
+) -> int:
+    """``count`` gateway processes on ``listener`` (:class:`GatewayProcesses`), until a stop
+    signal, forwarded to each, drained them all. The log's schema is migrated here, once."""
+    if config.apply_migrations:
+        from app.store.migrate import upgrade
+
+        with _uninterrupted():
+            upgrade(url)
+    secrets_ = tuple(secret for secret in _secrets(config) if secret)
+    spec = pickle.dumps(ChildSpec(config, url, level, secrets_))
+    gateways = GatewayProcesses(count, listener, spec, workdir)
+    try:
+        try:
+            gateways.start()
+        except ChildFailed as exc:
+            print(f"phasegate serve: {exc}")
+            return 1
+        _announce(config, token, count)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda received, frame: gateways.forward(received))
+        return gateways.run()
+    finally:
+        gateways.kill()
+
+
 def _model(text: str) -> tuple[str, str]:
     name, _, revision = text.partition("=")
     return name, revision or "unknown"
@@ -236,67 +286,11 @@ def _as_dict(config: GatewayConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-async def _run(config: GatewayConfig, url: str, listener: socket.socket, generated_token: str | None) -> None:
-    import uvicorn
-
-    from app.gateway import Gateway
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, whose first SIGTERM or SIGINT drains the gateway before it stops."""
-
-        signals = 0
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            self.signals += 1
-            if self.signals == 1:
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), name="drain"))
-            elif self.signals == 2:  # end open streams now, with their final error, and stop
-                print("phasegate stops: open streams end now (a third signal stops at once)", flush=True)
-                loop.call_soon_threadsafe(lambda: loop.create_task(gateway.instance.drain(0), name="drain now"))
-            else:
-                self.should_exit = self.force_exit = True
-
-        async def _drain(self) -> None:
-            logs.bind_instance(lambda: gateway.instance_id)  # started by a signal, outside any exchange
-            print(f"phasegate drains: open streams get up to {config.drain_s:g}s (a second signal stops now)")
-            try:
-                await gateway.drain()
-            finally:
-                self.should_exit = True
-
-    loop = asyncio.get_running_loop()
-    gateway = await Gateway.open(config, url)
-    server = DrainingServer(
-        uvicorn.Config(
-            gateway.app,
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
-            lifespan="on",
-            # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
-            # balancers' (often 60 s), so they close idle connections first: at uvicorn's
-            # 5 s default a request sent on a connection being closed got a reset.
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
-    )
-    banner = asyncio.get_running_loop().create_task(_announce(server, config, generated_token))
-    try:
-        await server.serve(sockets=[listener])
-    finally:
-        banner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await banner
-
-
-async def _announce(server: Any, config: GatewayConfig, generated_token: str | None) -> None:
-    while not server.started:
-        await asyncio.sleep(0.05)
+def _announce(config: GatewayConfig, generated_token: str | None, processes: int) -> None:
     base = f"http://{config.host}:{config.port}"
     model = next(iter(config.models), DEMO_MODEL)
-    print(
-        f"phasegate is serving {base} ({len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)})"
-    )
+    replicas = f"{len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)}"
+    print(f"phasegate is serving {base} ({replicas}; {processes} gateway process(es))")
     print("try:")
     print(
         f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "

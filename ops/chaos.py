@@ -131,7 +131,7 @@ class Fleet:
             for arg in ("--replica", f"worker={url.removesuffix('/v1/ready')}#w{number}")
         ]
         serve = ["--log-level", "warning", "--model", f"{MODEL}=chaos", "--config", str(settings), *replicas]
-        commands = [phasegate("serve", "--port", str(port), *serve) for port in ports]
+        commands = [phasegate("serve", "--processes", "1", "--port", str(port), *serve) for port in ports]
         urls = [f"http://127.0.0.1:{port}/readyz" for port in ports]
         return cls(commands, urls, rng, {"DATABASE_URL": database_url})
 

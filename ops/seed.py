@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -53,7 +52,7 @@ from sqlalchemy.engine import make_url
 from app.store import migrate
 from app.store.bulk import LoadTimes, load_events
 from app.store.codec import to_row
-from app.store.content import kept_input
+from app.store.content import kept_input, kept_text
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from ops import traces
@@ -147,7 +146,7 @@ def stamp(
 ) -> Iterator[ev.Event]:
     """The template's events as request ``request_id``'s, accepted at ``accepted_at``:
     every instant shifted alike, the acceptance's fields replaced by ``accepted``, the
-    delivered text kept as ``policy`` says."""
+    delivered text and tool arguments kept as ``policy`` says (as the gateway keeps them)."""
     shift = accepted_at - template[0].occurred_at
     for event in template:
         fields: dict[str, Any] = {"request_id": request_id, "occurred_at": event.occurred_at + shift}
@@ -157,9 +156,11 @@ def stamp(
             fields["lease_expires_at"] = event.lease_expires_at + shift
         elif isinstance(event, ev.ToolCallEmitted):
             fields["idempotency_key"] = f"{request_id}:{event.tool_call_id}"
+            if policy != "full":
+                arguments, fields["arguments_sha256"] = kept_text(event.arguments, policy)
+                fields["arguments"] = arguments or ""
         elif isinstance(event, ev.DeltasDelivered) and policy != "full":
-            digest = hashlib.sha256((event.text or "").encode()).hexdigest() if policy == "digest" else None
-            fields |= {"text": None, "text_sha256": digest}
+            fields["text"], fields["text_sha256"] = kept_text(event.text or "", policy)
         yield dataclasses.replace(event, **fields)
 
 

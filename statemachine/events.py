@@ -16,6 +16,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
+# A token's log probability and the likeliest tokens at its place:
+# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order.
+TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
+DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
+
+
+# Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
+FINISH_REASONS = frozenset(
+    {"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error", "repetition"}
+)
+
 
 class FailureKind(enum.StrEnum):
     """What the driver observed when an attempt failed (DESIGN.md §4)."""
@@ -83,6 +94,7 @@ class RequestAccepted(RequestScoped):
     seed: int | None
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
     trace_id: str | None = None  # the OpenTelemetry trace of the request (32 hex digits), when traced
+    logprobs: int | None = None  # log probabilities asked for: alternatives at each token (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +129,8 @@ class ClientDisconnected(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestCompleted(RequestScoped):
+    """How the request ended well: ``finish_reason`` (and per choice) one of :data:`FINISH_REASONS`."""
+
     finish_reason: str
     usage: dict[str, int]
     finish_reasons: tuple[str, ...] = ()  # one per choice (empty in logs written before)
@@ -177,7 +191,9 @@ class DeltasDelivered(AttemptScoped):
     ``deltas`` says where each delta is, so a stream can be resumed at any of them
     (DESIGN.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
     delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
-    before it was recorded.
+    before it was recorded. ``logprobs``, for a request that asked for them and only
+    with the text ("full"), holds per delta its tokens' log probabilities as the client
+    got them (a tool-calls delta: none).
     """
 
     from_index: int
@@ -186,17 +202,23 @@ class DeltasDelivered(AttemptScoped):
     text: str | None
     text_sha256: str | None
     deltas: tuple[tuple[int, int, int], ...] = ()
+    logprobs: DeltaLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEmitted(AttemptScoped):
-    """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``."""
+    """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``.
+
+    ``arguments`` holds the call's arguments under the "full" content policy, else "";
+    ``arguments_sha256`` their digest under "digest", else ``None``.
+    """
 
     index: int
     tool_call_id: str
     name: str
     arguments: str
     idempotency_key: str
+    arguments_sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from statemachine.errors import MalformedEvent, UnknownEventType
-from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
+from statemachine.events import EVENT_TYPES, DeltaLogprobs, Event, TokenLogprob, is_attempt_scoped
 
 _ENVELOPE = ("request_id", "seq", "occurred_at")
 _ATTEMPT_SCOPE = ("attempt", "lease_epoch")
@@ -161,6 +161,37 @@ def _parse_int_triples(value: Any) -> tuple[tuple[int, int, int], ...]:
     return tuple((item[0], item[1], item[2]) for item in value)
 
 
+def _parse_delta_logprobs(value: Any) -> DeltaLogprobs:
+    if not isinstance(value, list) or not all(isinstance(delta, list) for delta in value):
+        raise TypeError("expected per delta a list of [token, logprob, [[alternative, logprob], …]]")
+    return tuple(tuple(_token_logprob(entry) for entry in delta) for delta in value)
+
+
+def _token_logprob(entry: Any) -> TokenLogprob:
+    if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[2], list):
+        raise TypeError(f"expected [token, logprob, [[alternative, logprob], …]], got {entry!r}")
+    token, logprob, top = entry
+    return (_token(token), _logprob(logprob), tuple(_alternative(item) for item in top))
+
+
+def _alternative(item: Any) -> tuple[str, float]:
+    if not isinstance(item, list) or len(item) != 2:
+        raise TypeError(f"expected [alternative, logprob], got {item!r}")
+    return (_token(item[0]), _logprob(item[1]))
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a token string, got {type(value).__name__}")
+    return value
+
+
+def _logprob(value: Any) -> float:
+    if type(value) not in (int, float) or not value <= 0:  # NaN is not <= 0 either
+        raise ValueError(f"expected a log probability (a number at most 0), got {value!r}")
+    return float(value)
+
+
 def _parse_int_map(value: Any) -> dict[str, int]:
     if not isinstance(value, dict) or not all(type(item) is int for item in value.values()):
         raise TypeError("expected an object of integers")
@@ -197,6 +228,8 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_int_map
     if annotation == tuple[tuple[int, int, int], ...]:
         return _parse_int_triples
+    if annotation == DeltaLogprobs:
+        return _parse_delta_logprobs
     if annotation == dict[str, Any]:
         return _parse_object
     raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard

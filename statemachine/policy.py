@@ -14,6 +14,8 @@ it has reached the client, and only once the source attempt is dead or released.
     overloaded on a soft timer   → wait (record it once), never migrate
     live source, other failure   → fence: cancel sent, then ack or lease expiry
     upstream refused the request → fail with the upstream's reason, no retry
+    a second server error        → poison: fail, not retryable, no more attempts
+                                   (the driver counts none of them toward ejection)
     source dead or released      → retry on a replica not yet tried, unless
                                    the budget is spent or the cost guard trips
     a refused start              → fail retryable (no replica / global budget)
@@ -30,7 +32,12 @@ from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.request_state import ActionName, AttemptState, FenceWait, RequestState, StartRefusal
 
-POLICY_VERSION = "2026-12-01.1"
+POLICY_VERSION = "2026-12-01.2"
+
+# A request that got this many server errors about itself (HTTP 500, an engine failure)
+# before any output, on any replicas, is poison: it is failing them, not they it.
+POISON_AFTER_SERVER_ERRORS = 2
+POISON_REQUEST = "poison_request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +222,19 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
                 code=current.upstream_code or "upstream_refused_request",
                 message=current.failure_detail or "the upstream refused the request",
                 http_status=current.upstream_status or 400,
+                retryable=False,
+            )
+        ]
+    if current.server_error and sum(a.server_error for a in state.attempts) >= POISON_AFTER_SERVER_ERRORS:
+        return [
+            _fail_before_output(
+                POISON_REQUEST,
+                code=POISON_REQUEST,
+                message=(
+                    f"the request failed with a server error on {POISON_AFTER_SERVER_ERRORS} attempts before "
+                    "any output; it is treated as poison and not retried"
+                ),
+                http_status=502,
                 retryable=False,
             )
         ]

@@ -20,6 +20,13 @@ from statemachine.phases import Phase
 DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
 
 
+def is_server_error(status: int | None, code: str | None) -> bool:
+    """A replica's server error about the request itself: HTTP 500 (it failed on this
+    input), or a worker's ``engine_error`` frame (its engine failed on this request).
+    502, 503 and 504 speak of the path or the replica's state, not of the request."""
+    return status == 500 or code == "engine_error"
+
+
 class Outcome(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
@@ -83,6 +90,11 @@ class AttemptState:
         return not self.dead and self.released is None and not self.completed
 
     @property
+    def server_error(self) -> bool:
+        """It failed with a server error about the request (:func:`is_server_error`)."""
+        return self.failure is not None and is_server_error(self.upstream_status, self.upstream_code)
+
+    @property
     def fence_wait(self) -> FenceWait:
         """What fencing this attempt waits for."""
         return FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY if self.acknowledges_cancel else FenceWait.LEASE_EXPIRY
@@ -134,6 +146,7 @@ class RequestState:
     outcome: Outcome | None = None
     error_code: str | None = None
     finish_reason: str | None = None
+    last_occurred_at: datetime | None = None  # the log's times never go back
 
     @property
     def first_delta_sent(self) -> bool:

@@ -14,7 +14,12 @@ The invariants checked here are the ones the whole design rests on:
 - attempt-scoped events name an existing attempt and its own lease epoch;
 - only the attempt that committed the first delta delivers, without gaps, and never
   after it was fenced (no splicing of two generations);
-- exactly one terminal event.
+- exactly one terminal event;
+- time never goes back: each event's ``occurred_at`` is at or after the one before
+  (:func:`advance` stamps a clock that stepped back, or another instance's that runs
+  behind, with the last time recorded instead);
+- counts are not negative, lease epochs neither, and a finish reason is one of
+  :data:`~statemachine.events.FINISH_REASONS`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, TypeVar
 
 from statemachine.errors import IllegalTransition
 from statemachine.events import (
+    FINISH_REASONS,
     AttemptFenced,
     AttemptReleased,
     AttemptScoped,
@@ -70,10 +76,14 @@ def apply(state: RequestState, event: Event) -> RequestState:
         raise _illegal(state, event, f"event belongs to request {event.request_id}")
     if event.seq != state.seq + 1:
         raise _illegal(state, event, f"seq {event.seq} does not follow {state.seq}")
+    last = state.last_occurred_at
+    if last is not None and event.occurred_at < last:
+        raise _illegal(state, event, f"time goes back: {event.occurred_at.isoformat()} is before {last.isoformat()}")
     phase = next_phase(state.phase, event)
     changes = _HANDLERS[type(event)](state, event)
     changes["phase"] = phase
     changes["seq"] = event.seq
+    changes["last_occurred_at"] = event.occurred_at
     return _evolve(state, changes)
 
 
@@ -81,6 +91,8 @@ def advance(state: RequestState, cls: type[E], occurred_at: datetime, **fields: 
     """The request's next event, stamped with the next ``seq`` and ``occurred_at``, and
     the state after it: the one way events are built (the driver's recorder, recovery,
     the pure model of the tests). Raises :class:`IllegalTransition` like :func:`apply`."""
+    if state.last_occurred_at is not None and occurred_at < state.last_occurred_at:
+        occurred_at = state.last_occurred_at  # a clock that stepped back: the log's times never go back
     event = cls(request_id=state.request_id, seq=state.seq + 1, occurred_at=occurred_at, **fields)
     return apply(state, event), event
 
@@ -142,6 +154,8 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
             raise _illegal(state, event, f"attempt {previous.attempt} is still live")
         if event.lease_epoch <= previous.lease_epoch:
             raise _illegal(state, event, "lease epoch does not increase")
+    if event.lease_epoch < 0:
+        raise _illegal(state, event, f"negative lease epoch {event.lease_epoch}")
     attempt = AttemptState(
         attempt=event.attempt,
         lease_epoch=event.lease_epoch,
@@ -192,6 +206,8 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
         or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
     ):
         raise _illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
+    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
+        raise _illegal(state, event, "log probabilities are kept with the text, one entry per delta")
     return {
         "delivered_deltas": event.to_index,
         "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
@@ -239,6 +255,8 @@ def _on_cancel_acked(state: RequestState, event: CancelAcked) -> Changes:
     attempt = _unreleased(state, event)
     if not attempt.cancel_sent:
         raise _illegal(state, event, "no cancel was sent to this attempt")
+    if event.generated_tokens is not None and event.generated_tokens < 0:
+        raise _illegal(state, event, "negative generated token count")
     return _with_attempt(state, _evolve(attempt, {"cancel_acked": True}))
 
 
@@ -268,6 +286,11 @@ def _on_completed(state: RequestState, event: RequestCompleted) -> Changes:
     current = state.current_attempt
     if current is None or not current.live:
         raise _illegal(state, event, "no running attempt completed the request")
+    unknown = sorted({event.finish_reason, *event.finish_reasons} - FINISH_REASONS)
+    if unknown:
+        raise _illegal(state, event, f"unknown finish reason {unknown[0]!r}")
+    if any(count < 0 for count in event.usage.values()):
+        raise _illegal(state, event, "negative usage count")
     return {
         "attempts": _replaced_last(state.attempts, completed=True),
         "outcome": Outcome.COMPLETED,

@@ -170,9 +170,9 @@ def trace_line(event: Event, *, redact: bool = False) -> str:
 
 
 # What a redacted trace drops: everything the client was sent.
-REDACTED_FIELDS = ("DeltasDelivered.text", "ToolCallEmitted.arguments")
-_REDACTED = {DeltasDelivered: ("text",), ToolCallEmitted: ("arguments",)}
-_REDACTED_VALUE: dict[str, Any] = {"text": None, "arguments": ""}
+REDACTED_FIELDS = ("DeltasDelivered.text", "DeltasDelivered.logprobs", "ToolCallEmitted.arguments")
+_REDACTED = {DeltasDelivered: ("text", "logprobs"), ToolCallEmitted: ("arguments",)}
+_REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "arguments": ""}
 _USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 

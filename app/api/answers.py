@@ -41,18 +41,22 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     await driver.commit(flush=False)  # durable with the completion: the body goes out after both
     for choice in sorted(deltas):
         for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens, delta.choice)
+            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs)
     for choice, calls in sorted(output.tool_calls.items()):
         driver.delivered(json.dumps(calls), tokens=0, choice=choice)
     await driver.complete(output)
     request = driver.request
     shape = ResponseShape(request, response_id(request, driver.request_id), driver.created)
     choices = range(len(output.finish_reasons))
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = [[entry for delta in deltas.get(c, ()) for entry in delta.logprobs or ()] for c in choices]
     body = shape.completion(
         ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
         list(output.finish_reasons),
         output.usage,
         [output.tool_calls.get(c, []) for c in choices],
+        logprobs,
     )
     return JSONResponse(body)
 
@@ -83,13 +87,14 @@ async def stream_body(
             if type(output) is Delta:
                 if driver.recorder.behind:  # two batches on their way to the log: let it catch up
                     await driver.recorder.until_the_log_moves()
-                yield sse_event(event_id, shape.content_chunk(output.text, output.choice, first=not started))
+                chunk = shape.content_chunk(output.text, output.choice, first=not started, logprobs=output.logprobs)
+                yield sse_event(event_id, chunk)
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()
                     return
                 event_id += 1
                 started = True
-                driver.delivered(output.text, output.tokens, output.choice)
+                driver.delivered(output.text, output.tokens, output.choice, output.logprobs)
                 delivered_tokens += output.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):

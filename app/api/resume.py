@@ -41,8 +41,9 @@ from app.driver.request import GenerationRequest
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
+from statemachine.events import TokenLogprob
 from statemachine.request_state import RequestState
-from statemachine.state import fold
+from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
 
@@ -113,10 +114,13 @@ class _Follower:
             for event in events[seen:]:
                 seen = event.seq
                 if isinstance(event, ev.DeltasDelivered):
-                    for index, choice, text, tokens in _deltas(event):
+                    for index, choice, text, tokens, logprobs in _deltas(event):
                         if index >= position:
-                            yield sse_event(index, _delta_chunk(shape, text, choice, tokens, first=index == 0))
+                            payload = _delta_chunk(shape, text, choice, tokens, logprobs, first=index == 0)
+                            yield sse_event(index, payload)
                             position = index + 1
+                        elif tokens:
+                            shape.passed(text, choice)  # where the next tokens start in the choice's text
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
                     for chunk in _ending(shape, request_id, event, state):
@@ -136,10 +140,10 @@ class _Follower:
                 events = await self.ctx.store.read(request_id)
                 state = fold(events)
                 to_index = min(to_index, state.delivered_deltas)
-                resumed = ev.StreamResumed(
-                    request_id=request_id,
-                    seq=state.seq + 1,
-                    occurred_at=self.ctx.wall_clock(),
+                _, resumed = advance(  # stamped no earlier than the log's last event, whatever our clock says
+                    state,
+                    ev.StreamResumed,
+                    self.ctx.wall_clock(),
                     from_index=min(from_index, to_index),
                     to_index=to_index,
                     gateway=self.ctx.gateway_id,
@@ -189,17 +193,23 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
     texts: dict[int, list[str]] = {}
     calls: dict[int, list[dict[str, object]]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     for event in events:
         if isinstance(event, ev.DeltasDelivered):
-            for _, choice, text, tokens in _deltas(event):
+            for _, choice, text, tokens, entries in _deltas(event):
                 if tokens:
                     texts.setdefault(choice, []).append(text)
+                    logprobs.setdefault(choice, []).extend(entries or ())
                 else:
                     calls[choice] = json.loads(text)
     reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
     choices = range(len(reasons))
     completion = shape.completion(
-        ["".join(texts.get(c, ())) for c in choices], reasons, terminal.usage, [calls.get(c, []) for c in choices]
+        ["".join(texts.get(c, ())) for c in choices],
+        reasons,
+        terminal.usage,
+        [calls.get(c, []) for c in choices],
+        [logprobs.get(c, []) for c in choices] if shape.request.logprobs is not None else None,
     )
     return JSONResponse(completion, headers=headers)
 
@@ -242,23 +252,39 @@ def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:
         include_usage=False,
         max_tokens=0,
         n=accepted.n,
+        logprobs=accepted.logprobs,
     )
 
 
-def _deltas(event: ev.DeltasDelivered) -> Iterator[tuple[int, int, str, int]]:
-    """``(index, choice, text, tokens)`` of each delta of the batch."""
+def _deltas(
+    event: ev.DeltasDelivered,
+) -> Iterator[tuple[int, int, str, int, tuple[TokenLogprob, ...] | None]]:
+    """``(index, choice, text, tokens, logprobs)`` of each delta of the batch."""
     text = event.text or ""
     shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
     offset = 0
     for index, (choice, chars, tokens) in enumerate(shapes, start=event.from_index):
-        yield index, choice, text[offset : offset + chars], tokens
+        logprobs = event.logprobs[index - event.from_index] if event.logprobs is not None else None
+        yield index, choice, text[offset : offset + chars], tokens, logprobs
         offset += chars
 
 
-def _delta_chunk(shape: ResponseShape, text: str, choice: int, tokens: int, *, first: bool) -> str:
+def _delta_chunk(
+    shape: ResponseShape,
+    text: str,
+    choice: int,
+    tokens: int,
+    logprobs: tuple[TokenLogprob, ...] | None,
+    *,
+    first: bool,
+) -> str:
     if tokens == 0:  # a choice's tool calls, as their JSON
         return shape.tool_calls_chunk(json.loads(text), choice, first=first)
-    return shape.content_chunk(text, choice, first=first)
+    if shape.request.logprobs is None:
+        logprobs = None
+    elif logprobs is None:
+        logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
+    return shape.content_chunk(text, choice, first=first, logprobs=logprobs)
 
 
 def _ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:

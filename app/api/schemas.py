@@ -18,6 +18,8 @@ from typing import Any
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
 from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.logprobs import requested_logprobs
+from app.contract.vllm_extras import LEGACY_GUIDED, SAMPLING_EXTRAS, check_sampling_extras, structured_outputs_of
 from app.driver.request import CHAT, GenerationRequest
 
 _COMMON = {
@@ -34,13 +36,22 @@ _COMMON = {
     "frequency_penalty",
     "user",
     "ignore_eos",  # vLLM's: generate max_tokens whatever the model says (benchmarks, long tests)
+    *SAMPLING_EXTRAS,  # vLLM's other sampling extras and its structured outputs (app/contract/vllm_extras.py)
+    "structured_outputs",
+    *LEGACY_GUIDED,
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-# Parameters of the OpenAI API that phasegate knows and deliberately does not serve.
-UNSUPPORTED = {
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "response_format",
     "logprobs",
     "top_logprobs",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+# Parameters of the OpenAI API that phasegate knows and deliberately does not serve.
+UNSUPPORTED = {
     "logit_bias",
     "functions",
     "function_call",
@@ -101,14 +112,21 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
         "ignore_eos": _optional(body, "ignore_eos", bool, False),
         "raw": body,
     }
+    with _engine_rules():
+        common["sampling_extras"] = check_sampling_extras(body, max_tokens)
+        common["structured_outputs"] = structured_outputs_of(body)
+        common["logprobs"] = requested_logprobs(body, chat=endpoint == CHAT)
     if endpoint == CHAT:
         tools = _tools(body)
+        response_format = _response_format(body)
+        if common["structured_outputs"] is not None and response_format and response_format["type"] != "text":
+            raise InvalidRequest("give response_format or structured outputs, not both", param="response_format")
         return GenerationRequest(
             **common,
             messages=_messages(body),
             tools=tools,
             tool_choice=_tool_choice(body, tools),
-            response_format=_response_format(body),
+            response_format=response_format,
         )
     return GenerationRequest(**common, prompt=_prompt(body))
 

@@ -9,8 +9,10 @@ sse-starlette as they are.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
 
 DONE = b"data: [DONE]\n\n"
@@ -47,23 +49,35 @@ class ResponseShape:
         }
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._usage_tail = ',"usage":null}' if request.include_usage else "}"
+        self._text_offsets: dict[int, int] = {}  # per choice: characters sent (completions' text_offset)
 
     def _object(self, *, stream: bool) -> str:
         if self.chat:
             return "chat.completion.chunk" if stream else "chat.completion"
         return "text_completion"
 
-    def content_chunk(self, text: str, choice: int = 0, *, first: bool = False) -> str:
-        """A chunk carrying generated text."""
+    def content_chunk(
+        self, text: str, choice: int = 0, *, first: bool = False, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> str:
+        """A chunk carrying generated text (and its tokens' log probabilities, when asked for)."""
         if self.chat:
             role = '"role":"assistant",' if first else ""
             delta = f'"delta":{{{role}"content":{_dumps(text)}}}'
         else:
             delta = f'"text":{_dumps(text)}'
+        rendered = "null"
+        if logprobs is not None:
+            offset = self._text_offsets.get(choice, 0)
+            rendered = _dumps(render_logprobs(logprobs, chat=self.chat, text_offset=offset))
+            self._text_offsets[choice] = offset + len(text)
         return (
-            f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":null,"finish_reason":null}}]'
+            f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":{rendered},"finish_reason":null}}]'
             f"{self._usage_tail}"
         )
+
+    def passed(self, text: str, choice: int = 0) -> None:
+        """Text of ``choice`` sent before (a resumed stream): later tokens' offsets follow it."""
+        self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
 
     def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0, *, first: bool = False) -> str:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -88,18 +102,22 @@ class ResponseShape:
         finish_reasons: list[str],
         usage: dict[str, int],
         tool_calls: list[list[dict[str, Any]]] | None = None,
+        logprobs: list[list[TokenLogprob]] | None = None,
     ) -> dict[str, Any]:
-        """The whole non-streamed response."""
+        """The whole non-streamed response (``logprobs``: per choice, when asked for)."""
         choices: list[dict[str, Any]] = []
         for index, (text, finish_reason) in enumerate(zip(texts, finish_reasons, strict=True)):
             calls = tool_calls[index] if tool_calls else []
+            rendered = None if logprobs is None else render_logprobs(logprobs[index], chat=self.chat, text_offset=0)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
                 if calls:
                     message["tool_calls"] = calls
-                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason})
+                choices.append(
+                    {"index": index, "message": message, "logprobs": rendered, "finish_reason": finish_reason}
+                )
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+                choices.append({"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason})
         return {
             "id": self.response_id,
             "object": self._object(stream=False),
@@ -108,3 +126,32 @@ class ResponseShape:
             "choices": choices,
             "usage": usage,
         }
+
+
+def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset: int) -> dict[str, Any]:
+    """Tokens' log probabilities as OpenAI sends them: chat's ``content`` list, or the legacy
+    completions' columns (``text_offset``: where the first token starts in the choice's text)."""
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": token,
+                    "logprob": logprob,
+                    "bytes": list(token.encode("utf-8", "replace")),
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))} for t, lp in top
+                    ],
+                }
+                for token, logprob, top in entries
+            ]
+        }
+    offsets = []
+    for token, _, _ in entries:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [logprob for _, logprob, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }

@@ -18,6 +18,7 @@ from app.driver import log_loss
 from app.driver.loop import RequestLoop
 from app.driver.outputs import Finished
 from statemachine import events as ev
+from statemachine.events import TokenLogprob
 from statemachine.phases import Phase
 
 log = logging.getLogger("phasegate.driver")
@@ -46,6 +47,7 @@ class RequestDriver(RequestLoop):
             seed=request.seed,
             gateway=self.ctx.gateway_id,
             trace_id=self.ctx.tracing.trace_id(),
+            logprobs=request.logprobs,
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())
@@ -76,15 +78,18 @@ class RequestDriver(RequestLoop):
             self.recorder.appending_deliveries = True
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
-    def delivered(self, text: str, tokens: int = 1, choice: int = 0) -> None:
-        """A delta of ``choice`` was written to the client (no tokens: its tool calls)."""
+    def delivered(
+        self, text: str, tokens: int = 1, choice: int = 0, logprobs: tuple[TokenLogprob, ...] | None = None
+    ) -> None:
+        """A delta of ``choice`` was written to the client (no tokens: its tool calls),
+        with its tokens' log probabilities when the request asked for them."""
         run = self.run
         assert run is not None
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
-        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice)
+        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice, logprobs)
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out."""

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from app.driver.attempt import AttemptRun
+from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
 from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
@@ -33,6 +34,7 @@ from statemachine import events as ev
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import (
+    POISON_REQUEST,
     Action,
     CancelAttempt,
     CancelRequest,
@@ -66,6 +68,7 @@ class RequestLoop:
         self._inter_token = ctx.metrics.inter_token.labels(model=request.model)  # looked up once, used per token
         self.last_delivery_at: float | None = None
         self.tool_calls = ToolCalls(ctx, self.recorder)
+        self.charges = FailureCharges(ctx.pool, request_id)  # failures on their way to ejection counts
         self._restarted = False  # a retry opened: the consumer drops what it buffered
         self._interrupted: Interruption | None = None  # the gateway ends the request (drain, fenced)
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
@@ -117,8 +120,9 @@ class RequestLoop:
             if type(frame) is Token:
                 if run.generated_tokens == 0:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
+                    self.charges.settle(poison=False)  # an attempt produced output: not poison
                 run.generated_tokens += 1
-                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1)
+                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 deadline = run.deadline_due()
                 if deadline is not None:
@@ -262,6 +266,7 @@ class RequestLoop:
 
     def _fail(self, action: FailRequest) -> Callable[[], Awaitable[Output | None]]:
         self.recorder.record_failed(action)
+        self.charges.settle(poison=action.code == POISON_REQUEST)
         model = self.request.model
         if action.code == "upstream_decode_interrupted":
             self.ctx.metrics.decode_interruptions.labels(model=model).inc()
@@ -295,7 +300,7 @@ class RequestLoop:
             upstream_status=failure.status,
             upstream_code=failure.code,
         )
-        self.ctx.pool.observe(run.replica, failure)
+        self.charges.observe(run.replica, failure)
         if failure.kind in DEAD_KINDS:
             self.run = None
             await run.release()
@@ -317,6 +322,7 @@ class RequestLoop:
 
     def count_end(self, outcome: str) -> None:
         """The request ended (once): its outcome, its attempts, one fewer in flight."""
+        self.charges.settle(poison=False)  # whatever else ended it, held failures count
         metrics = self.ctx.metrics
         metrics.requests.labels(model=self.request.model, outcome=outcome).inc()
         metrics.attempts.observe(len(self.state.attempts))

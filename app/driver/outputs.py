@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract.logprobs import TokenLogprob
 from statemachine.policy import FailRequest
 
 
@@ -17,6 +18,7 @@ class Delta:
     text: str
     choice: int = 0
     tokens: int = 1  # engine tokens in it (DESIGN.md §11: delivered_output_tokens counts these)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
 
 
 @dataclass(frozen=True, slots=True)

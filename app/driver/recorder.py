@@ -27,16 +27,23 @@ flush that meets an outage leaves its events queued and returns.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from app.driver.context import GatewayContext
+from app.store.content import kept_text
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
-from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
+from statemachine.events import (
+    TERMINAL_EVENT_TYPES,
+    DeltasDelivered,
+    Event,
+    FirstDeltaCommitted,
+    ReleaseReason,
+    TokenLogprob,
+)
 from statemachine.policy import Action, FailRequest, decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
@@ -58,6 +65,7 @@ class _OpenBatch:
     tokens: int = 0
     texts: list[str] = field(default_factory=list)
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
+    logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
 
 
 class Recorder:
@@ -124,7 +132,15 @@ class Recorder:
         self.ctx.tracing.recorded(self.state, event)
         return event
 
-    def delivered(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
+    def delivered(
+        self,
+        attempt: int,
+        lease_epoch: int,
+        tokens: int,
+        text: str,
+        choice: int = 0,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> None:
         """One delta written to the client; recorded in batches."""
         if self._sealed:
             return
@@ -141,6 +157,10 @@ class Recorder:
         batch.tokens += tokens
         batch.texts.append(text)
         batch.shapes.append((choice, len(text), tokens))
+        if logprobs is not None and batch.logprobs is None:  # deltas before it carried none
+            batch.logprobs = [()] * (len(batch.shapes) - 1)
+        if batch.logprobs is not None:
+            batch.logprobs.append(logprobs or ())
         if len(batch.texts) >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
@@ -208,8 +228,8 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        text = "".join(batch.texts)
         policy = self.ctx.config.content_policy
+        text, text_sha256 = kept_text("".join(batch.texts), policy)
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
         self._queue(
@@ -220,9 +240,11 @@ class Recorder:
                 "from_index": batch.from_index,
                 "to_index": batch.from_index + len(batch.texts),
                 "tokens": batch.tokens,
-                "text": text if policy == "full" else None,
-                "text_sha256": hashlib.sha256(text.encode()).hexdigest() if policy == "digest" else None,
+                "text": text,
+                "text_sha256": text_sha256,
                 "deltas": tuple(batch.shapes),
+                # with the text only: log probabilities are content (DESIGN.md §13)
+                "logprobs": tuple(batch.logprobs) if batch.logprobs is not None and policy == "full" else None,
             },
             occurred_at=batch.first_at,
         )

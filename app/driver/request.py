@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract.logprobs import as_params
 from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
@@ -35,11 +36,17 @@ class GenerationRequest:
     response_format: dict[str, Any] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
+    # vLLM's other extras (top_k, min_p, repetition_penalty, min_tokens), only those given,
+    # and its structured-output constraint (app/contract/vllm_extras.py)
+    sampling_extras: dict[str, Any] = field(default_factory=dict)
+    structured_outputs: dict[str, Any] | None = None
+    logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def guided(self) -> bool:
-        return self.response_format is not None and self.response_format.get("type") != "text"
+        formatted = self.response_format is not None and self.response_format.get("type") != "text"
+        return formatted or self.structured_outputs is not None
 
     @property
     def prompt_text(self) -> str:
@@ -75,6 +82,10 @@ class GenerationRequest:
             params["response_format"] = self.response_format
         if self.ignore_eos:
             params["ignore_eos"] = True
+        params.update(self.sampling_extras)
+        if self.structured_outputs is not None:
+            params["structured_outputs"] = self.structured_outputs
+        params.update(as_params(self.logprobs, chat=self.endpoint == CHAT))
         return params
 
     def for_attempt(self, request_id: str, attempt: int, *, lease_ttl_s: float) -> AttemptRequest:

@@ -22,6 +22,7 @@ import httpx
 from app.driver.context import GatewayContext, ToolRunner
 from app.driver.recorder import Recorder
 from app.replicas.base import ToolCall
+from app.store.content import kept_text, kept_tool_result, kept_tool_text
 from statemachine import events as ev
 
 
@@ -62,6 +63,8 @@ class ToolCalls:
         self._occurrences[content] = occurrence + 1
         tool_call_id = call_id(request_id, *content, occurrence)
         key = f"{request_id}:{tool_call_id}"
+        policy = self.ctx.config.content_policy
+        arguments, arguments_sha256 = kept_text(frame.arguments, policy)  # the log keeps what the policy says
         self.recorder.record(
             ev.ToolCallEmitted,
             attempt=attempt,
@@ -69,24 +72,27 @@ class ToolCalls:
             index=frame.index,
             tool_call_id=tool_call_id,
             name=frame.name,
-            arguments=frame.arguments,
+            arguments=arguments or "",
             idempotency_key=key,
+            arguments_sha256=arguments_sha256,
         )
         call = {"id": tool_call_id, "type": "function", "function": {"name": frame.name, "arguments": frame.arguments}}
         self.by_choice.setdefault(frame.choice, []).append(call)
         runner = self.ctx.tool_runner
         if runner is not None and await self.ctx.store.claim_tool_execution(
-            key, request_id, attempt, tool_call_id, frame.name, frame.arguments
+            key, request_id, attempt, tool_call_id, frame.name, kept_tool_text(frame.arguments, policy) or ""
         ):
             self.ctx.spawn(self._execute(runner, key, call), name=f"tool {key}")
 
     async def _execute(self, runner: ToolRunner, key: str, call: dict[str, Any]) -> None:
+        """Run the call (with its arguments in full); the ledger keeps what the content policy says."""
+        policy = self.ctx.config.content_policy
         try:
             result = await runner({"idempotency_key": key, "request_id": self.recorder.request_id, **call})
         except Exception as exc:
-            await self.ctx.store.record_tool_result(key, error=repr(exc))
+            await self.ctx.store.record_tool_result(key, error=kept_tool_text(repr(exc), policy))
         else:
-            await self.ctx.store.record_tool_result(key, result=result)
+            await self.ctx.store.record_tool_result(key, result=kept_tool_result(result, policy))
 
 
 class WebhookRunner:

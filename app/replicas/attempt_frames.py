@@ -15,8 +15,10 @@ from collections import deque
 
 import httpx
 
+from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
+from statemachine.events import FINISH_REASONS
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done
@@ -95,13 +97,18 @@ class AttemptFrames:
             obj = _loads(line)
             kind = obj["type"]
             if kind == "token":
-                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"])
+                logprobs = obj.get("logprobs")
+                if logprobs is not None:
+                    logprobs = from_wire(logprobs)
+                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs)
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
                 return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
             if kind == "done":
                 frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
+                if not FINISH_REASONS.issuperset((frame.finish_reason, *frame.finish_reasons)):
+                    raise ValueError(f"unknown finish reason in {frame.finish_reasons!r}")
                 self.done = True
                 self._lines.clear()
                 await self._finish()

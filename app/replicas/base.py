@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.contract.logprobs import TokenLogprob
 from statemachine.events import FailureKind
 
 # Frames are plain slotted classes (not frozen: built once per token on the hot path).
@@ -35,6 +36,7 @@ class Token:
     index: int
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
 
 
 @dataclass(slots=True)

@@ -27,9 +27,10 @@ from typing import Any
 import httpx
 import orjson
 
+from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
 from app.tracing import inject_traceparent
-from statemachine.events import FailureKind
+from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
@@ -193,7 +194,8 @@ class _OpenAIStream:
                     delta = choice.get("delta") or {}
                     text = delta.get("content") if "delta" in choice else choice.get("text")
                     if text:
-                        yield Token(number, index, text)
+                        logprobs = _logprobs(choice.get("logprobs"))
+                        yield Token(number, index, text, [], logprobs)
                         index += 1
                     for call in delta.get("tool_calls") or ():
                         slot = pending_calls.setdefault(
@@ -204,6 +206,10 @@ class _OpenAIStream:
                         slot["name"] += function.get("name") or ""
                         slot["arguments"] += function.get("arguments") or ""
                     if choice.get("finish_reason"):
+                        if choice["finish_reason"] not in FINISH_REASONS:  # the log could not hold it
+                            raise UpstreamFailure(
+                                FailureKind.LIVENESS_UNCERTAIN, f"unknown finish reason {choice['finish_reason']!r}"
+                            )
                         finish_reasons[number] = choice["finish_reason"]
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
@@ -216,6 +222,27 @@ class _OpenAIStream:
 
     async def close(self) -> None:
         await self._response.aclose()
+
+
+def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
+    """A chunk's log probabilities (chat's ``content`` list, or the completions' columns)."""
+    if given is None:
+        return None
+    try:
+        if "content" in given:  # chat
+            entries = [
+                [e["token"], e["logprob"], [[t["token"], t["logprob"]] for t in e.get("top_logprobs") or ()]]
+                for e in given["content"] or ()
+            ]
+        else:  # completions: tokens, token_logprobs, top_logprobs (one {token: logprob} a token)
+            tops = given.get("top_logprobs") or [None] * len(given["tokens"])
+            entries = [
+                [token, logprob, [[t, lp] for t, lp in (top or {}).items()]]
+                for token, logprob, top in zip(given["tokens"], given["token_logprobs"], tops, strict=True)
+            ]
+        return from_wire(entries)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
 
 
 def _parse_chunk(data: str) -> dict[str, Any]:

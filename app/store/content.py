@@ -1,8 +1,9 @@
-"""What the log keeps of content (DESIGN.md §13): recorded inputs under the content
-policy, and a tenant's content erased while its events stay.
+"""What the log keeps of content (DESIGN.md §13): recorded inputs, delivered text and
+tool data under the content policy, and a tenant's content erased while its events stay.
 
 Content is what a client sent or was sent: the request's body (``request_inputs``),
-the delivered text (``DeltasDelivered.text``, or its digest), tool call arguments
+the delivered text (``DeltasDelivered.text``, or its digest, and the log probabilities
+kept with it), tool call arguments
 (``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool results and
 errors (``tool_executions``). Everything else is the event skeleton: what happened,
 when, where, how many tokens. The fold and replay read only the skeleton, so they
@@ -26,7 +27,37 @@ def kept_input(body: dict[str, Any], content_policy: str) -> dict[str, Any] | No
         return body
     if content_policy == "digest":
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return {"sha256": hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()}
+        return {"sha256": sha256_of(canonical)}
+    return None
+
+
+def sha256_of(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def kept_text(text: str, content_policy: str) -> tuple[str | None, str | None]:
+    """What the log keeps of a text sent or received: ``(text, None)`` (``full``),
+    ``(None, its SHA-256)`` (``digest``) or ``(None, None)`` (``none``)."""
+    if content_policy == "full":
+        return text, None
+    return None, (sha256_of(text) if content_policy == "digest" else None)
+
+
+def kept_tool_text(text: str | None, content_policy: str) -> str | None:
+    """A tool call's text in the ledger (its arguments, an execution's error): in full,
+    ``sha256:`` and its digest, or nothing (``""`` where the column needs a value)."""
+    if text is None or content_policy == "full":
+        return text
+    return f"sha256:{sha256_of(text)}" if content_policy == "digest" else ""
+
+
+def kept_tool_result(result: Any, content_policy: str) -> Any:
+    """A tool's answer in the ledger: in full, ``{"sha256": …}`` of its canonical JSON, or ``None``."""
+    if result is None or content_policy == "full":
+        return result
+    if content_policy == "digest":
+        canonical = json.dumps(result, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+        return {"sha256": sha256_of(canonical)}
     return None
 
 
@@ -48,11 +79,11 @@ _COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM req
 _EVENTS = text(
     f"""
     UPDATE request_events SET body = CASE type
-        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null}}'::jsonb
-        ELSE jsonb_set(body, '{{arguments}}', '""'::jsonb) END
+        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
+        ELSE body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb END
      WHERE request_id IN ({_OF_TENANT})
        AND ((type = 'DeltasDelivered' AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
-         OR (type = 'ToolCallEmitted' AND body->>'arguments' <> ''))
+         OR (type = 'ToolCallEmitted' AND (body->>'arguments' <> '' OR body->>'arguments_sha256' IS NOT NULL)))
     """
 )
 _TOOLS = text(

@@ -27,7 +27,7 @@ class ToolCallOutput:
 class EngineOutput:
     """New output of one choice: token ids and their text, and the finish reason once done."""
 
-    __slots__ = ("choice", "finish_reason", "text", "token_ids", "tool_call")
+    __slots__ = ("choice", "finish_reason", "logprobs", "text", "token_ids", "tool_call")
 
     def __init__(
         self,
@@ -36,12 +36,14 @@ class EngineOutput:
         text: str,
         finish_reason: str | None = None,
         tool_call: ToolCallOutput | None = None,
+        logprobs: list[Any] | None = None,  # asked for: one [token, logprob, alternatives] per token id
     ) -> None:
         self.choice = choice
         self.token_ids = token_ids
         self.text = text
         self.finish_reason = finish_reason
         self.tool_call = tool_call
+        self.logprobs = logprobs
 
 
 @dataclass(frozen=True, slots=True)

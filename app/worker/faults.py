@@ -28,6 +28,7 @@ class FaultAction(enum.StrEnum):
     CLOSE_WITHOUT_DONE = "close_without_done"  # end the stream cleanly after k tokens, no done
     TOOL_CALL_THEN_DIE = "tool_call_then_die"  # after k tokens: a tool_call frame, then die
     SLOW_PREFILL = "slow_prefill"  # hold the attempt in prefill (with heartbeats) for prefill_ms
+    ENGINE_ERROR = "engine_error"  # the engine fails on the request in prefill: an engine_error frame
 
 
 class Point(enum.StrEnum):

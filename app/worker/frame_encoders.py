@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from app.worker.protocol import Code
 
@@ -21,13 +22,19 @@ def heartbeat_frame(phase: str, queue_position: int | None) -> bytes:
     )
 
 
-def token_frame(choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    return b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]}\n' % (
+def token_frame(
+    choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...], logprobs: list[Any] | None = None
+) -> bytes:
+    """A token frame; ``logprobs`` (asked for: app/contract/logprobs.py) one entry per token id."""
+    frame = b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]' % (
         choice,
         index,
         _dumps(text).encode(),
         ",".join(map(str, token_ids)).encode(),
     )
+    if logprobs is not None:
+        frame += b',"logprobs":%s' % _dumps(logprobs).encode()
+    return frame + b"}\n"
 
 
 def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, arguments: str) -> bytes:

@@ -149,7 +149,10 @@ async def frames(worker: AttemptHost, attempt: Attempt) -> AsyncIterator[bytes]:
 
 
 async def _prefill_fault(worker: AttemptHost, attempt: Attempt, fault: Fault) -> AsyncIterator[bytes]:
-    """Faults before the engine starts: die in prefill, or a long prefill, heartbeating."""
+    """Faults before the engine starts: die in prefill, fail as an engine would (the caller
+    turns the :class:`EngineFailed` into an ``engine_error`` frame), or a long prefill."""
+    if fault.action is FaultAction.ENGINE_ERROR:
+        raise EngineFailed(f"injected fault {fault.id}: the engine failed on this request")
     if fault.action is FaultAction.DIE and fault.point is Point.PREFILL:
         await asyncio.sleep(0.02)  # the prefill heartbeat leaves first
         die()
@@ -230,7 +233,7 @@ async def _decode(
                     yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
                     await asyncio.sleep(0.02)  # let the frame leave
                     die()
-            frame = token_frame(choice, next_index[choice], output.text, output.token_ids)
+            frame = token_frame(choice, next_index[choice], output.text, output.token_ids, output.logprobs)
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count

@@ -1,21 +1,22 @@
 """The worker protocol's vocabulary: error codes and request parsing.
 
-Everything the worker reads from the network is parsed here into frozen dataclasses,
-and every refusal is a :class:`Refusal` with an HTTP status and a stable code from
-:class:`Code`. The frames it writes are encoded in ``frame_encoders.py``
+Everything the worker reads from the network (once ``json_body.py`` decoded it) is
+parsed here into frozen dataclasses, and every refusal is a :class:`Refusal` with an
+HTTP status and a stable code from :class:`Code`. The frames it writes are encoded in ``frame_encoders.py``
 (``docs/worker-protocol.md`` is the contract; the worker and the client follow it).
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.logprobs import requested_logprobs
+from app.contract.vllm_extras import SAMPLING_EXTRAS, check_sampling_extras, check_structured_outputs
 
 
 class Code(enum.StrEnum):
@@ -92,6 +93,10 @@ SAMPLING_FIELDS = frozenset(
         "ignore_eos",
         "presence_penalty",
         "frequency_penalty",
+        *SAMPLING_EXTRAS,
+        "structured_outputs",
+        "logprobs",
+        "top_logprobs",
     }
 )
 START_FIELDS = frozenset(
@@ -127,6 +132,12 @@ class Sampling:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int | None = None  # vLLM's extras (app/contract/vllm_extras.py); None: the engine's default
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    structured_outputs: dict[str, Any] | None = None
+    logprobs: int | None = None  # alternatives wanted at each token (app/contract/logprobs.py)
 
     def tool_names(self) -> list[str]:
         return [tool["function"]["name"] for tool in self.tools]
@@ -170,58 +181,6 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
-MAX_JSON_DEPTH = 64  # objects and arrays nested in one another; tool schemas need a few levels
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_json_value(raw: bytes) -> Any:
-    """``raw`` as JSON of at most :data:`MAX_JSON_DEPTH` levels whose strings are Unicode text
-    (no lone surrogates, which no UTF-8 writer can write back); else a 400 ``invalid_json``."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:  # nested deeper than the parser's own recursion allows
-        raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # UnicodeDecodeError and over-long integers too
-        raise Refusal(400, Code.INVALID_JSON, f"the body is not JSON: {exc}") from None
-    _check_tree(body)
-    return body
-
-
-def _check_tree(body: Any) -> None:
-    stack: list[tuple[Any, int]] = [(body, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict | list):
-            if depth >= MAX_JSON_DEPTH:
-                raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    _check_text(key)
-                stack.append((item, depth + 1))
-        elif isinstance(value, str):
-            _check_text(value)
-
-
-def _check_text(text: str) -> None:
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            raise Refusal(400, Code.INVALID_JSON, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
-
-
-def decode_json(raw: bytes) -> dict[str, Any]:
-    """:func:`decode_json_value` of a JSON object."""
-    body = decode_json_value(raw)
-    if not isinstance(body, dict):
-        raise Refusal(400, Code.INVALID_JSON, "the body must be a JSON object")
-    return body
 
 
 def _bad(field: str, why: str) -> Refusal:
@@ -385,6 +344,12 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
             out["tool_choice"] = check_tool_choice(params["tool_choice"], out.get("tools", ()))
         if params.get("response_format") is not None:
             out["response_format"] = check_response_format(params["response_format"])
+        out.update(check_sampling_extras(params, out.get("max_tokens")))
+        if params.get("structured_outputs") is not None:
+            if out.get("response_format", {}).get("type", "text") != "text":
+                raise BadInput("structured_outputs", "cannot be combined with a response_format")
+            out["structured_outputs"] = check_structured_outputs(params["structured_outputs"])
+        out["logprobs"] = requested_logprobs(params, chat=None)
     except BadInput as bad:
         raise _engine_input(bad, p) from None
     return Sampling(**out)

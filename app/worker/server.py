@@ -33,12 +33,11 @@ from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
+from app.worker.json_body import decode_json, decode_json_value
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
 from app.worker.protocol import (
     Code,
     Refusal,
-    decode_json,
-    decode_json_value,
     parse_ref,
     parse_renewals,
     parse_start,

@@ -8,9 +8,13 @@ delay that stands for the engine finishing its step in flight), with the number 
 tokens it had produced.
 
 The text is a pure function of the request: model, rendered prompt, seed, temperature,
-top_p and choice seed a ``random.Random``, so every replica produces the same tokens for
-the same request. Tool-call ids derive from the request id, so two attempts of one
-request emit the same id (and the same idempotency key).
+top_p (and vLLM's top_k, min_p, repetition_penalty when given) and choice seed a
+``random.Random``, so every replica produces the same tokens for the same request.
+``min_tokens`` holds the end off that long; a structured-output ``choice`` is answered
+with one of its strings, ``json``/``json_object`` with a JSON text; ``regex`` and
+``grammar`` are passed over (the sim's words are not constrained by them). Log
+probabilities, when asked for, are a function of each token's id. Tool-call
+ids derive from the request id, so two attempts of one request emit the same id (and the same idempotency key).
 """
 
 from __future__ import annotations
@@ -167,13 +171,28 @@ class SimEngine:
                     if output.finish_reason is not None:
                         break
                     more = choice.step()
+                    logprobs = None if output.logprobs is None else output.logprobs + (more.logprobs or [])
                     output = EngineOutput(
-                        choice.choice, output.token_ids + more.token_ids, output.text + more.text, more.finish_reason
+                        choice.choice,
+                        output.token_ids + more.token_ids,
+                        output.text + more.text,
+                        more.finish_reason,
+                        logprobs=logprobs,
                     )
                 running.generated += len(output.token_ids)
                 put(output)
             live = [c for c in live if c.finish_reason is None]
         put(_FINISHED)
+
+
+def _logprob(token_id: int, text: str, top: int) -> list[Any]:
+    """A token's log probability, a function of its id, and ``top`` alternatives, best first
+    (the token itself first: the sim always picks its most likely token)."""
+    logprob = -round(0.01 + (token_id * 7919 % 1000) / 400, 4)
+    alternatives = [[text, logprob]] + [
+        [VOCAB[(token_id + 37 * j) % VOCAB_SIZE], round(logprob - 0.5 * j, 4)] for j in range(1, top)
+    ]
+    return [text, logprob, alternatives[:top]]
 
 
 class _Choice:
@@ -182,10 +201,14 @@ class _Choice:
     def __init__(self, spec: AttemptSpec, prompt: str, choice: int, room: int) -> None:
         s: Sampling = spec.sampling
         material = f"{spec.model}\0{prompt}\0{s.seed}\0{s.temperature}\0{s.top_p}\0{choice}"
+        extras = (s.top_k, s.min_p, s.repetition_penalty)
+        if extras != (None, None, None):  # given only: the text of a request without them stays as it was
+            material += "\0" + "\0".join(map(str, extras))
         self.rng = random.Random(hashlib.sha256(material.encode()).digest())
         self.choice = choice
         self.stop = s.stop
-        natural = self.rng.randint(16, 128)
+        self.top_logprobs = s.logprobs
+        natural = max(self.rng.randint(16, 128), s.min_tokens)
         self.length = min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
         self.ends_by_length = s.ignore_eos or self.length < natural
         self.produced = 0
@@ -200,7 +223,10 @@ class _Choice:
             schema = next(t["function"] for t in s.tools if t["function"]["name"] == name).get("parameters") or {}
             arguments = json.dumps(self._arguments(schema), sort_keys=True)
             return ToolCallOutput(0, tool_call_id(spec.request_id, choice, 0), name, arguments)
-        if s.response_format and s.response_format.get("type") != "text":
+        structured = s.structured_outputs or {}
+        if "choice" in structured:  # one of the strings, whole, as one token
+            return [(VOCAB_SIZE + 2, self.rng.choice(structured["choice"]))]
+        if (s.response_format and s.response_format.get("type") != "text") or {"json", "json_object"} & set(structured):
             return [(VOCAB_SIZE + 1, '{"text": "')]
         return None
 
@@ -218,12 +244,22 @@ class _Choice:
         return out
 
     def step(self) -> EngineOutput:
+        output = self._step()
+        if self.top_logprobs is not None and output.tool_call is None:
+            output.logprobs = [_logprob(token_id, output.text, self.top_logprobs) for token_id in output.token_ids]
+        return output
+
+    def _step(self) -> EngineOutput:
         if isinstance(self.script, ToolCallOutput):
             self.finish_reason = "tool_calls"
             ids = [self.rng.randrange(VOCAB_SIZE) for _ in range(8)]
             return EngineOutput(self.choice, ids, "", "tool_calls", self.script)
         if self.script:
             token_id, text = self.script.pop(0)
+            if token_id == VOCAB_SIZE + 2:  # a structured choice: that string is the whole answer
+                self.text, self.finish_reason = text, "stop"
+                self.produced += 1
+                return EngineOutput(self.choice, [token_id], text, "stop")
         else:
             token_id = self.rng.randrange(VOCAB_SIZE)
             text = VOCAB[token_id]

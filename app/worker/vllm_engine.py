@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker.engine import EngineFailed, EngineOutput, Prepared, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
@@ -77,6 +78,7 @@ class VllmEngine:
         }
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._special_ids: frozenset[int] = frozenset()
         self._render: Any = None
 
     async def start(self) -> None:
@@ -91,6 +93,7 @@ class VllmEngine:
         # in a thread: loading takes tens of seconds, and /v1/ready must answer meanwhile
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
+        self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
         self._render = _token_prompt_renderer(self._llm)
 
     async def close(self) -> None:
@@ -125,15 +128,27 @@ class VllmEngine:
 
     def _sampling_params(self, spec: AttemptSpec, room: int) -> Any:
         from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found, unused-ignore]
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
 
         s = spec.sampling
-        structured = None
-        if s.response_format is not None and s.response_format["type"] == "json_object":
-            structured = StructuredOutputsParams(json_object=True)
-        elif s.response_format is not None and s.response_format["type"] == "json_schema":
-            structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])
         try:
+            structured = None
+            if s.response_format is not None and s.response_format["type"] == "json_object":
+                structured = StructuredOutputsParams(json_object=True)
+            elif s.response_format is not None and s.response_format["type"] == "json_schema":
+                structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])
+            elif s.structured_outputs is not None:  # checked: one constraint, vLLM's own names
+                structured = StructuredOutputsParams(**s.structured_outputs)
+            extras = {
+                name: value
+                for name, value in (
+                    ("top_k", s.top_k),
+                    ("min_p", s.min_p),
+                    ("repetition_penalty", s.repetition_penalty),
+                )
+                if value is not None
+            }
             return SamplingParams(
                 n=s.n,
                 temperature=s.temperature,
@@ -144,25 +159,60 @@ class VllmEngine:
                 ignore_eos=s.ignore_eos,
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,
+                min_tokens=min(s.min_tokens, room),
+                logprobs=s.logprobs,
                 structured_outputs=structured,
+                **extras,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except ValueError as exc:
+        except (ValueError, VLLMValidationError) as exc:  # 0.32's VLLMValidationError is no ValueError
             raise Refusal(400, Code.INVALID_FIELD, f"params: {exc}", field="params") from None
 
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         engine_input, params = prepared.payload
+        top = prepared.spec.sampling.logprobs
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
             async with contextlib.aclosing(self._llm.generate(engine_input, params, engine_request_id)) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
-                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason)
+                        logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top)
+                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
             raise EngineFailed(repr(exc)) from exc
+
+    def _logprobs(self, output: Any, top: int) -> list[Any]:
+        """vLLM's log probabilities of an output's new tokens, as a token frame carries them
+        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does. The end of
+        sequence that stopped it has none: vLLM's server leaves it out of the answer too."""
+        entries: list[Any] = []
+        token_ids = list(output.token_ids)
+        if (
+            output.finish_reason == "stop"
+            and output.stop_reason is None
+            and token_ids
+            and token_ids[-1] in self._special_ids
+        ):
+            token_ids.pop()
+        for position, token_id in enumerate(token_ids):
+            step = output.logprobs[position]
+            chosen = step.get(token_id) if step is not None else None
+            if chosen is None:  # vLLM's server sends such a token without a log probability
+                entries.append([self._decoded(token_id, None), LOWEST_LOGPROB, []])
+                continue
+            alternatives = [
+                [self._decoded(tid, p.decoded_token), clamped(p.logprob)]
+                for rank, (tid, p) in enumerate(step.items())
+                if rank < top
+            ]
+            entries.append([self._decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
+        return entries
+
+    def _decoded(self, token_id: int, decoded: str | None) -> str:
+        return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
 
     async def abort(self, engine_request_id: str) -> int | None:
         await self._llm.abort(engine_request_id)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -53,55 +52,24 @@ from app.replicas.worker_client import WorkerClient  # noqa: E402
 from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from ops.bench.measure import (  # noqa: E402
+    Sample,
+    closed_loop,
+    cpu_seconds,
+    error_code,
+    ms,
+    pct,
+    record,
+    row,
+    rss_mib,
+)
 from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
 
 MODEL = "sim"
 HOLD_MODEL = "sim-hold"  # a second worker, slow, for the streams held open
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Sample:
-    ttft: list[float] = field(default_factory=list)
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    failures: int = 0
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # --- the two paths ---------------------------------------------------------------------------
-
-
-async def closed_loop(streams: int, seconds: float, one_request) -> None:  # type: ignore[no-untyped-def]
-    """``streams`` clients, each sending requests back to back until ``seconds`` passed;
-    arrivals spread out after the first round, as they do under steady load."""
-    stop = time.monotonic() + seconds
-
-    async def client(n: int) -> None:
-        await asyncio.sleep(n * 0.02 / max(streams, 1))  # a ramp, not one burst
-        rounds = 0
-        while time.monotonic() < stop:
-            await one_request(n, rounds > 0)  # the first request of each client warms up
-            rounds += 1
-
-    await asyncio.gather(*(client(n) for n in range(streams)))
-
-
-def record(sample: Sample, began: float, last: float | None, keep: bool) -> float:
-    now = time.perf_counter()
-    if keep:
-        if last is None:
-            sample.ttft.append(now - began)
-        else:
-            sample.gaps.append(now - last)
-    sample.tokens += 1
-    return now
 
 
 async def direct(worker_url: str, streams: int, tokens: int, seconds: float, sample: Sample) -> None:
@@ -123,8 +91,8 @@ async def direct(worker_url: str, streams: int, tokens: int, seconds: float, sam
             async for frame in stream:
                 if type(frame) is Token:
                     last = record(sample, began, last, keep)
-        except Exception:
-            sample.failures += 1
+        except Exception as exc:
+            sample.failed(type(exc).__name__)
 
     await closed_loop(streams, seconds, one)
     await client.aclose()
@@ -148,8 +116,8 @@ async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: 
                     async for line in response.aiter_lines():
                         if line.startswith("data: {") and '"content":' in line:
                             last = record(sample, began, last, keep)
-            except Exception:
-                sample.failures += 1
+            except Exception as exc:
+                sample.failed(type(exc).__name__)
 
         await closed_loop(streams, seconds, one)
 
@@ -225,13 +193,6 @@ async def upstream_failures(url: str, after: int) -> list[tuple[str, str, int]]:
         await connection.close()
 
 
-def error_code(body: str | bytes) -> str:
-    try:
-        return str(json.loads(body)["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return repr(body[:80])
-
-
 @dataclass
 class Held:
     streams: int
@@ -251,26 +212,6 @@ def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
     command = phasegate("worker", "--port", str(port), "--engine", "sim", "--model", model)
     command += ["--max-running", "8000", "--max-queued", "8000"]
     return [*command, "--sim-decode-ms-per-token", str(decode_ms), "--sim-prefill-ms-per-token", "0"]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}ms"
-
-
-def row(*cells: object) -> str:
-    return " ".join(f"{cell!s:>11}" for cell in cells)
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -308,7 +249,8 @@ def main() -> None:
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
         f"[timeouts]\nstall_s = {options.hold_stall_s}\n"
     )
-    gateway_cmd = phasegate("serve", "--port", str(gateway_port), "--log-level", "warning", "--config", str(config))
+    gateway_cmd = phasegate("serve", "--processes", "1", "--port", str(gateway_port), "--log-level", "warning")
+    gateway_cmd += ["--config", str(config)]
     try:
         with (
             running(worker_cmd) as _,

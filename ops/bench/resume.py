@@ -122,7 +122,8 @@ def main() -> None:
         worker_port, gateway_port = free_port(), free_port()
         worker_args = ["--port", str(worker_port), "--engine", "sim", "--model", MODEL]
         worker_args += ["--sim-decode-ms-per-token", str(options.ms_per_token)]
-        serve = ["--port", str(gateway_port), "--replica", f"worker=http://127.0.0.1:{worker_port}#w1"]
+        serve = ["--processes", "1", "--port", str(gateway_port)]
+        serve += ["--replica", f"worker=http://127.0.0.1:{worker_port}#w1"]
         serve += ["--model", f"{MODEL}=bench", "--log-level", "warning"]
         with (
             running(phasegate("worker", *worker_args)),

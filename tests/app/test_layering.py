@@ -1,6 +1,6 @@
 """app/ imports only downward (DESIGN.md §9), and no two of its modules import each other.
 
-    cli → serve → gateway → api → driver → (store, replicas) → statemachine
+    cli → serve → gateway_process → gateway → api → driver → (store, replicas) → statemachine
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
 gateway must share (the worker token's, the engine inputs' checks), a leaf; and
@@ -43,13 +43,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.worker": frozenset({"app.contract", "app.logs"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
-    "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),
+    "app.replicas": frozenset({BOTTOM, "app.config", "app.contract", "app.logs", "app.tracing"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
     "app.ui": frozenset({BOTTOM, "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
-    "app.driver": frozenset({BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas"}),
+    "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
         | {"app.logs", "app.tracing"}
@@ -58,9 +58,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.gateway": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
     ),
+    "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing"}),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.contract", "app.logs", "app.tracing"}
+        | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

@@ -136,7 +136,8 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
         f'[api_keys]\n"{API_KEY}" = "acme"\n[timeouts]\nstall_s = 1.0\nlease_ttl_s = 1.0\ncancel_ack_s = 1.0\n'
     )
     port = free_port()
-    command = phasegate("serve", "--config", str(config), "--port", str(port), "--log-format", "json")
+    command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
+    command += ["--log-format", "json"]
     command += ["--log-level", "debug", "--model", f"{MODEL}=rev"]
     command += [arg for n, w in enumerate(workers, 1) for arg in ("--replica", f"worker={w.base_url}#w{n}")]
     output, banner = tmp_path / "gateway.log", tmp_path / "gateway.out"

@@ -130,10 +130,14 @@ def assert_quiet_and_clean(output: Path, data_dir: Path) -> str:
     return text
 
 
-@pytest.fixture
-def demo(data_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
+@pytest.fixture(params=["1", "2"], ids=["one process", "two processes"])
+def demo(
+    data_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
+    """The demo on its default one gateway process, and on two (``--processes 2``)."""
     port = free_port()
-    process, output = launch(data_dir, tmp_path, "--port", str(port), "--sim-ms-per-token", "50")
+    processes = ["--processes", request.param] if request.param != "1" else []
+    process, output = launch(data_dir, tmp_path, "--port", str(port), "--sim-ms-per-token", "50", *processes)
     try:
         url = wait_for_line(output, r"(http://127\.0\.0\.1:\d+/ui/requests\?token=[\w-]+)", process).group(1)
         yield process, output, url
@@ -176,8 +180,11 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     assert streaming.wait(30)
-    workers = {pid for pid in children_of(process.pid) if "worker" in Path(f"/proc/{pid}/cmdline").read_text()}
-    assert len(workers) == 2
+    children = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in children_of(process.pid)}
+    workers = {pid for pid, command in children.items() if "worker" in command}
+    gateways = {pid for pid, command in children.items() if "app.gateway_process" in command}
+    count = int(wait_for_line(output, r"; (\d+) gateway process", process).group(1))
+    assert len(workers) == 2 and len(gateways) == (count if count > 1 else 0)  # one serves in phasegate serve itself
     ctrl_c(process)
     wait_for_line(output, "phasegate drains", process, timeout=10)
     time.sleep(0.5)
@@ -190,7 +197,7 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
     assert lines[-1] == "data: [DONE]" or lines[-2:] == ["data: [DONE]", ""]
     text = assert_quiet_and_clean(output, data_dir)
     assert "open streams end now" in text
-    assert not [pid for pid in workers if alive(pid)], "a sim worker outlived phasegate serve"
+    assert not [pid for pid in workers | gateways if alive(pid)], "a child outlived phasegate serve"
 
 
 @pytest.mark.parametrize("moment", ["PostgreSQL cluster created", "embedded PostgreSQL in"])
@@ -223,3 +230,13 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     finally:
         end(process)
     assert token not in output.read_text()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_processes_must_be_a_whole_number_of_at_least_one(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--processes", bad])
+    assert stopped.value.code == 2  # argparse's usage error, before anything starts
+    assert "--processes" in capsys.readouterr().err

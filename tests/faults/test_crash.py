@@ -78,7 +78,8 @@ async def test_a_gateway_killed_under_load_is_swept_by_its_restart(database_url:
         url = f"http://127.0.0.1:{port}"
         settings = tmp_path / "phasegate.toml"
         settings.write_text("instance_lease_ttl_s = 2.0\nsweep_interval_s = 0.5\n")
-        command = phasegate("serve", "--port", str(port), "--replica", f"worker={worker.base_url}#w1")
+        command = phasegate("serve", "--processes", "1", "--port", str(port))
+        command += ["--replica", f"worker={worker.base_url}#w1"]
         command += ["--config", str(settings)]
         command += ["--model", f"{MODEL}=rev", "--log-level", "warning"]
         env = {"DATABASE_URL": database_url}

@@ -116,7 +116,7 @@ def gateways(
     try:
         for n in range(count):
             port = free_port()
-            command = phasegate("serve", "--config", str(config), "--port", str(port))
+            command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
             command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}=rev", "--log-level", "info"]
             log = tmp_path / f"gateway-{n}.log"
             started.append(

@@ -115,7 +115,8 @@ def gateway_lost(database_url: str, workers: list[WorkerProcess], tmp_path: Path
     try:
         for n in (1, 2):
             port = free_port()
-            command = phasegate("serve", "--config", str(config), "--port", str(port), "--model", f"{MODEL}=rev")
+            command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
+            command += ["--model", f"{MODEL}=rev"]
             command += [arg for i, w in enumerate(live, 1) for arg in ("--replica", f"worker={w.base_url}#r{i}")]
             log = tmp_path / f"gateway-{n}.log"
             processes.append(start(command, {"DATABASE_URL": database_url}, log))

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine.errors import MalformedEvent, UnknownEventType
-from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
+from statemachine.events import EVENT_TYPES, DeltaLogprobs, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
 from tests.statemachine.model import T0
 
@@ -35,6 +35,8 @@ def sample_value(annotation: Any) -> Any:
         return {"prompt_tokens": 3, "completion_tokens": 5}
     if annotation == tuple[tuple[int, int, int], ...]:
         return ((0, 4, 1), (1, 6, 2))
+    if annotation == DeltaLogprobs:
+        return ((("sa", -0.25, (("sa", -0.25), ("mp", -1.0))),), ())
     return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}
 
 
@@ -123,6 +125,12 @@ def _broken(change: dict[str, Any], body_change: dict[str, Any] | None = None, d
         (_broken({}, {"surprise": 1}), "body has unexpected surprise"),
         (_broken({}, {"text": 5}), "DeltasDelivered.text: expected str"),
         (_broken({"extra": 1}), "envelope has unexpected extra"),
+        (_broken({}, {"logprobs": ["sa"]}), "DeltasDelivered.logprobs: expected per delta a list"),
+        (_broken({}, {"logprobs": [["sa", -0.5, []]]}), "expected \\[token, logprob"),
+        (_broken({}, {"logprobs": [[["sa", 0.5, []]]]}), "a number at most 0"),
+        (_broken({}, {"logprobs": [[["sa", True, []]]]}), "a number at most 0"),
+        (_broken({}, {"logprobs": [[["sa", -0.5, [["x"]]]]]}), "expected \\[alternative, logprob\\]"),
+        (_broken({}, {"logprobs": [[[5, -0.5, []]]]}), "expected a token string"),
     ],
 )
 def test_malformed_events_are_rejected_by_name(data: Any, message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from statemachine.events import EVENT_TYPES, FailureKind, ReleaseReason
 from statemachine.phases import TRANSITIONS, Phase, next_phase
 from statemachine.policy import PolicyConfig
 from statemachine.request_state import Outcome, RequestState
-from statemachine.state import apply, fold
+from statemachine.state import advance, apply, fold
 from tests.statemachine.model import ModelDriver, accepted
 from tests.statemachine.test_events import sample_event
 
@@ -252,6 +253,27 @@ def test_the_deltas_shapes_must_fit_the_batch(deltas: tuple[tuple[int, int, int]
     assert driver.state.delivered_deltas == 3 and driver.state.delivered_output_tokens == 3
 
 
+A_LOGPROB = ("a", -0.5, (("a", -0.5),))
+
+
+@pytest.mark.parametrize(
+    ("text", "logprobs"),
+    [
+        (None, ((A_LOGPROB,), (A_LOGPROB,))),  # kept without the text: the content policy broken
+        ("ab", ((A_LOGPROB,),)),  # one entry for two deltas
+    ],
+)
+def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None, logprobs: ev.DeltaLogprobs) -> None:
+    driver = running()
+    driver.deliver(1)
+    fields = {"from_index": 1, "to_index": 3, "tokens": 2, "text_sha256": None, "deltas": ((0, 1, 1), (0, 1, 1))}
+    batch = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text=text, logprobs=logprobs)
+    assert_illegal(driver, batch, "log probabilities are kept with the text, one entry per delta")
+    kept = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text="ab", logprobs=((A_LOGPROB,), ()))
+    driver.state = apply(driver.state, kept)
+    assert driver.state.delivered_deltas == 3
+
+
 def test_a_fenced_attempt_publishes_nothing() -> None:
     driver = running()
     driver.fail(FailureKind.LIVENESS_UNCERTAIN)
@@ -408,3 +430,60 @@ def test_attempts_say_how_they_ended() -> None:
     ends = [attempt.ended for attempt in driver.state.attempts]
     assert ends == ["rejected", "lease_expired", None]
     assert [attempt.replica_id for attempt in driver.state.attempts] == ["w1", "w2", "w3"]
+
+
+# --- what a log may not say (issue 14: trace import refuses what the fold refuses) ---------
+
+
+def test_time_never_goes_back_and_advance_stamps_a_stepped_back_clock_with_the_last_time() -> None:
+    driver = running()
+    last = driver.events[-1].occurred_at
+    earlier = dataclasses.replace(next_event(driver, ev.ClientDisconnected), occurred_at=last - timedelta(seconds=1))
+    assert_illegal(driver, earlier, "time goes back")
+    state, event = advance(driver.state, ev.ClientDisconnected, last - timedelta(seconds=1))
+    assert event.occurred_at == last and state.last_occurred_at == last
+    later = last + timedelta(seconds=1)
+    assert advance(driver.state, ev.ClientDisconnected, later)[1].occurred_at == later
+
+
+def test_a_lease_epoch_is_never_negative() -> None:
+    driver = ModelDriver(replicas=())  # no replica: the first start is refused, no attempt yet
+    driver.state = RequestState(request_id=driver.request_id)
+    for event in driver.events[:2]:  # accepted, start decided
+        driver.state = apply(driver.state, event)
+    start = next_event(
+        driver,
+        ev.AttemptStarted,
+        attempt=1,
+        lease_epoch=-1,
+        replica_id="w1",
+        lease_expires_at=driver.events[-1].occurred_at,
+    )
+    assert_illegal(driver, start, "negative lease epoch -1")
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"finish_reason": "finished"}, "unknown finish reason 'finished'"),
+        ({"finish_reasons": ("stop", "eos")}, "unknown finish reason 'eos'"),
+        ({"usage": {"completion_tokens": -1}}, "negative usage count"),
+    ],
+)
+def test_a_completion_says_a_known_finish_reason_and_counts_no_less_than_zero(
+    fields: dict[str, object], why: str
+) -> None:
+    driver = running()
+    driver.first_token()
+    driver.deliver(1)
+    values: dict[str, object] = {"finish_reason": "stop", "usage": {"completion_tokens": 1}, **fields}
+    assert_illegal(driver, next_event(driver, ev.RequestCompleted, **values), why)
+    known = {"finish_reason": "length", "usage": {}, "finish_reasons": ("length",)}
+    driver.state = apply(driver.state, next_event(driver, ev.RequestCompleted, **known))
+
+
+def test_a_cancel_ack_counts_no_less_than_zero() -> None:
+    driver = running()
+    driver.client_gone()
+    ack = next_event(driver, ev.CancelAcked, **driver.scoped(), generated_tokens=-3)
+    assert_illegal(driver, ack, "negative generated token count")

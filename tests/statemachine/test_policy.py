@@ -318,3 +318,91 @@ def test_policy_config_is_validated(values: dict[str, object], message: str) -> 
 def test_policy_config_from_a_file_mapping() -> None:
     config = PolicyConfig.from_mapping({"max_attempts": 3, "retry_max_prompt_tokens": None})
     assert config == PolicyConfig(max_attempts=3)
+
+
+# --- poison requests (DESIGN.md §13) -------------------------------------------------------
+
+SERVER_ERRORS = {
+    "start refused with 500": {"kind": FailureKind.REJECTED, "upstream_status": 500, "upstream_code": "internal_error"},
+    "engine failed on it": {"kind": FailureKind.REPLICA_EXITED, "upstream_code": "engine_error"},
+}
+
+
+def poisoned() -> FailRequest:
+    return FailRequest(
+        reason="poison_request",
+        code="poison_request",
+        message=(
+            "the request failed with a server error on 2 attempts before any output; "
+            "it is treated as poison and not retried"
+        ),
+        partial_output=False,
+        delivered_output_tokens=0,
+        retryable=False,
+        http_status=502,
+    )
+
+
+@pytest.mark.parametrize("first", SERVER_ERRORS)
+@pytest.mark.parametrize("second", SERVER_ERRORS)
+def test_a_second_server_error_before_output_ends_the_request_as_poison(first: str, second: str) -> None:
+    driver = ModelDriver(config=PolicyConfig(max_attempts=4))  # budget left: poison stops it anyway
+    assert driver.fail(**SERVER_ERRORS[first]) == [
+        StartAttempt(SERVER_ERRORS[first]["kind"].value, 2, ("w1",), _migration(SERVER_ERRORS[first]["kind"]))
+    ]
+    assert driver.fail(**SERVER_ERRORS[second]) == [poisoned()]
+    assert len(started_attempts(driver)) == 2
+    assert driver.state.outcome is Outcome.FAILED and driver.state.error_code == "poison_request"
+
+
+def _migration(kind: FailureKind) -> str:
+    return "new_request" if kind is FailureKind.REJECTED else "prefill_retry"
+
+
+def test_server_errors_need_not_be_consecutive_to_make_poison() -> None:
+    driver = ModelDriver(config=PolicyConfig(max_attempts=4))
+    driver.fail(**SERVER_ERRORS["engine failed on it"])
+    driver.fail(FailureKind.REJECTED, upstream_status=503, upstream_code="replica_exiting")  # the replica's state
+    assert driver.fail(**SERVER_ERRORS["start refused with 500"]) == [poisoned()]
+    assert len(started_attempts(driver)) == 3
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"kind": FailureKind.REJECTED, "upstream_status": 503, "upstream_code": "not_ready"},
+        {"kind": FailureKind.REJECTED, "upstream_status": 502},
+        {"kind": FailureKind.REPLICA_EXITED, "upstream_code": "lease_expired"},
+        {"kind": FailureKind.REPLICA_EXITED},
+    ],
+)
+def test_one_server_error_and_another_failure_is_not_poison(other: dict[str, object]) -> None:
+    driver = ModelDriver()
+    driver.fail(**SERVER_ERRORS["start refused with 500"])
+    (fail,) = driver.fail(**other)  # type: ignore[arg-type]
+    assert isinstance(fail, FailRequest)
+    assert (fail.code, fail.retryable) == ("upstream_unavailable", True)
+
+
+def test_one_server_error_then_an_answer_completes() -> None:
+    driver = ModelDriver()
+    driver.fail(**SERVER_ERRORS["engine failed on it"])
+    driver.first_token()
+    driver.deliver(2)
+    driver.complete()
+    assert driver.state.outcome is Outcome.COMPLETED
+
+
+def test_a_server_error_after_the_first_delta_is_an_interruption_not_poison() -> None:
+    driver = ModelDriver()
+    driver.fail(**SERVER_ERRORS["engine failed on it"])
+    driver.first_token()
+    driver.deliver(2)
+    (fail,) = driver.fail(**SERVER_ERRORS["engine failed on it"])
+    assert isinstance(fail, FailRequest) and fail.code == "upstream_decode_interrupted"
+
+
+def test_a_single_attempt_budget_reports_the_server_error_as_unavailable() -> None:
+    driver = ModelDriver(config=PolicyConfig(max_attempts=1))
+    (fail,) = driver.fail(**SERVER_ERRORS["start refused with 500"])
+    assert isinstance(fail, FailRequest) and fail.code == "upstream_unavailable"

@@ -29,7 +29,7 @@ import uvicorn
 from app.config import GatewayConfig, ReplicaConfig, load_config
 from app.driver.context import ToolRunner
 from app.gateway import Gateway
-from app.serve import KEEP_ALIVE_S
+from app.gateway_process import KEEP_ALIVE_S
 from statemachine.events import Event
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ never answer is tested against this small server, run as its own process on a re
 socket. It streams deterministic text for any prompt; ``POST /admin/script`` queues
 behaviours that the next requests consume one each (``"attempt": n`` keeps one for
 the gateway's n-th attempt of a request, read from the ``x-request-id`` it sends); ``GET /admin/requests`` counts
-the generation requests it received. Run: ``python -m tests.support.scripted_upstream
+the generation requests it received and shows the last one's body. Run: ``python -m tests.support.scripted_upstream
 --port P``.
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
@@ -15,9 +15,10 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
-``{"nul_at": k}`` (U+0000 after the
-k-th word). A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting runs per
-``Idempotency-Key`` (``GET /admin/tools``).
+``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
+ends with). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
+A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
+runs per ``Idempotency-Key`` (``GET /admin/tools``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Upstream:
     def __init__(self, token_delay_s: float) -> None:
         self.script: deque[dict[str, Any]] = deque()
         self.requests = 0
+        self.last_body: dict[str, Any] | None = None  # the last generation request, as received
         self.token_delay_s = token_delay_s
         self.tool_runs: dict[str, int] = {}
 
@@ -68,7 +70,7 @@ class Upstream:
         return JSONResponse({"queued": len(self.script)})
 
     async def admin_requests(self, request: Request) -> Response:
-        return JSONResponse({"requests": self.requests})
+        return JSONResponse({"requests": self.requests, "last_body": self.last_body})
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
@@ -76,6 +78,7 @@ class Upstream:
         if body.get("max_tokens") == 1 and body.get("prompt") == "ping":
             return JSONResponse({"choices": [{"text": "pong", "finish_reason": "length"}]})  # health probe
         self.requests += 1
+        self.last_body = body
         attempt = int(request.headers.get("x-request-id", "x.0").rsplit(".", 1)[-1] or 0)
         behaviour = self._take(attempt)
         if behaviour.get("hang"):
@@ -93,6 +96,8 @@ class Upstream:
         words = answer(prompt, int(body.get("max_tokens") or 16))
         if chat and body.get("tools"):
             behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
+        if body.get("logprobs") is not None:  # as vLLM: -0.5 for each word, -1.5 for one alternative
+            behaviour = {**behaviour, "logprobs": True}
         return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
 
     def _take(self, attempt: int) -> dict[str, Any]:
@@ -151,12 +156,14 @@ class Upstream:
             if behaviour.get("nul_at") == index:
                 word = f"{word}\x00"  # U+0000: valid text that PostgreSQL cannot hold
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            if behaviour.get("logprobs"):
+                choice["logprobs"] = _logprobs(word, chat)
             yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
             if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":
                 await asyncio.sleep(0.05)  # let the chunk leave, then die
                 os._exit(1)
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        yield _sse({**head, "choices": [{**last, "finish_reason": "length"}]})
+        yield _sse({**head, "choices": [{**last, "finish_reason": behaviour.get("finish_reason", "length")}]})
         yield _sse(
             {
                 **head,
@@ -179,6 +186,13 @@ class Upstream:
         yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
         yield _sse({**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
         yield b"data: [DONE]\n\n"
+
+
+def _logprobs(word: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        top = [{"token": word, "logprob": -0.5}, {"token": "~", "logprob": -1.5}]
+        return {"content": [{"token": word, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": top}]}
+    return {"tokens": [word], "token_logprobs": [-0.5], "top_logprobs": [{word: -0.5, "~": -1.5}], "text_offset": [0]}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -220,6 +234,12 @@ class ScriptedUpstream:
     @property
     def requests(self) -> int:
         return int(httpx.get(self.base_url + "/admin/requests").json()["requests"])
+
+    @property
+    def last_body(self) -> dict[str, Any] | None:
+        """The body of the last generation request it received."""
+        body: dict[str, Any] | None = httpx.get(self.base_url + "/admin/requests").json()["last_body"]
+        return body
 
     @property
     def tool_runs(self) -> dict[str, int]:

@@ -76,6 +76,13 @@ def tool_call_replayed() -> ModelDriver:
     return driver
 
 
+def poison_request() -> ModelDriver:
+    driver = ModelDriver("req_poison")
+    driver.fail(FailureKind.REJECTED, upstream_status=500, upstream_code="internal_error")
+    driver.fail(FailureKind.REPLICA_EXITED, upstream_code="engine_error")  # a second server error: poison
+    return driver
+
+
 def divergent_soft_timeout_migrated() -> ModelDriver:
     """Recorded by an older policy that fenced a replica on a *soft* timeout."""
     driver = ModelDriver("req_divergent")
@@ -103,6 +110,7 @@ SCENARIOS: dict[str, Callable[[], ModelDriver]] = {
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
     "client_disconnect": client_disconnect,
     "tool_call_replayed": tool_call_replayed,
+    "poison_request": poison_request,
     "divergent_soft_timeout_migrated": divergent_soft_timeout_migrated,
 }
 

@@ -116,7 +116,7 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function", "invalid_request", "must be an object"),
         (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),
         (CHAT, chat(response_format={"type": "yaml"}), "response_format.type", "invalid_request", "json_schema"),
-        (CHAT, chat(logprobs=True), "logprobs", "unsupported_parameter", "does not support 'logprobs'"),
+        (CHAT, chat(logit_bias={}), "logit_bias", "unsupported_parameter", "does not support .logit_bias."),
         (CHAT, chat(frobnicate=1), "frobnicate", "unsupported_parameter", "unrecognized request argument"),
         (CHAT, chat(prompt="x"), "prompt", "unsupported_parameter", "unrecognized"),
         (COMPLETIONS, {"model": "m"}, "prompt", "invalid_request", "'prompt' is required"),
@@ -233,3 +233,80 @@ def test_vllms_ignore_eos_is_validated_and_passed_on() -> None:
     with pytest.raises(InvalidRequest) as refused:
         parse_request(CHAT, chat(ignore_eos="yes"), LIMITS)
     assert refused.value.param == "ignore_eos"
+
+
+# --- vLLM's extra sampling parameters and structured outputs (app/contract/vllm_extras.py) ---
+
+
+def test_vllms_sampling_extras_are_validated_and_passed_on() -> None:
+    extras = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 8}
+    request = parse_request(CHAT, chat(max_tokens=20, **extras), LIMITS)
+    assert {name: request.sampling()[name] for name in extras} == extras
+    assert not request.guided
+    plain = parse_request(COMPLETIONS, {"model": "m", "prompt": "p", "top_k": -1, "min_tokens": 0}, LIMITS)
+    assert plain.sampling()["top_k"] == -1 and "min_tokens" not in plain.sampling()  # 0 is the default
+
+
+@pytest.mark.parametrize(
+    ("given", "passed_on"),
+    [
+        ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"guided_json": {"type": "object"}}, {"json": {"type": "object"}}),
+        ({"guided_json": '{"type": "object"}'}, {"json": '{"type": "object"}'}),
+        ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+        ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}}, None),
+        ({"structured_outputs": {"json_object": True}}, None),
+    ],
+)
+def test_structured_outputs_old_and_new_names_pass_on_as_vllm_reads_them(
+    given: dict[str, Any], passed_on: dict[str, Any] | None
+) -> None:
+    for endpoint, body in ((CHAT, chat(**given)), (COMPLETIONS, {"model": "m", "prompt": "p", **given})):
+        request = parse_request(endpoint, body, LIMITS)
+        expected = passed_on or given["structured_outputs"]
+        assert request.sampling()["structured_outputs"] == expected and request.guided
+        assert not any(name.startswith("guided_") for name in request.sampling())
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"top_k": -2}, "top_k", "-1 or 0"),
+        ({"top_k": 1.5}, "top_k", "-1 or 0"),
+        ({"top_k": True}, "top_k", "-1 or 0"),
+        ({"min_p": 1.5}, "min_p", r"in \[0, 1\]"),
+        ({"min_p": "low"}, "min_p", "must be a number"),
+        ({"repetition_penalty": 0}, "repetition_penalty", r"in \(0, 100\]"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty", "must be a number"),
+        ({"min_tokens": 11, "max_tokens": 10}, "min_tokens", r"from 0 to max_tokens \(10\)"),
+        ({"min_tokens": -1}, "min_tokens", "from 0"),
+        ({"guided_choice": []}, "guided_choice", "array of 1 to"),
+        ({"guided_choice": ["a", 1]}, "guided_choice", "non-empty strings"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "not a regular expression"),
+        ({"guided_json": "[1]"}, "guided_json", "JSON schema"),
+        ({"guided_json": "{nope"}, "guided_json", "JSON schema"),
+        ({"guided_grammar": ""}, "guided_grammar", "non-empty string"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one constraint"),
+        ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex", "structured_outputs"),
+        ({"structured_outputs": "regex"}, "structured_outputs", "must be an object"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object", "must be true"),
+        ({"structured_outputs": {"backend": "xgrammar"}}, "structured_outputs.backend", "is not one of"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}},
+            "structured_outputs.disable_any_whitespace",
+            "boolean",
+        ),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "response_format",
+            "not both",
+        ),
+    ],
+)
+def test_bad_vllm_extras_are_named(fields: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        parse_request(CHAT, chat(**fields), LIMITS)
+    assert (caught.value.param, caught.value.code, caught.value.status) == (param, "invalid_request", 400)

@@ -172,11 +172,11 @@ BAD_INPUTS: list[tuple[str, Any, dict[str, str], int, str, str | None]] = [
     ),
     (
         "unsupported",
-        {"model": MODEL, "messages": MESSAGES, "logprobs": True},
+        {"model": MODEL, "messages": MESSAGES, "logit_bias": {"42": 5}},
         {},
         400,
         "unsupported_parameter",
-        "logprobs",
+        "logit_bias",
     ),
     ("unknown field", {"model": MODEL, "messages": MESSAGES, "frob": 1}, {}, 400, "unsupported_parameter", "frob"),
     (

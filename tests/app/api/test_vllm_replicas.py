@@ -145,6 +145,38 @@ def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(database_url: 
         assert all(len(texts) == 1 and "" not in texts for texts in answers.values())  # temperature 0
 
 
+def test_vllms_extras_and_logprobs_through_both_replica_kinds(database_url: str, vllm_pair: VllmReplicas) -> None:
+    """top_k and friends, a structured-output choice and log probabilities reach the vLLM
+    engine in the worker and vLLM's own server, and both answer alike (temperature 0)."""
+    extras = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.05, "structured_outputs": {"choice": ["yes", "no"]}}
+    with gateway_over(database_url, vllm_pair) as gateway:
+        client = gateway.openai(timeout=120.0)
+        got: dict[str, tuple[str, list[Any]]] = {}
+        for _ in range(2):  # the pool alternates: one answer from each kind
+            answer = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+                extra_body=extras,
+            )
+            parsed = answer.parse()
+            (replica,) = served_by(gateway, answer.headers["x-request-id"])
+            content = parsed.choices[0].logprobs.content  # type: ignore[union-attr]
+            got[replica] = (parsed.choices[0].message.content or "", content)
+            assert_sound(gateway, database_url, gateway.events(answer.headers["x-request-id"]))
+    assert set(got) == {"a-worker", "b-server"}
+    for text, content in got.values():
+        assert text in ("yes", "no")  # the choice constrained the output
+        assert "".join(entry.token for entry in content) == text  # no entry for the end of sequence
+        assert all(entry.logprob <= 0 and 1 <= len(entry.top_logprobs) <= 2 for entry in content)
+    (worker_text, worker_lp), (server_text, server_lp) = got["a-worker"], got["b-server"]
+    assert worker_text == server_text and [e.token for e in worker_lp] == [e.token for e in server_lp]
+    assert all(abs(a.logprob - b.logprob) < 0.05 for a, b in zip(worker_lp, server_lp, strict=True))
+
+
 def test_a_client_leaving_mid_answer_is_cancelled_and_acknowledged_by_the_vllm_engine(
     database_url: str, vllm_pair: VllmReplicas
 ) -> None:

@@ -289,3 +289,51 @@ def test_a_listed_request_without_events_names_the_header_line(phasegate: Runner
     bad.write_text("\n" + lines[0].replace('["req_clean"]', '["req_clean", "req_ghost"]') + "".join(lines[1:]))
     ran = phasegate("trace", "import", str(bad))
     assert ran.status == 2 and f"{bad}: line 2: no events for listed request(s) req_ghost" in ran.err, ran.err
+
+
+# (the mangled retry_before_first_delta trace, the line named, the message): well-formed
+# events that the state machine refuses, so import refuses them too (issue 14)
+REFUSED_BY_THE_FOLD = {
+    "tokens that disagree with the indexes": (
+        lambda lines: _mangled(lines, 11, '"tokens": 4', '"tokens": 9'),
+        11,
+        "the deltas' shapes disagree with the indexes, the tokens or the text",
+    ),
+    "an unknown finish reason": (
+        lambda lines: _mangled(lines, 12, '"finish_reason": "stop"', '"finish_reason": "finished"'),
+        12,
+        "unknown finish reason 'finished'",
+    ),
+    "a negative lease epoch": (
+        lambda lines: _mangled(lines, 4, '"lease_epoch": 1', '"lease_epoch": -1'),
+        4,
+        "negative lease epoch -1",
+    ),
+    "time going backwards": (
+        lambda lines: _mangled(lines, 6, "2026-11-30T12:00:00.005000+00:00", "2026-11-30T11:59:59+00:00"),
+        6,
+        r"time goes back: 2026-11-30T11:59:59\+00:00 is before 2026-11-30T12:00:00.004000\+00:00",
+    ),
+    "a negative usage count": (
+        lambda lines: _mangled(lines, 12, '"completion_tokens": 4', '"completion_tokens": -4'),
+        12,
+        "negative usage count",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_THE_FOLD), ids=str)
+def test_what_the_state_machine_refuses_import_refuses_naming_the_line(
+    phasegate: Runner, database_url: str, tmp_path: Path, case: str
+) -> None:
+    mangle, line, message = REFUSED_BY_THE_FOLD[case]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(mangle(golden_lines())))
+    ran = phasegate("trace", "import", str(bad))
+    assert ran.status == 2, ran.err
+    assert ran.err.startswith(f"phasegate trace: {bad}: line {line}: "), ran.err
+    assert re.search(message, ran.err), ran.err
+    assert "Traceback" not in ran.err and count_events(database_url) == 0
+    replayed = phasegate("replay", str(bad))  # readable, so replayed up to the event that breaks it
+    seq = json.loads(mangle(golden_lines())[line - 1])["seq"]
+    assert replayed.status == 1 and f"the log breaks the state machine at seq {seq}" in replayed.out

@@ -110,6 +110,25 @@ def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: 
     assert len(of(gateway.events(request_id), ev.AttemptStarted)) == 2
 
 
+def test_a_500_from_every_upstream_is_poison_and_ejects_neither(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    for upstream in upstreams:  # each attempt, wherever it lands, gets a 500
+        upstream.script({"status": 500, "message": "the engine crashed on this request"})
+    asked = sum(upstream.requests for upstream in upstreams)
+    with pytest.raises(openai.APIStatusError) as caught:
+        gateway.openai(max_retries=2).chat.completions.create(  # the SDK's default retries: refused by the header
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6
+        )
+    assert caught.value.status_code == 502 and caught.value.code == "poison_request"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    events = gateway.events(caught.value.response.headers["x-request-id"])
+    assert [f.upstream_status for f in of(events, ev.UpstreamFailed)] == [500, 500]  # type: ignore[attr-defined]
+    assert sum(upstream.requests for upstream in upstreams) - asked == 2  # one attempt each, no client retry
+    pool = gateway.gateway.ctx.pool
+    assert [replica.consecutive_failures for replica in pool.replicas.values()] == [0, 0]
+
+
 @pytest.mark.parametrize(
     ("behaviour", "kind"),
     [
@@ -136,6 +155,19 @@ def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
     (released,) = of(events, ev.AttemptReleased)
     assert released.because is ReleaseReason.LEASE_EXPIRED  # type: ignore[attr-defined]
     assert replay(events).ok
+
+
+def test_an_unknown_finish_reason_is_a_malformed_stream_and_never_reaches_the_log(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"finish_reason": "eos"})  # no word OpenAI or vLLM uses: the fold would refuse it
+    request_id, text = chat(gateway, stream=False)  # a whole answer: nothing was delivered, so it is retried
+    assert text == EXPECTED
+    events = gateway.events(request_id)
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.LIVENESS_UNCERTAIN and "unknown finish reason 'eos'" in failed.detail  # type: ignore[attr-defined]
+    (completed,) = of(events, ev.RequestCompleted)
+    assert completed.finish_reason == "length" and replay(events).ok  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("no_done", ["hold", "close"])

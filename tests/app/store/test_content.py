@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,7 @@ from statemachine.replay import replay
 from statemachine.state import fold
 from tests.conftest import run_sync
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.transcript import of
 from tests.support.workers import WorkerProcess
 
 KEYS = {"key-a": "team-a", "key-b": "team-b"}
@@ -125,7 +128,7 @@ def test_erasing_a_tenant_keeps_the_skeleton_and_the_fold(
         assert recorded is None
         for event in events:
             assert not isinstance(event, ev.DeltasDelivered) or (event.text is None and event.text_sha256 is None)
-            assert not isinstance(event, ev.ToolCallEmitted) or event.arguments == ""
+            assert not isinstance(event, ev.ToolCallEmitted) or (event.arguments, event.arguments_sha256) == ("", None)
         folded, old = fold(events), fold(old_events)
         assert (folded.outcome, folded.delivered_output_tokens, folded.delivered_deltas, folded.attempts) == (
             old.outcome,
@@ -147,3 +150,63 @@ def test_erasing_a_tenant_keeps_the_skeleton_and_the_fold(
     capsys.readouterr()
     assert cli.main(["tenants", "erase", "team-a"]) == 0  # again: nothing more to remove
     assert "content removed from 0 event(s), 0 tool execution(s) and 0 recorded input(s)" in capsys.readouterr().out
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"properties": {"city": {}}}}}
+BROKEN = {"type": "function", "function": {"name": "broken_tool", "parameters": {"properties": {"x": {}}}}}
+
+
+async def run_tool(call: dict[str, object]) -> object:
+    function = call["function"]
+    assert isinstance(function, dict) and json.loads(function["arguments"])  # the runner gets them in full
+    if function["name"] == "broken_tool":
+        raise RuntimeError(f"tool failed on {function['arguments']}")
+    return {"forecast": f"sunny for {function['arguments']}"}
+
+
+def tool_request(gateway: RunningGateway, tool: dict[str, object]) -> tuple[str, str]:
+    answer = gateway.openai().chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},  # type: ignore[index]
+    )
+    (call,) = answer.parse().choices[0].message.tool_calls or []
+    return answer.headers["x-request-id"], call.function.arguments
+
+
+@pytest.mark.parametrize("policy", ["full", "digest", "none"])
+def test_tool_data_follows_the_content_policy(database_url: str, sim_pair: list[WorkerProcess], policy: str) -> None:
+    with running_gateway(database_url, sim_pair, content_policy=policy, tool_runner=run_tool) as gateway:
+        kept = {}
+        for tool in (WEATHER, BROKEN):
+            request_id, arguments = tool_request(gateway, tool)
+            (emitted,) = of(gateway.events(request_id), ev.ToolCallEmitted)
+            ledger = wait_for_outcome(gateway, emitted.idempotency_key)  # type: ignore[attr-defined]
+            kept[tool["function"]["name"]] = (arguments, emitted, ledger)  # type: ignore[index]
+    for name, (arguments, emitted, ledger) in kept.items():
+        digest = hashlib.sha256(arguments.encode()).hexdigest()
+        assert ledger.status == ("failed" if name == "broken_tool" else "succeeded")
+        if policy == "full":
+            assert (emitted.arguments, emitted.arguments_sha256, ledger.arguments) == (arguments, None, arguments)
+            assert name != "get_weather" or ledger.result == {"forecast": f"sunny for {arguments}"}
+            assert name != "broken_tool" or arguments in ledger.error
+        elif policy == "digest":
+            assert (emitted.arguments, emitted.arguments_sha256, ledger.arguments) == ("", digest, f"sha256:{digest}")
+            result = json.dumps({"forecast": f"sunny for {arguments}"}, sort_keys=True, separators=(",", ":"))
+            assert name != "get_weather" or ledger.result == {"sha256": hashlib.sha256(result.encode()).hexdigest()}
+            assert name != "broken_tool" or (ledger.error.startswith("sha256:") and arguments not in ledger.error)
+        else:
+            assert (emitted.arguments, emitted.arguments_sha256) == ("", None)
+            assert (ledger.arguments, ledger.result) == ("", None)
+            assert name != "broken_tool" or ledger.error == ""
+
+
+def wait_for_outcome(gateway: RunningGateway, key: str) -> Any:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        execution = gateway.call(gateway.gateway.ctx.store.tool_execution(key))
+        if execution is not None and execution.status != "claimed":
+            return execution
+        time.sleep(0.05)
+    raise AssertionError(f"the tool execution {key} never finished")

@@ -91,7 +91,7 @@ def sql_ids(database_url: str, where: str = "true", **params: object) -> list[st
 
 def test_filters_and_keyset_pages_match_sql(gateway: RunningGateway, database_url: str) -> None:
     everything = sql_ids(database_url)
-    assert len(everything) == 11  # seven traces, four live requests
+    assert len(everything) == 12  # eight traces, four live requests
     with gateway.http(headers=ADMIN) as http:
         ids, pages = every_page(http, "limit=2")
         assert ids == everything and pages == 6  # each row once, newest first, ties broken by id
@@ -116,14 +116,15 @@ def test_filters_and_keyset_pages_match_sql(gateway: RunningGateway, database_ur
         )
         live_retry = sql_ids(database_url, "tenant = 'acme' AND attempts = 2")
         assert len(live_retry) == 1 and live_retry[0] in retried and {"req_retried", "req_fenced"} <= set(retried)
-        assert listed(http.get("/ui/requests?migration=new_request")) == []
+        # only the poison trace's retry followed a refused start (a 500)
+        assert listed(http.get("/ui/requests?migration=new_request")) == ["req_poison"]
         # time: the traces were accepted on 2026-11-30 at noon, the live requests now
         noon = "2026-11-30T12:00:00Z"
         recent = (datetime.now(UTC) - timedelta(minutes=10)).isoformat()
         assert listed(http.get("/ui/requests", params={"since": recent})) == sql_ids(
             database_url, "accepted_at >= now() - interval '10 minutes'"
         )
-        assert len(listed(http.get("/ui/requests", params={"since": noon, "until": "2026-11-30T12:00:01Z"}))) == 7
+        assert len(listed(http.get("/ui/requests", params={"since": noon, "until": "2026-11-30T12:00:01Z"}))) == 8
         # each row links to its timeline page, which opens
         page = http.get("/ui/requests?outcome=failed")
         link = html.unescape(re.findall(r'<td class="id"><a href="([^"]+)"', page.text)[0])

@@ -60,6 +60,37 @@ async def test_sim_tool_calls_have_ids_of_the_request():
     assert out[-1].finish_reason == "tool_calls"
 
 
+async def test_the_sim_honours_vllms_extras():
+    engine = SimEngine(timing=FAST)
+    texts = set()
+    for _ in range(3):  # min_tokens holds the end off; top_k and the like change the (seeded) words
+        out = await run(engine, spec(max_tokens=200, min_tokens=150, seed=1, top_k=5))
+        assert sum(len(o.token_ids) for o in out) >= 150
+        texts.add("".join(o.text for o in out))
+    plain = "".join(o.text for o in await run(engine, spec(max_tokens=200, min_tokens=150, seed=1)))
+    assert len(texts) == 1 and plain not in texts
+    for n in range(4):
+        chosen = await run(engine, spec(seed=n, structured_outputs={"choice": ["yes", "no"]}))
+        assert [(o.text, o.finish_reason) for o in chosen] in ([("yes", "stop")], [("no", "stop")])
+    json_text = "".join(o.text for o in await run(engine, spec(structured_outputs={"json_object": True})))
+    assert json_text.startswith('{"text": "') and json_text.endswith('"}')
+
+
+async def test_sim_logprobs_are_a_function_of_each_token():
+    engine = SimEngine(timing=SimTiming(0.0, 0.0, 0.0, tokens_per_delta=3))
+    out = await run(engine, spec(max_tokens=9, ignore_eos=True, seed=2, logprobs=2))
+    again = await run(engine, spec(max_tokens=9, ignore_eos=True, seed=2, logprobs=2))
+    assert [o.logprobs for o in out] == [o.logprobs for o in again]
+    for output in out:  # batched outputs carry one entry per token
+        assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
+        assert "".join(entry[0] for entry in output.logprobs) == output.text
+        for token, logprob, top in output.logprobs:
+            assert logprob <= 0 and len(top) == 2 and top[0] == [token, logprob] and top[1][1] < logprob
+    plain = await run(engine, spec(max_tokens=9, ignore_eos=True, seed=2))
+    assert all(o.logprobs is None for o in plain)
+    assert [o.text for o in plain] == [o.text for o in out]  # asking for them changes no word
+
+
 async def test_a_sim_abort_waits_for_the_request_to_stop():
     engine = SimEngine(timing=SimTiming(0.0, 0.001, 0.05))
     outputs = engine.generate("x", engine.prepare(spec(max_tokens=10_000, ignore_eos=True)))
@@ -97,6 +128,27 @@ def test_sampling_and_fault_parsing_name_the_bad_field():
         parse_sampling({"top_p": 0})
     assert refused.value.field == "params.top_p"
     assert parse_sampling({"stop": "x"}).stop == ("x",)
+    extras = {"top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 4}
+    parsed = parse_sampling({"max_tokens": 8, **extras, "structured_outputs": {"regex": "[a-z]+"}})
+    assert (parsed.top_k, parsed.min_p, parsed.repetition_penalty, parsed.min_tokens) == (3, 0.1, 1.2, 4)
+    assert parsed.structured_outputs == {"regex": "[a-z]+"} and parsed.logprobs is None
+    assert parse_sampling({"logprobs": True, "top_logprobs": 4}).logprobs == 4  # chat's form
+    assert parse_sampling({"logprobs": 0}).logprobs == 0  # the completions' form
+    for bad, field in (
+        ({"min_tokens": 9, "max_tokens": 8}, "params.min_tokens"),
+        ({"top_k": -3}, "params.top_k"),
+        ({"structured_outputs": {"regex": "("}}, "params.structured_outputs.regex"),
+        (
+            {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+            "params.structured_outputs",
+        ),
+        ({"guided_regex": "a"}, "params.guided_regex"),  # the gateway sends vLLM's current name only
+        ({"logprobs": True, "top_logprobs": 21}, "params.top_logprobs"),
+        ({"logprobs": 6}, "params.logprobs"),
+    ):
+        with pytest.raises(Refusal) as refused:
+            parse_sampling(bad)
+        assert refused.value.field == field and refused.value.status == 400
     book = FaultBook()
     fault = book.add({"action": "stall", "at_token": 2, "match": {"prompt_contains": "zz"}, "times": 2})
     assert book.take(spec(prompt="no")) is None

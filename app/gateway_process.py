@@ -1,0 +1,196 @@
+"""One gateway process: uvicorn serving a :class:`~app.gateway.Gateway` on sockets bound before.
+
+``phasegate serve`` runs it in its own process (``--processes 1``) or starts N children
+that each run it (``python -m app.gateway_process``, :mod:`app.supervisor`). How a child
+works: the parent bound the port once; the child inherits that listening socket (its
+descriptor number on the command line), reads what to serve from its standard input
+(a :class:`ChildSpec`, pickled by the parent, which alone writes it), and dies with its
+parent (``PR_SET_PDEATHSIG``), so a SIGKILLed ``phasegate serve`` leaves no gateway
+behind. Each child is an instance of its own (DESIGN.md §11): its own id, lease and
+sweeps, named ``host:port/i``. Its instance address (where another instance forwards a
+stop button) is a second socket of its own on the same host, since the shared port may
+reach any child. The parent forwards SIGTERM and SIGINT to the children as SIGTERM:
+the first drains, the second ends open streams now, the third stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from app import logs
+from app.config import GatewayConfig
+
+KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a child gateway process serves, as its parent resolved it."""
+
+    config: GatewayConfig
+    database_url: str
+    log_level: str
+    secrets: tuple[str, ...]  # what no log line may hold
+
+
+def quiet_libraries() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
+
+
+async def run_gateway(
+    config: GatewayConfig,
+    url: str,
+    sockets: list[socket.socket],
+    on_started: Callable[[], None],
+    *,
+    address: str | None = None,
+    backlog: int = 2048,
+) -> None:
+    """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
+    ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
+    to ``listen`` and how many connections it accepts each time a socket is readable."""
+    import uvicorn
+
+    from app.gateway import Gateway
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, whose first SIGTERM or SIGINT drains the gateway before it stops."""
+
+        signals = 0
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals += 1
+            if self.signals == 1:
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(), name="drain"))
+            elif self.signals == 2:  # end open streams now, with their final error, and stop
+                print("phasegate stops: open streams end now (a third signal stops at once)", flush=True)
+                loop.call_soon_threadsafe(lambda: loop.create_task(gateway.instance.drain(0), name="drain now"))
+            else:
+                self.should_exit = self.force_exit = True
+
+        async def _drain(self) -> None:
+            logs.bind_instance(lambda: gateway.instance_id)  # started by a signal, outside any exchange
+            print(f"phasegate drains: open streams get up to {config.drain_s:g}s (a second signal stops now)")
+            try:
+                await gateway.drain()
+            finally:
+                self.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    gateway = await Gateway.open(config, url)
+    if address is not None:  # before the lifespan registers the instance
+        gateway.instance.address = address
+    server = DrainingServer(
+        uvicorn.Config(
+            gateway.app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
+            lifespan="on",
+            # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
+            # balancers' (often 60 s), so they close idle connections first: at uvicorn's
+            # 5 s default a request sent on a connection being closed got a reset.
+            timeout_keep_alive=KEEP_ALIVE_S,
+            backlog=backlog,
+        )
+    )
+
+    async def started() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        on_started()
+
+    watch = loop.create_task(started())
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+# --- a child of ``phasegate serve --processes N`` ------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent ends (Linux); already ended: exit now."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
+class Listening(socket.socket):
+    """A socket already listening, whose queue length was set by whoever bound it.
+
+    asyncio calls ``listen(backlog)`` on a server's socket, then accepts up to ``backlog``
+    connections each time the socket is readable. On the socket that N processes share,
+    the first one awake would take a whole burst of connections, and keep them (see each
+    process's CPU in ``ops/bench/peers.py --saturation``; figures in docs/performance.md).
+    So a child asks for a backlog of one, a connection each wakeup, and the sibling woken
+    by the same readiness takes the next; and here ``listen`` keeps the queue length
+    that the parent gave the socket, which a backlog of one would otherwise shrink.
+    """
+
+    def listen(self, backlog: int = 0, /) -> None:
+        pass
+
+
+def _own_socket(host: str) -> Listening:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = Listening(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    socket.socket.listen(sock, 128)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.gateway_process")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--ready-file", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent)
+    spec: ChildSpec = pickle.load(sys.stdin.buffer)  # written by the parent, never by a user
+    config = spec.config
+    logs.configure(spec.log_level, config.log_format)
+    quiet_libraries()
+    logs.redact(*spec.secrets)
+    if config.otel_endpoint:
+        from app import tracing
+
+        tracing.configure(config.otel_endpoint, config.otel_service_name)  # the parent checked it works
+    listener = Listening(fileno=args.listen_fd)
+    own = _own_socket(config.host)
+    name = f"{config.instance_name or f'{socket.gethostname()}:{config.port}'}/{args.index}"
+    config = dataclasses.replace(config, instance_name=name, apply_migrations=False)  # the parent migrated
+
+    def ready() -> None:
+        args.ready_file.write_text(json.dumps({"pid": os.getpid(), "index": args.index}))
+
+    address = f"http://{config.host}:{own.getsockname()[1]}"
+    asyncio.run(run_gateway(config, spec.database_url, [listener, own], ready, address=address, backlog=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
