@@ -35,6 +35,7 @@ MESSAGE = "the request log became unavailable; the answer stops here"
 NOTHING_SENT = "the request log is unavailable; try again shortly"
 GIVE_UP_AFTER_S = 900.0
 RETRY_EVERY_S = 1.0
+STORE_FLUSH_WAIT_S = 5.0  # for the store's queue to drain before the log is read
 
 
 def failure(delivered_output_tokens: int) -> Failed:
@@ -58,10 +59,15 @@ async def close_when_back(ctx: GatewayContext, recorder: Recorder) -> None:
     while True:
         try:
             await recorder.flush(durable=True)  # what the request still had queued, first
+            # then what the store still holds for it: appends kept through the outage (a
+            # batch whose commit went unacknowledged, when the primary died, is written
+            # again once the log is back). Read before they land, the log would look
+            # shorter than it is, and the closing append would collide with them.
+            await asyncio.wait_for(ctx.store.flush(), STORE_FLUSH_WAIT_S)
             state = fold(await ctx.store.read(request_id))
             await close_in_log(ctx, state, code=EVENT_LOG_UNAVAILABLE, message=MESSAGE)
             return
-        except (StoreUnavailable, InstanceFenced):  # away; or away so long this instance lapsed
+        except (StoreUnavailable, InstanceFenced, TimeoutError):  # away; or away so long this instance lapsed
             if ctx.clock() >= give_up_at:
                 log.error("request %s stays open in the log: it was away too long", request_id)
                 return

@@ -57,7 +57,7 @@ def default_data_dir() -> Path:
 
 
 SERVER_USER = "phasegate-postgres"  # the system user the server runs as under root
-PORT = 5432  # only names the socket file: the server listens on no TCP port
+PORT = 5432  # only names the socket file: the server listens on no TCP port (unless set)
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -266,7 +266,8 @@ class EmbeddedPostgres:
         return pid if pid is not None and _process_state(pid) == "postgres" else None
 
     def _answers(self) -> bool:
-        probe = [str(self.bin_dir / "pg_isready"), "-h", str(self.socket_dir), "-p", str(PORT)]
+        port = self.settings.get("port", str(PORT))  # a replica pair's nodes listen on TCP ports
+        probe = [str(self.bin_dir / "pg_isready"), "-h", str(self.socket_dir), "-p", port]
         return subprocess.run([*probe, "-q", "-U", "postgres", "-t", "3"], check=False, timeout=10).returncode == 0
 
     def _pg_ctl(self, *args: str, check: bool = True) -> None:

@@ -4,7 +4,8 @@
     ├── StreamConflict       the request's stream is not where the append expected it:
     │                        a second writer got there first, or the expected version
     │                        skips or repeats versions. Never retried by the store.
-    ├── StoreUnavailable     PostgreSQL cannot be reached (down, restarting, network).
+    ├── StoreUnavailable     PostgreSQL cannot be reached (down, restarting, network,
+    │                        no host of a multi-host URL is the writable primary).
     │                        The store logs it once and reconnects by itself; an append
     │                        that failed so may or may not have been recorded, and
     │                        retrying the same events is safe (a no-op if it was).
@@ -92,6 +93,8 @@ def is_unavailable(error: BaseException) -> bool:
             return True
         if isinstance(current, asyncpg.InterfaceError) and "connection is closed" in str(current):
             return True
+        if isinstance(current, asyncpg.TargetServerAttributeNotMatched):
+            return True  # every host answered, none is the writable primary (a failover under way)
         sqlstate = getattr(current, "sqlstate", None)
         if isinstance(sqlstate, str) and sqlstate[:2] in _UNAVAILABLE_CLASSES:
             return True

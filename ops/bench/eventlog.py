@@ -1,6 +1,6 @@
 """Benchmark the event log: durable append latency, group-commit throughput, follow lag.
 
-    python ops/bench/eventlog.py [--url URL] [--streams 50] [--events 4000] [--compare-core]
+    python ops/bench/eventlog.py [--url URL] [--streams 50] [--events 4000] [--compare-core] [--standby]
 
 Without ``--url`` (or ``DATABASE_URL``) it starts the embedded PostgreSQL in a
 temporary directory with its default, durable settings (fsync on). It creates a
@@ -23,6 +23,14 @@ scratch database, migrates it, measures, and drops it.
   every 2 ms; lag is from the append's return to the follower's receipt.
 - ``--compare-core``: the same durable single-event INSERT through SQLAlchemy Core,
   the reason the writer's hot path uses raw asyncpg.
+- ``--standby``: instead of one server, a primary with a synchronous streaming standby
+  on this machine (``ops/replication.py``; the store on the multi-host URL, as a gateway
+  would be), every figure above taken through it; then what ``synchronous_commit``
+  costs: the direct INSERT in interleaved blocks at ``local`` (the primary's own flush
+  only), ``remote_write``, ``on`` (the standby flushed: the default, what the gateway's
+  durable appends wait for) and ``remote_apply``. Both servers share this machine's
+  disk and cores, so the standby's round trip is a loopback one: over a network add its
+  latency to every durable append.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import NamedTuple
 
 import asyncpg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
 from app.store import migrate
 from app.store.codec import to_row
@@ -47,6 +59,8 @@ from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
+from ops.processes import free_port
+from ops.replication import replica_pair
 from statemachine.events import (
     AttemptStarted,
     DeltasDelivered,
@@ -235,6 +249,31 @@ async def bench_core(url: str, count: int) -> list[float]:
     return latencies
 
 
+SYNCHRONOUS_COMMIT_LEVELS = ("local", "remote_write", "on", "remote_apply")
+
+
+async def bench_synchronous_commit(url: str, count: int) -> dict[str, list[float]]:
+    """The direct single-event INSERT at each ``synchronous_commit`` level, in interleaved blocks."""
+    connections = {level: await asyncpg.connect(asyncpg_dsn(url)) for level in SYNCHRONOUS_COMMIT_LEVELS}
+    samples: dict[str, list[float]] = {level: [] for level in SYNCHRONOUS_COMMIT_LEVELS}
+    try:
+        for level, connection in connections.items():
+            await connection.execute(f"SET synchronous_commit TO {level}")
+            for event in opening(f"sync-{level}"):
+                await connection.execute(INSERT_EVENT, *to_row(event))
+        for block in range(0, count, 100):
+            for level, connection in connections.items():
+                for index in range(block, min(block + 100, count)):
+                    row = to_row(delivery(f"sync-{level}", index))
+                    began = time.perf_counter()
+                    await connection.execute(INSERT_EVENT, *row)
+                    samples[level].append(time.perf_counter() - began)
+    finally:
+        for connection in connections.values():
+            await connection.close()
+    return samples
+
+
 def _params(event: Event) -> dict[str, object]:
     return {f"p{n}": value for n, value in enumerate(to_row(event), start=1)}
 
@@ -305,6 +344,15 @@ async def run(args: argparse.Namespace, url: str) -> None:
         )
     finally:
         await store.close()
+    if args.standby:
+        levels = await bench_synchronous_commit(bench_url, args.durable)
+        local = percentile(levels["local"], 0.5)
+        for level, samples in levels.items():
+            p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+            print(
+                f"synchronous_commit {level:<12} p50 {p50 * ms:.3f} ms   p99 {p99 * ms:.3f} ms"
+                f"   ({(p50 - local) * 1e6:+.0f} us at p50 against local; direct INSERT)"
+            )
     if args.compare_core:
         core = await bench_core(bench_url, args.durable)
         p50, p99 = percentile(core, 0.5) * ms, percentile(core, 0.99) * ms
@@ -323,7 +371,20 @@ def main() -> None:
     parser.add_argument("--lag", type=int, default=1000, help="events for the follow-lag test")
     parser.add_argument("--flush-delay", type=float, default=0.005)
     parser.add_argument("--compare-core", action="store_true")
+    parser.add_argument("--standby", action="store_true", help="a primary and a synchronous standby, embedded")
     args = parser.parse_args()
+    if args.standby:
+        if args.url:
+            parser.error("--standby starts its own pair of servers: give no --url")
+        root = tempfile.mkdtemp(prefix="phasegate-bench-pair-")
+        os.chmod(root, 0o755)  # ours: the servers' user must enter it
+        try:
+            with replica_pair(Path(root), free_port(), free_port()) as pair:
+                print("embedded primary and synchronous standby (fsync on), streaming")
+                asyncio.run(run(args, pair.url()))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     server = None
     url = args.url
     if not url:

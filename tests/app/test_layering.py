@@ -294,3 +294,21 @@ def test_the_checks_see_upward_imports_and_cycles(tmp_path: Path) -> None:
     assert [[str(arrow) for arrow in cycle] for cycle in cycles(tmp_path)] == [
         ["app/store/codec.py:1: app.store.codec → app.store.log", "app/store/log.py:2: app.store.log → app.store.codec"]
     ]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` names in an import statement (absolute imports; ops/ uses no others)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ops").rglob("*.py")), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_ops_imports_no_tests(path: Path) -> None:
+    # ops/ (benchmarks, seeding, fault scripts) builds on app/ and statemachine/; what it
+    # shares with the tests lives in ops/ (ops/traces.py, ops/replication.py), never in tests/
+    assert not [name for name in imported_modules(path) if name == "tests" or name.startswith("tests.")]

@@ -9,7 +9,7 @@ that says what the log says of it (replica, lease epoch, phase, outcome, the com
 point, the fence, the cancel acknowledgement), and ``RequestAccepted`` records the trace
 id, which the request's JSON and timeline page show. With tracing off (the default) no
 span is made and no ``traceparent`` leaves the gateway. Last, the attempt spans made from
-recorded event sequences alone (tests/app/store/traces.py): how each way an attempt
+recorded event sequences alone (ops/traces.py): how each way an attempt
 ends ends its span, and the bound on the requests followed.
 """
 
@@ -25,11 +25,11 @@ import pytest
 
 from app import tracing
 from app.config import ReplicaConfig, Timeouts
+from ops import traces
 from statemachine import events as ev
 from statemachine.request_state import RequestState
 from statemachine.state import apply
 from tests.app.conftest import add_fault
-from tests.app.store import traces
 from tests.support.gateway import MODEL, running_gateway
 from tests.support.scripted_upstream import running_scripted_upstream
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from ops import traces
 from statemachine import events as ev
 from statemachine.trace import dump_trace
 from tests.app.incident.conftest import Runner
-from tests.app.store import traces
 from tests.statemachine.model import ModelDriver
 
 ROOT = Path(__file__).resolve().parents[3]

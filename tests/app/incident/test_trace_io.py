@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from ops import traces
 from statemachine.trace import parse_trace
 from tests.app.incident.conftest import Runner
-from tests.app.store import traces
 from tests.conftest import run_sync
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"

@@ -15,8 +15,8 @@ from datetime import timedelta
 import pytest
 
 from app.store import EventStore, InvalidAppend, StoreClosed, StoreError, StreamConflict
+from ops import traces
 from statemachine.events import DeltasDelivered, Event, RequestCompleted
-from tests.app.store import traces
 
 
 async def collect(store: EventStore, after: int, count: int, timeout: float = 10.0) -> list[tuple[int, Event]]:

@@ -8,11 +8,9 @@ query, fails.
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -21,6 +19,8 @@ import pytest
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
 from app.store.instances import InstanceInfo, InstanceRegistry
+from ops import traces
+from ops.audit_queries import bind, bounded_queries, doc_queries, index_name
 from statemachine.events import (
     AttemptFenced,
     AttemptReleased,
@@ -29,10 +29,7 @@ from statemachine.events import (
     FirstDeltaCommitted,
     StreamResumed,
 )
-from tests.app.store import traces
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "audit.md"
-QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)
 BASE = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)  # in the past, for the "quiet for a minute" query
 HOUR = timedelta(hours=1)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"  # the OpenTelemetry trace req_fence was accepted in
@@ -59,23 +56,7 @@ LOG = {
         traces.in_flight("req_live", at=at(120)),
     )
 }
-PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "trace_id": TRACE_ID}
-
-
-def doc_queries() -> dict[int, tuple[str, str]]:
-    return {int(number): (title, sql) for number, title, sql in QUERY.findall(DOC.read_text())}
-
-
-def bind(sql: str) -> tuple[str, list[Any]]:
-    """psql's ``:'name'`` variables as numbered parameters."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return re.sub(r":'(\w+)'", number, sql), [PARAMETERS[name] for name in names]
+PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID}
 
 
 def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
@@ -226,6 +207,16 @@ def expect_traced(result: list[asyncpg.Record]) -> None:
     assert rows(result) == [("req_fence", "completed", 2, ["w2", "w3"], at(30))]
 
 
+def expect_recent_failures(result: list[asyncpg.Record]) -> None:
+    # since minute 60: the later cuts, the stall, the client that left; newest first
+    assert [(r["request_id"], r["outcome"], r["error_code"]) for r in result] == [
+        ("req_gone", "cancelled", "client_gone"),
+        ("req_stall", "failed", "upstream_decode_interrupted"),
+        ("req_cut_3", "failed", "upstream_decode_interrupted"),
+        ("req_cut_2", "failed", "upstream_decode_interrupted"),
+    ]
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -245,6 +236,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     16: expect_instances,
     17: expect_resumed,
     18: expect_traced,
+    19: expect_recent_failures,
 }
 
 
@@ -280,11 +272,33 @@ def test_every_query_has_an_expectation() -> None:
 
 @pytest.mark.parametrize("number", sorted(EXPECTATIONS), ids=lambda n: f"{n}. {doc_queries()[n][0]}")
 async def test_the_documented_query_returns_what_it_should(audited: asyncpg.Connection, number: int) -> None:
-    sql, parameters = bind(doc_queries()[number][1])
+    sql, parameters = bind(doc_queries()[number][1], PARAMETERS)
     EXPECTATIONS[number](await audited.fetch(sql, *parameters))
 
 
 async def test_the_disagreement_query_finds_a_drifted_read_model(audited: asyncpg.Connection) -> None:
     await audited.execute("UPDATE requests SET delivered_output_tokens = 0 WHERE request_id = 'req_cut_2'")
-    sql, parameters = bind(doc_queries()[7][1])
+    sql, parameters = bind(doc_queries()[7][1], PARAMETERS)
     assert [record["request_id"] for record in await audited.fetch(sql, *parameters)] == ["req_cut_2"]
+
+
+@pytest.mark.parametrize("number", sorted(bounded_queries()), ids=lambda n: f"{n}. bounded")
+async def test_a_bounded_form_returns_what_its_query_returns_over_the_whole_log(
+    audited: asyncpg.Connection, number: int
+) -> None:
+    # with the window opening before the log's first request, nothing is left out
+    bounded, indexes = bounded_queries()[number]
+    for statement in indexes:
+        await audited.execute(statement)
+    whole = await audited.fetch(*_bound(doc_queries()[number][1]))
+    windowed = await audited.fetch(*_bound(bounded))
+    assert sorted(map(tuple, windowed)) == sorted(map(tuple, whole))
+    if number not in (7, 9, 10):  # the should-be-none checks return nothing here either way
+        assert whole, "a bounded form checked against an empty answer proves nothing"
+    for statement in indexes:
+        await audited.execute(f"DROP INDEX {index_name(statement)}")
+
+
+def _bound(sql: str) -> list[Any]:
+    text, values = bind(sql, PARAMETERS)
+    return [text, *values]

@@ -9,6 +9,7 @@ import pytest
 
 from app.store.codec import event_id, from_row, storable, to_row
 from app.store.errors import InvalidAppend
+from ops import traces
 from statemachine.events import (
     EVENT_TYPES,
     AttemptFenced,
@@ -22,7 +23,6 @@ from statemachine.events import (
     UpstreamFailed,
 )
 from statemachine.jsonform import to_json
-from tests.app.store import traces
 
 T0 = traces.T0
 

@@ -15,10 +15,10 @@ import pytest
 
 from app import cli
 from app.store import PostgresEventStore
+from ops import traces
 from statemachine import events as ev
 from statemachine.replay import replay
 from statemachine.state import fold
-from tests.app.store import traces
 from tests.conftest import run_sync
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of

@@ -12,8 +12,8 @@ from app.store import PostgresEventStore
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
 from app.store.insert import INSERT_EVENTS, columns
+from ops import traces
 from statemachine.events import Event
-from tests.app.store import traces
 from tests.app.store.contract import collect
 
 

@@ -13,8 +13,8 @@ import pytest
 from app.store import PostgresEventStore, StoreError, StreamConflict
 from app.store.database import asyncpg_dsn
 from app.store.insert import COPY_FROM
+from ops import traces
 from statemachine.events import DeltasDelivered
-from tests.app.store import traces
 from tests.app.store.contract import other_delivery
 
 StoreFactory = Callable[..., Awaitable[PostgresEventStore]]

@@ -14,7 +14,7 @@ import pytest
 from app.store.errors import InstanceFenced
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
-from tests.app.store import traces
+from ops import traces
 
 
 def info(instance_id: str) -> InstanceInfo:

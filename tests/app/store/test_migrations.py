@@ -15,7 +15,7 @@ from alembic.script import ScriptDirectory
 from app import cli
 from app.store import PostgresEventStore, migrate
 from app.store.database import asyncpg_dsn
-from tests.app.store import traces
+from ops import traces
 
 ROOT = Path(__file__).resolve().parents[3]
 OURS = {

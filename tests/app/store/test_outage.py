@@ -11,7 +11,7 @@ import pytest
 
 from app.store import PostgresEventStore, StoreUnavailable
 from app.store.embedded import EmbeddedPostgres
-from tests.app.store import traces
+from ops import traces
 
 
 @pytest.fixture

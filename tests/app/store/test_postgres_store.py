@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.store import EventStore, PostgresEventStore
+from ops import traces
 from statemachine.events import DeltasDelivered, RequestCompleted
-from tests.app.store import traces
 from tests.app.store.contract import EventStoreContract
 
 

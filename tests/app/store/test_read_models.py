@@ -12,9 +12,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store import PostgresEventStore
 from app.store.audit import fold_disagreements
+from ops import traces
 from statemachine.events import FirstDeltaCommitted
 from statemachine.trace import parse_trace
-from tests.app.store import traces
 
 SCENARIOS = [
     traces.completed,

@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
-from tests.app.store import traces
+from ops import traces
 
 LOG_TABLES = ("requests", "request_attempts", "request_events", "tool_executions", "request_inputs")
 _names = itertools.count(1)

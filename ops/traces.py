@@ -1,4 +1,4 @@
-"""Legal event sequences for store tests, built the way the driver would build them.
+"""Legal event sequences, built the way the driver would build them: for the store tests and ``ops/seed.py``.
 
 A :class:`Trace` appends one event at a time, folding as it goes (so an illegal
 sequence fails here, not in the store), and records the policy's own decisions
