@@ -36,11 +36,10 @@ from typing import Any
 from app import logs
 from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
+from app.http_server import server_config
 from app.supervisor import Child, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
-
-KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
 
 DEMO_MODEL = "phasegate-sim"
 DEMO_REVISION = "sim-1"
@@ -266,17 +265,14 @@ async def _run(config: GatewayConfig, url: str, listener: socket.socket, generat
     loop = asyncio.get_running_loop()
     gateway = await Gateway.open(config, url)
     server = DrainingServer(
-        uvicorn.Config(
+        server_config(
             gateway.app,
+            config.http_limits,  # header and body timeouts, keep-alive, 431 (app/http_server.py)
             host=config.host,
             port=config.port,
             log_level="warning",
             log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             lifespan="on",
-            # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
-            # balancers' (often 60 s), so they close idle connections first: at uvicorn's
-            # 5 s default a request sent on a connection being closed got a reset.
-            timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
     banner = asyncio.get_running_loop().create_task(_announce(server, config, generated_token))

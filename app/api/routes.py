@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -38,6 +38,7 @@ from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
+    ClientGone,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
@@ -302,10 +303,13 @@ async def _json_body(request: Request, limit: int) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    except ClientDisconnect:  # gone mid-body, or cut by http_body_timeout_s: a refusal, not a 500
+        raise ClientGone("the client closed the connection before its request body was read") from None
     try:
         # orjson refuses what the standard library lets through and nothing downstream
         # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity

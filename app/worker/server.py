@@ -25,10 +25,11 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.http_server import server_config
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
@@ -46,8 +47,6 @@ from app.worker.protocol import (
 from app.worker.worker import Worker
 
 log = logging.getLogger("phasegate.worker")
-
-KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
 
 
 def refusal_response(refusal: Refusal) -> JSONResponse:
@@ -67,10 +66,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone mid-body, or cut by the body timeout: a refusal, not a 500
+        raise Refusal(499, Code.CLIENT_GONE, "the connection closed before the body was read") from None
     return bytes(body)
 
 
@@ -257,17 +259,9 @@ async def _serve(config: WorkerConfig) -> int:
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     server = _Server(
-        uvicorn.Config(
-            app,
-            log_level=config.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-            # Longer than any client's idle keep-alive (httpx: 5 s), so the client always
-            # closes an idle connection first. At uvicorn's 5 s default the two raced: a
-            # request sent on a connection the worker was closing got a reset (seen when
-            # the engine starved this process on two cores).
-            timeout_keep_alive=KEEP_ALIVE_S,
-        ),
+        # header and body timeouts, keep-alive (longer than the gateway's httpx: a request
+        # sent on a connection the worker was closing got a reset), 431: app/http_server.py
+        server_config(app, config.http, log_level=config.log_level, access_log=False, timeout_graceful_shutdown=5),
         worker,
         config.grace_s,
     )

@@ -3,7 +3,8 @@
     cli → serve → gateway → api → driver → (store, replicas) → statemachine
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
-gateway must share (the worker token's, the engine inputs' checks), a leaf.
+gateway must share (the worker token's, the engine inputs' checks), a leaf; and
+``app.http_server``, the HTTP server both run, another leaf.
 
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
@@ -31,15 +32,17 @@ BOTTOM = "statemachine"
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),  # app/__init__.py
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http_server"}),
     "app.metrics": frozenset(),
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset(),  # OpenTelemetry, off unless configured
     "app.supervisor": frozenset({"app.contract"}),
+    # the HTTP server both processes run (uvicorn held to timeouts and a header limit)
+    "app.http_server": frozenset(),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset({"app.contract"}),
+    "app.worker": frozenset({"app.contract", "app.http_server"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
     "app.replicas": frozenset({BOTTOM, "app.config", "app.logs", "app.tracing"}),
@@ -59,7 +62,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.contract", "app.logs", "app.tracing"}
+        | {"app.gateway", "app.contract", "app.logs", "app.tracing", "app.http_server"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}
