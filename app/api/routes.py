@@ -50,6 +50,7 @@ from app.api.errors import (
     retry_headers,
 )
 from app.api.limits import TenantLimiter
+from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
@@ -80,6 +81,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -242,6 +244,13 @@ class _Api:
             for name, revision in self.ctx.config.models.items()
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    async def openapi(self, request: Request) -> Response:
+        try:  # it lists the models: behind the same key as /v1/models
+            await self.authenticator.tenant(request.headers.get("authorization", ""))
+        except (Unauthorized, ServiceUnavailable) as error:
+            return _refused(error)
+        return JSONResponse(openapi_document(self.ctx.config))
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
