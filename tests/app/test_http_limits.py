@@ -64,15 +64,15 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(module_database_url: str) -> Iterator[Served]:
+def served(package_database_url: str) -> Iterator[Served]:
     args = ["--model", "sim", "--sim-decode-ms-per-token", "2", *LIMIT_FLAGS]
     with running_worker(args=args, token=TOKEN) as worker:
         settings = {"http_header_timeout_s": HEADER_S, "http_body_timeout_s": BODY_S, "http_keep_alive_s": IDLE_S}
-        with served_gateway(module_database_url, worker, settings=settings) as gateway:
+        with served_gateway(package_database_url, worker, settings=settings) as gateway:
             yield Served(
                 Target("gateway", gateway.url, "/v1/chat/completions", {}),
                 Target("worker", worker.base_url, "/v1/attempts/cancel", {"authorization": f"Bearer {TOKEN}"}),
-                module_database_url,
+                package_database_url,
                 lambda: gateway.logs() + worker.logs(),
             )
 
