@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -57,6 +58,16 @@ def refusal_response(refusal: Refusal) -> JSONResponse:
 async def _on_refusal(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, Refusal)
     return refusal_response(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 (a path or method no route takes) in the protocol's error shape,
+    not its plain text (the fuzz suite's finding)."""
+    assert isinstance(exc, HTTPException)
+    code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.INVALID_FIELD)
+    response = refusal_response(Refusal(exc.status_code, code, str(exc.detail)))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -203,7 +214,9 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal, HTTPException: _on_http_error}
+    )
     if config.token is not None:
         app.add_middleware(RequireToken, token=config.token)
     return app
