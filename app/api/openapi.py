@@ -180,6 +180,37 @@ _MODEL_LIST = {
         },
     },
 }
+# one server-sent event of a stream: a chunk, the final error (DESIGN.md §6), or [DONE]
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "id": {"type": "string"},
+        "event": {"type": "string"},
+        "data": {
+            "anyOf": [
+                {"const": "[DONE]"},
+                {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {
+                        "anyOf": [
+                            {
+                                "type": "object",
+                                "required": ["id", "object", "created", "model", "choices"],
+                                "properties": {
+                                    "object": {"enum": ["chat.completion.chunk", "text_completion"]},
+                                    "choices": {"type": "array"},
+                                },
+                            },
+                            _ERROR,
+                        ]
+                    },
+                },
+            ]
+        },
+    },
+}
 # what refuses a generation request before it is accepted, and what ends one after
 _REFUSALS = {
     "400": "a body or parameter the gateway (or a replica) refuses; `param` names it",
@@ -301,7 +332,7 @@ def _json(ref: str, description: str) -> dict[str, Any]:
 def _generation(operation_id: str, answer: str, security: list[dict[str, list[str]]]) -> dict[str, Any]:
     name = "Chat" if answer == "ChatCompletion" else ""
     ok = _json(_REF + answer, "the whole answer; with stream: true, server-sent events ending with data: [DONE]")
-    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    ok["content"]["text/event-stream"] = {"schema": _EVENT}
     return {
         "operationId": operation_id,
         "security": security,
