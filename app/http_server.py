@@ -127,9 +127,15 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.conn: MeasuredConnection = MeasuredConnection(self.limits.max_header_bytes)
         self.phase: Phase | None = None
-        self.deadline: asyncio.TimerHandle | None = None
+        self.expires_at = 0.0  # the phase's deadline, on the loop's clock
+        self.timer: asyncio.TimerHandle | None = None  # due at or before expires_at
         self.received_in_phase = False
         self.lingering = False
+        self.timeouts = {
+            Phase.HEADERS: self.limits.header_timeout_s,
+            Phase.BODY: self.limits.body_timeout_s,
+            Phase.IDLE: self.limits.keep_alive_s,
+        }
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -148,6 +154,9 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         super().connection_lost(exc)
 
     # --- uvicorn's hooks -------------------------------------------------------------------
@@ -188,28 +197,29 @@ class LimitedH11Protocol(H11Protocol):
     def _enter(self, phase: Phase) -> None:
         if phase is self.phase:
             return  # a trickle does not move the deadline
-        self._disarm()
         self.phase = phase
         self.received_in_phase = False
-        timeout = {
-            Phase.HEADERS: self.limits.header_timeout_s,
-            Phase.BODY: self.limits.body_timeout_s,
-            Phase.IDLE: self.limits.keep_alive_s,
-        }[phase]
-        self.deadline = self.loop.call_later(timeout, self._expire, phase)
+        self.expires_at = self.loop.time() + self.timeouts[phase]
+        # One timer a connection, moved only to an earlier deadline (a new request after an
+        # idle spell); a later one is looked at when the timer fires. A timer armed and
+        # cancelled at every phase was three a request (see ops/bench/http_limits.py).
+        if self.timer is None or self.timer.when() > self.expires_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(self.expires_at, self._on_timer)
 
     def _disarm(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-        self.deadline = None
-        self.phase = None
+        self.phase = None  # a pending timer finds nothing due
 
-    def _expire(self, phase: Phase) -> None:
-        self.deadline = None
-        if self.transport.is_closing():
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.phase is None or self.transport.is_closing():
             return
-        log.debug("closing a connection: its %s took too long", phase.value)
-        if phase is Phase.HEADERS and self.received_in_phase:
+        if self.loop.time() < self.expires_at:  # the phase moved on to a later deadline
+            self.timer = self.loop.call_at(self.expires_at, self._on_timer)
+            return
+        log.debug("closing a connection: its %s took too long", self.phase.value)
+        if self.phase is Phase.HEADERS and self.received_in_phase:
             self._refuse(408, "request_timeout", f"the request's headers took over {self.limits.header_timeout_s:g} s")
             return
         self.transport.close()
