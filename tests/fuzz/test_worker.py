@@ -175,3 +175,25 @@ def test_paths_and_queries(stack: Stack, tally: Tally) -> None:
             judge(tally, "worker.paths", unchanged_when_refused(stack, http, call))
 
         run_family(stack, property_)
+
+
+def test_probes_reveal_no_request_ids(stack: Stack, tally: Tally) -> None:
+    """Health, readiness and metrics stay open to any caller, and name no request: the start
+    family's attempts (ids ``fuzz-…``) appear in none of them."""
+    with stack.worker_client() as http:
+        started = http.post("/v1/attempts", json=start_body("fuzz-probed"), headers=TOKEN)
+        assert started.status_code == 200
+
+        @fuzz_settings()
+        @given(
+            path=st.sampled_from(["/v1/health", "/v1/ready", "/metrics"]),
+            headers=s.HEADERS,
+            query=s.QUERY,
+        )
+        def property_(path: str, headers: dict[str, bytes], query: str) -> None:
+            url = httpx.URL(stack.worker.base_url).copy_with(raw_path=(path + (f"?{query}" if query else "")).encode())
+            response = http.get(url, headers=headers)
+            judge(tally, "worker.probes", response)
+            assert response.status_code == 200 and "fuzz-" not in response.text, response.text[:300]
+
+        run_family(stack, property_)
