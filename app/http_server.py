@@ -20,11 +20,11 @@ silently otherwise (the application reading a body sees the client leave).
 Headers over ``max_header_bytes`` get 431, other malformed HTTP 400, both in the OpenAI
 error shape. h11 limits only an *incomplete* head (its buffer while it waits for the end of
 the headers): a larger head that arrives whole in one read passed, so the connection also
-measures every complete one. uvicorn answered these and closed the
-socket at once, with the client's bytes unread, so the kernel reset the connection and the
-client never read the answer. Here the answer is written, the write side shut, and what
-the client still sends is read and dropped until it closes or ``LINGER_S`` passes (a
-lingering close, as Apache and nginx do).
+measures every complete one. uvicorn answered malformed requests and closed the socket at
+once, with the client's bytes unread, so the kernel reset the connection and the client
+never read the answer (a 1 MB header got a reset). Here the answer is written, the write
+side shut, and what the client still sends is read and dropped until it closes or
+``LINGER_S`` passes (a lingering close, as Apache and nginx do).
 """
 
 from __future__ import annotations
