@@ -96,20 +96,20 @@ class Stack:
         text = self.gateway.logs() + self.worker.logs()
         return [line for line in text.splitlines() if any(fault in line for fault in SERVER_FAULTS)]
 
-    def events_apart_from(self, request_ids: set[str]) -> int:
-        """Events in the log of requests other than ``request_ids``."""
-        return int(
-            self._query("SELECT count(*) FROM request_events WHERE request_id <> ALL($1::text[])", list(request_ids))
-        )
+    def log_apart_from(self, request_ids: set[str]) -> tuple[int, int]:
+        """Events in the log and rows of the ``requests`` read model, of requests other than ``request_ids``."""
+        ids = list(request_ids)
+        events = self._count("SELECT count(*) FROM request_events WHERE request_id <> ALL($1::text[])", ids)
+        return events, self._count("SELECT count(*) FROM requests WHERE request_id <> ALL($1::text[])", ids)
 
     def events_of(self, request_id: str) -> int:
-        return int(self._query("SELECT count(*) FROM request_events WHERE request_id = $1", request_id))
+        return self._count("SELECT count(*) FROM request_events WHERE request_id = $1", request_id)
 
-    def _query(self, sql: str, *args: object) -> object:
-        async def run() -> object:
+    def _count(self, sql: str, *args: object) -> int:
+        async def run() -> int:
             connection = await asyncpg.connect(asyncpg_dsn(self.database_url))
             try:
-                return await connection.fetchval(sql, *args)
+                return int(await connection.fetchval(sql, *args))
             finally:
                 await connection.close()
 

@@ -6,8 +6,8 @@ and audit routes, resume and cancel. For every case:
 
 - no 5xx, and a refusal is an OpenAI-style error with a stable code;
 - a refused request leaves nothing in the log: no event under its ``x-request-id``, and,
-  per family, the log's events apart from those of accepted requests are as many after as
-  before;
+  per family, the log's events and ``requests`` rows apart from those of accepted requests
+  are as many after as before;
 - and at the end of each family, neither server wrote a traceback.
 """
 
@@ -60,9 +60,9 @@ def judge(stack: Stack, tally: Tally, family: str, response: httpx.Response, *, 
 
 def run_family(stack: Stack, tally: Tally, property_: Callable[[], None]) -> None:
     """Run ``property_`` (a Hypothesis test); the log apart from accepted requests must not move."""
-    before = stack.events_apart_from(set(tally.accepted))
+    before = stack.log_apart_from(set(tally.accepted))
     property_()
-    assert stack.events_apart_from(tally.accepted) == before, "refused requests changed the log"
+    assert stack.log_apart_from(tally.accepted) == before, "refused requests changed the log"
     assert stack.server_faults() == []
 
 
