@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
+from app.http_server import HttpLimits
 from statemachine.policy import PolicyConfig
 
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
 SHA256_PREFIX = "sha256:"  # an api_keys entry that is a key's digest, not the key
 LOG_FORMATS = ("text", "json")
+_HTTP_DEFAULTS = HttpLimits()
 
 
 class ConfigError(ValueError):
@@ -135,6 +137,13 @@ class GatewayConfig:
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # off unless configured
     content_policy: str = "full"  # how delivered text is kept in the log: full, digest or none
     max_body_bytes: int = 1 << 20
+    # how long a client may take over a request's headers (trickled or not), over its body,
+    # and how long a kept-alive connection may idle (app/http_server.py); headers over
+    # http_max_header_bytes get 431
+    http_header_timeout_s: float = _HTTP_DEFAULTS.header_timeout_s
+    http_body_timeout_s: float = _HTTP_DEFAULTS.body_timeout_s
+    http_keep_alive_s: float = _HTTP_DEFAULTS.keep_alive_s
+    http_max_header_bytes: int = _HTTP_DEFAULTS.max_header_bytes
     retry_budget_burst: int = 20  # global retries available at once
     retry_budget_per_s: float = 5.0  # and refilled at this rate
     delivery_batch_tokens: int = 16  # deltas recorded per DeltasDelivered event at most
@@ -181,12 +190,23 @@ class GatewayConfig:
             raise ConfigError("api_key_cache_s must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        for problem in self.http_limits.problems():
+            raise ConfigError(f"http_{problem}")
         if self.timeouts.lease_ttl_s <= 0 or self.timeouts.stall_s <= 0:
             raise ConfigError("timeouts must be positive")
         if self.instance_lease_ttl_s <= 0 or self.sweep_interval_s <= 0 or self.drain_s < 0:
             raise ConfigError("instance_lease_ttl_s and sweep_interval_s must be positive, drain_s not negative")
         if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
             raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            header_timeout_s=self.http_header_timeout_s,
+            body_timeout_s=self.http_body_timeout_s,
+            keep_alive_s=self.http_keep_alive_s,
+            max_header_bytes=self.http_max_header_bytes,
+        )
 
     def model_revision(self, model: str) -> str | None:
         return self.models.get(model)

@@ -34,8 +34,8 @@ from types import FrameType
 
 from app import logs
 from app.config import GatewayConfig
+from app.http_server import server_config
 
-KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
 PR_SET_PDEATHSIG = 1
 
 
@@ -98,17 +98,14 @@ async def run_gateway(
     if address is not None:  # before the lifespan registers the instance
         gateway.instance.address = address
     server = DrainingServer(
-        uvicorn.Config(
+        server_config(
             gateway.app,
+            config.http_limits,  # header and body timeouts, keep-alive, 431 (app/http_server.py)
             host=config.host,
             port=config.port,
             log_level="warning",
             log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             lifespan="on",
-            # Longer than clients' idle keep-alive (httpx, the openai SDK: 5 s) and load
-            # balancers' (often 60 s), so they close idle connections first: at uvicorn's
-            # 5 s default a request sent on a connection being closed got a reset.
-            timeout_keep_alive=KEEP_ALIVE_S,
             backlog=backlog,
         )
     )

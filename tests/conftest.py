@@ -13,6 +13,8 @@ without a database.
   create their own databases.
 - ``database_url`` (function): URL of a fresh database migrated to head, copied from
   a migrated template (tens of milliseconds), dropped after the test.
+- ``package_database_url`` (package): the same, shared by a test package (for a gateway
+  process that serves a module's or a package's tests).
 - ``empty_database_url`` (function): a fresh database with no schema at all.
 - ``event_store`` (function): a ``PostgresEventStore`` on ``database_url``, closed
   (flushed) after the test.
@@ -91,6 +93,14 @@ async def database_url(admin_url: str) -> AsyncIterator[str]:
     await _recreate(admin_url, name, template=TEMPLATE)
     yield url_of(admin_url, name)
     await _drop(admin_url, name)
+
+
+@pytest.fixture(scope="package")
+def package_database_url(admin_url: str) -> Iterator[str]:
+    name = f"phasegate_package_{os.getpid()}_{next(_names)}"
+    run_sync(lambda: _recreate(admin_url, name, template=TEMPLATE))
+    yield url_of(admin_url, name)
+    run_sync(lambda: _drop(admin_url, name))
 
 
 @pytest.fixture

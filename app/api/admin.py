@@ -46,6 +46,7 @@ from app.api.errors import (
     Unauthorized,
     retry_headers,
 )
+from app.api.request_ids import check_request_id
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
@@ -59,7 +60,6 @@ log = logging.getLogger("phasegate.admin")
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 MAX_SEQ = 2**31 - 1  # events.version is a PostgreSQL integer
-MAX_REQUEST_ID_CHARS = 256
 UI_COOKIE = "phasegate_admin"
 
 Handler = Callable[[Request, "str | None"], Awaitable[Response]]  # the request, and the tenant it is read for
@@ -91,7 +91,7 @@ class _Admin:
                 if browser and "token" in request.query_params:
                     return self._hand_over(request, exchange)
                 tenant = await self._reader(request, browser=browser)
-                _check_request_id(request.path_params.get("request_id", ""))
+                check_request_id(request.path_params.get("request_id", ""))
                 response = await handler(request, tenant)
             except ApiError as error:
                 headers = {"x-request-id": exchange, **retry_headers(error.retryable)}
@@ -250,16 +250,6 @@ def _integer(request: Request, name: str, default: int, *, minimum: int, maximum
         shown = text if len(text) <= 40 else text[:40] + "…"
         raise InvalidRequest(f"{name} must be an integer from {minimum} to {maximum}, not {shown!r}", param=name)
     return int(text)
-
-
-def _check_request_id(request_id: str) -> None:
-    """A request id the log could hold: printable, no NUL (PostgreSQL text refuses it), not huge."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequest(
-            f"a request id is printable text of at most {MAX_REQUEST_ID_CHARS} characters",
-            param="request_id",
-            code="invalid_request_id",
-        )
 
 
 def _tenants(first: Event, tenant: str) -> bool:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, NotFound, ServiceUnavailable
+from app.api.request_ids import check_request_id, id_header
 from app.driver.context import GatewayContext
 from app.logs import bind_request
 from app.store.errors import StoreUnavailable
@@ -43,9 +44,10 @@ class _Cancel:
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
-        headers = {"x-request-id": request_id}
+        headers = id_header(request_id)
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
+            check_request_id(request_id)
             try:
                 events = await self.ctx.store.read(request_id)
             except StoreUnavailable:

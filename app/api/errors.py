@@ -10,6 +10,7 @@
     ├── UnsupportedMediaType 415   a POST body not declared as application/json
     ├── IdempotencyKeyReused 422   an Idempotency-Key sent again with another body
     ├── RateLimited          429   a tenant over one of its limits (app/api/limits.py), with Retry-After
+    ├── ClientGone           499   the client left before its request was read whole (nobody reads it)
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
 
 Each says whether the same request may succeed if sent again (``retryable``). Where it
@@ -118,6 +119,16 @@ class RateLimited(ApiError):
     def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
+
+
+class ClientGone(ApiError):
+    """The client closed its connection (or the server's body timeout closed it) while the
+    body was being read: the answer goes nowhere, the refusal is only counted."""
+
+    status = 499  # nginx's code for "the client went away"
+    type = "invalid_request_error"
+    code = "client_closed_request"
+    retryable = False
 
 
 class ServiceUnavailable(ApiError):

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
+from app.api.request_ids import check_request_id, id_header
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver.context import GatewayContext
 from app.driver.outputs import Failed
@@ -70,9 +71,10 @@ class _Resume:
 
     async def stream(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
-        headers = {"x-request-id": request_id}
+        headers = id_header(request_id)
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
+            check_request_id(request_id)
             after = _after(request)
             events = await self.follower.read(request_id)
             accepted = events[0] if events else None

@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -38,6 +38,7 @@ from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
+    ClientGone,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
@@ -49,6 +50,7 @@ from app.api.errors import (
     retry_headers,
 )
 from app.api.limits import TenantLimiter
+from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
@@ -79,6 +81,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -242,6 +245,13 @@ class _Api:
         ]
         return JSONResponse({"object": "list", "data": data})
 
+    async def openapi(self, request: Request) -> Response:
+        try:  # it lists the models: behind the same key as /v1/models
+            await self.authenticator.tenant(request.headers.get("authorization", ""))
+        except (Unauthorized, ServiceUnavailable) as error:
+            return _refused(error)
+        return JSONResponse(openapi_document(self.ctx.config))
+
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -302,10 +312,13 @@ async def _json_body(request: Request, limit: int) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    except ClientDisconnect:  # gone mid-body, or cut by http_body_timeout_s: a refusal, not a 500
+        raise ClientGone("the client closed the connection before its request body was read") from None
     try:
         # orjson refuses what the standard library lets through and nothing downstream
         # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity

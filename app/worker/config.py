@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError
+from app.http_server import HttpLimits
 from app.worker.auth import LOOPBACK_HOSTS, token_from
 from app.worker.engine import Engine
 
@@ -35,6 +36,7 @@ class WorkerConfig:
     log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance (the worker)
     token: str | None = field(default=None, repr=False)  # None: the protocol is open (loopback only)
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
+    http: HttpLimits = field(default_factory=HttpLimits)  # header and body timeouts, keep-alive, 431
     # sim engine
     sim_prefill_ms_per_token: float = 0.1
     sim_decode_ms_per_token: float = 2.0
@@ -87,6 +89,13 @@ def add_worker_parser(sub: Any) -> None:
         help="serve the protocol without a token on a non-loopback address (a private network only)",
     )
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    h = d.http
+    p.add_argument(
+        "--http-header-timeout-s", type=float, default=h.header_timeout_s, help="to read a request's headers"
+    )
+    p.add_argument("--http-body-timeout-s", type=float, default=h.body_timeout_s, help="to read a request's body")
+    p.add_argument("--http-keep-alive-s", type=float, default=h.keep_alive_s, help="an idle connection is kept open")
+    p.add_argument("--http-max-header-bytes", type=int, default=h.max_header_bytes, help="larger headers get 431")
     p.add_argument("--sim-prefill-ms-per-token", type=float, default=d.sim_prefill_ms_per_token)
     p.add_argument("--sim-decode-ms-per-token", type=float, default=d.sim_decode_ms_per_token)
     p.add_argument("--sim-abort-ms", type=float, default=d.sim_abort_ms, help="time the sim takes to abort")
@@ -116,6 +125,14 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         )
     if args.max_body_bytes < 1024:
         raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
+    http = HttpLimits(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        keep_alive_s=args.http_keep_alive_s,
+        max_header_bytes=args.http_max_header_bytes,
+    )
+    for problem in http.problems():
+        raise SystemExit(f"phasegate worker: --http-{problem.replace('_', '-')}")
     models = tuple(args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"]))
     return WorkerConfig(
         host=args.host,
@@ -136,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         log_format=args.log_format,
         token=token,
         max_body_bytes=args.max_body_bytes,
+        http=http,
         sim_prefill_ms_per_token=args.sim_prefill_ms_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         sim_abort_ms=args.sim_abort_ms,

@@ -38,6 +38,9 @@ class Code(enum.StrEnum):
     FAULTS_DISABLED = "faults_disabled"
     BODY_TOO_LARGE = "body_too_large"  # 413: over --max-body-bytes
     UNAUTHORIZED = "unauthorized"  # 401: no or a wrong worker token
+    CLIENT_GONE = "client_closed_request"  # 499: the caller left mid-body (nobody reads it)
+    NOT_FOUND = "not_found"  # 404: no such endpoint
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405: the endpoint takes other methods (Allow)
     # the replica (429 / 5xx)
     QUEUE_FULL = "queue_full"
     REPLICA_EXITING = "replica_exiting"

@@ -24,11 +24,13 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app import logs
+from app.http_server import server_config
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
@@ -46,8 +48,6 @@ from app.worker.worker import Worker
 
 log = logging.getLogger("phasegate.worker")
 
-KEEP_ALIVE_S = 75  # seconds an idle client connection is kept open
-
 
 def refusal_response(refusal: Refusal) -> JSONResponse:
     headers = {} if refusal.retry_after is None else {"retry-after": str(refusal.retry_after)}
@@ -59,6 +59,16 @@ async def _on_refusal(request: Request, exc: Exception) -> Response:
     return refusal_response(exc)
 
 
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 (a path or method no route takes) in the protocol's error shape,
+    not its plain text (the fuzz suite's finding)."""
+    assert isinstance(exc, HTTPException)
+    code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code, Code.INVALID_FIELD)
+    response = refusal_response(Refusal(exc.status_code, code, str(exc.detail)))
+    response.headers.update(exc.headers or {})
+    return response
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     too_large = Refusal(413, Code.BODY_TOO_LARGE, f"the body is over the limit of {limit} bytes")
@@ -66,10 +76,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone mid-body, or cut by the body timeout: a refusal, not a 500
+        raise Refusal(499, Code.CLIENT_GONE, "the connection closed before the body was read") from None
     return bytes(body)
 
 
@@ -202,7 +215,9 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal})
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal, HTTPException: _on_http_error}
+    )
     if config.token is not None:
         app.add_middleware(RequireToken, token=config.token)
     return app
@@ -258,17 +273,15 @@ async def _serve(config: WorkerConfig) -> int:
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     server = _Server(
-        uvicorn.Config(
+        # header and body timeouts, keep-alive (longer than the gateway's httpx: a request
+        # sent on a connection the worker was closing got a reset), 431: app/http_server.py
+        server_config(
             app,
+            config.http,
             log_level=config.log_level,
             log_config=None,  # uvicorn's lines go through the root handler: same format, same redaction
             access_log=False,
             timeout_graceful_shutdown=5,
-            # Longer than any client's idle keep-alive (httpx: 5 s), so the client always
-            # closes an idle connection first. At uvicorn's 5 s default the two raced: a
-            # request sent on a connection the worker was closing got a reset (seen when
-            # the engine starved this process on two cores).
-            timeout_keep_alive=KEEP_ALIVE_S,
         ),
         worker,
         config.grace_s,

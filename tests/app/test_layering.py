@@ -4,7 +4,8 @@
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
 gateway must share (the worker token's, the engine inputs' checks), a leaf; and
-``app.logs``, the leaf that formats every phasegate process's lines.
+``app.logs``, the leaf that formats every phasegate process's lines; and
+``app.http_server``, the HTTP server both run, another leaf.
 
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
@@ -32,15 +33,17 @@ BOTTOM = "statemachine"
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),  # app/__init__.py
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http_server"}),
     "app.metrics": frozenset(),
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
+    # the HTTP server both processes run (uvicorn held to timeouts and a header limit)
+    "app.http_server": frozenset(),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset({"app.contract", "app.logs"}),
+    "app.worker": frozenset({"app.contract", "app.logs", "app.http_server"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
     "app.replicas": frozenset({BOTTOM, "app.config", "app.contract", "app.logs", "app.tracing"}),
@@ -58,10 +61,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.gateway": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
     ),
-    "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing"}),
+    "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing", "app.http_server"}),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing"}
+        | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing", "app.http_server"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

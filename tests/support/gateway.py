@@ -29,7 +29,7 @@ import uvicorn
 from app.config import GatewayConfig, ReplicaConfig, load_config
 from app.driver.context import ToolRunner
 from app.gateway import Gateway
-from app.gateway_process import KEEP_ALIVE_S
+from app.http_server import server_config
 from statemachine.events import Event
 
 T = TypeVar("T")
@@ -112,13 +112,13 @@ def running_gateway(
         try:
             gateway = await Gateway.open(config, database_url, tool_runner=tool_runner)
             server = uvicorn.Server(
-                uvicorn.Config(
+                server_config(  # as phasegate serve
                     gateway.app,
+                    config.http_limits,
                     host="127.0.0.1",
                     port=config.port,
                     log_level="warning",
                     lifespan="on",
-                    timeout_keep_alive=KEEP_ALIVE_S,  # as phasegate serve
                 )
             )
             holder.update(gateway=gateway, server=server)

@@ -1,0 +1,251 @@
+"""The HTTP server of both processes (gateway and worker): uvicorn's h11 protocol, with limits
+on how long a client may hold a connection and how large its headers may be.
+
+uvicorn times out only a kept-alive connection that went idle after a response, and the
+next byte disarms that timer: a connection that never sends a byte, or sends its headers
+or its body a byte at a time, stayed open for ever (a socket and a file descriptor each,
+the slowloris attack). How this works: each connection is in one phase at a time, with
+one deadline that a trickle of bytes does not move:
+
+- ``HEADERS``: from the connection's opening, or from the first byte of a later request on
+  a kept-alive connection, to the end of the request's headers: ``header_timeout_s``;
+- ``BODY``: from the end of the headers to the end of the body: ``body_timeout_s``;
+- ``IDLE``: from the end of an exchange to the next byte: ``keep_alive_s`` (this replaces
+  uvicorn's own keep-alive timer, which the protocol cancels);
+- none while the application answers a request it has read whole.
+
+A passing deadline closes the connection: with 408 when part of a request's headers came,
+silently otherwise (the application reading a body sees the client leave).
+
+Headers over ``max_header_bytes`` get 431, other malformed HTTP 400, both in the OpenAI
+error shape. h11 limits only an *incomplete* head (its buffer while it waits for the end of
+the headers): a larger head that arrives whole in one read passed, so the connection also
+measures every complete one. uvicorn answered malformed requests and closed the socket at
+once, with the client's bytes unread, so the kernel reset the connection and the client
+never read the answer (a 1 MB header got a reset). Here the answer is written, the write
+side shut, and what the client still sends is read and dropped until it closes or
+``LINGER_S`` passes (a lingering close, as Apache and nginx do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("phasegate.http")
+
+LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped before closing
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """How long a client may take over each part of a request, and how large its headers may be."""
+
+    header_timeout_s: float = 10.0  # the request line and headers, however they trickle
+    body_timeout_s: float = 30.0  # the body, from the end of the headers
+    keep_alive_s: float = 75.0  # an idle kept-alive connection (longer than clients' own: see below)
+    max_header_bytes: int = 16384  # the request line and headers; larger gets 431
+
+    def problems(self) -> list[str]:
+        """What is wrong with these limits, one line each, naming the setting's suffix."""
+        found = [
+            f"{name} must be a positive number of seconds"
+            for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s")
+            if type(getattr(self, name)) not in (int, float) or not 0 < getattr(self, name) < math.inf
+        ]
+        if type(self.max_header_bytes) is not int or self.max_header_bytes < 1024:
+            found.append("max_header_bytes must be a whole number, at least 1024")
+        return found
+
+
+class Phase(enum.Enum):
+    HEADERS = "headers"
+    BODY = "body"
+    IDLE = "idle"
+
+
+def server_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``, on the h11 protocol held to ``limits``.
+
+    The protocol is named, not left to uvicorn's choice (httptools when it is installed),
+    so that every deployment gets these limits. ``keep_alive_s`` should be longer than
+    clients' idle keep-alive (httpx, the openai SDK: 5 s) and load balancers' (often 60 s),
+    so that they close idle connections first: at uvicorn's 5 s default a request sent on a
+    connection being closed got a reset.
+    """
+
+    class Protocol(LimitedH11Protocol):
+        pass
+
+    Protocol.limits = limits
+    return uvicorn.Config(app, http=Protocol, h11_max_incomplete_event_size=limits.max_header_bytes, **options)
+
+
+class MeasuredConnection(h11.Connection):
+    """h11's server side, which refuses a complete request head over ``max_header_bytes``
+    as it refuses an incomplete one, and keeps the refusal for the answer."""
+
+    def __init__(self, max_header_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self.max_header_bytes = max_header_bytes
+        self.refusal: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.refusal = exc
+            raise
+        if isinstance(event, h11.Request) and head_bytes(event) > self.max_header_bytes:
+            self.refusal = h11.RemoteProtocolError("request header fields too large", error_status_hint=431)
+            raise self.refusal
+        return event
+
+
+def head_bytes(request: h11.Request) -> int:
+    """The size of ``request``'s line and headers as sent (h11 dropped the optional spaces)."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + len(b": \r\n") for name, value in request.headers)
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines and answers of the module's docstring."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn: MeasuredConnection = MeasuredConnection(self.limits.max_header_bytes)
+        self.phase: Phase | None = None
+        self.expires_at = 0.0  # the phase's deadline, on the loop's clock
+        self.timer: asyncio.TimerHandle | None = None  # due at or before expires_at
+        self.received_in_phase = False
+        self.lingering = False
+        self.timeouts = {
+            Phase.HEADERS: self.limits.header_timeout_s,
+            Phase.BODY: self.limits.body_timeout_s,
+            Phase.IDLE: self.limits.keep_alive_s,
+        }
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._enter(Phase.HEADERS)
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a refused request: read, so that the client reads the answer
+        if self.phase is Phase.IDLE:
+            self._enter(Phase.HEADERS)  # the first byte of the next request
+        self.received_in_phase = True
+        super().data_received(data)
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        super().connection_lost(exc)
+
+    # --- uvicorn's hooks -------------------------------------------------------------------
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._unset_keepalive_if_required()  # the IDLE phase is the one keep-alive timer
+        self._follow()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse: 431 when its headers outgrew the limit, else 400."""
+        if self.conn.refusal is not None and self.conn.refusal.error_status_hint == 431:
+            self._refuse(
+                431,
+                "request_header_fields_too_large",
+                f"the request line and headers are over the limit of {self.limits.max_header_bytes} bytes",
+            )
+        else:
+            self._refuse(400, "invalid_http_request", "the request is not valid HTTP/1.1")
+
+    # --- the phases ------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        """Move to the phase the connection's h11 states say it is in."""
+        if self.transport.is_closing() or self.lingering:
+            self._disarm()
+            return
+        their, ours = self.conn.their_state, self.conn.our_state
+        if their is h11.SEND_BODY:
+            self._enter(Phase.BODY)
+        elif their is h11.IDLE and (self.conn.trailing_data[0] or self.phase is Phase.HEADERS):
+            self._enter(Phase.HEADERS)  # part of the next request came (perhaps pipelined)
+        elif their is h11.IDLE and ours is h11.IDLE:
+            self._enter(Phase.IDLE)
+        else:  # the request is read whole: the application has it
+            self._disarm()
+
+    def _enter(self, phase: Phase) -> None:
+        if phase is self.phase:
+            return  # a trickle does not move the deadline
+        self.phase = phase
+        self.received_in_phase = False
+        self.expires_at = self.loop.time() + self.timeouts[phase]
+        # One timer a connection, moved only to an earlier deadline (a new request after an
+        # idle spell); a later one is looked at when the timer fires. A timer armed and
+        # cancelled at every phase was three a request (see ops/bench/http_limits.py).
+        if self.timer is None or self.timer.when() > self.expires_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(self.expires_at, self._on_timer)
+
+    def _disarm(self) -> None:
+        self.phase = None  # a pending timer finds nothing due
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.phase is None or self.transport.is_closing():
+            return
+        if self.loop.time() < self.expires_at:  # the phase moved on to a later deadline
+            self.timer = self.loop.call_at(self.expires_at, self._on_timer)
+            return
+        log.debug("closing a connection: its %s took too long", self.phase.value)
+        if self.phase is Phase.HEADERS and self.received_in_phase:
+            self._refuse(408, "request_timeout", f"the request's headers took over {self.limits.header_timeout_s:g} s")
+            return
+        self.transport.close()
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer a request the application never saw, then close without resetting."""
+        self._disarm()
+        body = json.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        ).encode()
+        head = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        # Written as bytes, not through h11: its state may not allow a response here (no
+        # request was parsed), and nothing more is sent on this connection anyway.
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
+            + b"".join(b"%s: %s\r\n" % header for header in head)
+            + b"\r\n"
+            + body
+        )
+        self.lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client reads the answer, then closes; see eof_received
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:  # TLS: no half-close
+            self.transport.close()

@@ -1,0 +1,92 @@
+"""schemathesis against the running gateway, from the ``/openapi.json`` it serves.
+
+Each operation of the description (chat completions, completions, models) gets cases that
+fit it (positive) and cases that break it (negative), sent to the live ``phasegate serve``
+with a tenant's key. schemathesis judges each answer: no 5xx, a status and a content type
+the description lists, a body that fits its schema, and every negative case refused. The
+suite's own properties hold too: no event under a refused request's id, and the log apart
+from accepted requests unchanged.
+
+Positive cases are not required to be accepted: what JSON Schema cannot say (a named
+``tool_choice`` must name one of the tools, ``stream_options`` only with ``stream``) is a 400
+naming the ``param``, as app/api/openapi.py says.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import given
+from schemathesis import APIOperation, CheckFunction, GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, Stack, Tally, fuzz_settings
+
+pytestmark = pytest.mark.slow
+
+KEY = {"authorization": f"Bearer {API_KEY}"}
+FAMILIES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+CHECKS: list[CheckFunction] = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+
+def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
+    with stack.gateway_client() as http:
+        assert http.get("/openapi.json").status_code == 401  # it lists the models: behind the key
+        document = http.get("/openapi.json", headers=KEY).json()
+    request = document["components"]["schemas"]["CreateChatCompletionRequest"]
+    assert request["properties"]["model"]["enum"] == [MODEL]
+    assert request["properties"]["max_tokens"]["anyOf"][0]["maximum"] == MAX_TOKENS
+    assert sorted(document["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/models"]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
+def test_schemathesis(stack: Stack, tally: Tally, mode: GenerationMode) -> None:
+    with stack.gateway_client() as http:
+        document = http.get("/openapi.json", headers=KEY).json()
+    schema = schemathesis.openapi.from_dict(document)
+    before = stack.log_apart_from(set(tally.accepted))
+    checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 3
+    for operation in operations:
+        run_operation(stack, tally, operation, mode, checks)
+    assert stack.log_apart_from(tally.accepted) == before, "refused requests changed the log"
+    assert stack.server_faults() == []
+
+
+def run_operation(
+    stack: Stack, tally: Tally, operation: APIOperation, mode: GenerationMode, checks: list[CheckFunction]
+) -> None:
+    family = f"schemathesis.{mode.value}.{FAMILIES[operation.path]}"
+
+    @fuzz_settings()
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def property_(case: schemathesis.Case) -> None:
+        response = case.call(base_url=stack.gateway.url, headers=KEY, timeout=30)
+        tally.record(family, response.status_code)
+        request_id = (response.headers.get("x-request-id") or [None])[0]
+        if request_id is not None and response.status_code < 300 and operation.method.upper() == "POST":
+            tally.accepted.add(request_id)
+        elif request_id is not None and response.status_code >= 400 and request_id not in tally.accepted:
+            assert stack.events_of(request_id) == 0, f"refused {request_id} is in the log"
+        case.validate_response(response, checks=checks)
+
+    property_()
+
+
+def test_the_description_is_served_as_json(stack: Stack) -> None:
+    response = httpx.get(stack.gateway.url + "/openapi.json", headers=KEY, timeout=10)
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["openapi"] == "3.1.0"
