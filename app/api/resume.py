@@ -12,9 +12,16 @@ and it never appends to a live request, which only its owner does. Any instance
 serves any request. Once the end was sent, the instance records what it sent as
 ``StreamResumed``, bookkeeping after the terminal event (expected-version guarded).
 
+A client that left a request live on this instance, within its grace
+(``resume_grace_s``), attaches to its loop instead (:func:`attach_live`): the deltas
+after the one it names, those produced while nobody was attached first, then the live
+tail, from memory; it becomes the request's one attached client. Another instance
+follows the log; a request left with no client shows its produced deltas there once it
+ended (DESIGN.md §12).
+
 A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
-to that request the same way (:func:`attach`): a streamed one is served from the log
-(from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
+to that request the same way (:func:`attach`): to the live loop as above, or from the
+log (from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
 
 Under ``content_policy`` ``digest`` or ``none`` the log has no text: 409
 ``resume_unavailable``, carrying the recorded outcome.
@@ -32,11 +39,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver.context import GatewayContext
-from app.driver.outputs import Failed
+from app.driver.driver import RequestDriver
+from app.driver.feed import AttachedClient
+from app.driver.outputs import Delta, Failed, Output, Restarted
 from app.driver.request import GenerationRequest
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
@@ -79,6 +89,9 @@ class _Resume:
             _check_resumable(events)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        live = await attach_live(self.ctx, request_id, request, after, stream=True)
+        if live is not None:
+            return live
         generation = _shape_of(accepted)
         shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
         return EventSourceResponse(
@@ -106,6 +119,7 @@ class _Follower:
         """Deltas after ``after`` from the log, reading on while the request is live."""
         position = after + 1  # the next delta index to send
         seen = 0  # events of the log taken into account
+        produced: dict[int, dict[int, tuple[int, str, int]]] = {}  # by attempt, by index
         while True:
             for event in events[seen:]:
                 seen = event.seq
@@ -114,8 +128,19 @@ class _Follower:
                         if index >= position:
                             yield sse_event(index, _delta_chunk(shape, text, choice, tokens, first=index == 0))
                             position = index + 1
+                elif isinstance(event, ev.DeltasProduced):
+                    into = produced.setdefault(event.attempt, {})
+                    for index, choice, text, tokens in _deltas(event):
+                        into[index] = (choice, text, tokens)
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
+                    # then what the last attempt produced with no client attached (DESIGN.md §12)
+                    current = state.current_attempt
+                    tail = produced.get(current.attempt, {}) if current is not None else {}
+                    for index in sorted(i for i in tail if i >= position):
+                        choice, text, tokens = tail[index]
+                        yield sse_event(index, _delta_chunk(shape, text, choice, tokens, first=index == 0))
+                        position = index + 1
                     for chunk in _ending(shape, request_id, event, state):
                         yield chunk
                     await self._record(request_id, after + 1, max(position, after + 1))
@@ -132,7 +157,7 @@ class _Follower:
             try:
                 events = await self.ctx.store.read(request_id)
                 state = fold(events)
-                to_index = min(to_index, state.delivered_deltas)
+                to_index = min(to_index, max(state.delivered_deltas, state.produced_deltas))
                 resumed = ev.StreamResumed(
                     request_id=request_id,
                     seq=state.seq + 1,
@@ -156,6 +181,9 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     follower = _Follower(ctx)
     try:
         after = _after(request)
+        live = await attach_live(ctx, request_id, request, after, stream=stream)
+        if live is not None:
+            return live
         events = await follower.read(request_id)
         waited = 0.0
         while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
@@ -184,19 +212,72 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
     texts: dict[int, list[str]] = {}
     calls: dict[int, list[dict[str, object]]] = {}
+    final = state.current_attempt.attempt if state.current_attempt is not None else 0
+    answer: dict[int, tuple[int, str, int]] = {}  # delivered or produced, by index (DESIGN.md §12)
     for event in events:
-        if isinstance(event, ev.DeltasDelivered):
-            for _, choice, text, tokens in _deltas(event):
-                if tokens:
-                    texts.setdefault(choice, []).append(text)
-                else:
-                    calls[choice] = json.loads(text)
+        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and event.attempt == final:
+            for index, choice, text, tokens in _deltas(event):
+                answer[index] = (choice, text, tokens)
+    for index in sorted(answer):
+        choice, text, tokens = answer[index]
+        if tokens:
+            texts.setdefault(choice, []).append(text)
+        else:
+            calls[choice] = json.loads(text)
     reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
     choices = range(len(reasons))
     completion = shape.completion(
         ["".join(texts.get(c, ())) for c in choices], reasons, terminal.usage, [calls.get(c, []) for c in choices]
     )
     return JSONResponse(completion, headers=headers)
+
+
+async def attach_live(
+    ctx: GatewayContext, request_id: str, request: Request, after: int, *, stream: bool
+) -> Response | None:
+    """Attach to the request's live loop on this instance, if it waits for a client
+    within its grace (DESIGN.md §12); ``None`` when it does not (follow the log)."""
+    driver = ctx.drivers.get(request_id)
+    if not isinstance(driver, RequestDriver):
+        return None
+    client = driver.attach(after)
+    if client is None:
+        return None
+    headers = {"x-request-id": request_id}
+    request_shape = driver.request
+    if not stream:  # a whole answer: it goes out once the request ended
+        whole = await unless_client_leaves(request, driver, _whole(driver, client))
+        if whole is None:
+            return Response(status_code=499, headers=headers)
+        if isinstance(whole, Failed):
+            return failure_response(request_id, whole, headers)
+        if isinstance(whole, JSONResponse):
+            whole.headers.update(headers)
+            return whole
+        raise RuntimeError(f"request {request_id}: a whole answer ended in {whole!r}")  # pragma: no cover
+    first = await unless_client_leaves(request, driver, _first(driver, client))
+    if first is None:
+        return Response(status_code=499, headers=headers)
+    start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
+    shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created)
+    body = stream_body(driver, shape, first, Connection(), lambda tokens: None, start=start)
+    return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+
+
+async def _first(driver: RequestDriver, client: AttachedClient) -> Output:
+    """The resumed client's first output; its first delta is the commit point if no
+    client received one before."""
+    async for output in client:
+        if isinstance(output, Restarted):
+            continue
+        if isinstance(output, Delta) and not driver.state.first_delta_sent:
+            await driver.commit()
+        return output
+    raise RuntimeError(f"request {driver.request_id} ended with no outcome")  # pragma: no cover
+
+
+async def _whole(driver: RequestDriver, client: AttachedClient) -> Output | JSONResponse:
+    return await whole_answer(driver, await anext(client))
 
 
 def _after(request: Request) -> int:
@@ -214,7 +295,7 @@ def _after(request: Request) -> int:
 
 def _check_resumable(events: list[ev.Event]) -> None:
     for event in events:
-        if isinstance(event, ev.DeltasDelivered) and (
+        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and (
             event.text is None or (not event.deltas and event.to_index - event.from_index > 1)
         ):
             outcome = fold(events).outcome
@@ -240,7 +321,7 @@ def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:
     )
 
 
-def _deltas(event: ev.DeltasDelivered) -> Iterator[tuple[int, int, str, int]]:
+def _deltas(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[tuple[int, int, str, int]]:
     """``(index, choice, text, tokens)`` of each delta of the batch."""
     text = event.text or ""
     shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
@@ -258,7 +339,7 @@ def _delta_chunk(shape: ResponseShape, text: str, choice: int, tokens: int, *, f
 
 def _ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:
     """What followed the deltas: the finish, or the final error; then ``[DONE]``."""
-    next_id = state.delivered_deltas
+    next_id = max(state.delivered_deltas, state.produced_deltas)
     if isinstance(terminal, ev.RequestCompleted):
         reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
         for choice, reason in enumerate(reasons):

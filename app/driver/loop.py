@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from app.driver.attempt import AttemptRun
 from app.driver.context import GatewayContext
+from app.driver.feed import AttachedClient, Feed
 from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
@@ -69,7 +70,17 @@ class RequestLoop:
         self._restarted = False  # a retry opened: the consumer drops what it buffered
         self._interrupted: Interruption | None = None  # the gateway ends the request (drain, fenced)
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
-        self.outputs: AsyncGenerator[Output, None] = self._drive()
+        self._poked = False  # an event recorded from outside the loop wants a decision now
+        self._disconnects = 0  # clients that left: a grace timer acts only for the latest
+        # the loop runs in the feed's task; a client that leaves only detaches (DESIGN.md §12)
+        self.feed = Feed(
+            self._drive,
+            ctx.spawn,
+            on_unattended=self._unattended,
+            on_unattended_error=self._unattended_error,
+            name=f"loop {request_id}",
+        )
+        self.outputs: AttachedClient = self.feed.attach(0)  # the client that sent the request
 
     @property
     def request_id(self) -> str:
@@ -104,7 +115,8 @@ class RequestLoop:
                 continue
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._interrupted is None or task is None or task.uncancel() > 0:
+                poked, self._poked = self._poked, False
+                if (self._interrupted is None and not poked) or task is None or task.uncancel() > 0:
                     raise
                 continue
             finally:
@@ -330,6 +342,21 @@ class RequestLoop:
         """The client asked to stop (``POST /v1/requests/{id}/cancel``): end at once,
         recorded as ``RequestCancelled``, the attempt cancelled as bookkeeping."""
         self.interrupt(CANCELLED_BY_CLIENT, "the client cancelled the request", record=True)
+
+    def poke(self) -> None:
+        """Decide now: an event recorded from outside the loop (a client gone with no
+        grace, the grace run out) may end the request; the frame awaited is abandoned."""
+        if self._pulling is not None and not self._poked:
+            self._poked = True
+            self._pulling.cancel()
+
+    def _unattended(self, output: Output) -> Awaitable[None] | None:
+        """An output the loop produced while no client was attached (the driver's)."""
+        raise NotImplementedError
+
+    def _unattended_error(self, error: BaseException) -> None:
+        """What the loop raised while no client was attached (the driver's)."""
+        raise NotImplementedError
 
     def interrupt(self, code: str, message: str, *, record: bool) -> None:
         """End the request now with the final error ``code``: recorded as

@@ -28,7 +28,7 @@ def sample_value(annotation: Any) -> Any:
         return T0 + timedelta(microseconds=123457)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return list(annotation)[-1]
-    samples = {str: "sample é ✓", int: 42, bool: True, tuple[str, ...]: ("w1", "w2")}
+    samples = {str: "sample é ✓", int: 42, float: 2.5, bool: True, tuple[str, ...]: ("w1", "w2")}
     if annotation in samples:
         return samples[annotation]
     if annotation == dict[str, int]:

@@ -37,6 +37,9 @@ LEGAL = {
             "LeaseExpired",
             "AttemptReleased",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
+            "DeltasProduced",
         ]
     },
     (Phase.PREFILL, "FirstDeltaCommitted"): Phase.DECODE,
@@ -53,6 +56,9 @@ LEGAL = {
             "LeaseExpired",
             "AttemptReleased",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
+            "DeltasProduced",
         ]
     },
     (Phase.DECODE, "AttemptFenced"): Phase.FENCED,
@@ -65,6 +71,8 @@ LEGAL = {
             "CancelAcked",
             "LeaseExpired",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
         ]
     },
     (Phase.FENCED, "AttemptReleased"): Phase.PREFILL,
