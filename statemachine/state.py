@@ -286,7 +286,7 @@ def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> C
         raise _illegal(state, event, "the client already disconnected")
     if event.resume_grace_s < 0:
         raise _illegal(state, event, "a negative resume grace")
-    return {"client_gone": True, "resume_grace_s": event.resume_grace_s}
+    return {"client_gone": True, "resume_grace_s": event.resume_grace_s, "disconnects": state.disconnects + 1}
 
 
 def _on_client_resumed(state: RequestState, event: ClientResumed) -> Changes:

@@ -2,9 +2,9 @@
 policy, and a tenant's content erased while its events stay.
 
 Content is what a client sent or was sent: the request's body (``request_inputs``),
-the delivered text (``DeltasDelivered.text``, or its digest), tool call arguments
-(``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool results and
-errors (``tool_executions``). Everything else is the event skeleton: what happened,
+the delivered and produced text (``DeltasDelivered.text``, ``DeltasProduced.text``, or
+their digests), tool call arguments (``ToolCallEmitted.arguments`` and the ledger's
+``arguments``), and tool results and errors (``tool_executions``). Everything else is the event skeleton: what happened,
 when, where, how many tokens. The fold and replay read only the skeleton, so they
 work on an erased log as on one recorded under the ``none`` policy.
 """
@@ -48,10 +48,11 @@ _COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM req
 _EVENTS = text(
     f"""
     UPDATE request_events SET body = CASE type
-        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null}}'::jsonb
-        ELSE jsonb_set(body, '{{arguments}}', '""'::jsonb) END
+        WHEN 'ToolCallEmitted' THEN jsonb_set(body, '{{arguments}}', '""'::jsonb)
+        ELSE body || '{{"text": null, "text_sha256": null}}'::jsonb END
      WHERE request_id IN ({_OF_TENANT})
-       AND ((type = 'DeltasDelivered' AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
+       AND ((type IN ('DeltasDelivered', 'DeltasProduced')
+             AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
          OR (type = 'ToolCallEmitted' AND body->>'arguments' <> ''))
     """
 )

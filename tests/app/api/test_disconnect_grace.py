@@ -1,0 +1,303 @@
+"""The disconnect grace (DESIGN.md §12), with real workers, real sockets, the real `openai` client.
+
+A client that leaves does not stop the generation for ``resume_grace_s``: a client that
+comes back within it attaches to the live request and gets every delta exactly once;
+one that does not come back is cancelled when the grace runs out, and the worker
+acknowledges the cancel. Each test judges by what the clients received and by the log
+(delivered against produced), and replays the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from ops.transcript import Transcript
+from statemachine import events as ev
+from statemachine.invariants import violations
+from statemachine.replay import replay
+from statemachine.request_state import Outcome
+from statemachine.state import fold
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.transcript import of, stream_chat
+from tests.support.workers import WorkerProcess, running_worker
+
+GRACE_S = 5.0  # long enough for a loaded machine's resume; the expiry test has its own
+
+
+@pytest.fixture(scope="module")
+def slow_worker() -> Iterator[WorkerProcess]:
+    with running_worker(faults=True, args=["--model", MODEL, "--sim-decode-ms-per-token", "30"]) as worker:
+        yield worker
+
+
+@pytest.fixture
+def gateway(database_url: str, slow_worker: WorkerProcess) -> Iterator[RunningGateway]:
+    with running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as running:
+        yield running
+
+
+def body(prompt: str, max_tokens: int = 40) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}]
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def read_stream(response: httpx.Response, transcript: Transcript, leave_after: int | None = None) -> None:
+    for line in response.iter_lines():
+        if transcript.read(line) and leave_after is not None and len(transcript.contents) >= leave_after:
+            return  # the caller closes the connection: the client is gone
+
+
+def resume(url: str, request_id: str, last_event_id: int) -> Transcript:
+    transcript = Transcript(request_id, 0)
+    headers = {"last-event-id": str(last_event_id)}
+    with (
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("GET", f"/v1/requests/{request_id}/stream", headers=headers) as response,
+    ):
+        transcript.status = response.status_code
+        read_stream(response, transcript)
+    return transcript
+
+
+def delivered(events: list[ev.Event]) -> dict[int, str]:
+    return _by_index(events, ev.DeltasDelivered)
+
+
+def produced(events: list[ev.Event]) -> dict[int, str]:
+    return _by_index(events, ev.DeltasProduced)
+
+
+def _by_index(events: list[ev.Event], cls: type[ev.Event]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for event in of(events, cls):
+        text, offset = event.text or "", 0  # type: ignore[attr-defined]
+        for index, (_, chars, _) in enumerate(event.deltas, start=event.from_index):  # type: ignore[attr-defined]
+            assert index not in out, f"delta {index} recorded twice as {cls.__name__}"
+            out[index] = text[offset : offset + chars]
+            offset += chars
+    return out
+
+
+def worker_attempts(worker: WorkerProcess, request_id: str) -> list[dict[str, Any]]:
+    attempts = httpx.get(worker.base_url + "/admin/attempts", timeout=10).json()["attempts"]
+    return [a for a in attempts if a["request_id"] == request_id]
+
+
+def assert_log_sound(events: list[ev.Event]) -> None:
+    assert violations(events) == [], violations(events)
+    result = replay(events)
+    assert result.ok, result.divergence and result.divergence.describe()
+
+
+@pytest.mark.parametrize("left_at", [0, 3, 8])
+def test_a_client_that_drops_mid_stream_and_resumes_within_the_grace_gets_every_delta_once(
+    gateway: RunningGateway, slow_worker: WorkerProcess, left_at: int
+) -> None:
+    first = stream_chat(gateway.url, body(f"drop at {left_at}"), on_delta=lambda n: n == left_at + 1)
+    assert len(first.contents) == left_at + 1 and not first.done
+    time.sleep(0.3)  # ~10 deltas are produced with no client attached
+    resumed = resume(gateway.url, first.request_id, left_at)
+    assert resumed.status == 200 and resumed.done and resumed.error is None
+    n = len(resumed.contents)
+    assert first.event_ids[: left_at + 1] == list(range(left_at + 1))
+    assert resumed.event_ids[:n] == list(range(left_at + 1, left_at + 1 + n))  # none missing, none twice
+    answer = first.text + resumed.text
+    assert len(first.contents) + n == 40
+
+    events = gateway.events(first.request_id)
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(state.attempts) == 1
+    sent = delivered(events)
+    assert sorted(sent) == list(range(40)) and "".join(sent[i] for i in range(40)) == answer  # the log agrees
+    made = produced(events)
+    assert made, "nothing was produced while the client was away"
+    assert all(sent[i] == text for i, text in made.items())  # every produced delta was then delivered
+    gone = [e for e in events if isinstance(e, ev.ClientDisconnected)]
+    back = [e for e in events if isinstance(e, ev.ClientResumed)]
+    assert [e.resume_grace_s for e in gone] == [GRACE_S] and [e.after for e in back] == [left_at]
+    assert gone[0].seq < min(e.seq for e in of(events, ev.DeltasProduced)) < back[0].seq
+    assert not of(events, ev.CancelSent) and not of(events, ev.ResumeGraceExpired)
+    (attempt,) = worker_attempts(slow_worker, first.request_id)  # one generation at the worker
+    assert attempt["generated_tokens"] == 40
+    assert_log_sound(events)
+
+
+def test_a_client_that_does_not_come_back_is_cancelled_when_the_grace_runs_out(
+    database_url: str, slow_worker: WorkerProcess
+) -> None:
+    grace = 0.5
+    with running_gateway(database_url, [slow_worker], resume_grace_s=grace) as gateway:
+        first = stream_chat(gateway.url, body("never back", max_tokens=2000), on_delta=lambda n: n == 3)
+        events = gateway.events(first.request_id)
+        later = resume(gateway.url, first.request_id, 2)  # from the log, once it ended
+    state = fold(events)
+    assert state.outcome is Outcome.CANCELLED and len(state.attempts) == 1
+    order = [type(e).__name__ for e in events]
+    expected = ["ClientDisconnected", "DeltasProduced", "ResumeGraceExpired", "CancelSent", "RequestCancelled"]
+    assert [order.index(name) for name in expected] == sorted(order.index(name) for name in expected)
+    assert order.index("CancelSent") < order.index("CancelAcked")
+    (gone,) = of(events, ev.ClientDisconnected)
+    (expired,) = of(events, ev.ResumeGraceExpired)
+    assert (expired.occurred_at - gone.occurred_at).total_seconds() >= grace
+    (acked,) = of(events, ev.CancelAcked)
+    (released,) = of(events, ev.AttemptReleased)
+    assert released.because is ev.ReleaseReason.CANCEL_ACKED  # type: ignore[attr-defined]
+    (attempt,) = worker_attempts(slow_worker, first.request_id)
+    # stopped by the cancel, or by the stream closing as it was sent (as tests/app/driver/test_failover.py)
+    assert attempt["stop"] in {"cancelled", "disconnected"} and attempt["engine_over"]
+    assert 3 < acked.generated_tokens < 2000  # type: ignore[attr-defined]  # it went on, then stopped
+    # what the client had, what was only produced, and a resumer gets the rest, then the end
+    sent, made = delivered(events), produced(events)
+    assert "".join(sent[i] for i in range(3)) == first.text and state.delivered_deltas >= 3
+    assert made and min(made) == state.delivered_deltas and state.produced_deltas == max(made) + 1
+    assert later.status == 200 and later.done and later.error is not None
+    assert later.error["code"] == "request_cancelled"
+    assert later.text == "".join(({**sent, **made})[i] for i in range(3, state.produced_deltas))
+    assert_log_sound(events)
+
+
+def test_a_stop_button_ends_a_request_left_in_its_grace_at_once(gateway: RunningGateway) -> None:
+    first = stream_chat(gateway.url, body("stop it", max_tokens=2000), on_delta=lambda n: n == 2)
+    asked = time.monotonic()
+    answer = httpx.post(f"{gateway.url}/v1/requests/{first.request_id}/cancel", timeout=30)
+    assert answer.status_code == 200 and answer.json()["status"] == "cancelled"
+    events = gateway.events(first.request_id)
+    assert time.monotonic() - asked < GRACE_S  # it did not wait out the grace
+    (cancelled,) = of(events, ev.RequestCancelled)
+    assert cancelled.reason == "cancelled_by_client"  # type: ignore[attr-defined]
+    assert of(events, ev.ClientDisconnected) and not of(events, ev.ResumeGraceExpired)
+    assert_log_sound(events)
+
+
+def test_a_reconnecting_sse_client_resumes_with_last_event_id_as_event_source_does(
+    gateway: RunningGateway, slow_worker: WorkerProcess
+) -> None:
+    """As a browser's EventSource: on a drop it sends the same request again, with
+    ``Last-Event-ID``; the Idempotency-Key binds the retries to one request."""
+    headers = {"idempotency-key": f"es-{uuid.uuid4().hex}"}
+    got = Transcript("", 0)
+    request_ids = set()
+    drops = [2, 7]  # the connection drops after these many deltas
+    for attempt in range(5):
+        if got.event_ids:
+            headers["last-event-id"] = str(got.event_ids[-1])
+        with (
+            httpx.Client(base_url=gateway.url, timeout=60) as http,
+            http.stream(
+                "POST", "/v1/chat/completions", json={**body("event source"), "stream": True}, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200, response.read()
+            request_ids.add(response.headers["x-request-id"])
+            read_stream(response, got, leave_after=drops[attempt] if attempt < len(drops) else None)
+        if got.done:
+            break
+        time.sleep(0.2)
+    (request_id,) = request_ids
+    assert got.done and got.error is None and len(got.contents) == 40
+    assert [i for i in got.event_ids if i < 40] == list(range(40))  # every delta once, in order
+    events = gateway.events(request_id)
+    sent = delivered(events)
+    assert "".join(sent[i] for i in range(40)) == got.text
+    assert [e.after for e in of(events, ev.ClientResumed)] == [1, 6]  # type: ignore[attr-defined]
+    assert len(of(events, ev.RequestAccepted)) == 1
+    assert len(worker_attempts(slow_worker, request_id)) == 1  # one generation
+    assert_log_sound(events)
+
+
+class _CutBeforeHeaders:
+    """A TCP proxy in front of the gateway that breaks the first connection when the
+    gateway's answer starts: the client never sees a response header."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.connections = 0
+        self.cut = threading.Event()
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    def __enter__(self) -> _CutBeforeHeaders:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+                await self._server.wait_closed()
+            for writer in self._writers:
+                writer.transport.abort()
+            await asyncio.sleep(0)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        cut_this = self.connections == 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, answer: bool) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(65536):
+                    if answer and cut_this:  # the answer starts: break both sides, forward nothing
+                        self.cut.set()
+                        for side in (writer, up_writer):
+                            side.transport.abort()
+                        return
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer, answer=False), pump(up_reader, writer, answer=True))
+
+
+def test_the_openai_client_retries_a_post_cut_before_its_headers_and_the_worker_generates_once(
+    gateway: RunningGateway, slow_worker: WorkerProcess
+) -> None:
+    port = int(gateway.url.rsplit(":", 1)[1])
+    key = f"sdk-{uuid.uuid4().hex}"
+    with _CutBeforeHeaders(port) as proxy:
+        client = gateway.openai(max_retries=2)
+        client = client.with_options(base_url=f"http://127.0.0.1:{proxy.port}/v1")
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "sdk retry"}],
+            max_tokens=40,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            extra_headers={"Idempotency-Key": key},
+        )
+        request_id = raw.headers["x-request-id"]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices)
+    assert proxy.cut.is_set() and proxy.connections == 2  # cut once, retried once by the SDK
+    events = gateway.events(request_id)
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(of(events, ev.RequestAccepted)) == 1
+    sent = delivered(events)
+    assert "".join(sent[i] for i in range(len(sent))) == text and len(sent) == 40
+    (attempt,) = worker_attempts(slow_worker, request_id)  # ONE generation, counted at the worker
+    assert attempt["generated_tokens"] == 40
+    assert of(events, ev.ClientDisconnected)  # the cut connection was a client that left
+    assert_log_sound(events)
