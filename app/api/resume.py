@@ -15,9 +15,11 @@ serves any request. Once the end was sent, the instance records what it sent as
 A client that left a request live on this instance, within its grace
 (``resume_grace_s``), attaches to its loop instead (:func:`attach_live`): the deltas
 after the one it names, those produced while nobody was attached first, then the live
-tail, from memory; it becomes the request's one attached client. Another instance
-follows the log; a request left with no client shows its produced deltas there once it
-ended (DESIGN.md §12).
+tail, from memory; it becomes the request's one attached client. A live request of
+another instance is resumed there: the call is forwarded to the owner's address
+(``gateway_instances.address``), which alone may attach a client and append. A request
+that ended is served from the log by any instance, the deltas produced while no client
+was attached included (DESIGN.md §12).
 
 A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
 to that request the same way (:func:`attach`): to the live loop as above, or from the
@@ -42,6 +44,7 @@ from starlette.routing import Route
 from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
+from app.api.owner import forward_stream, owner_address
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -90,6 +93,8 @@ class _Resume:
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         live = await attach_live(self.ctx, request_id, request, after, stream=True)
+        if live is None:
+            live = await _at_owner(self.ctx, request, request_id, events)
         if live is not None:
             return live
         generation = _shape_of(accepted)
@@ -195,6 +200,10 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         _check_resumable(events)
     except ApiError as error:
         return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+    if stream:
+        forwarded = await _at_owner(ctx, request, request_id, events)
+        if forwarded is not None:
+            return forwarded
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
     generation = _shape_of(accepted)
@@ -262,6 +271,17 @@ async def attach_live(
     shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created)
     body = stream_body(driver, shape, first, Connection(), lambda tokens: None, start=start)
     return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+
+
+async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:
+    """A live request of another instance: its stream from there, which alone may attach
+    a client to it and append to its log; ``None`` for one that ended or has no live owner."""
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    if fold(events).outcome is not None:
+        return None
+    address = await owner_address(ctx, accepted.gateway)
+    return None if address is None else await forward_stream(request, address, request_id)
 
 
 async def _first(driver: RequestDriver, client: AttachedClient) -> Output:

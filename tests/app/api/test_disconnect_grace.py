@@ -301,3 +301,25 @@ def test_the_openai_client_retries_a_post_cut_before_its_headers_and_the_worker_
     assert attempt["generated_tokens"] == 40
     assert of(events, ev.ClientDisconnected)  # the cut connection was a client that left
     assert_log_sound(events)
+
+
+def test_a_resume_that_reaches_another_instance_is_forwarded_to_the_owner_and_attaches(
+    database_url: str, slow_worker: WorkerProcess
+) -> None:
+    with (
+        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as owner,
+        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as other,
+    ):
+        first = stream_chat(owner.url, body("elsewhere"), on_delta=lambda n: n == 4)
+        time.sleep(0.2)
+        resumed = resume(other.url, first.request_id, 3)
+        events = owner.events(first.request_id)
+    assert resumed.status == 200 and resumed.done and resumed.error is None
+    assert resumed.event_ids[: len(resumed.contents)] == list(range(4, 40))
+    assert fold(events).outcome is Outcome.COMPLETED
+    sent = delivered(events)
+    assert "".join(sent[i] for i in range(40)) == first.text + resumed.text
+    (back,) = of(events, ev.ClientResumed)
+    assert back.gateway == owner.gateway.instance_id  # type: ignore[attr-defined]  # attached at the owner
+    assert not of(events, ev.StreamResumed)  # nothing appended by the other instance
+    assert_log_sound(events)
