@@ -26,6 +26,7 @@ from statemachine.invariants import violations
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
+from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of, stream_chat
 from tests.support.workers import WorkerProcess, running_worker
@@ -323,3 +324,65 @@ def test_a_resume_that_reaches_another_instance_is_forwarded_to_the_owner_and_at
     assert back.gateway == owner.gateway.instance_id  # type: ignore[attr-defined]  # attached at the owner
     assert not of(events, ev.StreamResumed)  # nothing appended by the other instance
     assert_log_sound(events)
+
+
+def test_a_client_that_gives_up_before_the_first_delta_resumes_and_its_first_delta_is_the_commit_point(
+    gateway: RunningGateway, slow_worker: WorkerProcess
+) -> None:
+    prompt = "gives up in prefill"
+    add_fault(slow_worker, action="slow_prefill", prefill_ms=600, match={"prompt_contains": prompt})
+    with pytest.raises(httpx.ReadTimeout):  # no header yet: they are held back until the first delta
+        stream_chat(gateway.url, body(prompt), timeout=0.3)
+    (request_id,) = gateway.gateway.ctx.drivers  # the one request in flight, still generating
+    time.sleep(0.8)  # the prefill ends and deltas are produced with no client attached
+    resumed = resume_from_start(gateway.url, request_id)
+    assert resumed.status == 200 and resumed.done and resumed.error is None
+    assert resumed.event_ids[:40] == list(range(40)) and len(resumed.contents) == 40
+    events = gateway.events(request_id)
+    order = [type(e).__name__ for e in events]
+    assert fold(events).outcome is Outcome.COMPLETED
+    # produced in prefill, then the commit point when a client first received a delta
+    assert order.index("ClientDisconnected") < order.index("DeltasProduced") < order.index("ClientResumed")
+    assert order.index("ClientResumed") < order.index("FirstDeltaCommitted") < order.index("DeltasDelivered")
+    sent = delivered(events)
+    assert "".join(sent[i] for i in range(40)) == resumed.text
+    assert len(worker_attempts(slow_worker, request_id)) == 1
+    assert_log_sound(events)
+
+
+def test_a_replica_that_dies_while_no_client_is_attached_ends_the_request_and_a_resumer_gets_that_error(
+    database_url: str,
+) -> None:
+    prompt = "dies while nobody listens"
+    with (
+        running_worker(faults=True, args=["--model", MODEL, "--sim-decode-ms-per-token", "30"]) as dying,
+        running_gateway(database_url, [dying], resume_grace_s=GRACE_S) as gateway,
+    ):
+        add_fault(dying, action="die", point="after_frame", at_token=15, match={"prompt_contains": prompt})
+        first = stream_chat(gateway.url, body(prompt), on_delta=lambda n: n == 3)
+        events = gateway.events(first.request_id)  # settled: the request ended while nobody was attached
+        resumed = resume(gateway.url, first.request_id, 2)
+    state = fold(events)
+    (failed,) = of(events, ev.RequestFailed)
+    assert state.outcome is Outcome.FAILED and len(state.attempts) == 1  # no second generation
+    assert (failed.code, failed.partial_output, failed.retryable) == ("upstream_decode_interrupted", True, False)  # type: ignore[attr-defined]
+    assert failed.delivered_output_tokens == state.delivered_output_tokens >= 3  # type: ignore[attr-defined]
+    made = produced(events)
+    assert made and state.produced_deltas > state.delivered_deltas  # output nobody received live
+    assert resumed.done and resumed.error is not None
+    assert resumed.error["code"] == "upstream_decode_interrupted"
+    assert resumed.error["delivered_output_tokens"] == failed.delivered_output_tokens  # type: ignore[attr-defined]
+    everything = {**delivered(events), **made}
+    assert resumed.text == "".join(everything[i] for i in range(3, state.produced_deltas))
+    assert_log_sound(events)
+
+
+def resume_from_start(url: str, request_id: str) -> Transcript:
+    transcript = Transcript(request_id, 0)
+    with (
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("GET", f"/v1/requests/{request_id}/stream") as response,
+    ):
+        transcript.status = response.status_code
+        read_stream(response, transcript)
+    return transcript
