@@ -269,8 +269,16 @@ async def attach_live(
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
     shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created)
-    body = stream_body(driver, shape, first, Connection(), lambda tokens: None, start=start)
-    return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+    connection = Connection()
+    body = stream_body(driver, shape, first, connection, lambda tokens: None, start=start)
+    return EventSourceResponse(
+        body,
+        headers=headers,
+        ping=15,
+        send_timeout=30,
+        sep="\n",
+        client_close_handler_callable=connection.closed,
+    )
 
 
 async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:

@@ -1,16 +1,17 @@
 """The per-request loop: observe -> decide -> act -> append.
 
-How this works: ``outputs`` is one async generator that runs the whole request. It
-asks ``decide()``, records each action as ``Decided``, carries the actions out, then
-reads the running attempt's next frame and records what it observed; it yields
-what the client should receive next (:class:`Delta`, :class:`Finished`,
-:class:`Failed`, :class:`Cancelled`; :class:`Restarted` when a retry replaced an
-attempt whose output was never delivered). The HTTP layer pulls from it and calls
-back through :class:`app.driver.driver.RequestDriver`, this loop plus its edges.
+How this works: ``_drive`` is one async generator that runs the whole request, in a
+task of its own (:mod:`app.driver.feed`). It asks ``decide()``, records each action as
+``Decided``, carries the actions out, then reads the running attempt's next frame and
+records what it observed; it yields what the client should receive next
+(:class:`Delta`, :class:`Finished`, :class:`Failed`, :class:`Cancelled`;
+:class:`Restarted` when a retry replaced an attempt whose output was never delivered).
+The HTTP layer reads them as the attached client (``outputs``) and calls back through
+:class:`app.driver.driver.RequestDriver`, this loop plus its edges.
 
-Every action's events are recorded synchronously, before any await, so a
-cancellation (a client that leaves) never finds a decision half carried out; the
-awaited parts (appends, opening a stream, waiting for a fence) come after.
+Every action's events are recorded synchronously, before any await, so a cancellation
+(the frame awaited abandoned by ``interrupt`` or ``poke``) never finds a decision half
+carried out; the awaited parts (appends, opening a stream, waiting for a fence) come after.
 """
 
 from __future__ import annotations

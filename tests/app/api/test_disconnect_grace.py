@@ -386,3 +386,29 @@ def resume_from_start(url: str, request_id: str) -> Transcript:
         transcript.status = response.status_code
         read_stream(response, transcript)
     return transcript
+
+
+def test_a_whole_answer_whose_client_left_is_answered_to_its_idempotent_retry_from_the_same_generation(
+    gateway: RunningGateway, slow_worker: WorkerProcess
+) -> None:
+    key = f"whole-{uuid.uuid4().hex}"
+    request = {**body("whole answer, retried"), "stream": False}
+    with pytest.raises(httpx.ReadTimeout):  # 40 tokens take 1.2 s: the client gives up first
+        httpx.post(f"{gateway.url}/v1/chat/completions", json=request, headers={"idempotency-key": key}, timeout=0.3)
+    (request_id,) = gateway.gateway.ctx.drivers
+    time.sleep(0.2)
+    answer = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=request, headers={"idempotency-key": key}, timeout=60
+    )
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == request_id
+    text = answer.json()["choices"][0]["message"]["content"]
+    events = gateway.events(request_id)
+    order = [type(e).__name__ for e in events]
+    assert fold(events).outcome is Outcome.COMPLETED
+    assert order.index("ClientDisconnected") < order.index("DeltasProduced") < order.index("ClientResumed")
+    assert order.index("ClientResumed") < order.index("FirstDeltaCommitted")
+    sent = delivered(events)
+    assert len(sent) == 40 and "".join(sent[i] for i in range(40)) == text
+    (attempt,) = worker_attempts(slow_worker, request_id)  # one generation
+    assert attempt["generated_tokens"] == 40
+    assert_log_sound(events)
