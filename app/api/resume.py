@@ -299,6 +299,8 @@ async def _first(driver: RequestDriver, client: AttachedClient) -> Output:
         if isinstance(output, Restarted):
             continue
         if isinstance(output, Delta) and not driver.state.first_delta_sent:
+            if driver.run is None:
+                continue  # its attempt just failed, before any delivery: a retry restarts
             await driver.commit()
         return output
     raise RuntimeError(f"request {driver.request_id} ended with no outcome")  # pragma: no cover

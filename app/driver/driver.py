@@ -92,7 +92,8 @@ class RequestDriver(RequestLoop):
         if index is not None and index < self.recorder.delivered_deltas:
             return
         run = self.run
-        assert run is not None
+        if run is None:  # a resumed client got a delta of an attempt that just failed: its end follows
+            return
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
@@ -168,6 +169,7 @@ class RequestDriver(RequestLoop):
             or state.resume_grace_s == 0
             or self._interrupted is not None
             or self.recorder.sealed
+            or self.run is None  # between attempts: its resumer follows the log
         ):
             return None
         self.recorder.record(ev.ClientResumed, after=after, gateway=self.ctx.gateway_id)

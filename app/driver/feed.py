@@ -5,10 +5,14 @@ that leaves (its HTTP task cancelled) never stops the generation: it only detach
 (DESIGN.md §12). The feed keeps every delta of the current attempt in memory, in
 order; the attached :class:`AttachedClient` reads them with its own cursor, so a
 client that attaches again (a resume on this instance) starts at any delta it names.
-While no client is attached, each new delta is recorded as produced (the driver's
-``on_unattended``); the final output (finished, failed, cancelled) is kept for
-whoever reads next. A delta costs the loop one append and, when the client waits, one
-wake-up: the client drains what is there before it waits again.
+
+While a client is attached the loop reads the next frame only once the client has
+taken every delta and come back for more, as when the client pulled the loop itself:
+whatever the loop then observes (a failure, a drain) is decided on deliveries that are
+all recorded, so the final error's counts are what the client got. That is one
+hand-off each way per delta. While no client is attached the loop runs free: each new
+delta is recorded as produced (the driver's ``on_unattended``), and the final output
+(finished, failed, cancelled) is kept for whoever reads next.
 
 An exception of the loop (the log lost) reaches the attached client, which answers it;
 with no client attached, the driver's ``on_unattended_error`` does.
@@ -64,7 +68,9 @@ class Feed:
         self.client: AttachedClient | None = None
         self._task: asyncio.Task[None] | None = None
         self.over = False  # the loop ran to its end (or raised)
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None  # the client waits for an output
+        self._caught_up: asyncio.Future[None] | None = None  # the loop waits for the client
+        self._client_waiting = False
 
     def start(self) -> None:
         if self._task is None:
@@ -74,11 +80,13 @@ class Feed:
         """Attach a client that gets deltas from ``cursor`` on; the one before is detached."""
         self.client = AttachedClient(self, cursor)
         self._wake()  # the client before it, if it waits, ends
+        self._release_loop()
         return self.client
 
     def detach(self) -> AttachedClient | None:
         client, self.client = self.client, None
         self._wake()  # a read that waits ends (StopAsyncIteration)
+        self._release_loop()
         return client
 
     async def stop(self) -> None:
@@ -108,12 +116,29 @@ class Feed:
             if self.over or client.got_end:
                 raise StopAsyncIteration
             waiter = self._waiter = asyncio.get_running_loop().create_future()
-            await waiter
+            self._client_waiting = True
+            self._release_loop()
+            try:
+                await waiter
+            finally:
+                self._client_waiting = False  # (also when its task is cancelled)
 
     def _wake(self) -> None:
+        self._client_waiting = False  # woken, it takes what came before it asks again
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _release_loop(self) -> None:
+        caught_up, self._caught_up = self._caught_up, None
+        if caught_up is not None and not caught_up.done():
+            caught_up.set_result(None)
+
+    async def _until_the_client_caught_up(self) -> None:
+        """With a client attached: until it took every delta and asks for more (or left)."""
+        while self.client is not None and not self._client_waiting:
+            caught_up = self._caught_up = asyncio.get_running_loop().create_future()
+            await caught_up
 
     async def _run(self) -> None:
         try:
@@ -130,6 +155,8 @@ class Feed:
                     if result is not None:
                         await result
                 self._wake()
+                if type(output) is Delta:
+                    await self._until_the_client_caught_up()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the log lost, or a bug: whoever reads answers it
