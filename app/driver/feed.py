@@ -21,6 +21,7 @@ with no client attached, the driver's ``on_unattended_error`` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -142,21 +143,9 @@ class Feed:
 
     async def _run(self) -> None:
         try:
-            async for output in self._outputs():
-                if type(output) is Delta:
-                    self.deltas.append(output)
-                elif type(output) is Restarted:
-                    self.deltas.clear()
-                    self.restarts += 1
-                else:
-                    self.end = output
-                if self.client is None and type(output) is not Restarted:
-                    result = self._on_unattended(output)
-                    if result is not None:
-                        await result
-                self._wake()
-                if type(output) is Delta:
-                    await self._until_the_client_caught_up()
+            async with contextlib.aclosing(self._outputs()) as outputs:  # closed here, even when stopped
+                async for output in outputs:
+                    await self._take(output)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the log lost, or a bug: whoever reads answers it
@@ -167,3 +156,19 @@ class Feed:
         finally:
             self.over = True
             self._wake()
+
+    async def _take(self, output: Output) -> None:
+        if type(output) is Delta:
+            self.deltas.append(output)
+        elif type(output) is Restarted:
+            self.deltas.clear()
+            self.restarts += 1
+        else:
+            self.end = output
+        if self.client is None and type(output) is not Restarted:
+            result = self._on_unattended(output)
+            if result is not None:
+                await result
+        self._wake()
+        if type(output) is Delta:
+            await self._until_the_client_caught_up()
