@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from statemachine import events as ev
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
@@ -137,6 +138,13 @@ def test_missing_envelope_field_is_named() -> None:
         from_json(data)
 
 
+def test_a_whole_number_of_seconds_is_read_as_seconds() -> None:
+    data = to_json(sample_event(EVENT_TYPES["ClientDisconnected"]))
+    data["body"]["resume_grace_s"] = 10
+    event = from_json(data)
+    assert isinstance(event, ev.ClientDisconnected) and event.resume_grace_s == 10.0
+
+
 @pytest.mark.parametrize(
     ("type_name", "field", "value", "message"),
     [
@@ -149,6 +157,8 @@ def test_missing_envelope_field_is_named() -> None:
         ("DeltasDelivered", "deltas", [[0, -1, 1]], "expected a list of"),
         ("DeltasDelivered", "deltas", [[0, True, 1]], "expected a list of"),
         ("DeltasDelivered", "deltas", {"0": 1}, "expected a list of"),
+        ("ClientDisconnected", "resume_grace_s", True, "expected a number, got bool"),
+        ("ClientDisconnected", "resume_grace_s", "10", "expected a number, got str"),
     ],
 )
 def test_wrong_body_types_are_rejected(type_name: str, field: str, value: Any, message: str) -> None:
