@@ -220,7 +220,9 @@ def test_a_killed_gateways_requests_are_swept_by_a_survivor(
         killed, alive = instance_of(database_url, fleet[0]), [instance_of(database_url, g) for g in fleet[1:]]
         assert killed["swept_by"] in {row["instance_id"] for row in alive} and killed["swept_at"] is not None
         assert killed["requests_swept"] == len(victims)
-        noticed = [(s.transcript.request_id, s.received, s.cut, s.transcript.error) for s in survivors if s.ended.is_set()]
+        noticed = [
+            (s.transcript.request_id, s.received, s.cut, s.transcript.error) for s in survivors if s.ended.is_set()
+        ]
         assert noticed == [], "the other gateways' clients noticed the kill"
         for gateway in fleet[1:]:
             stop(gateway.process, signal.SIGKILL)
