@@ -159,6 +159,7 @@ class GatewayConfig:
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
     idempotency_ttl_s: float = 86400.0  # how long an Idempotency-Key binds its request
+    resume_grace_s: float = 10.0  # a client that left may attach again this long; 0: cancel at once
     log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; unset: no tracing (the otel extra)
     otel_service_name: str = "phasegate"
@@ -196,6 +197,8 @@ class GatewayConfig:
             raise ConfigError("timeouts must be positive")
         if self.instance_lease_ttl_s <= 0 or self.sweep_interval_s <= 0 or self.drain_s < 0:
             raise ConfigError("instance_lease_ttl_s and sweep_interval_s must be positive, drain_s not negative")
+        if not 0 <= self.resume_grace_s <= 3600:
+            raise ConfigError("resume_grace_s must be between 0 and 3600 seconds")
         if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
             raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
 

@@ -18,8 +18,10 @@ from statemachine.events import (
     CancelAcked,
     CancelSent,
     ClientDisconnected,
+    ClientResumed,
     Decided,
     DeltasDelivered,
+    DeltasProduced,
     Event,
     FailureKind,
     FirstDeltaCommitted,
@@ -30,6 +32,7 @@ from statemachine.events import (
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
+    ResumeGraceExpired,
     ToolCallEmitted,
     UpstreamFailed,
 )
@@ -206,6 +209,37 @@ class Trace:
         self.add(RequestCancelled, 0.2, reason="client_gone")
         return self
 
+    def client_left(self, resume_grace_s: float, after_ms: float = 3.0) -> Trace:
+        """The client left; generation goes on for the grace (DESIGN.md §12)."""
+        self.add(ClientDisconnected, after_ms, resume_grace_s=resume_grace_s)
+        return self
+
+    def produce(self, text: str, tokens: int = 1, after_ms: float = 5.0) -> Trace:
+        start = self.state.produced_deltas
+        self.add(
+            DeltasProduced,
+            after_ms,
+            **self._scope(),
+            from_index=start,
+            to_index=start + 1,
+            tokens=tokens,
+            text=text,
+            text_sha256=None,
+            deltas=((0, len(text), tokens),),
+        )
+        return self
+
+    def client_back(self, after: int, after_ms: float = 50.0) -> Trace:
+        self.add(ClientResumed, after_ms, after=after, gateway="gw-1")
+        return self
+
+    def grace_expired(self, after_ms: float = 10000.0) -> Trace:
+        self.add(ResumeGraceExpired, after_ms)
+        self.decide()  # cancel the attempt, cancel the request
+        self.add(CancelSent, 0.2, **self._scope())
+        self.add(RequestCancelled, 0.2, reason="client_gone")
+        return self
+
     def _epoch(self, attempt: int) -> int:
         found = self.state.attempt(attempt)
         assert found is not None
@@ -267,6 +301,21 @@ def stalled_in_decode(request_id: str, replica: str = "w3", *, at: datetime = T0
 def cancelled_by_client(request_id: str, *, at: datetime = T0) -> Trace:
     trace = Trace(request_id, at=at).start("w2").first_token().first_delta().deliver("Wait")
     trace.client_disconnected()
+    return trace.cancel_acked(1, after_ms=15).released(1, ReleaseReason.CANCEL_ACKED)
+
+
+def resumed_within_grace(request_id: str, *, at: datetime = T0) -> Trace:
+    """The client leaves after a delta; two are produced with no client attached; it
+    comes back, receives them and the rest."""
+    trace = Trace(request_id, at=at).start("w1").first_token().first_delta().deliver("One")
+    trace.client_left(10.0).produce(" two").produce(" three").client_back(after=0)
+    return trace.deliver(" two").deliver(" three").deliver(" four").completed()
+
+
+def left_for_good(request_id: str, *, at: datetime = T0) -> Trace:
+    """The client leaves and never comes back: the grace runs out, then the cancel."""
+    trace = Trace(request_id, at=at).start("w2").first_token().first_delta().deliver("Only")
+    trace.client_left(10.0).produce(" this").grace_expired()
     return trace.cancel_acked(1, after_ms=15).released(1, ReleaseReason.CANCEL_ACKED)
 
 

@@ -124,7 +124,25 @@ class NoReplicaAvailable(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class ClientDisconnected(RequestScoped):
-    """The downstream socket closed before the request ended."""
+    """The downstream socket closed before the request ended. Generation goes on for
+    ``resume_grace_s`` (the gateway's setting when it happened; 0: cancelled at once)
+    for a client to attach again (DESIGN.md §12)."""
+
+    resume_grace_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientResumed(RequestScoped):
+    """A client attached again to the live request within its grace, having deltas up
+    to ``after`` (-1: none); what it is sent from here is delivered again."""
+
+    after: int
+    gateway: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeGraceExpired(RequestScoped):
+    """A timer: ``resume_grace_s`` passed with no client attached."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +224,20 @@ class DeltasDelivered(AttemptScoped):
 
 
 @dataclass(frozen=True, slots=True)
+class DeltasProduced(AttemptScoped):
+    """Deltas ``[from_index, to_index)`` the attempt produced while no client was
+    attached (DESIGN.md §12): recorded, not delivered. The fields are those of
+    :class:`DeltasDelivered`; a client that receives them later records them delivered."""
+
+    from_index: int
+    to_index: int
+    tokens: int
+    text: str | None
+    text_sha256: str | None
+    deltas: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallEmitted(AttemptScoped):
     """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``.
 
@@ -265,6 +297,7 @@ Event = (
     | FirstTokenReceived
     | FirstDeltaCommitted
     | DeltasDelivered
+    | DeltasProduced
     | ToolCallEmitted
     | UpstreamFailed
     | CancelSent
@@ -276,6 +309,8 @@ Event = (
     | RetryBudgetDenied
     | NoReplicaAvailable
     | ClientDisconnected
+    | ClientResumed
+    | ResumeGraceExpired
     | RequestCompleted
     | RequestFailed
     | RequestCancelled

@@ -124,6 +124,13 @@ def _exact(expected: type) -> typing.Callable[[Any], Any]:
     return parse
 
 
+def _parse_seconds(value: Any) -> float:
+    """A duration in seconds: a JSON number, whole or not (never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
 def _parse_datetime(value: Any) -> datetime:
     if not isinstance(value, str):
         raise TypeError(f"expected an ISO 8601 string, got {type(value).__name__}")
@@ -222,6 +229,8 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_enum(annotation)
     if annotation in (str, int, bool):
         return _exact(annotation)
+    if annotation is float:
+        return _parse_seconds
     if annotation == tuple[str, ...]:
         return _parse_str_tuple
     if annotation == dict[str, int]:

@@ -9,7 +9,8 @@ policy decides nothing new, so calling it twice never doubles an action.
 The rule it serves: a request is re-run on another replica only while nothing of
 it has reached the client, and only once the source attempt is dead or released.
 
-    client gone                  → cancel the live attempt, cancel the request
+    client gone, grace over      → cancel the live attempt, cancel the request
+                                   (within resume_grace_s it goes on as if attached)
     decode, failure              → [fence a live source,] fail upstream_decode_interrupted
     overloaded on a soft timer   → wait (record it once), never migrate
     live source, other failure   → fence: cancel sent, then ack or lease expiry
@@ -161,7 +162,7 @@ def decide(state: RequestState, config: PolicyConfig) -> list[Action]:
     if state.phase in (Phase.NEW, Phase.TERMINATED) or state.pending:
         return []
     current = state.current_attempt
-    if state.client_gone:
+    if state.client_gone and (state.resume_grace_expired or state.resume_grace_s == 0):
         return _on_client_gone(current)
     if state.phase is Phase.FENCED:
         return []  # waiting for the cancel ack or the lease expiry, observed as events

@@ -140,7 +140,11 @@ class RequestState:
     delivered_deltas: int = 0
     delivered_output_tokens: int = 0
     tool_calls: tuple[EmittedToolCall, ...] = ()
-    client_gone: bool = False
+    client_gone: bool = False  # no client attached since ClientDisconnected (until ClientResumed)
+    disconnects: int = 0  # ClientDisconnected events so far (a client may come back and leave again)
+    resume_grace_s: float = 0.0  # how long a client that left may attach again (its ClientDisconnected)
+    resume_grace_expired: bool = False  # the grace ran out with no client attached
+    produced_deltas: int = 0  # deltas of the current attempt in the log, delivered or only produced
     start_refused: StartRefusal | None = None
     pending: frozenset[ActionName] = frozenset()  # decided actions not yet seen carried out
     outcome: Outcome | None = None

@@ -38,8 +38,10 @@ from statemachine.events import (
     CancelAcked,
     CancelSent,
     ClientDisconnected,
+    ClientResumed,
     Decided,
     DeltasDelivered,
+    DeltasProduced,
     Event,
     FirstDeltaCommitted,
     FirstTokenReceived,
@@ -51,6 +53,7 @@ from statemachine.events import (
     RequestCompleted,
     RequestFailed,
     RequestScoped,
+    ResumeGraceExpired,
     RetryBudgetDenied,
     StreamResumed,
     ToolCallEmitted,
@@ -168,6 +171,7 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
         "attempts": (*state.attempts, attempt),
         "pending": state.pending - {ActionName.START_ATTEMPT},
         "start_refused": None,
+        "produced_deltas": 0,  # a retry's deltas are numbered from 0 again (nothing was delivered)
     }
 
 
@@ -198,6 +202,31 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
             event,
             f"deltas [{event.from_index}, {event.to_index}) do not follow delta {state.delivered_deltas}",
         )
+    _check_shapes(state, event)
+    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
+        raise _illegal(state, event, "log probabilities are kept with the text, one entry per delta")
+    return {
+        "delivered_deltas": event.to_index,
+        "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
+        "produced_deltas": max(state.produced_deltas, event.to_index),
+    }
+
+
+def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
+    if not state.client_gone:
+        raise _illegal(state, event, "output is recorded as only produced while no client is attached")
+    _live_current(state, event)
+    if event.from_index != state.produced_deltas or event.to_index <= event.from_index:
+        raise _illegal(
+            state,
+            event,
+            f"deltas [{event.from_index}, {event.to_index}) do not follow delta {state.produced_deltas}",
+        )
+    _check_shapes(state, event)
+    return {"produced_deltas": event.to_index}
+
+
+def _check_shapes(state: RequestState, event: DeltasDelivered | DeltasProduced) -> None:
     if event.tokens < 0:
         raise _illegal(state, event, "negative token count")
     if event.deltas and (
@@ -206,12 +235,6 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
         or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
     ):
         raise _illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
-    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
-        raise _illegal(state, event, "log probabilities are kept with the text, one entry per delta")
-    return {
-        "delivered_deltas": event.to_index,
-        "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
-    }
 
 
 def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
@@ -279,7 +302,23 @@ def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
 def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> Changes:
     if state.client_gone:
         raise _illegal(state, event, "the client already disconnected")
-    return {"client_gone": True}
+    if event.resume_grace_s < 0:
+        raise _illegal(state, event, "a negative resume grace")
+    return {"client_gone": True, "resume_grace_s": event.resume_grace_s, "disconnects": state.disconnects + 1}
+
+
+def _on_client_resumed(state: RequestState, event: ClientResumed) -> Changes:
+    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+        raise _illegal(state, event, "no client left within a grace that is still running")
+    if event.after < -1:
+        raise _illegal(state, event, "after is a delta index or -1")
+    return {"client_gone": False}
+
+
+def _on_grace_expired(state: RequestState, event: ResumeGraceExpired) -> Changes:
+    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+        raise _illegal(state, event, "no resume grace is running")
+    return {"resume_grace_expired": True}
 
 
 def _on_completed(state: RequestState, event: RequestCompleted) -> Changes:
@@ -308,7 +347,7 @@ def _on_failed(state: RequestState, event: RequestFailed) -> Changes:
 
 
 def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
-    if not 0 <= event.from_index <= event.to_index <= state.delivered_deltas:
+    if not 0 <= event.from_index <= event.to_index <= max(state.delivered_deltas, state.produced_deltas):
         raise _illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) were never delivered")
     return {}
 
@@ -370,6 +409,7 @@ _HANDLERS: dict[type[Event], Callable[[RequestState, Any], Changes]] = {
     FirstTokenReceived: _on_first_token,
     FirstDeltaCommitted: _on_first_delta,
     DeltasDelivered: _on_deltas,
+    DeltasProduced: _on_deltas_produced,
     ToolCallEmitted: _on_tool_call,
     UpstreamFailed: _on_upstream_failed,
     AttemptFenced: _on_fenced,
@@ -378,6 +418,8 @@ _HANDLERS: dict[type[Event], Callable[[RequestState, Any], Changes]] = {
     LeaseExpired: _on_lease_expired,
     AttemptReleased: _on_released,
     ClientDisconnected: _on_client_disconnected,
+    ClientResumed: _on_client_resumed,
+    ResumeGraceExpired: _on_grace_expired,
     RequestCompleted: _on_completed,
     RequestFailed: _on_failed,
     RequestCancelled: _on_cancelled,

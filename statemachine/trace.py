@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statemachine.errors import IllegalTransition, MalformedEvent, TraceError
-from statemachine.events import Decided, DeltasDelivered, Event, RequestCompleted, ToolCallEmitted
+from statemachine.events import Decided, DeltasDelivered, DeltasProduced, Event, RequestCompleted, ToolCallEmitted
 from statemachine.jsonform import from_json, to_json
 from statemachine.policy import ACTION_TYPES, action_params_order
 from statemachine.request_state import RequestState
@@ -170,8 +170,13 @@ def trace_line(event: Event, *, redact: bool = False) -> str:
 
 
 # What a redacted trace drops: everything the client was sent.
-REDACTED_FIELDS = ("DeltasDelivered.text", "DeltasDelivered.logprobs", "ToolCallEmitted.arguments")
-_REDACTED = {DeltasDelivered: ("text", "logprobs"), ToolCallEmitted: ("arguments",)}
+REDACTED_FIELDS = (
+    "DeltasDelivered.text",
+    "DeltasDelivered.logprobs",
+    "DeltasProduced.text",
+    "ToolCallEmitted.arguments",
+)
+_REDACTED = {DeltasDelivered: ("text", "logprobs"), DeltasProduced: ("text",), ToolCallEmitted: ("arguments",)}
 _REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "arguments": ""}
 _USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
 

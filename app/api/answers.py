@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
@@ -26,6 +27,8 @@ from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Resta
 from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
+
+T = TypeVar("T")
 
 
 async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
@@ -76,11 +79,14 @@ async def stream_body(
     output: Output,
     connection: Connection,
     charge: Callable[[int], None],
+    start: int = 0,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed answer; ``charge`` takes the tokens the client was sent
-    (the tenant's tokens per minute) when it ends, however it ends."""
-    event_id = 0
-    started = False
+    """The SSE events of a streamed answer, from delta ``start`` (a resumed client's);
+    ``charge`` takes the tokens the client was sent (the tenant's tokens per minute) when
+    it ends, however it ends."""
+    client = driver.outputs  # this client's reading end; a resumed client gets another
+    event_id = start
+    started = start > 0
     delivered_tokens = 0
     try:
         while True:
@@ -92,15 +98,15 @@ async def stream_body(
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()
                     return
+                driver.delivered(output.text, output.tokens, output.choice, output.logprobs, index=event_id)
                 event_id += 1
                 started = True
-                driver.delivered(output.text, output.tokens, output.choice, output.logprobs)
                 delivered_tokens += output.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
+                    driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id)
                     event_id += 1
-                    driver.delivered(json.dumps(calls), tokens=0, choice=choice)
                 await driver.complete(output)
                 for choice, reason in enumerate(output.finish_reasons):
                     yield sse_event(event_id, shape.finish_chunk(reason, choice))
@@ -121,7 +127,9 @@ async def stream_body(
                     yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled)))
                     yield DONE
                 return
-            output = await anext(driver.outputs)
+            output = await anext(client)
+    except StopAsyncIteration:  # another client attached in its place
+        return
     except StoreError:
         # Nothing more of this request can be recorded, so nothing more is sent: the
         # final error of DESIGN.md §6; the request is closed in the log when it is back.
@@ -134,6 +142,27 @@ async def stream_body(
         raise
     finally:
         charge(delivered_tokens)
+
+
+async def unless_client_leaves(request: Request, driver: RequestDriver, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it and tell the driver."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    driver.client_gone()
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:

@@ -19,18 +19,15 @@ from starlette.routing import Route
 
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, NotFound, ServiceUnavailable
+from app.api.owner import FORWARD_TIMEOUT_S, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.driver.context import GatewayContext
 from app.logs import bind_request
 from app.store.errors import StoreUnavailable
-from app.store.instances import InstanceRegistry
-from app.store.postgres import PostgresEventStore
 from statemachine import events as ev
 from statemachine.state import fold
 
 log = logging.getLogger("phasegate.api")
-
-FORWARD_TIMEOUT_S = 10.0
 
 
 def cancel_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
@@ -71,10 +68,7 @@ class _Cancel:
 
     async def _forward(self, request: Request, request_id: str, owner: str | None, headers: dict[str, str]) -> Response:
         """The request is live on another instance: ask it, which alone appends to it."""
-        address = None
-        if owner is not None and owner != self.ctx.gateway_id and isinstance(self.ctx.store, PostgresEventStore):
-            rows = await InstanceRegistry(self.ctx.store).recent(limit=1000)
-            address = next((row["address"] for row in rows if row["instance_id"] == owner and row["live"]), None)
+        address = await owner_address(self.ctx, owner)
         if address is None:
             # no live owner: it is being swept (gateway_lost) or it just ended
             raise ServiceUnavailable(

@@ -12,9 +12,18 @@ and it never appends to a live request, which only its owner does. Any instance
 serves any request. Once the end was sent, the instance records what it sent as
 ``StreamResumed``, bookkeeping after the terminal event (expected-version guarded).
 
+A client that left a request live on this instance, within its grace
+(``resume_grace_s``), attaches to its loop instead (:func:`attach_live`): the deltas
+after the one it names, those produced while nobody was attached first, then the live
+tail, from memory; it becomes the request's one attached client. A live request of
+another instance is resumed there: the call is forwarded to the owner's address
+(``gateway_instances.address``), which alone may attach a client and append. A request
+that ended is served from the log by any instance, the deltas produced while no client
+was attached included (DESIGN.md §12).
+
 A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
-to that request the same way (:func:`attach`): a streamed one is served from the log
-(from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
+to that request the same way (:func:`attach`): to the live loop as above, or from the
+log (from ``Last-Event-ID`` if it sends one), a whole answer once the request ended.
 
 Under ``content_policy`` ``digest`` or ``none`` the log has no text: 409
 ``resume_unavailable``, carrying the recorded outcome.
@@ -32,12 +41,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
+from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
 from app.driver.context import GatewayContext
-from app.driver.outputs import Failed
+from app.driver.driver import RequestDriver
+from app.driver.feed import AttachedClient
+from app.driver.outputs import Delta, Failed, Output, Restarted
 from app.driver.request import GenerationRequest
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
@@ -85,6 +98,11 @@ class _Resume:
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         log.info("request %s: its stream resumes from delta %d", request_id, after + 1)
+        live = await attach_live(self.ctx, request_id, request, after, stream=True)
+        if live is None:
+            live = await _at_owner(self.ctx, request, request_id, events)
+        if live is not None:
+            return live
         generation = _shape_of(accepted)
         shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
         return EventSourceResponse(
@@ -112,6 +130,7 @@ class _Follower:
         """Deltas after ``after`` from the log, reading on while the request is live."""
         position = after + 1  # the next delta index to send
         seen = 0  # events of the log taken into account
+        produced: dict[int, dict[int, tuple[int, str, int]]] = {}  # by attempt, by index
         while True:
             for event in events[seen:]:
                 seen = event.seq
@@ -123,8 +142,19 @@ class _Follower:
                             position = index + 1
                         elif tokens:
                             shape.passed(text, choice)  # where the next tokens start in the choice's text
+                elif isinstance(event, ev.DeltasProduced):
+                    into = produced.setdefault(event.attempt, {})
+                    for index, choice, text, tokens, _ in _deltas(event):
+                        into[index] = (choice, text, tokens)
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
+                    # then what the last attempt produced with no client attached (DESIGN.md §12)
+                    current = state.current_attempt
+                    tail = produced.get(current.attempt, {}) if current is not None else {}
+                    for index in sorted(i for i in tail if i >= position):
+                        choice, text, tokens = tail[index]
+                        yield sse_event(index, _delta_chunk(shape, text, choice, tokens, None, first=index == 0))
+                        position = index + 1
                     for chunk in _ending(shape, request_id, event, state):
                         yield chunk
                     await self._record(request_id, after + 1, max(position, after + 1))
@@ -141,7 +171,7 @@ class _Follower:
             try:
                 events = await self.ctx.store.read(request_id)
                 state = fold(events)
-                to_index = min(to_index, state.delivered_deltas)
+                to_index = min(to_index, max(state.delivered_deltas, state.produced_deltas))
                 _, resumed = advance(  # stamped no earlier than the log's last event, whatever our clock says
                     state,
                     ev.StreamResumed,
@@ -167,6 +197,9 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     follower = _Follower(ctx)
     try:
         after = _after(request)
+        live = await attach_live(ctx, request_id, request, after, stream=stream)
+        if live is not None:
+            return live
         events = await follower.read(request_id)
         waited = 0.0
         while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
@@ -178,6 +211,10 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         _check_resumable(events)
     except ApiError as error:
         return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+    if stream:
+        forwarded = await _at_owner(ctx, request, request_id, events)
+        if forwarded is not None:
+            return forwarded
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
     generation = _shape_of(accepted)
@@ -196,14 +233,20 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     texts: dict[int, list[str]] = {}
     calls: dict[int, list[dict[str, object]]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
+    final = state.current_attempt.attempt if state.current_attempt is not None else 0
+    answer: dict[int, tuple[int, str, int, tuple[TokenLogprob, ...] | None]] = {}  # delivered or produced (§12)
     for event in events:
-        if isinstance(event, ev.DeltasDelivered):
-            for _, choice, text, tokens, entries in _deltas(event):
-                if tokens:
-                    texts.setdefault(choice, []).append(text)
-                    logprobs.setdefault(choice, []).extend(entries or ())
-                else:
-                    calls[choice] = json.loads(text)
+        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and event.attempt == final:
+            for index, choice, text, tokens, entries in _deltas(event):
+                if index not in answer or entries is not None:  # a delivered delta keeps its log probabilities
+                    answer[index] = (choice, text, tokens, entries)
+    for index in sorted(answer):
+        choice, text, tokens, entries = answer[index]
+        if tokens:
+            texts.setdefault(choice, []).append(text)
+            logprobs.setdefault(choice, []).extend(entries or ())
+        else:
+            calls[choice] = json.loads(text)
     reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
     choices = range(len(reasons))
     completion = shape.completion(
@@ -214,6 +257,75 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         [logprobs.get(c, []) for c in choices] if shape.request.logprobs is not None else None,
     )
     return JSONResponse(completion, headers=headers)
+
+
+async def attach_live(
+    ctx: GatewayContext, request_id: str, request: Request, after: int, *, stream: bool
+) -> Response | None:
+    """Attach to the request's live loop on this instance, if it waits for a client
+    within its grace (DESIGN.md §12); ``None`` when it does not (follow the log)."""
+    driver = ctx.drivers.get(request_id)
+    if not isinstance(driver, RequestDriver):
+        return None
+    client = driver.attach(after)
+    if client is None:
+        return None
+    headers = {"x-request-id": request_id}
+    request_shape = driver.request
+    if not stream:  # a whole answer: it goes out once the request ended
+        whole = await unless_client_leaves(request, driver, _whole(driver, client))
+        if whole is None:
+            return Response(status_code=499, headers=headers)
+        if isinstance(whole, Failed):
+            return failure_response(request_id, whole, headers)
+        if isinstance(whole, JSONResponse):
+            whole.headers.update(headers)
+            return whole
+        raise RuntimeError(f"request {request_id}: a whole answer ended in {whole!r}")  # pragma: no cover
+    first = await unless_client_leaves(request, driver, _first(driver, client))
+    if first is None:
+        return Response(status_code=499, headers=headers)
+    start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
+    shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created)
+    connection = Connection()
+    body = stream_body(driver, shape, first, connection, lambda tokens: None, start=start)
+    return EventSourceResponse(
+        body,
+        headers=headers,
+        ping=15,
+        send_timeout=30,
+        sep="\n",
+        client_close_handler_callable=connection.closed,
+    )
+
+
+async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:
+    """A live request of another instance: its stream from there, which alone may attach
+    a client to it and append to its log; ``None`` for one that ended or has no live owner."""
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    if fold(events).outcome is not None:
+        return None
+    address = await owner_address(ctx, accepted.gateway)
+    return None if address is None else await forward_stream(request, address, request_id)
+
+
+async def _first(driver: RequestDriver, client: AttachedClient) -> Output:
+    """The resumed client's first output; its first delta is the commit point if no
+    client received one before."""
+    async for output in client:
+        if isinstance(output, Restarted):
+            continue
+        if isinstance(output, Delta) and not driver.state.first_delta_sent:
+            if driver.run is None:
+                continue  # its attempt just failed, before any delivery: a retry restarts
+            await driver.commit()
+        return output
+    raise RuntimeError(f"request {driver.request_id} ended with no outcome")  # pragma: no cover
+
+
+async def _whole(driver: RequestDriver, client: AttachedClient) -> Output | JSONResponse:
+    return await whole_answer(driver, await anext(client))
 
 
 def _after(request: Request) -> int:
@@ -231,7 +343,7 @@ def _after(request: Request) -> int:
 
 def _check_resumable(events: list[ev.Event]) -> None:
     for event in events:
-        if isinstance(event, ev.DeltasDelivered) and (
+        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and (
             event.text is None or (not event.deltas and event.to_index - event.from_index > 1)
         ):
             outcome = fold(events).outcome
@@ -259,14 +371,16 @@ def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:
 
 
 def _deltas(
-    event: ev.DeltasDelivered,
+    event: ev.DeltasDelivered | ev.DeltasProduced,
 ) -> Iterator[tuple[int, int, str, int, tuple[TokenLogprob, ...] | None]]:
-    """``(index, choice, text, tokens, logprobs)`` of each delta of the batch."""
+    """``(index, choice, text, tokens, logprobs)`` of each delta of the batch (log
+    probabilities are kept with delivered text only)."""
     text = event.text or ""
     shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
     offset = 0
     for index, (choice, chars, tokens) in enumerate(shapes, start=event.from_index):
-        logprobs = event.logprobs[index - event.from_index] if event.logprobs is not None else None
+        kept = event.logprobs if isinstance(event, ev.DeltasDelivered) else None
+        logprobs = kept[index - event.from_index] if kept is not None else None
         yield index, choice, text[offset : offset + chars], tokens, logprobs
         offset += chars
 
@@ -291,7 +405,7 @@ def _delta_chunk(
 
 def _ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:
     """What followed the deltas: the finish, or the final error; then ``[DONE]``."""
-    next_id = state.delivered_deltas
+    next_id = max(state.delivered_deltas, state.produced_deltas)
     if isinstance(terminal, ev.RequestCompleted):
         reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
         for choice, reason in enumerate(reasons):

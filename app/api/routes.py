@@ -9,12 +9,12 @@ or 503 when retries are spent) rather than an error inside a 200 stream. A
 streamed request then commits its first delta durably and hands the rest of the
 driver's outputs to sse-starlette; a non-streamed one collects the whole answer,
 commits, and answers once. While headers are held back a watcher notices a client
-that leaves, which cancels upstream through the driver.
+that leaves, which detaches it from the driver: generation goes on for the resume
+grace, then is cancelled (DESIGN.md §12).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import logging
@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
-from app.api.answers import Connection, failure_response, stream_body, whole_answer
+from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
@@ -171,7 +171,7 @@ class _Api:
         driver.accept(idempotency_key=key)
         log.debug("request %s accepted: %s, model %s, tenant %s", request_id, endpoint, generation.model, tenant)
         try:
-            first = await _unless_client_leaves(request, driver, self._until_response(driver))
+            first = await unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
             log.error("request %s refused: the event log is unavailable", request_id)
             driver.log_lost(output_delivered=False)
@@ -325,27 +325,6 @@ async def _json_body(request: Request, limit: int) -> Any:
         return orjson.loads(body)
     except ValueError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-async def _unless_client_leaves(request: Request, driver: RequestDriver, work: Any) -> Any:
-    """Run ``work``; if the client disconnects first, cancel it and tell the driver."""
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if work_task.done():
-        return work_task.result()
-    work_task.cancel()
-    await asyncio.gather(work_task, return_exceptions=True)
-    driver.client_gone()
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

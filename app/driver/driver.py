@@ -3,20 +3,30 @@
 :class:`RequestDriver` is the request's loop (:mod:`app.driver.loop`, which decides
 and acts) plus its two edges: the client's side, where the HTTP layer calls
 ``commit()`` before the first content byte, ``delivered()`` after each write,
-``complete()`` before the last bytes and ``client_gone()`` when the client left;
-and the gateway's side, which ends a request after the log was lost
-(``log_lost``) or itself (the loop's ``interrupt``: a drain, an instance
-that lost its lease).
+``complete()`` before the last bytes, ``client_gone()`` when the client left and
+``attach()`` when one comes back; and the gateway's side, which ends a request after
+the log was lost (``log_lost``) or itself (the loop's ``interrupt``: a drain, an
+instance that lost its lease).
+
+A client that leaves detaches from the loop's feed (:mod:`app.driver.feed`), which
+runs on: ``ClientDisconnected`` records the grace in force (``resume_grace_s``), and
+until a client attaches again (``ClientResumed``) each delta is recorded as produced,
+a finish completes the request, and a timer records ``ResumeGraceExpired``, on which
+the policy cancels (DESIGN.md §12). With no grace it cancels at once.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import json
 import logging
+from collections.abc import Awaitable
 
 from app.driver import log_loss
+from app.driver.feed import AttachedClient
 from app.driver.loop import RequestLoop
-from app.driver.outputs import Finished
+from app.driver.outputs import Delta, Finished, Output
+from app.store.errors import StoreError
 from statemachine import events as ev
 from statemachine.events import TokenLogprob
 from statemachine.phases import Phase
@@ -79,12 +89,21 @@ class RequestDriver(RequestLoop):
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
     def delivered(
-        self, text: str, tokens: int = 1, choice: int = 0, logprobs: tuple[TokenLogprob, ...] | None = None
+        self,
+        text: str,
+        tokens: int = 1,
+        choice: int = 0,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+        index: int | None = None,
     ) -> None:
         """A delta of ``choice`` was written to the client (no tokens: its tool calls),
-        with its tokens' log probabilities when the request asked for them."""
+        with its tokens' log probabilities when the request asked for them; one sent
+        again to a resumed client (``index`` below the delivered count) was recorded before."""
+        if index is not None and index < self.recorder.delivered_deltas:
+            return
         run = self.run
-        assert run is not None
+        if run is None:  # a resumed client got a delta of an attempt that just failed: its end follows
+            return
         now = self.ctx.clock()
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
@@ -112,8 +131,7 @@ class RequestDriver(RequestLoop):
         self.ctx.spawn(self._close_after_log_loss(), name=f"log lost {self.request_id}")
 
     async def _close_after_log_loss(self) -> None:
-        with contextlib.suppress(RuntimeError):  # still running: it ends on its own cancellation
-            await self.outputs.aclose()
+        await self.feed.stop()
         run, self.run = self.run, None
         if run is not None:
             await run.release()  # unrenewed, its lease lapses on the replica; the close cancels it too
@@ -121,15 +139,97 @@ class RequestDriver(RequestLoop):
         self.count_end("failed")
         self.ctx.drivers.pop(self.request_id, None)
 
-    def client_gone(self) -> None:
-        """The client left: cancel upstream, start nothing new (in the background)."""
-        if self.state.phase is not Phase.TERMINATED and not self.state.client_gone:
-            self.ctx.spawn(self._after_client_gone(), name=f"client gone {self.request_id}")
+    # --- a client that leaves, and one that comes back -------------------------------
 
-    async def _after_client_gone(self) -> None:
+    def client_gone(self) -> None:
+        """The client left: generation goes on for ``resume_grace_s`` with no client
+        attached, then the policy cancels upstream (at once with no grace)."""
+        state = self.state
+        if state.phase is Phase.TERMINATED or state.client_gone or self.recorder.sealed:
+            return
+        self.feed.detach()
+        grace = self.ctx.config.resume_grace_s
+        self.recorder.record(ev.ClientDisconnected, resume_grace_s=grace)
+        self._disconnects += 1
+        finished = self.feed.end if isinstance(self.feed.end, Finished) else None  # the loop decides no more
+        if grace == 0:
+            if finished is not None:
+                self.ctx.spawn(self._decide_and_act(), name=f"client gone {self.request_id}")
+            else:
+                self.poke()
+                self.feed.start()  # a loop never pulled starts, to decide the cancel
+            return
+        for delta in self.feed.deltas[self.recorder.recorded_deltas :]:  # sent, never received
+            self._produced(delta)
+        if finished is not None:  # it left between the finish and its completion
+            self.ctx.spawn(self._finish_unattended(finished), name=f"finish {self.request_id}")
+        self.recorder.append_in_background()
+        asyncio.get_running_loop().call_later(grace, self._grace_over, self._disconnects)
+        self.feed.start()
+
+    def attach(self, after: int) -> AttachedClient | None:
+        """A client resumes the live request within its grace, having deltas up to
+        ``after``: it gets the ones after, those produced meanwhile first. ``None`` when
+        the request is not waiting for a client (one is attached, or it is ending)."""
+        state = self.state
+        if (
+            state.phase is Phase.TERMINATED
+            or not state.client_gone
+            or state.resume_grace_expired
+            or state.resume_grace_s == 0
+            or self._interrupted is not None
+            or self.recorder.sealed
+            or self.run is None  # between attempts: its resumer follows the log
+        ):
+            return None
+        self.recorder.record(ev.ClientResumed, after=after, gateway=self.ctx.gateway_id)
+        self.recorder.append_in_background()
+        # a delta the log does not hold as delivered is sent again: never one skipped
+        client = self.feed.attach(max(0, min(after + 1, self.recorder.delivered_deltas)))
+        self.outputs = client
+        self.feed.start()
+        return client
+
+    def _grace_over(self, disconnect: int) -> None:
+        state = self.state
+        if disconnect != self._disconnects or not state.client_gone or state.phase is Phase.TERMINATED:
+            return  # a client came back (and may have left again since)
+        if self.recorder.record(ev.ResumeGraceExpired) is not None:
+            self.poke()
+
+    def _unattended(self, output: Output) -> Awaitable[None] | None:
+        if self.state.resume_grace_s == 0:
+            return None  # nobody may come back: the cancel is being decided
+        if type(output) is Delta:
+            self._produced(output)
+        elif isinstance(output, Finished):
+            return self._finish_unattended(output)
+        return None
+
+    def _produced(self, delta: Delta) -> None:
+        run = self.run
+        if run is not None:
+            self.recorder.produced(run.attempt, run.lease_epoch, delta.tokens, delta.text, delta.choice)
+
+    async def _finish_unattended(self, finished: Finished) -> None:
+        """The answer finished with no client attached: its tool calls recorded as
+        produced, and the completion; a client gets it all from the log."""
+        run = self.run
+        if run is not None:
+            for delta in self.feed.deltas[self.recorder.recorded_deltas :]:
+                self._produced(delta)
+            calls_at = len(self.feed.deltas)  # each choice's tool calls follow the content deltas
+            for offset, (choice, calls) in enumerate(sorted(finished.tool_calls.items())):
+                if calls_at + offset >= self.recorder.recorded_deltas:
+                    self.recorder.produced(run.attempt, run.lease_epoch, 0, json.dumps(calls), choice)
         try:
-            await self.outputs.aclose()  # the loop is abandoned where it stood
-        except RuntimeError:  # pragma: no cover - still running: it ends on its own cancellation
-            log.warning("request %s: the loop was still running when its client left", self.request_id)
-        self.recorder.record(ev.ClientDisconnected)
-        await self._decide_and_act()
+            await self.complete(finished)
+        except StoreError as exc:
+            self._unattended_error(exc)
+
+    def _unattended_error(self, error: BaseException) -> None:
+        if isinstance(error, StoreError):
+            log.error("request %s: the event log failed with no client attached", self.request_id)
+            self.log_lost(output_delivered=self.state.first_delta_sent)
+            return
+        log.error("request %s: its loop failed with no client attached", self.request_id, exc_info=error)

@@ -1,16 +1,17 @@
 """The per-request loop: observe -> decide -> act -> append.
 
-How this works: ``outputs`` is one async generator that runs the whole request. It
-asks ``decide()``, records each action as ``Decided``, carries the actions out, then
-reads the running attempt's next frame and records what it observed; it yields
-what the client should receive next (:class:`Delta`, :class:`Finished`,
-:class:`Failed`, :class:`Cancelled`; :class:`Restarted` when a retry replaced an
-attempt whose output was never delivered). The HTTP layer pulls from it and calls
-back through :class:`app.driver.driver.RequestDriver`, this loop plus its edges.
+How this works: ``_drive`` is one async generator that runs the whole request, in a
+task of its own (:mod:`app.driver.feed`). It asks ``decide()``, records each action as
+``Decided``, carries the actions out, then reads the running attempt's next frame and
+records what it observed; it yields what the client should receive next
+(:class:`Delta`, :class:`Finished`, :class:`Failed`, :class:`Cancelled`;
+:class:`Restarted` when a retry replaced an attempt whose output was never delivered).
+The HTTP layer reads them as the attached client (``outputs``) and calls back through
+:class:`app.driver.driver.RequestDriver`, this loop plus its edges.
 
-Every action's events are recorded synchronously, before any await, so a
-cancellation (a client that leaves) never finds a decision half carried out; the
-awaited parts (appends, opening a stream, waiting for a fence) come after.
+Every action's events are recorded synchronously, before any await, so a cancellation
+(the frame awaited abandoned by ``interrupt`` or ``poke``) never finds a decision half
+carried out; the awaited parts (appends, opening a stream, waiting for a fence) come after.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
+from app.driver.feed import AttachedClient, Feed
 from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
@@ -72,7 +74,17 @@ class RequestLoop:
         self._restarted = False  # a retry opened: the consumer drops what it buffered
         self._interrupted: Interruption | None = None  # the gateway ends the request (drain, fenced)
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
-        self.outputs: AsyncGenerator[Output, None] = self._drive()
+        self._poked = False  # an event recorded from outside the loop wants a decision now
+        self._disconnects = 0  # clients that left: a grace timer acts only for the latest
+        # the loop runs in the feed's task; a client that leaves only detaches (DESIGN.md §12)
+        self.feed = Feed(
+            self._drive,
+            ctx.spawn,
+            on_unattended=self._unattended,
+            on_unattended_error=self._unattended_error,
+            name=f"loop {request_id}",
+        )
+        self.outputs: AttachedClient = self.feed.attach(0)  # the client that sent the request
 
     @property
     def request_id(self) -> str:
@@ -107,7 +119,8 @@ class RequestLoop:
                 continue
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if self._interrupted is None or task is None or task.uncancel() > 0:
+                poked, self._poked = self._poked, False
+                if (self._interrupted is None and not poked) or task is None or task.uncancel() > 0:
                     raise
                 continue
             finally:
@@ -337,6 +350,21 @@ class RequestLoop:
         """The client asked to stop (``POST /v1/requests/{id}/cancel``): end at once,
         recorded as ``RequestCancelled``, the attempt cancelled as bookkeeping."""
         self.interrupt(CANCELLED_BY_CLIENT, "the client cancelled the request", record=True)
+
+    def poke(self) -> None:
+        """Decide now: an event recorded from outside the loop (a client gone with no
+        grace, the grace run out) may end the request; the frame awaited is abandoned."""
+        if self._pulling is not None and not self._poked:
+            self._poked = True
+            self._pulling.cancel()
+
+    def _unattended(self, output: Output) -> Awaitable[None] | None:
+        """An output the loop produced while no client was attached (the driver's)."""
+        raise NotImplementedError
+
+    def _unattended_error(self, error: BaseException) -> None:
+        """What the loop raised while no client was attached (the driver's)."""
+        raise NotImplementedError
 
     def interrupt(self, code: str, message: str, *, record: bool) -> None:
         """End the request now with the final error ``code``: recorded as

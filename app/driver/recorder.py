@@ -39,6 +39,7 @@ from statemachine import events as ev
 from statemachine.events import (
     TERMINAL_EVENT_TYPES,
     DeltasDelivered,
+    DeltasProduced,
     Event,
     FirstDeltaCommitted,
     ReleaseReason,
@@ -55,7 +56,8 @@ STORE_OUTAGE_GRACE_S = 10.0
 
 @dataclass(slots=True)
 class _OpenBatch:
-    """Deltas written to the client and not yet recorded (one ``DeltasDelivered``)."""
+    """Deltas written to the client and not yet recorded (one ``DeltasDelivered``), or
+    produced while no client was attached (one ``DeltasProduced``)."""
 
     attempt: int
     lease_epoch: int
@@ -65,6 +67,7 @@ class _OpenBatch:
     tokens: int = 0
     texts: list[str] = field(default_factory=list)
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
+    produced: bool = False  # recorded as produced, not delivered (no client attached)
     logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
 
 
@@ -141,17 +144,37 @@ class Recorder:
         choice: int = 0,
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
-        """One delta written to the client; recorded in batches."""
+        """One delta written to the client, with its tokens' log probabilities when asked
+        for; recorded in batches."""
+        self._add(attempt, lease_epoch, tokens, text, choice, logprobs, produced=False)
+
+    def produced(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
+        """One delta produced while no client is attached; recorded in batches, as produced."""
+        self._add(attempt, lease_epoch, tokens, text, choice, None, produced=True)
+
+    def _add(
+        self,
+        attempt: int,
+        lease_epoch: int,
+        tokens: int,
+        text: str,
+        choice: int,
+        logprobs: tuple[TokenLogprob, ...] | None,
+        *,
+        produced: bool,
+    ) -> None:
         if self._sealed:
             return
         batch = self._batch
-        if batch is not None and batch.attempt != attempt:
+        if batch is not None and (batch.attempt != attempt or batch.produced != produced):
             self.close_batch()
             batch = None
         config = self.ctx.config
         if batch is None:
+            state = self.state
+            start = state.produced_deltas if produced else state.delivered_deltas
             batch = self._batch = _OpenBatch(
-                attempt, lease_epoch, self.state.delivered_deltas, self.ctx.clock(), self.ctx.wall_clock()
+                attempt, lease_epoch, start, self.ctx.clock(), self.ctx.wall_clock(), produced=produced
             )
             asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
         batch.tokens += tokens
@@ -165,18 +188,19 @@ class Recorder:
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
             self.close_batch()
-            self._append_deliveries()
+            self._append_deliveries(produced)
 
     def _batch_aged(self, batch: _OpenBatch) -> None:
         """The batch's timer: a stream that pauses still gets its deliveries recorded."""
         if self._batch is batch:
             self.close_batch()
-            self._append_deliveries()
+            self._append_deliveries(batch.produced)
 
-    def _append_deliveries(self) -> None:
+    def _append_deliveries(self, produced: bool = False) -> None:
         """Append what is queued, group-committed, in the background; if an append of the
-        request is still on its way, it takes what queued meanwhile once it committed."""
-        if self._appending is None and self.appending_deliveries:
+        request is still on its way, it takes what queued meanwhile once it committed.
+        Produced output goes to the log as it is recorded, before any commit point too."""
+        if self._appending is None and (self.appending_deliveries or produced):
             self._appending = self.ctx.spawn(self._append_grouped(), name=f"deliveries {self.request_id}")
 
     async def _append_grouped(self) -> None:
@@ -230,25 +254,23 @@ class Recorder:
             return
         policy = self.ctx.config.content_policy
         text, text_sha256 = kept_text("".join(batch.texts), policy)
+        fields: dict[str, Any] = {
+            "attempt": batch.attempt,
+            "lease_epoch": batch.lease_epoch,
+            "from_index": batch.from_index,
+            "to_index": batch.from_index + len(batch.texts),
+            "tokens": batch.tokens,
+            "text": text,
+            "text_sha256": text_sha256,
+            "deltas": tuple(batch.shapes),
+        }
+        if not batch.produced:  # with the delivered text only: log probabilities are content (DESIGN.md §13)
+            fields["logprobs"] = tuple(batch.logprobs) if batch.logprobs is not None and policy == "full" else None
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
-        self._queue(
-            DeltasDelivered,
-            {
-                "attempt": batch.attempt,
-                "lease_epoch": batch.lease_epoch,
-                "from_index": batch.from_index,
-                "to_index": batch.from_index + len(batch.texts),
-                "tokens": batch.tokens,
-                "text": text,
-                "text_sha256": text_sha256,
-                "deltas": tuple(batch.shapes),
-                # with the text only: log probabilities are content (DESIGN.md §13)
-                "logprobs": tuple(batch.logprobs) if batch.logprobs is not None and policy == "full" else None,
-            },
-            occurred_at=batch.first_at,
-        )
-        self._batches_waiting += 1
+        self._queue(DeltasProduced if batch.produced else DeltasDelivered, fields, occurred_at=batch.first_at)
+        if not batch.produced:
+            self._batches_waiting += 1
 
     def seal(self, *, output_delivered: bool) -> None:
         """The log stopped taking this request's events and its client was told it failed
@@ -271,8 +293,33 @@ class Recorder:
     @property
     def delivered_output_tokens(self) -> int:
         """Tokens written to the client so far, the open batch included."""
-        open_batch = self._batch.tokens if self._batch is not None else 0
+        batch = self._batch
+        open_batch = batch.tokens if batch is not None and not batch.produced else 0
         return self.state.delivered_output_tokens + open_batch
+
+    @property
+    def delivered_deltas(self) -> int:
+        """Deltas written to the client so far, the open batch included."""
+        batch = self._batch
+        open_batch = len(batch.texts) if batch is not None and not batch.produced else 0
+        return self.state.delivered_deltas + open_batch
+
+    @property
+    def recorded_deltas(self) -> int:
+        """Deltas of the current attempt recorded, delivered or produced, the open batch included."""
+        batch = self._batch
+        open_batch = len(batch.texts) if batch is not None else 0
+        base = self.state.produced_deltas if batch is None else batch.from_index
+        return max(self.state.produced_deltas, base + open_batch, self.delivered_deltas)
+
+    @property
+    def sealed(self) -> bool:
+        """The log was lost: nothing more is recorded."""
+        return self._sealed
+
+    def append_in_background(self) -> None:
+        """Append what is queued now, group-committed, not awaited (a disconnect, a resume)."""
+        self._append_deliveries(True)
 
     @property
     def has_unflushed(self) -> bool:

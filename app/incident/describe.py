@@ -52,10 +52,15 @@ def _detail(event: Event) -> str:
         return f"on {event.replica_id} lease_epoch={event.lease_epoch} lease until {_clock(event.lease_expires_at)}"
     if isinstance(event, ev.FirstDeltaCommitted):
         return "commit point: no retry from here"
-    if isinstance(event, ev.DeltasDelivered):
+    if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced):
         digest = event.text_sha256
         shown = f"sha256:{digest[:12]}…" if event.text is None and digest else preview(event.text)
-        return f"deltas [{event.from_index}, {event.to_index}) {event.tokens} tokens {shown}"
+        unattended = " (no client attached)" if isinstance(event, ev.DeltasProduced) else ""
+        return f"deltas [{event.from_index}, {event.to_index}) {event.tokens} tokens{unattended} {shown}"
+    if isinstance(event, ev.ClientDisconnected) and event.resume_grace_s:
+        return f"generation goes on for {event.resume_grace_s:g}s for a client to come back"
+    if isinstance(event, ev.ClientResumed):
+        return f"a client came back with deltas up to {event.after}, at {event.gateway}"
     if isinstance(event, ev.ToolCallEmitted):
         return f"{event.name} {event.tool_call_id}"
     if isinstance(event, ev.StreamResumed):

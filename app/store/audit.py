@@ -121,7 +121,7 @@ def _request_fields(state: RequestState, row: Any) -> list[tuple[str, Any, Any]]
         ("delivered_deltas", state.delivered_deltas, row.delivered_deltas),
         ("delivered_output_tokens", state.delivered_output_tokens, row.delivered_output_tokens),
         ("tool_calls", len(state.tool_calls), row.tool_calls),
-        ("client_gone", state.client_gone, row.client_disconnected_at is not None),
+        ("client_disconnected", state.disconnects > 0, row.client_disconnected_at is not None),
         ("last_seq", state.seq, row.last_seq),
         ("tenant", state.tenant, row.tenant),
         ("model", state.model, row.model),

@@ -2,10 +2,10 @@
 tool data under the content policy, and a tenant's content erased while its events stay.
 
 Content is what a client sent or was sent: the request's body (``request_inputs``),
-the delivered text (``DeltasDelivered.text``, or its digest, and the log probabilities
-kept with it), tool call arguments
-(``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool results and
-errors (``tool_executions``). Everything else is the event skeleton: what happened,
+the delivered and produced text (``DeltasDelivered.text``, ``DeltasProduced.text``, or
+their digests, and the log probabilities kept with the delivered text), tool call
+arguments (``ToolCallEmitted.arguments`` and the ledger's ``arguments``), and tool
+results and errors (``tool_executions``). Everything else is the event skeleton: what happened,
 when, where, how many tokens. The fold and replay read only the skeleton, so they
 work on an erased log as on one recorded under the ``none`` policy.
 """
@@ -79,10 +79,12 @@ _COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM req
 _EVENTS = text(
     f"""
     UPDATE request_events SET body = CASE type
+        WHEN 'ToolCallEmitted' THEN body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb
         WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
-        ELSE body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb END
+        ELSE body || '{{"text": null, "text_sha256": null}}'::jsonb END
      WHERE request_id IN ({_OF_TENANT})
-       AND ((type = 'DeltasDelivered' AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
+       AND ((type IN ('DeltasDelivered', 'DeltasProduced')
+             AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
          OR (type = 'ToolCallEmitted' AND (body->>'arguments' <> '' OR body->>'arguments_sha256' IS NOT NULL)))
     """
 )

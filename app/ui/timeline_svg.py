@@ -239,6 +239,9 @@ def _attempt_mark(canvas: _Canvas, event: Event, number: int, y: float) -> None:
     elif isinstance(event, ev.DeltasDelivered):
         shape = f'<rect x="{x - 3}" y="{y - 6}" width="6" height="12" fill="{COLOURS["delivered"]}"/>'
         canvas.mark("delivery", event, shape, attempt=number)
+    elif isinstance(event, ev.DeltasProduced):  # no client attached: produced, not delivered
+        shape = f'<rect x="{x - 3}" y="{y - 6}" width="6" height="12" fill="none" stroke="{COLOURS["delivered"]}"/>'
+        canvas.mark("production", event, shape, attempt=number)
     elif isinstance(event, ev.ToolCallEmitted):
         shape = f'<rect x="{x - 5}" y="{y - 5}" width="10" height="10" fill="#6a1b9a"/>'
         canvas.mark("tool-call", event, shape, attempt=number, label=_label(x, y - 12, f"tool {event.name}"))
@@ -291,7 +294,15 @@ def _client_lane(canvas: _Canvas, y: float, top: float, bottom: float) -> None:
             canvas.mark("client-delivery", event, block, attempt=event.attempt, label=label)
         elif isinstance(event, ev.ClientDisconnected):
             shape = f'<path d="M{x - 6} {y - 6} L{x + 6} {y + 6} M{x + 6} {y - 6} L{x - 6} {y + 6}" stroke="#333"/>'
-            canvas.mark("client-gone", event, shape, label=_label(x, y + 24, "client disconnected"))
+            grace = f" (grace {event.resume_grace_s:g}s)" if event.resume_grace_s else ""
+            canvas.mark("client-gone", event, shape, label=_label(x, y + 24, f"client disconnected{grace}"))
+        elif isinstance(event, ev.ClientResumed):
+            shape = f'<path d="M{x - 6} {y - 6} L{x + 6} {y} L{x - 6} {y + 6} Z" fill="#333"/>'
+            words = f"client attached again after delta {event.after}"
+            canvas.mark("client-attached", event, shape, label=_label(x, y + 24, words))
+        elif isinstance(event, ev.ResumeGraceExpired):
+            shape = f'<circle cx="{x}" cy="{y}" r="5" fill="none" stroke="#333" stroke-width="2"/>'
+            canvas.mark("grace-expired", event, shape, label=_label(x, y + 24, "grace expired"))
         elif isinstance(event, ev.StreamResumed):
             shape = f'<path d="M{x - 6} {y} L{x + 6} {y - 6} L{x + 6} {y + 6} Z" fill="#333"/>'
             words = f"resumed: deltas {event.from_index}-{event.to_index}"

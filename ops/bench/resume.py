@@ -11,7 +11,10 @@ as processes, raw SSE over HTTP. Printed side by side:
 - a resume from the middle of a finished request;
 - a live follow: a resumer started while the request streams, and how far each
   delta reached it behind the original client (the log's lag: a delivery batch and a
-  group commit).
+  group commit);
+- a reattach within the grace (``resume_grace_s``): the client leaves mid-answer and
+  comes back at once with ``Last-Event-ID``; time to its first resumed delta (those
+  produced meanwhile come from the loop's memory) and to the end.
 """
 
 from __future__ import annotations
@@ -105,6 +108,34 @@ def measure(gateway: str, deltas: int, resumes: int) -> None:
         f"live follow         behind the client p50 {ms(statistics.median(behind))}"
         f"   p99 {ms(behind[int(0.99 * (len(behind) - 1))])}   ({len(behind)} deltas)"
     )
+    firsts, wholes = [], []
+    for n in range(resumes):
+        leave = {**body, "messages": [{"role": "user", "content": f"reattach bench {n}"}]}
+        last, request_id = leave_after(gateway, leave, deltas // 4)
+        began = time.perf_counter()
+        resumed = read_stream(gateway, "GET", f"/v1/requests/{request_id}/stream", headers={"last-event-id": last})
+        firsts.append(resumed[0][0] - began)
+        wholes.append(time.perf_counter() - began)
+    print(
+        f"reattach in grace   first delta {ms(statistics.median(firsts))}"
+        f"   to the end {ms(statistics.median(wholes))}   (median of {resumes})"
+    )
+
+
+def leave_after(url: str, body: object, count: int) -> tuple[str, str]:
+    """POST, read ``count`` SSE ids and hang up: the last id and the request id."""
+    last = ""
+    with (
+        httpx.Client(base_url=url, timeout=120) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                last = line[4:]
+                count -= 1
+                if count == 0:
+                    break
+        return last, response.headers["x-request-id"]
 
 
 def main() -> None:

@@ -48,7 +48,8 @@ def fresh_pair() -> Iterator[list[WorkerProcess]]:
 def gateway(database_url: str, sim_pair: list[WorkerProcess]) -> Iterator[RunningGateway]:
     for worker in sim_pair:
         httpx.delete(worker.base_url + "/admin/faults")
-    with running_gateway(database_url, sim_pair) as running:
+    # a client that leaves is cancelled at once here (the grace has its own tests)
+    with running_gateway(database_url, sim_pair, resume_grace_s=0) as running:
         yield running
 
 

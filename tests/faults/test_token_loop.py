@@ -199,7 +199,10 @@ def slow_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 @pytest.fixture
 def slow_gateway(database_url: str, slow_fleet: Fleet) -> Iterator[RunningGateway]:
     slow_fleet.revive()
-    with running_gateway(database_url, slow_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30) as running:
+    # test 7: a client that leaves is cancelled at once (tests/app/api/test_disconnect_grace.py: the grace)
+    with running_gateway(
+        database_url, slow_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30, resume_grace_s=0
+    ) as running:
         yield running
 
 

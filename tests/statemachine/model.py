@@ -207,8 +207,30 @@ class ModelDriver:
         self.record(ev.AttemptReleased, **self.scoped(), because=ev.ReleaseReason.LEASE_EXPIRED)
         self.step()
 
-    def client_gone(self) -> list[Any]:
-        self.record(ev.ClientDisconnected)
+    def client_gone(self, resume_grace_s: float = 0.0) -> list[Any]:
+        self.record(ev.ClientDisconnected, resume_grace_s=resume_grace_s)
+        return self.step()
+
+    def produce(self, tokens: int = 1, text: str = "x") -> None:
+        """``tokens`` one-token deltas produced while no client is attached."""
+        start = self.state.produced_deltas
+        self.record(
+            ev.DeltasProduced,
+            **self.scoped(),
+            from_index=start,
+            to_index=start + tokens,
+            tokens=tokens,
+            text=text * tokens,
+            text_sha256=None,
+        )
+        self.step()
+
+    def client_resumes(self, after: int = -1) -> list[Any]:
+        self.record(ev.ClientResumed, after=after, gateway="gw_a")
+        return self.step()
+
+    def grace_expires(self) -> list[Any]:
+        self.record(ev.ResumeGraceExpired)
         return self.step()
 
     def complete(self) -> None:

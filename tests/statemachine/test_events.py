@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from statemachine import events as ev
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, DeltaLogprobs, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
@@ -28,7 +29,7 @@ def sample_value(annotation: Any) -> Any:
         return T0 + timedelta(microseconds=123457)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return list(annotation)[-1]
-    samples = {str: "sample é ✓", int: 42, bool: True, tuple[str, ...]: ("w1", "w2")}
+    samples = {str: "sample é ✓", int: 42, float: 2.5, bool: True, tuple[str, ...]: ("w1", "w2")}
     if annotation in samples:
         return samples[annotation]
     if annotation == dict[str, int]:
@@ -145,6 +146,13 @@ def test_missing_envelope_field_is_named() -> None:
         from_json(data)
 
 
+def test_a_whole_number_of_seconds_is_read_as_seconds() -> None:
+    data = to_json(sample_event(EVENT_TYPES["ClientDisconnected"]))
+    data["body"]["resume_grace_s"] = 10
+    event = from_json(data)
+    assert isinstance(event, ev.ClientDisconnected) and event.resume_grace_s == 10.0
+
+
 @pytest.mark.parametrize(
     ("type_name", "field", "value", "message"),
     [
@@ -157,6 +165,8 @@ def test_missing_envelope_field_is_named() -> None:
         ("DeltasDelivered", "deltas", [[0, -1, 1]], "expected a list of"),
         ("DeltasDelivered", "deltas", [[0, True, 1]], "expected a list of"),
         ("DeltasDelivered", "deltas", {"0": 1}, "expected a list of"),
+        ("ClientDisconnected", "resume_grace_s", True, "expected a number, got bool"),
+        ("ClientDisconnected", "resume_grace_s", "10", "expected a number, got str"),
     ],
 )
 def test_wrong_body_types_are_rejected(type_name: str, field: str, value: Any, message: str) -> None:

@@ -38,6 +38,9 @@ LEGAL = {
             "LeaseExpired",
             "AttemptReleased",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
+            "DeltasProduced",
         ]
     },
     (Phase.PREFILL, "FirstDeltaCommitted"): Phase.DECODE,
@@ -54,6 +57,9 @@ LEGAL = {
             "LeaseExpired",
             "AttemptReleased",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
+            "DeltasProduced",
         ]
     },
     (Phase.DECODE, "AttemptFenced"): Phase.FENCED,
@@ -66,6 +72,8 @@ LEGAL = {
             "CancelAcked",
             "LeaseExpired",
             "ClientDisconnected",
+            "ClientResumed",
+            "ResumeGraceExpired",
         ]
     },
     (Phase.FENCED, "AttemptReleased"): Phase.PREFILL,

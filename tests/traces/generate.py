@@ -67,6 +67,29 @@ def client_disconnect() -> ModelDriver:
     return driver
 
 
+def client_resumed_within_grace() -> ModelDriver:
+    driver = ModelDriver("req_resumed")
+    driver.first_token()
+    driver.deliver(3, "abc")
+    driver.client_gone(resume_grace_s=10.0)  # generation goes on for the grace
+    driver.produce(2, "de")  # produced with no client attached: not delivered
+    driver.client_resumes(after=2)
+    driver.deliver(3, "def")  # the two produced ones, then a new one
+    driver.complete()
+    return driver
+
+
+def resume_grace_expired() -> ModelDriver:
+    driver = ModelDriver("req_grace_expired")
+    driver.first_token()
+    driver.deliver(2, "ab")
+    driver.client_gone(resume_grace_s=10.0)
+    driver.produce(3, "cde")
+    driver.grace_expires()  # nobody came back: cancelled
+    driver.ack()
+    return driver
+
+
 def tool_call_replayed() -> ModelDriver:
     driver = ModelDriver("req_tool", tools=True)
     driver.tool_call(0, "call_wx1")
@@ -109,6 +132,8 @@ SCENARIOS: dict[str, Callable[[], ModelDriver]] = {
     "decode_interrupted": decode_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
     "client_disconnect": client_disconnect,
+    "client_resumed_within_grace": client_resumed_within_grace,
+    "resume_grace_expired": resume_grace_expired,
     "tool_call_replayed": tool_call_replayed,
     "poison_request": poison_request,
     "divergent_soft_timeout_migrated": divergent_soft_timeout_migrated,

@@ -148,6 +148,26 @@ def client_disconnect(scene: Scene) -> str:
     return transcript.request_id
 
 
+def client_resumed_within_grace(scene: Scene) -> str:
+    prompt = "recorded: the client leaves and comes back"
+    first = stream_chat(scene.gateway.url, body(prompt, max_tokens=60), on_delta=lambda n: n >= 3)
+    time.sleep(0.2)  # deltas are produced with no client attached
+    headers = {"last-event-id": str(first.event_ids[-1])}
+    with (
+        httpx.Client(base_url=scene.gateway.url, timeout=60) as http,
+        http.stream("GET", f"/v1/requests/{first.request_id}/stream", headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        assert any(line == "data: [DONE]" for line in response.iter_lines())
+    return first.request_id
+
+
+def resume_grace_expired(scene: Scene) -> str:
+    prompt = "recorded: the client leaves for good"
+    transcript = stream_chat(scene.gateway.url, body(prompt, max_tokens=400), on_delta=lambda n: n >= 3)
+    return transcript.request_id
+
+
 def tool_call_replayed(scene: Scene) -> str:
     prompt = "recorded: a tool call, then death"
     scene.fault_first_attempt(prompt, action="tool_call_then_die", at_token=0, tool_name="lookup")
@@ -163,9 +183,14 @@ SCENARIOS: dict[str, Callable[[Scene], str]] = {
     "choices_interrupted": choices_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
     "client_disconnect": client_disconnect,
+    "client_resumed_within_grace": client_resumed_within_grace,
+    "resume_grace_expired": resume_grace_expired,
     "tool_call_replayed": tool_call_replayed,
 }
-DECODE_MS = {"client_disconnect": 20.0}  # slow enough that the client leaves mid-answer
+# slow enough that the client leaves mid-answer
+DECODE_MS = {"client_disconnect": 20.0, "client_resumed_within_grace": 20.0, "resume_grace_expired": 20.0}
+# how long a client that left may come back (DESIGN.md §12); 0: cancelled at once
+RESUME_GRACE_S = {"client_resumed_within_grace": 10.0, "resume_grace_expired": 0.5}
 assert set(SCENARIOS) == set(EXPECTED)
 
 
@@ -195,6 +220,7 @@ def scene_for(name: str, database_url: str) -> Iterator[Scene]:
                 timeouts=TIMEOUTS,
                 health_interval_s=30,
                 tool_webhook_url=hook.base_url + "/tools/execute",
+                resume_grace_s=RESUME_GRACE_S.get(name, 0.0),
             )
         )
         yield Scene(gateway, workers, proxies)

@@ -107,6 +107,28 @@ def client_disconnect(events: list[ev.Event]) -> None:
     assert _delivered_tokens(events) > 0
 
 
+def client_resumed_within_grace(events: list[ev.Event]) -> None:
+    """The client left mid-answer; deltas were produced with no client attached; a
+    resumer attached within the grace and received them and the rest."""
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(_replicas(events)) == 1
+    order = [_index(events, cls) for cls in (ev.ClientDisconnected, ev.DeltasProduced, ev.ClientResumed)]
+    assert order == sorted(order) and not _of(events, ev.CancelSent)
+    assert state.delivered_deltas == state.produced_deltas  # everything produced was then delivered
+
+
+def resume_grace_expired(events: list[ev.Event]) -> None:
+    """The client left mid-answer and never came back: the grace ran out, then the cancel."""
+    state = fold(events)
+    assert state.outcome is Outcome.CANCELLED and len(_replicas(events)) == 1
+    order = [
+        _index(events, cls)
+        for cls in (ev.ClientDisconnected, ev.DeltasProduced, ev.ResumeGraceExpired, ev.CancelSent, ev.CancelAcked)
+    ]
+    assert order == sorted(order)
+    assert state.produced_deltas > state.delivered_deltas > 0
+
+
 def tool_call_replayed(events: list[ev.Event]) -> None:
     """The replica died right after asking for a tool; the retry asked for the same call."""
     _retried_after_a_death(events)
@@ -122,5 +144,7 @@ EXPECTED: dict[str, Callable[[list[ev.Event]], None]] = {
     "choices_interrupted": choices_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
     "client_disconnect": client_disconnect,
+    "client_resumed_within_grace": client_resumed_within_grace,
+    "resume_grace_expired": resume_grace_expired,
     "tool_call_replayed": tool_call_replayed,
 }

@@ -190,7 +190,9 @@ def gateway_over(database_url: str) -> Iterator[Any]:
     stack: list[Any] = []
 
     def build(worker: WorkerProcess) -> RunningGateway:
-        context = running_gateway(database_url, [worker])
+        # no grace: the client that left is cancelled, and the resume is served from the log
+        # (tests/app/api/test_disconnect_grace.py resumes within the grace)
+        context = running_gateway(database_url, [worker], resume_grace_s=0)
         stack.append(context)
         return context.__enter__()
 

@@ -92,7 +92,8 @@ def gateway_over(
     replicas = [ReplicaConfig(id="a-worker", url=vllm_pair.worker.base_url, kind="worker")]
     if not worker_only:
         replicas.append(ReplicaConfig(id="b-server", url=vllm_pair.server_url, kind="openai"))
-    return running_gateway(database_url, replicas, models={MODEL: "tiny-rev"}, timeouts=TIMEOUTS)
+    # a client that leaves is cancelled at once (the vLLM abort is what is tested)
+    return running_gateway(database_url, replicas, models={MODEL: "tiny-rev"}, timeouts=TIMEOUTS, resume_grace_s=0)
 
 
 def ask(client: openai.OpenAI, *, stream: bool) -> tuple[str, str]:

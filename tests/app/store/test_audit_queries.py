@@ -54,6 +54,8 @@ LOG = {
         traces.cancelled_by_client("req_gone", at=at(100)),
         traces.with_tool_call("req_tool", at=at(110)),
         traces.in_flight("req_live", at=at(120)),
+        traces.resumed_within_grace("req_back", at=at(130)),
+        traces.left_for_good("req_left", at=at(140)),
     )
 }
 PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID}
@@ -151,7 +153,7 @@ def expect_outcomes(result: list[asyncpg.Record]) -> None:
     assert [(*r[:7], float(r[7])) for r in rows(result)] == [
         ("acme", BASE, 5, 4, 1, 0, 0, 20.0),
         ("acme", BASE + HOUR, 5, 1, 3, 1, 0, 60.0),
-        ("acme", BASE + 2 * HOUR, 1, 0, 0, 0, 1, 0.0),
+        ("acme", BASE + 2 * HOUR, 3, 1, 0, 1, 1, 0.0),
         ("globex", BASE, 1, 1, 0, 0, 0, 0.0),
     ]
 
@@ -208,12 +210,21 @@ def expect_traced(result: list[asyncpg.Record]) -> None:
 
 
 def expect_recent_failures(result: list[asyncpg.Record]) -> None:
-    # since minute 60: the later cuts, the stall, the client that left; newest first
+    # since minute 60: the later cuts, the stall, the clients that left; newest first
     assert [(r["request_id"], r["outcome"], r["error_code"]) for r in result] == [
+        ("req_left", "cancelled", "client_gone"),
         ("req_gone", "cancelled", "client_gone"),
         ("req_stall", "failed", "upstream_decode_interrupted"),
         ("req_cut_3", "failed", "upstream_decode_interrupted"),
         ("req_cut_2", "failed", "upstream_decode_interrupted"),
+    ]
+
+
+def expect_clients_that_left(result: list[asyncpg.Record]) -> None:
+    assert [(*r[:3], float(r[3]), *r[4:]) for r in rows(result)] == [
+        ("req_back", "completed", None, 10.0, 1, 1, False, 3, 4),  # both produced deltas then received
+        ("req_gone", "cancelled", "client_gone", 0.0, 1, 0, False, 0, 1),  # no grace: cancelled at once
+        ("req_left", "cancelled", "client_gone", 10.0, 1, 0, True, 2, 1),  # produced, never received
     ]
 
 
@@ -237,6 +248,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     17: expect_resumed,
     18: expect_traced,
     19: expect_recent_failures,
+    20: expect_clients_that_left,
 }
 
 

@@ -13,11 +13,14 @@ from ops import traces
 from statemachine.events import (
     EVENT_TYPES,
     AttemptFenced,
+    ClientResumed,
     Deadline,
     DeltasDelivered,
+    DeltasProduced,
     Event,
     FailureKind,
     NoReplicaAvailable,
+    ResumeGraceExpired,
     RetryBudgetDenied,
     StreamResumed,
     UpstreamFailed,
@@ -46,6 +49,9 @@ def one_of_each() -> list[Event]:
         NoReplicaAvailable("req_codec", 9, T0, ("w1", "w2"), "all ejected"),
         UpstreamFailed("req_codec", 9, T0, 2, 3, FailureKind.OVERLOADED, "queued", Deadline.SOFT, 503, "busy"),
         StreamResumed("req_codec", 9, T0, 0, 2, "gw_b"),
+        ClientResumed("req_codec", 9, T0, 4, "gw_b"),
+        ResumeGraceExpired("req_codec", 9, T0),
+        DeltasProduced("req_codec", 9, T0, 1, 1, 5, 7, 2, "ab", None, ((0, 1, 1), (0, 1, 1))),
     ):
         samples[type(event).__name__] = event
     assert set(samples) == set(EVENT_TYPES)

@@ -93,6 +93,8 @@ def test_the_divergent_decision_is_marked_with_what_is_recomputed() -> None:
         ("client_disconnect", {"client-gone", "request-cancelled", "cancel-sent", "cancel-acked", "released"}),
         ("tool_call_replayed", {"tool-call", "request-completed"}),
         ("clean_completion", {"first-token", "delivery", "client-delivery", "commit-point", "request-completed"}),
+        ("client_resumed_within_grace", {"client-gone", "production", "client-attached", "request-completed"}),
+        ("resume_grace_expired", {"client-gone", "production", "grace-expired", "request-cancelled", "cancel-acked"}),
     ],
 )
 def test_each_golden_trace_draws_its_marks(name: str, expected: set[str]) -> None:

@@ -1,0 +1,174 @@
+"""A request's outputs, produced by its loop in a task of its own, for one attached client.
+
+How this works: the loop (``RequestLoop._drive``) runs in the feed's task, so a client
+that leaves (its HTTP task cancelled) never stops the generation: it only detaches
+(DESIGN.md §12). The feed keeps every delta of the current attempt in memory, in
+order; the attached :class:`AttachedClient` reads them with its own cursor, so a
+client that attaches again (a resume on this instance) starts at any delta it names.
+
+While a client is attached the loop reads the next frame only once the client has
+taken every delta and come back for more, as when the client pulled the loop itself:
+whatever the loop then observes (a failure, a drain) is decided on deliveries that are
+all recorded, so the final error's counts are what the client got. That is one
+hand-off each way per delta. While no client is attached the loop runs free: each new
+delta is recorded as produced (the driver's ``on_unattended``), and the final output
+(finished, failed, cancelled) is kept for whoever reads next.
+
+An exception of the loop (the log lost) reaches the attached client, which answers it;
+with no client attached, the driver's ``on_unattended_error`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from app.driver.outputs import Delta, Output, Restarted
+
+log = logging.getLogger("phasegate.driver")
+
+
+class AttachedClient:
+    """One client's reading end of the feed: an async iterator of outputs, from ``cursor``."""
+
+    def __init__(self, feed: Feed, cursor: int) -> None:
+        self.feed = feed
+        self.cursor = cursor  # the next delta index this client gets
+        self.restarts = feed.restarts
+        self.got_end = False
+
+    def __aiter__(self) -> AttachedClient:
+        return self
+
+    async def __anext__(self) -> Output:
+        return await self.feed.next_for(self)
+
+
+class Feed:
+    def __init__(
+        self,
+        outputs: Callable[[], AsyncGenerator[Output, None]],
+        spawn: Callable[..., asyncio.Task[Any]],
+        *,
+        on_unattended: Callable[[Output], Awaitable[None] | None],
+        on_unattended_error: Callable[[BaseException], None],
+        name: str,
+    ) -> None:
+        self._outputs = outputs
+        self._spawn = spawn
+        self._on_unattended = on_unattended  # a delta or the end, produced with no client attached
+        self._on_unattended_error = on_unattended_error
+        self._name = name
+        self.deltas: list[Delta] = []  # the current attempt's, in order
+        self.restarts = 0  # a retry replaced an attempt whose output no client received
+        self.end: Output | None = None  # finished, failed or cancelled: the last output
+        self.error: BaseException | None = None  # what the loop raised
+        self.client: AttachedClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.over = False  # the loop ran to its end (or raised)
+        self._waiter: asyncio.Future[None] | None = None  # the client waits for an output
+        self._caught_up: asyncio.Future[None] | None = None  # the loop waits for the client
+        self._client_waiting = False
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = self._spawn(self._run(), name=self._name)
+
+    def attach(self, cursor: int) -> AttachedClient:
+        """Attach a client that gets deltas from ``cursor`` on; the one before is detached."""
+        self.client = AttachedClient(self, cursor)
+        self._wake()  # the client before it, if it waits, ends
+        self._release_loop()
+        return self.client
+
+    def detach(self) -> AttachedClient | None:
+        client, self.client = self.client, None
+        self._wake()  # a read that waits ends (StopAsyncIteration)
+        self._release_loop()
+        return client
+
+    async def stop(self) -> None:
+        """Stop the loop where it stands (the log was lost); it records nothing more."""
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def next_for(self, client: AttachedClient) -> Output:
+        self.start()
+        while True:
+            if client is not self.client:
+                raise StopAsyncIteration  # detached: another client, or none, reads on
+            if client.restarts != self.restarts:
+                client.restarts, client.cursor = self.restarts, 0
+                return Restarted()
+            if client.cursor < len(self.deltas):
+                client.cursor += 1
+                return self.deltas[client.cursor - 1]
+            if self.end is not None and not client.got_end:
+                client.got_end = True
+                return self.end
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+            if self.over or client.got_end:
+                raise StopAsyncIteration
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            self._client_waiting = True
+            self._release_loop()
+            try:
+                await waiter
+            finally:
+                self._client_waiting = False  # (also when its task is cancelled)
+
+    def _wake(self) -> None:
+        self._client_waiting = False  # woken, it takes what came before it asks again
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _release_loop(self) -> None:
+        caught_up, self._caught_up = self._caught_up, None
+        if caught_up is not None and not caught_up.done():
+            caught_up.set_result(None)
+
+    async def _until_the_client_caught_up(self) -> None:
+        """With a client attached: until it took every delta and asks for more (or left)."""
+        while self.client is not None and not self._client_waiting:
+            caught_up = self._caught_up = asyncio.get_running_loop().create_future()
+            await caught_up
+
+    async def _run(self) -> None:
+        try:
+            async with contextlib.aclosing(self._outputs()) as outputs:  # closed here, even when stopped
+                async for output in outputs:
+                    await self._take(output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the log lost, or a bug: whoever reads answers it
+            if self.client is not None:
+                self.error = exc
+            else:
+                self._on_unattended_error(exc)
+        finally:
+            self.over = True
+            self._wake()
+
+    async def _take(self, output: Output) -> None:
+        if type(output) is Delta:
+            self.deltas.append(output)
+        elif type(output) is Restarted:
+            self.deltas.clear()
+            self.restarts += 1
+        else:
+            self.end = output
+        if self.client is None and type(output) is not Restarted:
+            result = self._on_unattended(output)
+            if result is not None:
+                await result
+        self._wake()
+        if type(output) is Delta:
+            await self._until_the_client_caught_up()
