@@ -92,6 +92,9 @@ class AttemptRun:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before the attempt finished") from None
         if not isinstance(frame, Heartbeat):
             self.first_token_seen = True
+            # proof that its engine works, should a probe of it go unanswered meanwhile (a
+            # heartbeat proves less: an engine stuck with its queue full still sends them)
+            self.replica.frames_read += 1
         return frame
 
     def deadline_due(self) -> Deadline | None:

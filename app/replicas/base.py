@@ -12,12 +12,22 @@ records what it observed without knowing which client observed it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.contract.logprobs import TokenLogprob
 from statemachine.events import FailureKind
+
+
+class ProbeAnswer(enum.Enum):
+    """What one health probe of a replica came back with."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # it answered, and not well; or nothing listens there
+    SILENT = "silent"  # no answer in time: a silent replica, or one too busy to answer
+
 
 # Frames are plain slotted classes (not frozen: built once per token on the hot path).
 
@@ -123,6 +133,8 @@ class ReplicaClient(Protocol):
         ``None`` when no acknowledgement came (or this kind gives none)."""
         ...
 
-    async def health(self) -> bool: ...
+    async def health(self) -> ProbeAnswer:
+        """One health probe; :attr:`ProbeAnswer.SILENT` when no answer came in time."""
+        ...
 
     async def close(self) -> None: ...

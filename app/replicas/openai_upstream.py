@@ -28,7 +28,7 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
-from app.replicas.base import AttemptRequest, Done, Frame, Token, ToolCall, UpstreamFailure
+from app.replicas.base import AttemptRequest, Done, Frame, ProbeAnswer, Token, ToolCall, UpstreamFailure
 from app.tracing import inject_traceparent
 from statemachine.events import FINISH_REASONS, FailureKind
 
@@ -105,14 +105,16 @@ class OpenAIUpstream:
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
         return None  # closing the stream is the only cancel; it is never acknowledged
 
-    async def health(self) -> bool:
+    async def health(self) -> ProbeAnswer:
         """A real 1-token generation."""
         body = {"model": self.health_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
             response = await self._client.post("/v1/completions", json=body, timeout=self.response_timeout_s)
+        except httpx.TimeoutException:
+            return ProbeAnswer.SILENT
         except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+            return ProbeAnswer.UNHEALTHY
+        return ProbeAnswer.HEALTHY if response.status_code == 200 else ProbeAnswer.UNHEALTHY
 
     async def close(self) -> None:
         await self._client.aclose()

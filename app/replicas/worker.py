@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import httpx
 
 from app.replicas.attempt_frames import AttemptFrames
-from app.replicas.base import AttemptRequest, UpstreamFailure
+from app.replicas.base import AttemptRequest, ProbeAnswer, UpstreamFailure
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
-from app.replicas.worker_errors import ConnectTimedOut, RequestRefused, WorkerError
+from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
 from app.tracing import inject_traceparent
 from statemachine.events import FailureKind
 
@@ -85,11 +85,14 @@ class WorkerReplica:
         ack = await self.client.cancel(request_id, attempt, lease_epoch)
         return ack.generated_tokens
 
-    async def health(self) -> bool:
+    async def health(self) -> ProbeAnswer:
         try:
-            return (await self.client.health()).healthy
+            healthy = (await self.client.health()).healthy
+        except LivenessUncertain:  # no connection or no answer within the timeout
+            return ProbeAnswer.SILENT
         except WorkerError:
-            return False
+            return ProbeAnswer.UNHEALTHY
+        return ProbeAnswer.HEALTHY if healthy else ProbeAnswer.UNHEALTHY
 
     async def close(self) -> None:
         await self._http.aclose()

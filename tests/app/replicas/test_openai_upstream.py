@@ -6,13 +6,15 @@ to misbehave); the vLLM server itself is exercised in the vllm-marked tests.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from app.config import ReplicaConfig, Timeouts
-from app.replicas.openai_upstream import _parse_chunk
+from app.replicas.base import ProbeAnswer
+from app.replicas.openai_upstream import OpenAIUpstream, _parse_chunk
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
 from statemachine.replay import replay
@@ -236,3 +238,22 @@ def test_text_holding_u0000_reaches_the_client_and_the_log_records_it_replaced(
     assert fold(events).outcome is Outcome.COMPLETED
     recorded = "".join(event.text for event in of(events, ev.DeltasDelivered))  # type: ignore[attr-defined]
     assert recorded == text.replace("\x00", "\N{REPLACEMENT CHARACTER}")
+
+
+async def test_a_probe_says_whether_the_upstream_answered_or_stayed_silent() -> None:
+    """Silent (a listener that never answers) is told apart from unhealthy (nothing listens)."""
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(1 << 16):  # read the probe, answer nothing, until the client gives up
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    silent = OpenAIUpstream("s", f"http://127.0.0.1:{port}", health_model=MODEL, response_timeout_s=0.3)
+    async with server:
+        assert await silent.health() is ProbeAnswer.SILENT
+        await silent.close()
+    nobody = OpenAIUpstream("n", f"http://127.0.0.1:{port}", health_model=MODEL, response_timeout_s=0.3)
+    assert await nobody.health() is ProbeAnswer.UNHEALTHY  # connection refused
+    await nobody.close()

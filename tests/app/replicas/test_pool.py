@@ -1,13 +1,15 @@
-"""The pool's choices, ejections and cool-downs, on an injected clock (no I/O: probes are not run)."""
+"""The pool's choices, ejections and cool-downs, on an injected clock; its probes over a
+replica client that only answers (no I/O)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
 
 from app.config import ReplicaConfig
-from app.replicas.base import ReplicaClient, UpstreamFailure
+from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
 from app.replicas.pool import Replica, ReplicaPool
 from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused, TokenRefused
 from statemachine.events import FailureKind
@@ -122,4 +124,48 @@ def test_a_replica_side_status_counts(status: int) -> None:
         else Rejected("replica side", status=status, code=None, retry_after=None)
     )
     p.observe(a, failure)
+    assert a.consecutive_failures == 1 and not p.available(a)
+
+
+# --- probes: a silence counts, unless the replica streams frames meanwhile --------------
+
+
+class Probed:
+    """A replica client whose probes get ``answer`` after a short wait, while ``streaming``
+    (when set) reads frames from the replica's live attempts."""
+
+    def __init__(self, answer: ProbeAnswer) -> None:
+        self.answer = answer
+        self.streaming: Replica | None = None
+
+    async def health(self) -> ProbeAnswer:
+        await asyncio.sleep(0.01)
+        if self.streaming is not None:
+            self.streaming.frames_read += 3
+        return self.answer
+
+
+def probed(answer: ProbeAnswer, *, streaming: bool) -> tuple[ReplicaPool, Replica]:
+    client = Probed(answer)
+    replica = Replica(ReplicaConfig(id="a", url="http://a"), cast(ReplicaClient, client))
+    client.streaming = replica if streaming else None
+    return ReplicaPool([replica], eject_after_failures=1), replica
+
+
+@pytest.mark.parametrize("answer", [ProbeAnswer.SILENT, ProbeAnswer.UNHEALTHY])
+async def test_a_failed_probe_of_a_replica_that_streams_nothing_ejects(answer: ProbeAnswer) -> None:
+    p, a = probed(answer, streaming=False)
+    assert await p.probe(a) is False
+    assert a.consecutive_failures == 1 and a.healthy is False and not p.available(a)
+
+
+async def test_a_silent_probe_does_not_count_while_the_replica_streams_frames() -> None:
+    p, a = probed(ProbeAnswer.SILENT, streaming=True)
+    await p.probe_all()
+    assert a.consecutive_failures == 0 and p.available(a)
+
+
+async def test_an_unhealthy_answer_counts_even_while_the_replica_streams() -> None:
+    p, a = probed(ProbeAnswer.UNHEALTHY, streaming=True)  # it answered: no benefit of the doubt
+    await p.probe(a)
     assert a.consecutive_failures == 1 and not p.available(a)
