@@ -5,7 +5,8 @@
     │                        a second writer got there first, or the expected version
     │                        skips or repeats versions. Never retried by the store.
     ├── StoreUnavailable     PostgreSQL cannot be reached (down, restarting, network,
-    │                        no host of a multi-host URL is the writable primary).
+    │                        no host of a multi-host URL is the writable primary, or
+    │                        the server answering refuses writes as read-only).
     │                        The store logs it once and reconnects by itself; an append
     │                        that failed so may or may not have been recorded, and
     │                        retrying the same events is safe (a no-op if it was).
@@ -24,6 +25,7 @@ Anything else PostgreSQL reports is raised as a plain ``StoreError`` naming it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import asyncpg
 from sqlalchemy import exc as sa_exc
@@ -79,14 +81,15 @@ def rejection(request_id: str, expected_version: int, error: Exception) -> Store
 # exceptions (08), operator intervention such as shutdown or restart (57), and
 # system errors such as an I/O error (58).
 _UNAVAILABLE_CLASSES = ("08", "57", "58")
+# A write refused as read-only: the server answering is not (or no longer) the primary,
+# as for a connection left on a demoted primary or routed to a standby. Like a failover
+# under way, the writable primary is elsewhere: the store reconnects to find it.
+READ_ONLY_SQLSTATE = "25006"
 
 
 def is_unavailable(error: BaseException) -> bool:
     """Whether ``error`` (from asyncpg or SQLAlchemy) means PostgreSQL is unreachable."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in _chain(error):
         if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
             return True
         if isinstance(current, OSError | asyncio.TimeoutError | asyncpg.PostgresConnectionError):
@@ -96,7 +99,22 @@ def is_unavailable(error: BaseException) -> bool:
         if isinstance(current, asyncpg.TargetServerAttributeNotMatched):
             return True  # every host answered, none is the writable primary (a failover under way)
         sqlstate = getattr(current, "sqlstate", None)
-        if isinstance(sqlstate, str) and sqlstate[:2] in _UNAVAILABLE_CLASSES:
+        if isinstance(sqlstate, str) and (sqlstate[:2] in _UNAVAILABLE_CLASSES or sqlstate == READ_ONLY_SQLSTATE):
             return True
-        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
     return False
+
+
+def refused_as_read_only(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused by a server that is not the primary: the
+    connections open to it are of no use for writing and should be dropped."""
+    return any(getattr(current, "sqlstate", None) == READ_ONLY_SQLSTATE for current in _chain(error))
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what it wraps (SQLAlchemy's ``orig``) or was raised from, once each."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__

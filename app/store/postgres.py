@@ -26,7 +26,7 @@ from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import from_row, storable, to_row
 from app.store.content import kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
-from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable
+from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, refused_as_read_only
 from app.store.follow import FollowCursor
 from app.store.writer import GroupCommitWriter
 from statemachine.events import Event
@@ -314,6 +314,8 @@ class PostgresEventStore(EventStore):
         except Exception as exc:
             if not is_unavailable(exc):
                 raise
+            if refused_as_read_only(exc):  # the pool's connections lead to a server that is no primary
+                await self._engine.dispose()
             if not self._outage:
                 self._outage = True
                 logger.error("PostgreSQL unavailable: %s; queries fail until it returns", _first_line(exc))

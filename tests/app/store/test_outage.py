@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 from app.store import PostgresEventStore, StoreUnavailable
 from app.store.embedded import EmbeddedPostgres
 from ops import traces
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -117,3 +120,60 @@ async def test_a_restart_under_load_loses_nothing_acknowledged(server: EmbeddedP
     finally:
         await store.close()
     assert outages > 0  # the restart did land in the middle of the load
+
+
+async def retried(call: Callable[[], Awaitable[T]], timeout: float = 15.0) -> T:
+    """``call()`` again while the store is unavailable, as a caller of the store does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "the store stayed unavailable"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_server_refusing_writes_as_read_only_is_an_outage_until_it_takes_them(database_url: str) -> None:
+    """A connection that ends up on a server that is no primary (a demoted one, or a
+    standby behind a stale address) gets SQLSTATE 25006 for every write: the store calls
+    that unavailable, drops those connections and reconnects until a server takes writes."""
+    import asyncpg
+
+    from app.store.database import asyncpg_dsn
+
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    store = await PostgresEventStore.connect(database_url, flush_delay=0.002)
+    trace = traces.completed("req_read_only")
+
+    async def demote(read_only: bool) -> None:
+        """New sessions refuse writes (as a standby's do) or take them again; demoting
+        also drops every open session, as a primary's restart as a standby does."""
+        name = await admin.fetchval("SELECT current_database()")
+        setting = "on" if read_only else "off"
+        await admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {setting}')
+        if read_only:
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+    try:
+        await store.append("req_read_only", 0, trace.events[:3])
+        await store.claim_tool_execution("req_read_only:call_0", "req_read_only", 1, "call_0", "f", "{}")
+        await demote(read_only=True)
+        for _ in range(2):  # the dropped connection first, then one to a server that refuses writes
+            with pytest.raises(StoreUnavailable):
+                await store.append("req_read_only", 3, trace.events[3:5])
+            with pytest.raises(StoreUnavailable):
+                await store.claim_tool_execution("req_read_only:call_1", "req_read_only", 1, "call_1", "f", "{}")
+        assert await store.read("req_read_only") == trace.events[:3]  # reads still work on it
+        await demote(read_only=False)  # the store's open sessions still refuse: it must drop them itself
+        await retried(lambda: store.append("req_read_only", 3, trace.events[3:]))
+        assert await retried(
+            lambda: store.claim_tool_execution("req_read_only:call_1", "req_read_only", 1, "call_1", "f", "{}")
+        )
+        assert await store.read("req_read_only") == trace.events
+    finally:
+        await demote(read_only=False)
+        await admin.close()
+        await store.close()
