@@ -25,11 +25,10 @@ import uuid
 from importlib import metadata
 
 from app.driver.context import GatewayContext
-from app.driver.recovery import close_in_log
+from app.driver.recovery import close_from_log
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 from statemachine.phases import Phase
-from statemachine.state import fold
 
 log = logging.getLogger("phasegate.instance")
 
@@ -179,7 +178,7 @@ class GatewayInstance:
 
     async def _close(self, request_id: str) -> int:
         try:
-            await close_in_log(self.ctx, fold(await self.store.read(request_id)))
+            await close_from_log(self.ctx, request_id)
         except Exception:  # one broken request must not keep the others open
             log.exception("could not close request %s of a lapsed instance", request_id)
             return 0

@@ -24,9 +24,8 @@ import logging
 from app.driver.context import GatewayContext
 from app.driver.outputs import Failed
 from app.driver.recorder import Recorder
-from app.driver.recovery import close_in_log
+from app.driver.recovery import close_from_log
 from app.store.errors import InstanceFenced, StoreError, StoreUnavailable
-from statemachine.state import fold
 
 log = logging.getLogger("phasegate.driver")
 
@@ -35,7 +34,6 @@ MESSAGE = "the request log became unavailable; the answer stops here"
 NOTHING_SENT = "the request log is unavailable; try again shortly"
 GIVE_UP_AFTER_S = 900.0
 RETRY_EVERY_S = 1.0
-STORE_FLUSH_WAIT_S = 5.0  # for the store's queue to drain before the log is read
 
 
 def failure(delivered_output_tokens: int) -> Failed:
@@ -61,11 +59,10 @@ async def close_when_back(ctx: GatewayContext, recorder: Recorder) -> None:
             await recorder.flush(durable=True)  # what the request still had queued, first
             # then what the store still holds for it: appends kept through the outage (a
             # batch whose commit went unacknowledged, when the primary died, is written
-            # again once the log is back). Read before they land, the log would look
-            # shorter than it is, and the closing append would collide with them.
-            await asyncio.wait_for(ctx.store.flush(), STORE_FLUSH_WAIT_S)
-            state = fold(await ctx.store.read(request_id))
-            await close_in_log(ctx, state, code=EVENT_LOG_UNAVAILABLE, message=MESSAGE)
+            # again once the log is back). close_from_log waits for them before it reads
+            # the log, and reads again if the closing append still collides (a sweeper
+            # that took this instance over closing the request too).
+            await close_from_log(ctx, request_id, code=EVENT_LOG_UNAVAILABLE, message=MESSAGE)
             return
         except (StoreUnavailable, InstanceFenced, TimeoutError):  # away; or away so long this instance lapsed
             if ctx.clock() >= give_up_at:

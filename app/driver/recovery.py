@@ -7,6 +7,13 @@ retryable only when nothing was delivered), then cancels the attempt that may st
 run upstream and records how it ended (the ack, or the lease that has lapsed by
 then because nobody renewed it). A request whose log was lost is closed the same
 way once the log is back (:mod:`app.driver.log_loss`).
+
+Both read the log first (:func:`close_from_log`), and the log may grow between that
+read and the closing append: this store's own queue still holding appends of the
+request (kept through an outage, written under the instance's new lease once it
+registered again), or another instance closing it too. So the store's queue drains
+before the read, and a closing append that collides (``StreamConflict``) reads the
+log again and closes from there, or finds the request closed: it is never left open.
 """
 
 from __future__ import annotations
@@ -17,14 +24,41 @@ import logging
 from app.driver.context import GatewayContext
 from app.driver.recorder import Recorder
 from app.replicas.base import UpstreamFailure
+from app.store.errors import StreamConflict
 from statemachine import events as ev
 from statemachine.phases import Phase
 from statemachine.policy import ended_by_gateway
 from statemachine.request_state import RequestState
+from statemachine.state import fold
 
 log = logging.getLogger("phasegate.recovery")
 
 GATEWAY_LOST = "gateway_lost"
+GATEWAY_LOST_MESSAGE = "the gateway serving this request stopped before it ended"
+STORE_FLUSH_WAIT_S = 5.0  # for the store's queue to drain before the log is read
+CLOSE_TRIES = 5  # reads of the log, each followed by a closing append
+
+
+async def close_from_log(
+    ctx: GatewayContext, request_id: str, *, code: str = GATEWAY_LOST, message: str = GATEWAY_LOST_MESSAGE
+) -> None:
+    """Read the request from the log, once the store's own queue has drained, and end
+    it there (:func:`close_in_log`); a closing append that collides with events that
+    landed after the read reads again and retries (``CLOSE_TRIES`` reads in all).
+
+    Raises ``TimeoutError`` when the queue does not drain within ``STORE_FLUSH_WAIT_S``,
+    the store's errors otherwise, ``StreamConflict`` when every try collided.
+    """
+    for tries_left in reversed(range(CLOSE_TRIES)):
+        await asyncio.wait_for(ctx.store.flush(), STORE_FLUSH_WAIT_S)
+        state = fold(await ctx.store.read(request_id))
+        try:
+            await close_in_log(ctx, state, code=code, message=message)
+            return
+        except StreamConflict as exc:
+            if not tries_left:
+                raise
+            log.warning("closing request %s collided with events written meanwhile (%s); reads again", request_id, exc)
 
 
 async def close_in_log(
@@ -32,7 +66,7 @@ async def close_in_log(
     state: RequestState,
     *,
     code: str = GATEWAY_LOST,
-    message: str = "the gateway serving this request stopped before it ended",
+    message: str = GATEWAY_LOST_MESSAGE,
 ) -> None:
     """End a request from what the log holds of it (``state``): ``RequestFailed`` with
     ``code``, then its live attempts cancelled and their ends recorded."""

@@ -1,0 +1,86 @@
+"""The sweep of a lapsed instance on real PostgreSQL: it never leaves a request open.
+
+The sweeper reads each open request from the log and then appends its close. Events
+may land in between: its own store's queue (appends kept through an outage, written
+under the instance's new lease), or another instance closing the request too. The
+closing append then collides (``StreamConflict``); the sweep reads the log again and
+closes from there (app/driver/recovery.py: close_from_log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from app.config import GatewayConfig, Timeouts
+from app.driver.budget import RetryBudget
+from app.driver.context import GatewayContext
+from app.driver.instance import GatewayInstance
+from app.metrics import Metrics
+from app.replicas.pool import ReplicaPool
+from app.store.instances import InstanceInfo, InstanceRegistry
+from app.store.postgres import PostgresEventStore
+from ops import traces
+from statemachine import events as ev
+from statemachine.phases import Phase
+from statemachine.state import fold
+
+
+def info(instance_id: str) -> InstanceInfo:
+    return InstanceInfo(instance_id, f"{instance_id}:8000", "host", 1, "test", None)
+
+
+def sweeper_context(store: PostgresEventStore, instance_id: str) -> GatewayContext:
+    return GatewayContext(
+        config=GatewayConfig(timeouts=Timeouts(lease_ttl_s=0.05)),  # the lost attempt's lease
+        store=store,
+        pool=ReplicaPool([]),
+        budget=RetryBudget(10, 1.0),
+        metrics=Metrics(),
+        gateway_id=instance_id,
+    )
+
+
+async def open_request_of_lapsed_instance(store: PostgresEventStore, request_id: str) -> list[ev.Event]:
+    """``request_id`` accepted by ``gw_dead``, its attempt started, when ``gw_dead``
+    lapses; ``gw_sweeper`` is live and the store appends for it."""
+    registry = InstanceRegistry(store)
+    await registry.register(info("gw_dead"), ttl_s=0.01)
+    await registry.register(info("gw_sweeper"), ttl_s=30.0)
+    trace = traces.completed(request_id)
+    opened = [dataclasses.replace(trace.events[0], gateway="gw_dead"), *trace.events[1:3]]
+    await store.append(request_id, 0, opened)
+    store.writer.bind_instance("gw_sweeper")
+    await asyncio.sleep(0.05)  # gw_dead lapses
+    return opened
+
+
+async def test_a_sweep_whose_close_collides_reads_the_log_again(event_store: PostgresEventStore) -> None:
+    opened = await open_request_of_lapsed_instance(event_store, "req_swept")
+    trace = traces.completed("req_swept")
+
+    # Right after the sweeper's read, an append of the request is still to land (it
+    # joins the writer's queue ahead of the close): the log the close starts from is short.
+    read = event_store.read
+    reads = 0
+
+    async def read_then_land_one_more(request_id: str) -> list[ev.Event]:
+        nonlocal reads
+        events = await read(request_id)
+        reads += 1
+        if reads == 1:
+            await event_store.append(request_id, len(events), trace.events[3:4], durable=False)
+        return events
+
+    event_store.read = read_then_land_one_more  # type: ignore[method-assign]
+    sweeper = GatewayInstance(sweeper_context(event_store, "gw_sweeper"), event_store)
+    assert await sweeper.sweep() == 1
+    event_store.read = read  # type: ignore[method-assign]
+
+    events = await event_store.read("req_swept")
+    assert events[:4] == [*opened, trace.events[3]]  # what landed after the first read is kept
+    state = fold(events)
+    assert state.phase is Phase.TERMINATED, [type(event).__name__ for event in events]
+    (failed,) = [event for event in events if isinstance(event, ev.RequestFailed)]
+    assert failed.code == "gateway_lost"
+    assert reads == 2
