@@ -10,8 +10,10 @@ before anyone may sweep it. Fenced, it refuses new requests, ends its streams wi
 the final error ``gateway_lost`` (the code the sweeper records) and registers again
 under a new id. A sweeper runs every ``sweep_interval_s``: it claims lapsed
 instances and closes their open requests from the log (``gateway_lost``), cancelling
-their attempts. ``drain`` is SIGTERM's path: refuse new requests, let open streams
-run up to ``drain_s``, then end them with ``gateway_draining``, recorded.
+their attempts. It marks a lapsed instance swept only once none of its requests is
+left open; until then it goes back to it each sweep. ``drain`` is SIGTERM's path:
+refuse new requests, let open streams run up to ``drain_s``, then end them with
+``gateway_draining``, recorded.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class GatewayInstance:
         self._tasks: list[asyncio.Task[None]] = []
         self._expiry: asyncio.TimerHandle | None = None
         self._fencing: asyncio.Task[None] | None = None
+        self._unswept: set[str] = set()  # lapsed instances claimed with requests left open
 
     @property
     def instance_id(self) -> str:
@@ -91,6 +94,7 @@ class GatewayInstance:
         sent_at = self.ctx.clock()
         await self.registry.register(info, self.ttl_s)
         self.ctx.gateway_id = instance_id
+        self._unswept = set()  # claims of the old id: others take them over once it lapsed
         self.store.writer.bind_instance(instance_id)
         self._lease_until(sent_at + self.ttl_s)
         self.ctx.refusal = None
@@ -167,12 +171,27 @@ class GatewayInstance:
         """Take over lapsed instances: close their open requests. How many were closed."""
         closed = 0
         sweeper = self.instance_id
-        for lapsed in await self.registry.claim_lapsed(sweeper):
+        # What it claimed before and left with requests open is still this instance's
+        # to sweep: the claim passes to another only once this one lapsed.
+        self._unswept.update(await self.registry.claim_lapsed(sweeper))
+        for lapsed in sorted(self._unswept):
             request_ids = await self.store.unfinished_requests(gateway=lapsed)
             results = await asyncio.gather(*(self._close(request_id) for request_id in request_ids))
-            await self.registry.swept(lapsed, sweeper, len(request_ids))
-            self.ctx.metrics.instances_swept.inc()
             closed += sum(results)
+            if sum(results) < len(request_ids):
+                # Not swept yet: the claim stays this instance's, and its next sweep
+                # closes what is still open.
+                log.warning(
+                    "gateway instance %s sweeping %s: %d of %d open request(s) closed; the rest next sweep",
+                    sweeper,
+                    lapsed,
+                    sum(results),
+                    len(request_ids),
+                )
+                continue
+            await self.registry.swept(lapsed, sweeper, len(request_ids))
+            self._unswept.discard(lapsed)
+            self.ctx.metrics.instances_swept.inc()
             log.warning("gateway instance %s swept %s: %d open request(s) closed", sweeper, lapsed, sum(results))
         return closed
 

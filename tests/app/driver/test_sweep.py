@@ -4,7 +4,9 @@ The sweeper reads each open request from the log and then appends its close. Eve
 may land in between: its own store's queue (appends kept through an outage, written
 under the instance's new lease), or another instance closing the request too. The
 closing append then collides (``StreamConflict``); the sweep reads the log again and
-closes from there (app/driver/recovery.py: close_from_log).
+closes from there (app/driver/recovery.py: close_from_log). A close that fails
+anyway (the log away) leaves the lapsed instance unswept, and the next sweep closes
+what is still open.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from app.driver.context import GatewayContext
 from app.driver.instance import GatewayInstance
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
+from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 from ops import traces
@@ -84,3 +87,28 @@ async def test_a_sweep_whose_close_collides_reads_the_log_again(event_store: Pos
     (failed,) = [event for event in events if isinstance(event, ev.RequestFailed)]
     assert failed.code == "gateway_lost"
     assert reads == 2
+
+
+async def test_a_sweep_that_left_a_request_open_goes_back_to_it(event_store: PostgresEventStore) -> None:
+    await open_request_of_lapsed_instance(event_store, "req_reswept")
+    read = event_store.read
+    reads = 0
+
+    async def read_the_log_away_once(request_id: str) -> list[ev.Event]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            raise StoreUnavailable("PostgreSQL is unreachable (for this test)")
+        return await read(request_id)
+
+    event_store.read = read_the_log_away_once  # type: ignore[method-assign]
+    sweeper = GatewayInstance(sweeper_context(event_store, "gw_sweeper"), event_store)
+    assert await sweeper.sweep() == 0  # the close failed: gw_dead is not swept
+    rows = {row["instance_id"]: row for row in await InstanceRegistry(event_store).recent()}
+    assert rows["gw_dead"]["swept_by"] == "gw_sweeper" and rows["gw_dead"]["swept_at"] is None
+    assert await sweeper.sweep() == 1  # still its claim: the next sweep closes the request
+    event_store.read = read  # type: ignore[method-assign]
+
+    assert fold(await event_store.read("req_reswept")).phase is Phase.TERMINATED
+    rows = {row["instance_id"]: row for row in await InstanceRegistry(event_store).recent()}
+    assert rows["gw_dead"]["swept_at"] is not None and rows["gw_dead"]["requests_swept"] == 1
