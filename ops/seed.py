@@ -10,7 +10,9 @@ How this works:
   records the policy's own decisions (``decide`` → ``Decided``): completed answers of
   2 to 8 delivery batches, answers with a tool call, retries before the first delta,
   fences released by lease expiry, streams cut in decode (the replica exited or
-  stalled), clients that left. :data:`MIX` says how often each kind occurs.
+  stalled), clients that left (cancelled at once, or after the disconnect grace with
+  deltas produced meanwhile, or back within it). :data:`MIX` says how often each kind
+  occurs.
 - Requests: each draws a template, a tenant, a model and a gateway, and an
   acceptance time spread over ``--days`` up to ``--end`` (in order, as a log grows);
   the template's events are stamped with its id and times (:func:`stamp`). Requests
@@ -109,13 +111,15 @@ def _completed(rng: random.Random, name: str) -> traces.Trace:
 
 # kind -> (share of requests, how one template of it is built)
 MIX: dict[str, tuple[float, Callable[[random.Random, str], traces.Trace]]] = {
-    "completed": (0.75, _completed),
+    "completed": (0.71, _completed),
     "tool_call": (0.05, lambda rng, name: traces.with_tool_call(name)),
     "retried_before_first_delta": (0.06, lambda rng, name: traces.retried_before_first_delta(name)),
     "fenced_then_retried": (0.02, lambda rng, name: traces.fenced_then_retried(name)),
     "interrupted_in_decode": (0.04, lambda rng, name: traces.interrupted_in_decode(name, rng.choice(REPLICAS))),
     "stalled_in_decode": (0.02, lambda rng, name: traces.stalled_in_decode(name, rng.choice(REPLICAS))),
     "cancelled_by_client": (0.06, lambda rng, name: traces.cancelled_by_client(name)),
+    "resumed_within_grace": (0.02, lambda rng, name: traces.resumed_within_grace(name)),
+    "left_for_good": (0.02, lambda rng, name: traces.left_for_good(name)),
 }
 TEMPLATES_PER_KIND = {"completed": 400}  # the others vary less: a few each
 OTHER_TEMPLATES = 8

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import random
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,12 +17,13 @@ from app.store import PostgresEventStore
 from app.store.audit import fold_disagreements
 from app.store.bulk import load_events
 from app.store.database import asyncpg_dsn
-from ops.seed import MODEL_REVISION, generate, seeded_requests
+from ops.seed import MODEL_REVISION, generate, seeded_requests, templates
 from statemachine import events as ev
 
 END = datetime(2026, 11, 30, 18, 0, tzinfo=UTC)
 # ~350 requests over 29 minutes: every kind of the mix, and the last two minutes' in flight
 SEED = {"events": 3500, "days": 0.02, "end": END, "policy": "full", "seed": 7}
+# every table the projection trigger writes (requests, request_attempts), and the loaded ones
 TABLES = {
     "requests": "request_id",
     "request_attempts": "request_id, attempt",
@@ -32,6 +34,10 @@ TABLES = {
 SKIPPED = {"request_events": "position, recorded_at, txid", "request_inputs": "recorded_at"}
 
 INDEXES = "SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1, 2"
+CONSTRAINTS = (
+    "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid), convalidated FROM pg_constraint"
+    " WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2"
+)
 
 
 async def snapshot(connection: asyncpg.Connection) -> dict[str, list[asyncpg.Record]]:
@@ -50,7 +56,22 @@ async def snapshot(connection: asyncpg.Connection) -> dict[str, list[asyncpg.Rec
 async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_url: str, tmp_path: Path) -> None:
     requests = list(seeded_requests(**SEED))  # type: ignore[arg-type]
     kinds = Counter(type(e).__name__ for r in requests for e in r.events)
-    assert {"AttemptFenced", "LeaseExpired", "ToolCallEmitted", "ClientDisconnected", "RequestFailed"} <= set(kinds)
+    # every kind of event the seed's templates hold, so every branch of the projection is compared
+    assert {type(e).__name__ for t in templates(random.Random(SEED["seed"]))[0] for e in t.events} <= set(kinds)
+    assert {
+        "AttemptFenced",
+        "LeaseExpired",
+        "AttemptReleased",
+        "UpstreamFailed",
+        "CancelAcked",
+        "ToolCallEmitted",
+        "DeltasProduced",
+        "ClientDisconnected",
+        "ClientResumed",
+        "ResumeGraceExpired",
+        "RequestFailed",
+        "RequestCancelled",
+    } <= set(kinds)
     assert sum(not any(isinstance(e, ev.RequestAccepted) for e in r.events[1:]) for r in requests) == len(requests)
 
     # through the trigger, as a gateway appends: one event at a time, group-committed across requests
@@ -69,6 +90,7 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
     try:
         by_triggers = await snapshot(connection)
         indexes = await connection.fetch(INDEXES)
+        constraints = await connection.fetch(CONSTRAINTS)
         await connection.execute("TRUNCATE request_events, request_attempts, requests, request_inputs")
 
         # in bulk: the same requests as COPY text, loaded with the trigger off
@@ -80,6 +102,7 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
         assert times.events == generated.events == sum(kinds.values())
         in_bulk = await snapshot(connection)
         assert await connection.fetch(INDEXES) == indexes  # dropped for the load, built again
+        assert await connection.fetch(CONSTRAINTS) == constraints  # the foreign key too
         trigger_enabled = await connection.fetchval(
             "SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'request_events_project'"
         )
