@@ -260,6 +260,7 @@ class UpstreamFailed(AttemptScoped):
     deadline: Deadline | None = None  # set when a timer, not the replica, reported it
     upstream_status: int | None = None  # the upstream's HTTP status, where there was one
     upstream_code: str | None = None  # the upstream's own error code, passed on to clients
+    upstream_param: str | None = None  # the client's parameter the upstream's refusal names
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ class AttemptState:
     failure_detail: str | None = None
     upstream_status: int | None = None
     upstream_code: str | None = None
+    upstream_param: str | None = None
     failure_answered: bool = False  # a decision was recorded after the last failure
     fenced: bool = False
     cancel_sent: bool = False

@@ -255,6 +255,7 @@ def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
         "failure_detail": event.detail,
         "upstream_status": event.upstream_status,
         "upstream_code": event.upstream_code,
+        "upstream_param": event.upstream_param,
         "failure_answered": False,
     }
     return _with_current(state, _evolve(attempt, failed))

@@ -148,7 +148,7 @@ def failure_body(request_id: str, failed: Failed) -> dict[str, Any]:
         "error": {
             "message": failed.message,
             "type": "invalid_request_error" if 400 <= failed.http_status < 500 else "server_error",
-            "param": None,
+            "param": failed.param,
             "code": failed.code,
             "request_id": request_id,
             "partial_output": failed.partial_output,

@@ -286,9 +286,13 @@ class RequestLoop:
         if action.code == "retry_cost_exceeded":
             self.ctx.metrics.cost_guard.labels(model=model).inc()
 
+        current = self.state.current_attempt
+        refused = action.reason == "upstream_refused_request" and current is not None
+        param = current.upstream_param if refused and current is not None else None
+
         async def finish() -> Output | None:
             await self._end("failed")
-            return Failed.decided(action)
+            return Failed.decided(action, param)
 
         return finish
 
@@ -312,6 +316,7 @@ class RequestLoop:
             detail=failure.detail,
             upstream_status=failure.status,
             upstream_code=failure.code,
+            upstream_param=failure.param,
         )
         self.charges.observe(run.replica, failure)
         if failure.kind in DEAD_KINDS:

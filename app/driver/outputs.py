@@ -43,9 +43,10 @@ class Failed:
     delivered_output_tokens: int
     retryable: bool
     http_status: int  # when no header went out yet; else the stream's final error event
+    param: str | None = None  # the client's parameter at fault, where a replica's refusal named one
 
     @classmethod
-    def decided(cls, action: FailRequest) -> Failed:
+    def decided(cls, action: FailRequest, param: str | None = None) -> Failed:
         """What the client is told of a failure the policy decided."""
         return cls(
             code=action.code,
@@ -54,6 +55,7 @@ class Failed:
             delivered_output_tokens=action.delivered_output_tokens,
             retryable=action.retryable,
             http_status=action.http_status,
+            param=param,
         )
 
 

@@ -82,6 +82,7 @@ class UpstreamFailure(Exception):
         status: int | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(detail)
         self.kind = kind
@@ -89,6 +90,7 @@ class UpstreamFailure(Exception):
         self.status = status
         self.code = code
         self.retry_after_s = retry_after_s
+        self.param = param  # the client's parameter a refusal names, where it names one
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,13 +134,16 @@ async def _refusal(response: httpx.Response) -> UpstreamFailure:
         error = {"message": str(error)}
     message = str(error.get("message") or response.reason_phrase or "upstream error")
     code = error.get("code") if isinstance(error.get("code"), str) else None
+    param = error.get("param") if isinstance(error.get("param"), str) else None
     status = response.status_code
     if status == 429 or status >= 500:
         retry_after = _retry_after(response.headers.get("retry-after"))
         return UpstreamFailure(
             FailureKind.REJECTED, f"{status}: {message}", status=status, code=code, retry_after_s=retry_after
         )
-    return UpstreamFailure(FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message))
+    return UpstreamFailure(
+        FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message), param=param
+    )
 
 
 def _retry_after(value: str | None) -> float | None:

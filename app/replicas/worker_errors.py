@@ -107,6 +107,11 @@ class TokenRefused(Rejected):
         super().__init__(message, status=status, code=code, retry_after=None)
 
 
+# Fields of a worker start that the gateway sets, never the client: a refusal of one
+# names no parameter of the client's.
+WORKER_ONLY_FIELDS = frozenset({"request_id", "attempt", "lease_epoch", "lease_ttl_ms", "heartbeat_ms"})
+
+
 class RequestRefused(WorkerError):
     kind = FailureKind.REQUEST_REFUSED
     released = True
@@ -114,6 +119,9 @@ class RequestRefused(WorkerError):
     def __init__(self, message: str, *, status: int, code: str | None, field: str | None) -> None:
         super().__init__(message, status=status, code=code)
         self.field = field
+        # the worker names a field of its protocol; the client's parameters are under ``params``
+        # or are the body's own (``messages[0].content``, ``prompt``, ``tools``)
+        self.param = field.removeprefix("params.") if field and field not in WORKER_ONLY_FIELDS else None
 
 
 class AttemptEnded(WorkerError):

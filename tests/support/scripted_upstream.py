@@ -10,7 +10,7 @@ the generation requests it received and shows the last one's body. Run: ``python
 --port P``.
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
-"context_length_exceeded", "message": "…"}``, ``{"malformed_at": k}`` (with ``"malformed":
+"context_length_exceeded", "message": "…", "param": "messages"}``, ``{"malformed_at": k}`` (with ``"malformed":
 "lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
@@ -89,6 +89,7 @@ class Upstream:
                 "message": behaviour.get("message", f"scripted {status}"),
                 "type": "error",
                 "code": behaviour.get("code"),
+                "param": behaviour.get("param"),
             }
             headers = {"retry-after": str(behaviour["retry_after"])} if "retry_after" in behaviour else None
             return JSONResponse({"error": error}, status_code=status, headers=headers)

@@ -95,14 +95,21 @@ def test_429_honours_retry_after_and_never_hammers(gateway: RunningGateway, upst
     assert upstreams[index].requests - before[index] == 1  # asked once, then left alone
 
 
-def test_a_4xx_is_passed_on_and_not_retried(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
-    script_first(upstreams, {"status": 400, "code": "context_length_exceeded", "message": "prompt is too long"})
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_4xx_is_passed_on_naming_the_clients_param_and_not_retried(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], stream: bool
+) -> None:
+    refusal = {"status": 400, "code": "context_length_exceeded", "message": "prompt is too long", "param": "messages"}
+    script_first(upstreams, refusal)
     with pytest.raises(openai.BadRequestError) as caught:
-        chat(gateway)
-    assert caught.value.code == "context_length_exceeded"
+        chat(gateway, stream=stream)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
     assert "prompt is too long" in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
     events = gateway.events(caught.value.response.headers["x-request-id"])
     assert len(of(events, ev.AttemptStarted)) == 1
+    (failed,) = of(events, ev.UpstreamFailed)  # the log says what the client was told
+    assert failed.upstream_param == "messages" and failed.upstream_code == "context_length_exceeded"  # type: ignore[attr-defined]
 
 
 def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:

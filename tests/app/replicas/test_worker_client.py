@@ -200,3 +200,20 @@ def test_the_error_tree_maps_every_error_onto_a_failure_kind():
     assert {kind for kind in FailureKind} - set(expected.values()) == {FailureKind.OVERLOADED}  # a timer's call
     assert LeaseLost("x", code="stale_lease_epoch", status=409).released is False
     assert LeaseLost("x", code="unknown_attempt", status=404).released is True
+
+
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ("params.top_k", "top_k"),  # a sampling parameter: the client's, under its own name
+        ("messages[0].content", "messages[0].content"),
+        ("tools[0].function.parameters", "tools[0].function.parameters"),
+        ("lease_ttl_ms", None),  # the gateway's own field: no parameter of the client's
+        (None, None),
+    ],
+)
+def test_a_refusal_names_the_clients_parameter_where_the_workers_field_is_one(
+    field: str | None, param: str | None
+) -> None:
+    refused = RequestRefused("bad", status=400, code="invalid_field", field=field)
+    assert refused.param == param
