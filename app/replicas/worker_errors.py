@@ -117,11 +117,15 @@ class RequestRefused(WorkerError):
     released = True
 
     def __init__(self, message: str, *, status: int, code: str | None, field: str | None) -> None:
+        # the worker names a field of its protocol; the client's parameters are under ``params``
+        # or are the body's own (``messages[0].content``, ``prompt``, ``tools``): the client is
+        # told of its parameter by the name it sent
+        param = field.removeprefix("params.") if field and field not in WORKER_ONLY_FIELDS else None
+        if field and param and param != field:
+            message = message.replace(field, param)
         super().__init__(message, status=status, code=code)
         self.field = field
-        # the worker names a field of its protocol; the client's parameters are under ``params``
-        # or are the body's own (``messages[0].content``, ``prompt``, ``tools``)
-        self.param = field.removeprefix("params.") if field and field not in WORKER_ONLY_FIELDS else None
+        self.param = param
 
 
 class AttemptEnded(WorkerError):

@@ -215,5 +215,6 @@ def test_the_error_tree_maps_every_error_onto_a_failure_kind():
 def test_a_refusal_names_the_clients_parameter_where_the_workers_field_is_one(
     field: str | None, param: str | None
 ) -> None:
-    refused = RequestRefused("bad", status=400, code="invalid_field", field=field)
-    assert refused.param == param
+    refused = RequestRefused(f"{field}: must be valid", status=400, code="invalid_field", field=field)
+    assert refused.param == param and refused.field == field
+    assert refused.message == f"{param or field}: must be valid"  # in the client's words
