@@ -129,18 +129,7 @@ class Trace:
         return self
 
     def deliver(self, text: str, tokens: int = 1, after_ms: float = 5.0) -> Trace:
-        start = self.state.delivered_deltas
-        self.add(
-            DeltasDelivered,
-            after_ms,
-            **self._scope(),
-            from_index=start,
-            to_index=start + 1,
-            tokens=tokens,
-            text=text,
-            text_sha256=None,
-        )
-        return self
+        return self._one_delta(DeltasDelivered, self.state.delivered_deltas, text, tokens, after_ms)
 
     def tool_call(self, tool_call_id: str, name: str, arguments: str, after_ms: float = 5.0) -> Trace:
         self.add(
@@ -204,10 +193,7 @@ class Trace:
 
     def client_disconnected(self, after_ms: float = 3.0) -> Trace:
         self.add(ClientDisconnected, after_ms)
-        self.decide()  # cancel the attempt, cancel the request
-        self.add(CancelSent, 0.2, **self._scope())
-        self.add(RequestCancelled, 0.2, reason="client_gone")
-        return self
+        return self._cancelled_for_the_client()
 
     def client_left(self, resume_grace_s: float, after_ms: float = 3.0) -> Trace:
         """The client left; generation goes on for the grace (DESIGN.md §12)."""
@@ -215,9 +201,21 @@ class Trace:
         return self
 
     def produce(self, text: str, tokens: int = 1, after_ms: float = 5.0) -> Trace:
-        start = self.state.produced_deltas
+        return self._one_delta(
+            DeltasProduced, self.state.produced_deltas, text, tokens, after_ms, deltas=((0, len(text), tokens),)
+        )
+
+    def _one_delta(
+        self,
+        cls: type[DeltasDelivered | DeltasProduced],
+        start: int,
+        text: str,
+        tokens: int,
+        after_ms: float,
+        **extra: Any,
+    ) -> Trace:
         self.add(
-            DeltasProduced,
+            cls,
             after_ms,
             **self._scope(),
             from_index=start,
@@ -225,7 +223,7 @@ class Trace:
             tokens=tokens,
             text=text,
             text_sha256=None,
-            deltas=((0, len(text), tokens),),
+            **extra,
         )
         return self
 
@@ -235,6 +233,9 @@ class Trace:
 
     def grace_expired(self, after_ms: float = 10000.0) -> Trace:
         self.add(ResumeGraceExpired, after_ms)
+        return self._cancelled_for_the_client()
+
+    def _cancelled_for_the_client(self) -> Trace:
         self.decide()  # cancel the attempt, cancel the request
         self.add(CancelSent, 0.2, **self._scope())
         self.add(RequestCancelled, 0.2, reason="client_gone")

@@ -196,13 +196,7 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
     if event.attempt != state.first_delta_attempt:
         raise _illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
     _live_current(state, event)
-    if event.from_index != state.delivered_deltas or event.to_index <= event.from_index:
-        raise _illegal(
-            state,
-            event,
-            f"deltas [{event.from_index}, {event.to_index}) do not follow delta {state.delivered_deltas}",
-        )
-    _check_shapes(state, event)
+    _check_batch(state, event, follows=state.delivered_deltas)
     if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
         raise _illegal(state, event, "log probabilities are kept with the text, one entry per delta")
     return {
@@ -216,17 +210,14 @@ def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
     if not state.client_gone:
         raise _illegal(state, event, "output is recorded as only produced while no client is attached")
     _live_current(state, event)
-    if event.from_index != state.produced_deltas or event.to_index <= event.from_index:
-        raise _illegal(
-            state,
-            event,
-            f"deltas [{event.from_index}, {event.to_index}) do not follow delta {state.produced_deltas}",
-        )
-    _check_shapes(state, event)
+    _check_batch(state, event, follows=state.produced_deltas)
     return {"produced_deltas": event.to_index}
 
 
-def _check_shapes(state: RequestState, event: DeltasDelivered | DeltasProduced) -> None:
+def _check_batch(state: RequestState, event: DeltasDelivered | DeltasProduced, *, follows: int) -> None:
+    """A batch starts at delta ``follows``, holds at least one, and its shapes add up."""
+    if event.from_index != follows or event.to_index <= event.from_index:
+        raise _illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) do not follow delta {follows}")
     if event.tokens < 0:
         raise _illegal(state, event, "negative token count")
     if event.deltas and (

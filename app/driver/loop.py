@@ -287,7 +287,7 @@ class RequestLoop:
             self.ctx.metrics.cost_guard.labels(model=model).inc()
 
         current = self.state.current_attempt
-        refused = action.reason == "upstream_refused_request" and current is not None
+        refused = action.reason == "upstream_refused_request"
         param = current.upstream_param if refused and current is not None else None
 
         async def finish() -> Output | None:
