@@ -19,6 +19,7 @@ from typing import Any
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
 from app.http_server import HttpLimits
 from statemachine.policy import PolicyConfig
+from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
 
 REPLICA_KINDS = ("worker", "openai")
 CONTENT_POLICIES = ("full", "digest", "none")
@@ -103,6 +104,40 @@ class ReplicaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Routing:
+    """``[routing]``: how attempts are placed (statemachine/routing.py), with
+    ``[routing.models.NAME]`` overriding it for one model, fallbacks included."""
+
+    default: RoutingConfig = DEFAULT_ROUTING
+    models: dict[str, RoutingConfig] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> RoutingConfig:
+        return self.models.get(model, self.default)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> Routing:
+        values = dict(values)
+        models = values.pop("models", {})
+        if not isinstance(models, dict) or not all(isinstance(v, dict) for v in models.values()):
+            raise ConfigError("routing.models: a table per model")
+        try:
+            default = RoutingConfig.from_params(values)
+            return cls(
+                default,
+                {name: RoutingConfig.from_params({**default.to_params(), **own}) for name, own in models.items()},
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"routing: {exc}") from None
+
+    def chains(self) -> dict[str, tuple[str, ...]]:
+        """Every model named as a fallback, by the model whose settings name it."""
+        return {
+            model: (*config.fallbacks, *config.context_window_fallbacks, *config.content_policy_fallbacks)
+            for model, config in {"": self.default, **self.models}.items()
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Timeouts:
     lease_ttl_s: float = 5.0  # an attempt's lease; renewed every third of it while read
     stall_s: float = 2.0  # no frame at all for this long: liveness uncertain
@@ -132,6 +167,7 @@ class GatewayConfig:
     metrics_token: str | None = field(default=None, repr=False)  # set: /metrics needs it (Bearer)
     cors_allow_origins: tuple[str, ...] = ()  # empty: no CORS headers, so no page elsewhere reads answers
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    routing: Routing = field(default_factory=Routing)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # off unless configured
@@ -199,6 +235,12 @@ class GatewayConfig:
             raise ConfigError("instance_lease_ttl_s and sweep_interval_s must be positive, drain_s not negative")
         if not 0 <= self.resume_grace_s <= 3600:
             raise ConfigError("resume_grace_s must be between 0 and 3600 seconds")
+        for model, chain in self.routing.chains().items():
+            if self.models and model and model not in self.models:
+                raise ConfigError(f"routing.models.{model}: no such model in models")
+            unknown = [name for name in chain if self.models and name not in self.models]
+            if unknown:
+                raise ConfigError(f"routing: fallback model {unknown[0]!r} is not in models")
         if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
             raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
 
@@ -268,6 +310,8 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             )
         if isinstance(values.get("policy"), dict):
             values["policy"] = PolicyConfig.from_mapping(values["policy"])
+        if isinstance(values.get("routing"), dict):
+            values["routing"] = Routing.from_mapping(values["routing"])
         if isinstance(values.get("timeouts"), dict):
             values["timeouts"] = Timeouts(**values["timeouts"])
         if isinstance(values.get("tenant_limits"), dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from statemachine.actions import Action, FailRequest, FenceAttempt
 from statemachine.events import (
     AttemptFenced,
     AttemptReleased,
@@ -36,7 +37,7 @@ from statemachine.events import (
     ToolCallEmitted,
     UpstreamFailed,
 )
-from statemachine.policy import Action, FailRequest, FenceAttempt, PolicyConfig, decide, decided_fields
+from statemachine.policy import PolicyConfig, decide, decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
 

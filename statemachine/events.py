@@ -95,6 +95,9 @@ class RequestAccepted(RequestScoped):
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
     trace_id: str | None = None  # the OpenTelemetry trace of the request (32 hex digits), when traced
     logprobs: int | None = None  # log probabilities asked for: alternatives at each token (None: none)
+    # how its attempts are placed (statemachine.routing.RoutingConfig's fields; None: the defaults)
+    routing: dict[str, Any] | None = None
+    affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,13 @@ class ResumeGraceExpired(RequestScoped):
 
 
 @dataclass(frozen=True, slots=True)
+class RetryWaitElapsed(RequestScoped):
+    """A timer: the wait decided before retrying on ``replica_id`` (its ``Retry-After``) is over."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class RequestCompleted(RequestScoped):
     """How the request ended well: ``finish_reason`` (and per choice) one of :data:`FINISH_REASONS`."""
 
@@ -188,6 +198,7 @@ class AttemptStarted(AttemptScoped):
     lease_expires_at: datetime
     # the replica confirms a cancel (a worker); else only the lease proves it stopped
     acknowledges_cancel: bool = True
+    model: str | None = None  # the model asked for, when a fallback's (None: the request's own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +272,7 @@ class UpstreamFailed(AttemptScoped):
     upstream_status: int | None = None  # the upstream's HTTP status, where there was one
     upstream_code: str | None = None  # the upstream's own error code, passed on to clients
     upstream_param: str | None = None  # the client's parameter the upstream's refusal names
+    retry_after_s: float | None = None  # the upstream's Retry-After, when it gave one
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +324,7 @@ Event = (
     | ClientDisconnected
     | ClientResumed
     | ResumeGraceExpired
+    | RetryWaitElapsed
     | RequestCompleted
     | RequestFailed
     | RequestCancelled

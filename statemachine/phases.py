@@ -37,6 +37,7 @@ from statemachine.events import (
     RequestFailed,
     ResumeGraceExpired,
     RetryBudgetDenied,
+    RetryWaitElapsed,
     StreamResumed,
     ToolCallEmitted,
     UpstreamFailed,
@@ -82,6 +83,7 @@ TRANSITIONS: dict[Phase, dict[type[Event], Phase]] = {
         ClientDisconnected: PREFILL,
         ClientResumed: PREFILL,
         ResumeGraceExpired: PREFILL,
+        RetryWaitElapsed: PREFILL,  # a timer: the wait before a retry on the same replica is over
         FirstDeltaCommitted: DECODE,
         AttemptFenced: FENCED,
         RequestCompleted: TERMINATED,

@@ -1,4 +1,4 @@
-"""The failover policy: ``decide(state, config) -> list[Action]`` (DESIGN.md §5).
+"""The failover policy: ``decide(state, config, pool) -> list[Action]`` (DESIGN.md §5).
 
 Pure: no I/O, no clock, no randomness. The driver calls it after every batch of
 observations, records each action as a ``Decided`` event (with ``POLICY_VERSION``)
@@ -14,26 +14,43 @@ it has reached the client, and only once the source attempt is dead or released.
     decode, failure              → [fence a live source,] fail upstream_decode_interrupted
     overloaded on a soft timer   → wait (record it once), never migrate
     live source, other failure   → fence: cancel sent, then ack or lease expiry
-    upstream refused the request → fail with the upstream's reason, no retry
+    upstream refused the request → its fallback model, else fail with the upstream's
+                                   reason, no retry
     a second server error        → poison: fail, not retryable, no more attempts
                                    (the driver counts none of them toward ejection)
-    source dead or released      → retry on a replica not yet tried, unless
-                                   the budget is spent or the cost guard trips
-    a refused start              → fail retryable (no replica / global budget)
+    source dead or released      → the same replica after its Retry-After, another
+                                   replica, a fallback model (statemachine.placing),
+                                   unless the budget is spent or the cost guard trips
+    a refused start              → a fallback model, else fail retryable (no
+                                   replica / global budget)
+
+Where an attempt goes is decided here too, over a snapshot of the pool that the
+driver passes in and the ``Decided`` event records (:mod:`statemachine.routing`).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any
 
+from statemachine.actions import (
+    Action,
+    CancelAttempt,
+    CancelRequest,
+    FailRequest,
+    FenceAttempt,
+    Wait,
+    action_params,
+    fail_before_output,
+)
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
-from statemachine.request_state import ActionName, AttemptState, FenceWait, RequestState, StartRefusal
+from statemachine.placing import CONTENT_POLICY_CODES, CONTEXT_LENGTH_EXCEEDED, fallback, retry_or_fail, start
+from statemachine.request_state import AttemptState, RequestState, StartRefusal
+from statemachine.routing import PoolSnapshot
 
-POLICY_VERSION = "2026-12-01.2"
+POLICY_VERSION = "2026-12-01.3"
 
 # A request that got this many server errors about itself (HTTP 500, an engine failure)
 # before any output, on any replicas, is poison: it is failing them, not they it.
@@ -68,97 +85,21 @@ class PolicyConfig:
         return cls(**values)
 
 
-# --- actions -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StartAttempt:
-    name: ClassVar[ActionName] = ActionName.START_ATTEMPT
-    reason: str
-    attempt: int
-    exclude_replicas: tuple[str, ...]
-    migration: str | None  # None for the first attempt, else "new_request" or "prefill_retry"
-
-
-@dataclass(frozen=True, slots=True)
-class FenceAttempt:
-    name: ClassVar[ActionName] = ActionName.FENCE_ATTEMPT
-    reason: str
-    attempt: int
-    wait_for: FenceWait  # what proves the attempt stopped: its replica's cancel ack, or only its lease
-    # Before the first delta the request waits for the release (a retry may follow);
-    # after it the stream ends at once and the fence completes as bookkeeping.
-    request_waits: bool
-
-
-@dataclass(frozen=True, slots=True)
-class CancelAttempt:
-    name: ClassVar[ActionName] = ActionName.CANCEL_ATTEMPT
-    reason: str
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    name: ClassVar[ActionName] = ActionName.WAIT
-    reason: str
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class FailRequest:
-    name: ClassVar[ActionName] = ActionName.FAIL_REQUEST
-    reason: str
-    code: str
-    message: str
-    partial_output: bool
-    delivered_output_tokens: int
-    retryable: bool
-    http_status: int
-
-
-@dataclass(frozen=True, slots=True)
-class CancelRequest:
-    name: ClassVar[ActionName] = ActionName.CANCEL_REQUEST
-    reason: str
-
-
-Action = StartAttempt | FenceAttempt | CancelAttempt | Wait | FailRequest | CancelRequest
-
-ACTION_TYPES: dict[str, type[Action]] = {
-    cls.name: cls for cls in (StartAttempt, FenceAttempt, CancelAttempt, Wait, FailRequest, CancelRequest)
-}
-
-
-def action_params(action: Action) -> dict[str, Any]:
-    """The action's parameters as JSON values, as a ``Decided`` event stores them."""
-    params: dict[str, Any] = {}
-    for name in _PARAMS[type(action)]:
-        value = getattr(action, name)
-        if isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, enum.Enum):
-            value = value.value
-        params[name] = value
-    return params
-
-
-def action_params_order(action: type[Action]) -> tuple[str, ...]:
-    """The names of an action's parameters, in the order ``action_params`` gives them."""
-    return _PARAMS[action]
-
-
-# Each action's parameters, in field order (replay recomputes them for every decision).
-_PARAMS: dict[type[Action], tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls) if f.name != "reason") for cls in ACTION_TYPES.values()
-}
-
-
 # --- the policy ------------------------------------------------------------------------
 
 
-def decide(state: RequestState, config: PolicyConfig) -> list[Action]:
-    """What to do next for the request, given everything its log says so far."""
+def needs_pool(state: RequestState) -> bool:
+    """Whether ``decide()`` may place an attempt now: the driver then passes it a
+    snapshot of the pool (taken only then, never on the per-token path)."""
+    if state.phase is not Phase.PREFILL or state.pending:
+        return False
+    current = state.current_attempt
+    return current is None or not current.live
+
+
+def decide(state: RequestState, config: PolicyConfig, pool: PoolSnapshot | None = None) -> list[Action]:
+    """What to do next for the request, given everything its log says so far and,
+    where an attempt is placed (:func:`needs_pool`), the pool as it is now."""
     if state.phase in (Phase.NEW, Phase.TERMINATED) or state.pending:
         return []
     current = state.current_attempt
@@ -169,7 +110,7 @@ def decide(state: RequestState, config: PolicyConfig) -> list[Action]:
     if state.phase is Phase.DECODE:
         assert current is not None
         return _on_decode_failure(state, current)
-    return _in_prefill(state, current, config)
+    return _in_prefill(state, current, config, pool)
 
 
 def _on_client_gone(current: AttemptState | None) -> list[Action]:
@@ -204,11 +145,17 @@ def _on_decode_failure(state: RequestState, current: AttemptState) -> list[Actio
     return actions
 
 
-def _in_prefill(state: RequestState, current: AttemptState | None, config: PolicyConfig) -> list[Action]:
+def _in_prefill(
+    state: RequestState, current: AttemptState | None, config: PolicyConfig, pool: PoolSnapshot | None
+) -> list[Action]:
     if state.start_refused is not None:
+        if state.start_refused is StartRefusal.NO_REPLICA:
+            chosen = fallback(state, config, pool, state.routing.fallbacks, "no replica available")
+            if chosen is not None:
+                return [chosen]
         return [_refused_start(state.start_refused)]
     if current is None:
-        return [StartAttempt("request_accepted", 1, (), None)]
+        return [start(state, pool, "request_accepted", migration=None)]
     if current.live:
         if current.failure is None or current.failure_answered:
             return []
@@ -217,10 +164,16 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
         # liveness uncertain (or a hard deadline on a slow replica): fence it first
         return [FenceAttempt(current.failure.value, current.attempt, current.fence_wait, request_waits=True)]
     if current.failure is FailureKind.REQUEST_REFUSED:
+        code = current.upstream_code or "upstream_refused_request"
+        chain = state.routing.context_window_fallbacks if code == CONTEXT_LENGTH_EXCEEDED else ()
+        chain = state.routing.content_policy_fallbacks if code in CONTENT_POLICY_CODES else chain
+        chosen = fallback(state, config, pool, chain, code)
+        if chosen is not None:
+            return [chosen]
         return [
-            _fail_before_output(
+            fail_before_output(
                 "upstream_refused_request",
-                code=current.upstream_code or "upstream_refused_request",
+                code=code,
                 message=current.failure_detail or "the upstream refused the request",
                 http_status=current.upstream_status or 400,
                 retryable=False,
@@ -228,7 +181,7 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
         ]
     if current.server_error and sum(a.server_error for a in state.attempts) >= POISON_AFTER_SERVER_ERRORS:
         return [
-            _fail_before_output(
+            fail_before_output(
                 POISON_REQUEST,
                 code=POISON_REQUEST,
                 message=(
@@ -239,63 +192,22 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
                 retryable=False,
             )
         ]
-    return _retry_or_fail(state, current, config)
-
-
-def _retry_or_fail(state: RequestState, source: AttemptState, config: PolicyConfig) -> list[Action]:
-    used = len(state.attempts)
-    if used >= config.max_attempts:
-        return [
-            _fail_before_output(
-                "retry_budget_exhausted",
-                code="upstream_unavailable",
-                message=f"all {used} attempts failed before any output was sent",
-                http_status=502,
-            )
-        ]
-    limit = config.retry_max_prompt_tokens
-    if limit is not None and state.prompt_tokens > limit:
-        return [
-            _fail_before_output(
-                "retry_cost_guard",
-                code="retry_cost_exceeded",
-                message=f"a retry would prefill {state.prompt_tokens} prompt tokens, over the limit {limit}",
-                http_status=503,
-            )
-        ]
-    migration = "new_request" if source.failure is FailureKind.REJECTED else "prefill_retry"
-    reason = source.failure.value if source.failure is not None else (source.ended or "attempt_lost")
-    return [StartAttempt(reason, used + 1, tuple(sorted(set(state.replicas_tried))), migration)]
+    return retry_or_fail(state, current, config, pool)
 
 
 def _refused_start(refused: StartRefusal) -> FailRequest:
     if refused is StartRefusal.RETRY_BUDGET:
-        return _fail_before_output(
+        return fail_before_output(
             "global_retry_budget_denied",
             code="retry_budget_exhausted",
             message="the gateway's retry budget is spent; too many replicas are failing at once",
             http_status=503,
         )
-    return _fail_before_output(
+    return fail_before_output(
         "no_replica_available",
         code="no_replica_available",
         message="no healthy replica is available for this request",
         http_status=503,
-    )
-
-
-def _fail_before_output(
-    reason: str, *, code: str, message: str, http_status: int, retryable: bool = True
-) -> FailRequest:
-    """Fail a request of which nothing was delivered (DESIGN.md §6: ``partial_output`` false)."""
-    return FailRequest(
-        reason=reason,
-        code=code,
-        message=message,
-        partial_output=False,
-        delivered_output_tokens=0,
-        retryable=retryable,
-        http_status=http_status,
     )
 
 

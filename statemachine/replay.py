@@ -7,6 +7,11 @@ recomputed actions with the run (action, reason and parameters; the policy versi
 is reported, not compared). The first mismatch is the divergence; every run, with
 what was recorded and what was recomputed, is kept in the result for a timeline that
 marks each one. Like Temporal's replayer it returns a result and raises only when asked.
+
+A placement (``start_attempt``, ``wait_to_retry``) is recomputed over the pool snapshot
+its ``Decided`` event recorded: the same input, so the same replica, or a divergence.
+A start recorded before placements were (no ``pool`` in its params) is compared
+without them.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from statemachine.actions import action_params
 from statemachine.events import Decided, Event
-from statemachine.policy import PolicyConfig, action_params, decide
+from statemachine.policy import PolicyConfig, decide
 from statemachine.request_state import RequestState
+from statemachine.routing import PoolSnapshot
 from statemachine.state import apply
 
 
@@ -102,8 +109,12 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
             decisions += 1
             if not recorded:  # the first Decided of a run: recompute on the state before it
                 run_seq = event.seq
-                recomputed = [_recomputed(action) for action in decide(state, config)]
+                pool = event.params.get("pool")
+                snapshot = PoolSnapshot.from_params(pool) if isinstance(pool, dict) else None
+                recomputed = [_recomputed(action) for action in decide(state, config, snapshot)]
             recorded.append(decision_of(event))
+            if _unplaced(event):
+                recomputed = [_without_placement(decision) for decision in recomputed]
         elif recorded:
             runs.append(DecisionRun(run_seq, tuple(recorded), tuple(recomputed)))
             recorded = []
@@ -117,6 +128,21 @@ def replay(events: Iterable[Event], config: PolicyConfig | None = None) -> Repla
     first = next((run for run in runs if not run.agrees), None)
     divergence = None if first is None else Divergence(first.seq, first.recorded, first.recomputed)
     return ReplayResult(state.request_id, divergence, state, count, decisions, tuple(runs), config)
+
+
+_PLACEMENT_PARAMS = ("replica", "model", "placement", "pool")
+
+
+def _unplaced(event: Decided) -> bool:
+    """A start recorded before placements were (policy versions before 2026-12-01.3)."""
+    return event.action == "start_attempt" and "pool" not in event.params
+
+
+def _without_placement(decision: dict[str, Any]) -> dict[str, Any]:
+    if decision["action"] != "start_attempt":
+        return decision
+    params = {name: value for name, value in decision["params"].items() if name not in _PLACEMENT_PARAMS}
+    return {**decision, "params": params}
 
 
 def _recomputed(action: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from datetime import datetime
 
 from statemachine.events import Deadline, FailureKind, ReleaseReason
 from statemachine.phases import Phase
+from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
 
 # Failures after which the attempt is surely not running: nothing to fence.
 DEAD_KINDS = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.REQUEST_REFUSED})
@@ -40,6 +41,7 @@ class ActionName(enum.StrEnum):
     FENCE_ATTEMPT = "fence_attempt"
     CANCEL_ATTEMPT = "cancel_attempt"
     WAIT = "wait"
+    WAIT_TO_RETRY = "wait_to_retry"
     FAIL_REQUEST = "fail_request"
     CANCEL_REQUEST = "cancel_request"
 
@@ -65,6 +67,7 @@ class AttemptState:
     replica_id: str
     started_at: datetime
     lease_expires_at: datetime
+    model: str = ""  # the model it asked for: the request's, or a fallback's
     acknowledges_cancel: bool = True  # the replica confirms a cancel (a worker); else only the lease
     first_token_received: bool = False
     failure: FailureKind | None = None
@@ -73,6 +76,7 @@ class AttemptState:
     upstream_status: int | None = None
     upstream_code: str | None = None
     upstream_param: str | None = None
+    retry_after_s: float | None = None
     failure_answered: bool = False  # a decision was recorded after the last failure
     fenced: bool = False
     cancel_sent: bool = False
@@ -136,6 +140,8 @@ class RequestState:
     guided: bool = False
     tools: bool = False
     max_attempts: int = 0
+    routing: RoutingConfig = DEFAULT_ROUTING
+    affinity_key: str | None = None
     attempts: tuple[AttemptState, ...] = ()
     first_delta_attempt: int | None = None
     delivered_deltas: int = 0
@@ -147,6 +153,7 @@ class RequestState:
     resume_grace_expired: bool = False  # the grace ran out with no client attached
     produced_deltas: int = 0  # deltas of the current attempt in the log, delivered or only produced
     start_refused: StartRefusal | None = None
+    waited_for: str | None = None  # the replica a decided retry wait was for, once it is over
     pending: frozenset[ActionName] = frozenset()  # decided actions not yet seen carried out
     outcome: Outcome | None = None
     error_code: str | None = None
@@ -168,6 +175,17 @@ class RequestState:
     @property
     def replicas_tried(self) -> tuple[str, ...]:
         return tuple(attempt.replica_id for attempt in self.attempts)
+
+    @property
+    def answered_by(self) -> str:
+        """The model whose output the client gets: the delivering attempt's (a fallback's,
+        if one answered), else the current one's, else the request's."""
+        number = self.first_delta_attempt
+        attempt = self.attempt(number) if number is not None else self.current_attempt
+        return attempt.model if attempt is not None and attempt.model else self.model
+
+    def attempts_on(self, model: str) -> int:
+        return sum(attempt.model == model for attempt in self.attempts)
 
     def attempt(self, number: int) -> AttemptState | None:
         if 1 <= number <= len(self.attempts):

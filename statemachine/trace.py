@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from statemachine.actions import ACTION_TYPES, action_params_order
 from statemachine.errors import IllegalTransition, MalformedEvent, TraceError
 from statemachine.events import Decided, DeltasDelivered, DeltasProduced, Event, RequestCompleted, ToolCallEmitted
 from statemachine.jsonform import from_json, to_json
-from statemachine.policy import ACTION_TYPES, action_params_order
 from statemachine.request_state import RequestState
 from statemachine.state import apply
 

@@ -49,7 +49,7 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
         driver.delivered(json.dumps(calls), tokens=0, choice=choice)
     await driver.complete(output)
     request = driver.request
-    shape = ResponseShape(request, response_id(request, driver.request_id), driver.created)
+    shape = ResponseShape(request, response_id(request, driver.request_id), driver.created, driver.answered_by)
     choices = range(len(output.finish_reasons))
     logprobs = None
     if request.logprobs is not None:

@@ -104,7 +104,7 @@ class _Resume:
         if live is not None:
             return live
         generation = _shape_of(accepted)
-        shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
+        shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted), _answered_by(events))
         return EventSourceResponse(
             self.follower.follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
         )
@@ -218,7 +218,7 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
     generation = _shape_of(accepted)
-    shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted))
+    shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted), _answered_by(events))
     if stream:
         body = follower.follow(request_id, events, after, shape)
         return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
@@ -286,7 +286,7 @@ async def attach_live(
     if first is None:
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
-    shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created)
+    shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created, driver.answered_by)
     connection = Connection()
     body = stream_body(driver, shape, first, connection, lambda tokens: None, start=start)
     return EventSourceResponse(
@@ -308,6 +308,11 @@ async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, even
         return None
     address = await owner_address(ctx, accepted.gateway)
     return None if address is None else await forward_stream(request, address, request_id)
+
+
+def _answered_by(events: list[ev.Event]) -> str:
+    """The model whose answer the log holds (a fallback's, if one answered)."""
+    return fold(events).answered_by
 
 
 async def _first(driver: RequestDriver, client: AttachedClient) -> Output:

@@ -186,7 +186,7 @@ class _Api:
             first.headers.update(headers)
             return first
         assert isinstance(first, Delta | Finished)
-        shape = ResponseShape(generation, response_id(generation, request_id), driver.created)
+        shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
         connection = Connection()
         charge = functools.partial(self.limiter.charge, tenant)
         return EventSourceResponse(

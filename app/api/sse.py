@@ -36,8 +36,9 @@ def _dumps(value: Any) -> str:
 class ResponseShape:
     """Builds the bodies of one request's response, streamed or not."""
 
-    def __init__(self, request: GenerationRequest, response_id: str, created: int) -> None:
+    def __init__(self, request: GenerationRequest, response_id: str, created: int, model: str | None = None) -> None:
         self.request = request
+        self.model = model or request.model  # the model that answered: a fallback's, if one did
         self.chat = request.endpoint == CHAT
         self.response_id = response_id
         self.created = created
@@ -45,7 +46,7 @@ class ResponseShape:
             "id": response_id,
             "object": self._object(stream=True),
             "created": created,
-            "model": request.model,
+            "model": self.model,
         }
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._usage_tail = ',"usage":null}' if request.include_usage else "}"
@@ -122,7 +123,7 @@ class ResponseShape:
             "id": self.response_id,
             "object": self._object(stream=False),
             "created": self.created,
-            "model": self.request.model,
+            "model": self.model,
             "choices": choices,
             "usage": usage,
         }

@@ -30,6 +30,7 @@ from app.store.errors import StoreError
 from statemachine import events as ev
 from statemachine.events import TokenLogprob
 from statemachine.phases import Phase
+from statemachine.routing import DEFAULT_ROUTING, Strategy
 
 log = logging.getLogger("phasegate.driver")
 
@@ -40,6 +41,8 @@ class RequestDriver(RequestLoop):
     def accept(self, idempotency_key: str | None = None) -> None:
         """Record the request; its first pull appends it with the first attempt (group-committed)."""
         request = self.request
+        routing = self.ctx.config.routing.for_model(request.model)
+        affinity = routing.strategy is Strategy.PREFIX_AFFINITY
         accepted = self.recorder.record(
             ev.RequestAccepted,
             model=request.model,
@@ -58,6 +61,8 @@ class RequestDriver(RequestLoop):
             gateway=self.ctx.gateway_id,
             trace_id=self.ctx.tracing.trace_id(),
             logprobs=request.logprobs,
+            routing=None if routing == DEFAULT_ROUTING else routing.to_params(),
+            affinity_key=request.affinity_key() if affinity else None,
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())

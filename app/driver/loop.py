@@ -33,10 +33,7 @@ from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
 from statemachine import events as ev
-from statemachine.events import FailureKind
-from statemachine.phases import Phase
-from statemachine.policy import (
-    POISON_REQUEST,
+from statemachine.actions import (
     Action,
     CancelAttempt,
     CancelRequest,
@@ -44,9 +41,11 @@ from statemachine.policy import (
     FenceAttempt,
     StartAttempt,
     Wait,
-    decide,
-    ended_by_gateway,
+    WaitToRetry,
 )
+from statemachine.events import FailureKind
+from statemachine.phases import Phase
+from statemachine.policy import POISON_REQUEST, decide, ended_by_gateway, needs_pool
 from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
@@ -85,6 +84,14 @@ class RequestLoop:
             name=f"loop {request_id}",
         )
         self.outputs: AttachedClient = self.feed.attach(0)  # the client that sent the request
+        routing = ctx.config.routing.for_model(request.model)
+        # the models an attempt of it may ask for: the pool's snapshot shows their replicas
+        self._models = (
+            request.model,
+            *routing.fallbacks,
+            *routing.context_window_fallbacks,
+            *routing.content_policy_fallbacks,
+        )
 
     @property
     def request_id(self) -> str:
@@ -93,6 +100,11 @@ class RequestLoop:
     @property
     def state(self) -> RequestState:
         return self.recorder.state
+
+    @property
+    def answered_by(self) -> str:
+        """The model answering: the response's ``model`` (a fallback's, if one answers)."""
+        return self.state.answered_by
 
     # --- the loop --------------------------------------------------------------------
 
@@ -137,6 +149,9 @@ class RequestLoop:
                 run.generated_tokens += 1
                 yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
+                if frame.queue_position is not None:  # the replica holds at least this many
+                    replica = run.replica
+                    replica.reported_load = max(replica.reported_load or 0, frame.queue_position + 1)
                 deadline = run.deadline_due()
                 if deadline is not None:
                     waited = self.ctx.clock() - run.started_at
@@ -157,7 +172,9 @@ class RequestLoop:
     async def _decide_and_act(self) -> Output | None:
         """Decide and carry out until the policy has nothing to add."""
         while True:
-            actions = decide(self.state, self.ctx.config.policy)
+            state = self.state
+            pool = self.ctx.pool.snapshot(self._models) if needs_pool(state) else None
+            actions = decide(state, self.ctx.config.policy, pool)
             if not actions:
                 return None
             for action in actions:
@@ -176,6 +193,8 @@ class RequestLoop:
     def _record_action(self, action: Action) -> Callable[[], Awaitable[Output | None]] | None:
         if isinstance(action, StartAttempt):
             return self._start_attempt(action)
+        if isinstance(action, WaitToRetry):
+            return self._wait_to_retry(action)
         if isinstance(action, FenceAttempt):
             return self._fence(action)
         if isinstance(action, CancelAttempt):
@@ -194,14 +213,15 @@ class RequestLoop:
             self.recorder.record(ev.RetryBudgetDenied, scope="global")
             ctx.metrics.retry_budget_denied.inc()
             return None
-        replica = ctx.pool.choose(request.model, action.exclude_replicas)
+        replica = ctx.pool.replicas.get(action.replica) if action.replica is not None else None
         if replica is None:
             self.recorder.record(
                 ev.NoReplicaAvailable,
                 excluded=action.exclude_replicas,
-                detail=f"no healthy replica serves {request.model}",
+                detail=f"no healthy replica serves {action.model or request.model}",
             )
             return None
+        ctx.pool.placed(replica)
         if action.migration is not None:
             ctx.metrics.migrations.labels(model=request.model, migration_type=action.migration).inc()
         ttl = ctx.config.timeouts.lease_ttl_s
@@ -212,10 +232,11 @@ class RequestLoop:
             replica_id=replica.id,
             lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
             acknowledges_cancel=replica.client.acknowledges_cancel,
+            model=action.model if action.model != request.model else None,
         )
         run = AttemptRun(
             replica,
-            request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl),
+            request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl, model=action.model),
             clock=ctx.clock,
             timeouts=ctx.config.timeouts,
         )
@@ -235,6 +256,15 @@ class RequestLoop:
             return None
 
         return open_attempt
+
+    def _wait_to_retry(self, action: WaitToRetry) -> Callable[[], Awaitable[Output | None]]:
+        async def wait() -> Output | None:
+            # the timer: at most retry_same_max_wait_s; a drain or a stop ends the request after it
+            await asyncio.sleep(action.wait_s)
+            self.recorder.record(ev.RetryWaitElapsed, replica_id=action.replica)
+            return None
+
+        return wait
 
     def _fence(self, action: FenceAttempt) -> Callable[[], Awaitable[Output | None]]:
         run = self.run
@@ -317,6 +347,7 @@ class RequestLoop:
             upstream_status=failure.status,
             upstream_code=failure.code,
             upstream_param=failure.param,
+            retry_after_s=failure.retry_after_s,
         )
         self.charges.observe(run.replica, failure)
         if failure.kind in DEAD_KINDS:

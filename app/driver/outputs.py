@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.contract.logprobs import TokenLogprob
-from statemachine.policy import FailRequest
+from statemachine.actions import FailRequest
 
 
 @dataclass(frozen=True, slots=True)

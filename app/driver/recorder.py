@@ -36,6 +36,7 @@ from app.driver.context import GatewayContext
 from app.store.content import kept_text
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
+from statemachine.actions import Action, FailRequest
 from statemachine.events import (
     TERMINAL_EVENT_TYPES,
     DeltasDelivered,
@@ -45,7 +46,7 @@ from statemachine.events import (
     ReleaseReason,
     TokenLogprob,
 )
-from statemachine.policy import Action, FailRequest, decided_fields
+from statemachine.policy import decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
 

@@ -13,6 +13,7 @@ from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+AFFINITY_PROMPT_CHARS = 512  # a completion prompt's affinity key: its start, which follow-ups share
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +89,36 @@ class GenerationRequest:
         params.update(as_params(self.logprobs, chat=self.endpoint == CHAT))
         return params
 
-    def for_attempt(self, request_id: str, attempt: int, *, lease_ttl_s: float) -> AttemptRequest:
-        """What attempt ``attempt`` asks of its replica (its lease epoch is its number)."""
+    def affinity_key(self) -> str:
+        """What ties the turns of one conversation together, for prefix affinity: the
+        client's ``user`` when given, else its leading messages (the system prompt and
+        the first user turn, which every later turn repeats) or a completion prompt's
+        start. A digest: the log never holds the text for it."""
+        if self.user:
+            basis = "user:" + self.user
+        elif self.messages is not None:
+            leading: list[dict[str, Any]] = []
+            for message in self.messages:
+                leading.append(message)
+                if message.get("role") == "user":
+                    break
+            basis = json.dumps(leading, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        else:
+            basis = (self.prompt or "")[:AFFINITY_PROMPT_CHARS]
+        return hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+    def for_attempt(
+        self, request_id: str, attempt: int, *, lease_ttl_s: float, model: str | None = None
+    ) -> AttemptRequest:
+        """What attempt ``attempt`` asks of its replica (its lease epoch is its number),
+        of ``model`` when a fallback's."""
         return AttemptRequest(
             request_id=request_id,
             attempt=attempt,
             lease_epoch=attempt,
             lease_ttl_s=lease_ttl_s,
             endpoint=self.endpoint,
-            model=self.model,
+            model=model or self.model,
             messages=self.messages,
             prompt=self.prompt,
             sampling=self.sampling(),

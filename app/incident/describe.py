@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from statemachine import events as ev
+from statemachine.actions import ACTION_TYPES, action_params_order
 from statemachine.events import Event
-from statemachine.policy import ACTION_TYPES, action_params_order
 
 TEXT_PREVIEW = 24  # characters of delivered text shown in a description
 

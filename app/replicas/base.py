@@ -119,6 +119,7 @@ class ReplicaClient(Protocol):
     kind: str
     acknowledges_cancel: bool  # False: a fence waits for the lease to expire
     sends_heartbeats: bool  # False: silence before the first token is not a stall
+    reported_load: int | None  # running + queued, as its last health answer said (None: it never says)
 
     async def start(self, request: AttemptRequest) -> AttemptStream:
         """Open the attempt; raises :class:`UpstreamFailure` if it cannot start."""

@@ -41,6 +41,7 @@ class OpenAIUpstream:
     acknowledges_cancel = False
     sends_heartbeats = False
     kind = "openai"
+    reported_load: int | None = None  # an OpenAI-compatible server reports no load in its health answer
 
     def __init__(
         self,

@@ -1,11 +1,13 @@
-"""The replica pool: which replica takes the next attempt, and which are out.
+"""The replica pool: what the gateway knows of its replicas, and which are out.
 
-How this works: each replica has a count of outstanding attempts (ties go to the
-replica chosen least recently), a health flag
-from background probes (a real 1-token generation), a circuit breaker, and a
-cool-down from ``Retry-After``. ``choose`` takes the healthy replica with the fewest
-outstanding attempts that serves the model and is not excluded (the policy never
-retries on a replica the request already tried). After ``eject_after_failures``
+How this works: each replica has a count of this gateway's outstanding attempts, the
+load it last reported itself (a worker's running + queued attempts, from every
+gateway, in its health answer; raised between probes by the queue positions its
+heartbeats give), a health flag from background probes (a real 1-token generation),
+a circuit breaker, and a cool-down from ``Retry-After``. The pool does not choose:
+``snapshot`` gives the policy a pure view of it (:mod:`statemachine.routing`), the
+policy places the attempt, and ``placed`` counts the choice (round robin's turn, and
+ties going to the replica chosen least recently). After ``eject_after_failures``
 failures in a row a replica is ejected for a back-off that doubles while it keeps
 failing; the background probe lets it back in as soon as one probe succeeds.
 A probe that got no answer in time does not count while output of the replica's live
@@ -28,6 +30,7 @@ from app.config import ReplicaConfig
 from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
 from app.replicas.renewer import LeaseRenewer
 from statemachine.events import FailureKind
+from statemachine.routing import PoolSnapshot, ReplicaView
 
 log = logging.getLogger("phasegate.pool")
 
@@ -56,6 +59,7 @@ class Replica:
     cooldown_until: float = 0.0  # from an upstream Retry-After
     last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
     frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
+    reported_load: int | None = None  # running + queued, as it last said (None: it never says)
     renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
 
     def __post_init__(self) -> None:
@@ -94,16 +98,35 @@ class ReplicaPool:
             and replica.cooldown_until <= now
         )
 
-    def choose(self, model: str, exclude: Iterable[str] = ()) -> Replica | None:
-        """The least-loaded available replica for ``model`` outside ``exclude``."""
-        excluded = set(exclude)
-        candidates = [r for r in self.replicas.values() if r.id not in excluded and self.available(r, model)]
-        if not candidates:
-            return None
-        chosen = min(candidates, key=lambda r: (r.outstanding, r.last_chosen, r.id))
+    def snapshot(self, models: Iterable[str]) -> PoolSnapshot:
+        """The replicas that serve any of ``models``, as the policy places attempts over them."""
+        now = self.clock()
+        wanted = tuple(models)
+        return PoolSnapshot(
+            tuple(
+                ReplicaView(
+                    id=replica.id,
+                    models=replica.config.models,
+                    available=self.available(replica),
+                    outstanding=replica.outstanding,
+                    reported_load=replica.reported_load,
+                    cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
+                    last_chosen=replica.last_chosen,
+                )
+                for replica in self.replicas.values()
+                if any(replica.config.serves(model) for model in wanted)
+            ),
+            self._choices,
+        )
+
+    def placed(self, replica: Replica) -> None:
+        """An attempt was placed on ``replica``: the next placement sees it chosen last."""
         self._choices += 1
-        chosen.last_chosen = self._choices
-        return chosen
+        replica.last_chosen = self._choices
+
+    def reported(self, replica: Replica, load: int) -> None:
+        """What the replica says it holds (running + queued, every gateway's)."""
+        replica.reported_load = load
 
     def any_available(self, model: str | None = None) -> bool:
         return any(self.available(replica, model) for replica in self.replicas.values())
@@ -160,6 +183,8 @@ class ReplicaPool:
         except Exception as exc:  # a probe must never take the loop down
             log.warning("health probe of %s raised %r", replica.id, exc)
             answer = ProbeAnswer.UNHEALTHY
+        if replica.client.reported_load is not None:
+            self.reported(replica, replica.client.reported_load)
         if answer is ProbeAnswer.HEALTHY:
             replica.ejected_until = 0.0
             self.succeeded(replica)

@@ -31,6 +31,7 @@ class WorkerReplica:
         self, replica_id: str, base_url: str, *, connect_timeout_s: float = 2.0, token: str | None = None
     ) -> None:
         self.replica_id = replica_id
+        self.reported_load: int | None = None
         self._http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
@@ -87,12 +88,15 @@ class WorkerReplica:
 
     async def health(self) -> ProbeAnswer:
         try:
-            healthy = (await self.client.health()).healthy
+            health = await self.client.health()
         except LivenessUncertain:  # no connection or no answer within the timeout
             return ProbeAnswer.SILENT
         except WorkerError:
             return ProbeAnswer.UNHEALTHY
-        return ProbeAnswer.HEALTHY if healthy else ProbeAnswer.UNHEALTHY
+        running, queued = health.details.get("running"), health.details.get("queued")
+        if type(running) is int and type(queued) is int:  # every gateway's attempts on it
+            self.reported_load = running + queued
+        return ProbeAnswer.HEALTHY if health.healthy else ProbeAnswer.UNHEALTHY
 
     async def close(self) -> None:
         await self._http.aclose()

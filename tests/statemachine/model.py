@@ -13,20 +13,20 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from statemachine import events as ev
-from statemachine.events import Event, FailureKind
-from statemachine.phases import Phase
-from statemachine.policy import (
+from statemachine.actions import (
     CancelAttempt,
     CancelRequest,
     FailRequest,
     FenceAttempt,
-    PolicyConfig,
     StartAttempt,
     Wait,
-    decide,
-    decided_fields,
+    WaitToRetry,
 )
+from statemachine.events import Event, FailureKind
+from statemachine.phases import Phase
+from statemachine.policy import PolicyConfig, decide, decided_fields, needs_pool
 from statemachine.request_state import DEAD_KINDS, RequestState
+from statemachine.routing import PoolSnapshot, ReplicaView
 from statemachine.state import advance
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -65,11 +65,14 @@ class ModelDriver:
         replicas: tuple[str, ...] = ("w1", "w2", "w3"),
         global_budget: int = 100,
         acknowledges_cancel: bool = True,
+        pool: PoolSnapshot | None = None,
         **accepted_overrides: Any,
     ) -> None:
         self.config = config or PolicyConfig()
         self.acknowledges_cancel = acknowledges_cancel  # the replicas' kind: a worker, or a plain OpenAI server
         self.replicas = replicas
+        # what the pool looks like to the policy: every replica available and idle (tests may change it)
+        self.pool = pool or PoolSnapshot(tuple(ReplicaView(replica) for replica in replicas))
         self.global_budget = global_budget
         self.events: list[Event] = []
         self.state = RequestState(request_id=request_id)
@@ -101,7 +104,7 @@ class ModelDriver:
         """Ask the policy, record its decisions, carry them out; repeat until quiet."""
         taken: list[Any] = []
         while True:
-            actions = decide(self.state, self.config)
+            actions = decide(self.state, self.config, self.pool if needs_pool(self.state) else None)
             if not actions:
                 return taken
             for action in actions:
@@ -114,10 +117,9 @@ class ModelDriver:
 
     def act(self, action: Any) -> None:
         if isinstance(action, StartAttempt):
-            free = [r for r in self.replicas if r not in action.exclude_replicas]
             if action.attempt > 1 and self.global_budget <= 0:
                 self.record(ev.RetryBudgetDenied, scope="global")
-            elif not free:
+            elif action.replica is None:
                 self.record(ev.NoReplicaAvailable, excluded=action.exclude_replicas, detail="none healthy")
             else:
                 if action.attempt > 1:
@@ -127,10 +129,14 @@ class ModelDriver:
                     ev.AttemptStarted,
                     attempt=action.attempt,
                     lease_epoch=self.epoch,
-                    replica_id=free[0],
+                    replica_id=action.replica,
                     lease_expires_at=T0 + timedelta(seconds=5),
                     acknowledges_cancel=self.acknowledges_cancel,
+                    model=None if action.model == self.state.model else action.model,
                 )
+                self.pool = dataclasses.replace(self.pool, placements=self.pool.placements + 1)
+        elif isinstance(action, WaitToRetry):
+            self.record(ev.RetryWaitElapsed, replica_id=action.replica)  # the timer, at once
         elif isinstance(action, FenceAttempt):
             self.record(ev.AttemptFenced, **self.scoped(action.attempt), waiting_for=action.wait_for)
             self.record(ev.CancelSent, **self.scoped(action.attempt))

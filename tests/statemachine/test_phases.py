@@ -40,6 +40,7 @@ LEGAL = {
             "ClientDisconnected",
             "ClientResumed",
             "ResumeGraceExpired",
+            "RetryWaitElapsed",
             "DeltasProduced",
         ]
     },

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from statemachine import events as ev
+from statemachine.actions import Action, CancelAttempt, CancelRequest, FailRequest, FenceAttempt, StartAttempt, Wait
 from statemachine.errors import IllegalTransition
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import (
-    POLICY_VERSION,
-    CancelAttempt,
-    CancelRequest,
-    FailRequest,
-    FenceAttempt,
-    PolicyConfig,
-    StartAttempt,
-    Wait,
-    decide,
-    decided_fields,
-)
+from statemachine.policy import POLICY_VERSION, PolicyConfig, decide, decided_fields
 from statemachine.request_state import ActionName, FenceWait, Outcome
 from tests.statemachine.model import ModelDriver
 
@@ -38,7 +30,25 @@ def test_a_new_request_starts_its_first_attempt() -> None:
         "request_accepted",
         POLICY_VERSION,
     )
-    assert decided.params == {"attempt": 1, "exclude_replicas": [], "migration": None}
+    assert decided.params == {
+        "attempt": 1,
+        "exclude_replicas": [],
+        "migration": None,
+        "replica": "w1",
+        "model": "tiny",
+        "placement": "least_outstanding",
+        "pool": {"placements": 0, "replicas": [{"id": "w1"}, {"id": "w2"}, {"id": "w3"}]},
+    }
+
+
+def unplaced(actions: list[Action]) -> list[Action]:
+    """The actions with where each start goes left out (tests/statemachine/test_routing.py checks that)."""
+    return [
+        dataclasses.replace(action, replica=None, model="", placement="", pool=None)
+        if isinstance(action, StartAttempt)
+        else action
+        for action in actions
+    ]
 
 
 def test_nothing_to_decide_while_an_attempt_runs_well() -> None:
@@ -56,7 +66,7 @@ def test_dead_source_before_first_delta_retries_on_another_replica(kind: Failure
         driver.first_token()
     actions = driver.fail(kind)
     migration = "new_request" if kind is FailureKind.REJECTED else "prefill_retry"
-    assert actions == [StartAttempt(kind.value, 2, ("w1",), migration)]
+    assert unplaced(actions) == [StartAttempt(kind.value, 2, ("w1",), migration)]
     assert [a.replica_id for a in started_attempts(driver)] == ["w1", "w2"]
     driver.deliver(2)
     driver.complete()
@@ -67,7 +77,7 @@ def test_retry_never_goes_back_to_a_replica_already_tried() -> None:
     driver = ModelDriver(config=PolicyConfig(max_attempts=3))
     driver.fail(FailureKind.REPLICA_EXITED)
     actions = driver.fail(FailureKind.REPLICA_EXITED)
-    assert actions == [StartAttempt("replica_exited", 3, ("w1", "w2"), "prefill_retry")]
+    assert unplaced(actions) == [StartAttempt("replica_exited", 3, ("w1", "w2"), "prefill_retry")]
     assert [a.replica_id for a in started_attempts(driver)] == ["w1", "w2", "w3"]
 
 
@@ -297,7 +307,8 @@ def test_a_lost_attempt_without_a_recorded_failure_is_retried() -> None:
     driver.record(ev.CancelSent, **driver.scoped())
     driver.record(ev.CancelAcked, **driver.scoped(), generated_tokens=0)
     driver.record(ev.AttemptReleased, **driver.scoped(), because=ev.ReleaseReason.CANCEL_ACKED)
-    assert decide(driver.state, driver.config) == [StartAttempt("cancel_acked", 2, ("w1",), "prefill_retry")]
+    actions = decide(driver.state, driver.config, driver.pool)
+    assert unplaced(actions) == [StartAttempt("cancel_acked", 2, ("w1",), "prefill_retry")]
 
 
 @pytest.mark.parametrize(
@@ -347,7 +358,7 @@ def poisoned() -> FailRequest:
 @pytest.mark.parametrize("second", SERVER_ERRORS)
 def test_a_second_server_error_before_output_ends_the_request_as_poison(first: str, second: str) -> None:
     driver = ModelDriver(config=PolicyConfig(max_attempts=4))  # budget left: poison stops it anyway
-    assert driver.fail(**SERVER_ERRORS[first]) == [
+    assert unplaced(driver.fail(**SERVER_ERRORS[first])) == [
         StartAttempt(SERVER_ERRORS[first]["kind"].value, 2, ("w1",), _migration(SERVER_ERRORS[first]["kind"]))
     ]
     assert driver.fail(**SERVER_ERRORS[second]) == [poisoned()]

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from statemachine import events as ev
+from statemachine.actions import CancelAttempt, CancelRequest, FailRequest, StartAttempt
 from statemachine.errors import IllegalTransition
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import CancelAttempt, CancelRequest, FailRequest, StartAttempt
 from statemachine.request_state import Outcome
 from statemachine.state import advance
 from tests.statemachine.model import ModelDriver

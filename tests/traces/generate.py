@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from statemachine import events as ev
+from statemachine.actions import FenceAttempt
 from statemachine.events import Deadline, FailureKind
-from statemachine.policy import FenceAttempt, decided_fields
+from statemachine.policy import decided_fields
 from statemachine.request_state import FenceWait
 from statemachine.trace import dump_trace
 from tests.statemachine.model import ModelDriver

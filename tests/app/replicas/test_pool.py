@@ -1,5 +1,6 @@
-"""The pool's choices, ejections and cool-downs, on an injected clock; its probes over a
-replica client that only answers (no I/O)."""
+"""The pool's snapshots (as the policy places attempts over them), ejections and
+cool-downs, on an injected clock; its probes over a replica client that only answers
+(no I/O)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
 from app.replicas.pool import Replica, ReplicaPool
 from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused, TokenRefused
 from statemachine.events import FailureKind
+from statemachine.routing import DEFAULT_ROUTING, place
 
 
 class Clock:
@@ -32,20 +34,28 @@ def pool(*ids: str, models: dict[str, tuple[str, ...]] | None = None, **options:
     return ReplicaPool(replicas, clock=clock, **options), clock
 
 
+def choose(p: ReplicaPool, model: str, exclude: tuple[str, ...] = ()) -> str | None:
+    """Place an attempt as the driver does: the policy's placement over the pool's snapshot."""
+    placement = place(p.snapshot([model]), model, exclude, DEFAULT_ROUTING)
+    if placement.replica is not None:
+        p.placed(p.replicas[placement.replica])
+    return placement.replica
+
+
 def test_least_outstanding_first_then_the_one_idle_longest() -> None:
     p, _ = pool("a", "b", "c")
     p.replicas["a"].outstanding = 2
-    assert [p.choose("m").id for _ in range(4)] == ["b", "c", "b", "c"]
+    assert [choose(p, "m") for _ in range(4)] == ["b", "c", "b", "c"]
     p.replicas["b"].outstanding = 5
     p.replicas["c"].outstanding = 5
-    assert p.choose("m").id == "a"
+    assert choose(p, "m") == "a"
 
 
 def test_excluded_and_non_serving_replicas_are_never_chosen() -> None:
     p, _ = pool("a", "b", models={"a": ("other",)})
-    assert p.choose("m").id == "b"
-    assert p.choose("m", exclude=["b"]) is None
-    assert p.choose("other", exclude=["b"]).id == "a"
+    assert choose(p, "m") == "b"
+    assert choose(p, "m", ("b",)) is None
+    assert choose(p, "other", ("b",)) == "a"
 
 
 def test_failures_in_a_row_eject_with_a_doubling_back_off_and_success_resets() -> None:
@@ -68,9 +78,9 @@ def test_failures_in_a_row_eject_with_a_doubling_back_off_and_success_resets() -
 def test_retry_after_cools_a_replica_down_for_that_long() -> None:
     p, clock = pool("a", "b")
     p.cool_down(p.replicas["a"], 30)
-    assert {p.choose("m").id for _ in range(3)} == {"b"}
+    assert {choose(p, "m") for _ in range(3)} == {"b"}
     clock.now += 30
-    assert p.choose("m").id == "a"
+    assert choose(p, "m") == "a"
 
 
 def test_health_changes_are_reported() -> None:
@@ -134,9 +144,10 @@ class Probed:
     """A replica client whose probes get ``answer`` after a short wait, while ``streaming``
     (when set) reads frames from the replica's live attempts."""
 
-    def __init__(self, answer: ProbeAnswer) -> None:
+    def __init__(self, answer: ProbeAnswer, reported_load: int | None = None) -> None:
         self.answer = answer
         self.streaming: Replica | None = None
+        self.reported_load = reported_load
 
     async def health(self) -> ProbeAnswer:
         await asyncio.sleep(0.01)
@@ -169,3 +180,17 @@ async def test_an_unhealthy_answer_counts_even_while_the_replica_streams() -> No
     p, a = probed(ProbeAnswer.UNHEALTHY, streaming=True)  # it answered: no benefit of the doubt
     await p.probe(a)
     assert a.consecutive_failures == 1 and not p.available(a)
+
+
+def test_a_probe_takes_the_load_the_replica_reports_into_the_snapshot() -> None:
+    p, clock = pool("a", "b")
+    a, b = p.replicas["a"], p.replicas["b"]
+    a.client = cast(ReplicaClient, Probed(ProbeAnswer.HEALTHY, reported_load=7))  # busy with other gateways' work
+    asyncio.run(p.probe(a))
+    b.outstanding = 2
+    p.cool_down(b, 1.5)
+    views = {view.id: view for view in p.snapshot(["m"]).replicas}
+    assert (views["a"].reported_load, views["a"].load, views["a"].available) == (7, 7, True)
+    assert (views["b"].outstanding, views["b"].cooldown_s, views["b"].available) == (2, 1.5, False)
+    clock.now += 1.5
+    assert choose(p, "m") == "b"  # cooled down: 2 outstanding here is less than a's 7

@@ -1,0 +1,372 @@
+"""The fold's handlers: one per event type, each checks its event against the request's
+invariants (listed in :mod:`statemachine.state`) and returns the fields of the state it changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from statemachine.errors import IllegalTransition
+from statemachine.events import (
+    FINISH_REASONS,
+    AttemptFenced,
+    AttemptReleased,
+    AttemptScoped,
+    AttemptStarted,
+    CancelAcked,
+    CancelSent,
+    ClientDisconnected,
+    ClientResumed,
+    Decided,
+    DeltasDelivered,
+    DeltasProduced,
+    Event,
+    FirstDeltaCommitted,
+    FirstTokenReceived,
+    LeaseExpired,
+    NoReplicaAvailable,
+    ReleaseReason,
+    RequestAccepted,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestScoped,
+    ResumeGraceExpired,
+    RetryBudgetDenied,
+    RetryWaitElapsed,
+    StreamResumed,
+    ToolCallEmitted,
+    UpstreamFailed,
+)
+from statemachine.evolve import evolve as _evolve
+from statemachine.phases import Phase
+from statemachine.request_state import (
+    ActionName,
+    AttemptState,
+    EmittedToolCall,
+    Outcome,
+    RequestState,
+    StartRefusal,
+)
+from statemachine.routing import RoutingConfig
+
+Changes = dict[str, Any]
+
+
+def illegal(state: RequestState, event: RequestScoped, why: str) -> IllegalTransition:
+    return IllegalTransition(state.phase.value, type(event).__name__, state.request_id, why)
+
+
+def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
+    if event.max_attempts < 1 or event.n < 1 or event.prompt_tokens < 0:
+        raise illegal(state, event, "max_attempts and n must be at least 1")
+    try:
+        routing = RoutingConfig() if event.routing is None else RoutingConfig.from_params(event.routing)
+    except (TypeError, ValueError) as exc:
+        raise illegal(state, event, f"routing: {exc}") from None
+    return {
+        "routing": routing,
+        "affinity_key": event.affinity_key,
+        "model": event.model,
+        "tenant": event.tenant,
+        "prompt_tokens": event.prompt_tokens,
+        "n": event.n,
+        "guided": event.guided,
+        "tools": event.tools,
+        "max_attempts": event.max_attempts,
+    }
+
+
+def _on_decided(state: RequestState, event: Decided) -> Changes:
+    changes: Changes = {}
+    try:
+        action = ActionName(event.action)
+    except ValueError:
+        raise illegal(state, event, f"unknown action {event.action!r}") from None
+    if action is not ActionName.WAIT:
+        changes["pending"] = state.pending | {action}
+    current = state.current_attempt
+    if current is not None and current.failure is not None and not current.failure_answered:
+        changes["attempts"] = _replaced_last(state.attempts, failure_answered=True)
+    return changes
+
+
+def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
+    if event.attempt != len(state.attempts) + 1:
+        raise illegal(state, event, f"attempt {event.attempt} is not attempt {len(state.attempts) + 1}")
+    previous = state.current_attempt
+    if previous is not None:
+        if previous.live:
+            raise illegal(state, event, f"attempt {previous.attempt} is still live")
+        if event.lease_epoch <= previous.lease_epoch:
+            raise illegal(state, event, "lease epoch does not increase")
+    if event.lease_epoch < 0:
+        raise illegal(state, event, f"negative lease epoch {event.lease_epoch}")
+    attempt = AttemptState(
+        attempt=event.attempt,
+        lease_epoch=event.lease_epoch,
+        replica_id=event.replica_id,
+        started_at=event.occurred_at,
+        lease_expires_at=event.lease_expires_at,
+        acknowledges_cancel=event.acknowledges_cancel,
+        model=event.model or state.model,
+    )
+    return {
+        "attempts": (*state.attempts, attempt),
+        "pending": state.pending - {ActionName.START_ATTEMPT},
+        "start_refused": None,
+        "waited_for": None,
+        "produced_deltas": 0,  # a retry's deltas are numbered from 0 again (nothing was delivered)
+    }
+
+
+def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudgetDenied) -> Changes:
+    if ActionName.START_ATTEMPT not in state.pending:
+        raise illegal(state, event, "no attempt start was decided")
+    refused = StartRefusal.NO_REPLICA if isinstance(event, NoReplicaAvailable) else StartRefusal.RETRY_BUDGET
+    return {"pending": state.pending - {ActionName.START_ATTEMPT}, "start_refused": refused}
+
+
+def _on_first_token(state: RequestState, event: FirstTokenReceived) -> Changes:
+    attempt = _live_current(state, event)
+    return _with_current(state, _evolve(attempt, {"first_token_received": True}))
+
+
+def _on_first_delta(state: RequestState, event: FirstDeltaCommitted) -> Changes:
+    _live_current(state, event)
+    return {"first_delta_attempt": event.attempt}
+
+
+def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
+    if event.attempt != state.first_delta_attempt:
+        raise illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
+    _live_current(state, event)
+    _check_batch(state, event, follows=state.delivered_deltas)
+    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
+        raise illegal(state, event, "log probabilities are kept with the text, one entry per delta")
+    return {
+        "delivered_deltas": event.to_index,
+        "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
+        "produced_deltas": max(state.produced_deltas, event.to_index),
+    }
+
+
+def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
+    if not state.client_gone:
+        raise illegal(state, event, "output is recorded as only produced while no client is attached")
+    _live_current(state, event)
+    _check_batch(state, event, follows=state.produced_deltas)
+    return {"produced_deltas": event.to_index}
+
+
+def _check_batch(state: RequestState, event: DeltasDelivered | DeltasProduced, *, follows: int) -> None:
+    """A batch starts at delta ``follows``, holds at least one, and its shapes add up."""
+    if event.from_index != follows or event.to_index <= event.from_index:
+        raise illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) do not follow delta {follows}")
+    if event.tokens < 0:
+        raise illegal(state, event, "negative token count")
+    if event.deltas and (
+        len(event.deltas) != event.to_index - event.from_index
+        or sum(tokens for _, _, tokens in event.deltas) != event.tokens
+        or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
+    ):
+        raise illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
+
+
+def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
+    _live_current(state, event)
+    if event.idempotency_key != f"{state.request_id}:{event.tool_call_id}":
+        raise illegal(state, event, "idempotency key is not {request_id}:{tool_call_id}")
+    call = EmittedToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
+    return {"tool_calls": (*state.tool_calls, call)}
+
+
+def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
+    attempt = _scoped(state, event)
+    if attempt is not state.current_attempt or attempt.released is not None or attempt.completed:
+        raise illegal(state, event, f"attempt {event.attempt} is not the running attempt")
+    failed = {
+        "failure": event.kind,
+        "failure_deadline": event.deadline,
+        "failure_detail": event.detail,
+        "upstream_status": event.upstream_status,
+        "upstream_code": event.upstream_code,
+        "upstream_param": event.upstream_param,
+        "retry_after_s": event.retry_after_s,
+        "failure_answered": False,
+    }
+    return _with_current(state, _evolve(attempt, failed))
+
+
+def _on_fenced(state: RequestState, event: AttemptFenced) -> Changes:
+    attempt = _live_current(state, event)
+    changes = _with_current(state, _evolve(attempt, {"fenced": True}))
+    changes["pending"] = state.pending - {ActionName.FENCE_ATTEMPT}
+    return changes
+
+
+def _on_cancel_sent(state: RequestState, event: CancelSent) -> Changes:
+    attempt = _unreleased(state, event)
+    changes = _with_attempt(state, _evolve(attempt, {"cancel_sent": True}))
+    changes["pending"] = state.pending - {ActionName.CANCEL_ATTEMPT}
+    return changes
+
+
+def _on_cancel_acked(state: RequestState, event: CancelAcked) -> Changes:
+    attempt = _unreleased(state, event)
+    if not attempt.cancel_sent:
+        raise illegal(state, event, "no cancel was sent to this attempt")
+    if event.generated_tokens is not None and event.generated_tokens < 0:
+        raise illegal(state, event, "negative generated token count")
+    return _with_attempt(state, _evolve(attempt, {"cancel_acked": True}))
+
+
+def _on_lease_expired(state: RequestState, event: LeaseExpired) -> Changes:
+    attempt = _unreleased(state, event)
+    return _with_attempt(state, _evolve(attempt, {"lease_expired": True}))
+
+
+def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
+    attempt = _unreleased(state, event)
+    if event.because is ReleaseReason.CANCEL_ACKED and not attempt.cancel_acked:
+        raise illegal(state, event, "released for a cancel ack that was not recorded")
+    if event.because is ReleaseReason.LEASE_EXPIRED and not attempt.lease_expired:
+        raise illegal(state, event, "released for a lease expiry that was not recorded")
+    if state.phase is Phase.FENCED and (state.first_delta_sent or not attempt.fenced):
+        raise illegal(state, event, "only the fenced attempt of an undelivered request reopens prefill")
+    return _with_attempt(state, _evolve(attempt, {"released": event.because}))
+
+
+def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> Changes:
+    if state.client_gone:
+        raise illegal(state, event, "the client already disconnected")
+    if event.resume_grace_s < 0:
+        raise illegal(state, event, "a negative resume grace")
+    return {"client_gone": True, "resume_grace_s": event.resume_grace_s, "disconnects": state.disconnects + 1}
+
+
+def _on_client_resumed(state: RequestState, event: ClientResumed) -> Changes:
+    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+        raise illegal(state, event, "no client left within a grace that is still running")
+    if event.after < -1:
+        raise illegal(state, event, "after is a delta index or -1")
+    return {"client_gone": False}
+
+
+def _on_grace_expired(state: RequestState, event: ResumeGraceExpired) -> Changes:
+    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+        raise illegal(state, event, "no resume grace is running")
+    return {"resume_grace_expired": True}
+
+
+def _on_retry_wait_elapsed(state: RequestState, event: RetryWaitElapsed) -> Changes:
+    if ActionName.WAIT_TO_RETRY not in state.pending:
+        raise illegal(state, event, "no wait to retry was decided")
+    return {"pending": state.pending - {ActionName.WAIT_TO_RETRY}, "waited_for": event.replica_id}
+
+
+def _on_completed(state: RequestState, event: RequestCompleted) -> Changes:
+    current = state.current_attempt
+    if current is None or not current.live:
+        raise illegal(state, event, "no running attempt completed the request")
+    unknown = sorted({event.finish_reason, *event.finish_reasons} - FINISH_REASONS)
+    if unknown:
+        raise illegal(state, event, f"unknown finish reason {unknown[0]!r}")
+    if any(count < 0 for count in event.usage.values()):
+        raise illegal(state, event, "negative usage count")
+    return {
+        "attempts": _replaced_last(state.attempts, completed=True),
+        "outcome": Outcome.COMPLETED,
+        "finish_reason": event.finish_reason,
+        "pending": frozenset(),
+    }
+
+
+def _on_failed(state: RequestState, event: RequestFailed) -> Changes:
+    if event.delivered_output_tokens != state.delivered_output_tokens:
+        raise illegal(state, event, "delivered_output_tokens disagrees with the deliveries")
+    if event.partial_output != state.first_delta_sent:
+        raise illegal(state, event, "partial_output disagrees with the commit point")
+    return {"outcome": Outcome.FAILED, "error_code": event.code, "pending": frozenset()}
+
+
+def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
+    if not 0 <= event.from_index <= event.to_index <= max(state.delivered_deltas, state.produced_deltas):
+        raise illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) were never delivered")
+    return {}
+
+
+def _on_cancelled(state: RequestState, event: RequestCancelled) -> Changes:
+    return {"outcome": Outcome.CANCELLED, "error_code": event.reason, "pending": frozenset()}
+
+
+# --- attempt lookups ---------------------------------------------------------------------
+
+
+def _scoped(state: RequestState, event: AttemptScoped) -> AttemptState:
+    attempt = state.attempt(event.attempt)
+    if attempt is None:
+        raise illegal(state, event, f"attempt {event.attempt} was never started")
+    if attempt.lease_epoch != event.lease_epoch:
+        raise illegal(
+            state,
+            event,
+            f"lease epoch {event.lease_epoch} is not {attempt.lease_epoch} of attempt {event.attempt}",
+        )
+    return attempt
+
+
+def _live_current(state: RequestState, event: AttemptScoped) -> AttemptState:
+    attempt = _scoped(state, event)
+    if attempt is not state.current_attempt or not attempt.live or attempt.fenced:
+        raise illegal(state, event, f"attempt {event.attempt} is not the live attempt")
+    return attempt
+
+
+def _unreleased(state: RequestState, event: AttemptScoped) -> AttemptState:
+    attempt = _scoped(state, event)
+    if attempt.released is not None:
+        raise illegal(state, event, f"attempt {event.attempt} was already released")
+    return attempt
+
+
+def _with_current(state: RequestState, attempt: AttemptState) -> Changes:
+    return {"attempts": (*state.attempts[:-1], attempt)}
+
+
+def _with_attempt(state: RequestState, attempt: AttemptState) -> Changes:
+    index = attempt.attempt - 1
+    return {"attempts": (*state.attempts[:index], attempt, *state.attempts[index + 1 :])}
+
+
+def _replaced_last(attempts: tuple[AttemptState, ...], **changes: object) -> tuple[AttemptState, ...]:
+    return (*attempts[:-1], _evolve(attempts[-1], changes))
+
+
+# Any: each handler takes its own event type, which the table's key guarantees
+HANDLERS: dict[type[Event], Callable[[RequestState, Any], Changes]] = {
+    RequestAccepted: _on_accepted,
+    Decided: _on_decided,
+    AttemptStarted: _on_attempt_started,
+    NoReplicaAvailable: _on_start_refused,
+    RetryBudgetDenied: _on_start_refused,
+    FirstTokenReceived: _on_first_token,
+    FirstDeltaCommitted: _on_first_delta,
+    DeltasDelivered: _on_deltas,
+    DeltasProduced: _on_deltas_produced,
+    ToolCallEmitted: _on_tool_call,
+    UpstreamFailed: _on_upstream_failed,
+    AttemptFenced: _on_fenced,
+    CancelSent: _on_cancel_sent,
+    CancelAcked: _on_cancel_acked,
+    LeaseExpired: _on_lease_expired,
+    AttemptReleased: _on_released,
+    ClientDisconnected: _on_client_disconnected,
+    ClientResumed: _on_client_resumed,
+    ResumeGraceExpired: _on_grace_expired,
+    RetryWaitElapsed: _on_retry_wait_elapsed,
+    RequestCompleted: _on_completed,
+    RequestFailed: _on_failed,
+    RequestCancelled: _on_cancelled,
+    StreamResumed: _on_stream_resumed,
+}
