@@ -39,6 +39,7 @@ from statemachine.events import (
 )
 from statemachine.policy import PolicyConfig, decide, decided_fields
 from statemachine.request_state import RequestState
+from statemachine.routing import PoolSnapshot, ReplicaView
 from statemachine.state import advance
 
 T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
@@ -100,16 +101,16 @@ class Trace:
             trace_id=trace_id,
         )
 
-    def decide(self, after_ms: float = 0.2) -> list[Action]:
+    def decide(self, after_ms: float = 0.2, pool: PoolSnapshot | None = None) -> list[Action]:
         """Record what the policy decides now, as ``Decided`` events."""
-        actions = decide(self.state, PolicyConfig())
+        actions = decide(self.state, PolicyConfig(), pool)
         for action in actions:
             self.add(Decided, after_ms, **decided_fields(action))
         self.actions = actions
         return actions
 
     def start(self, replica: str, after_ms: float = 1.0) -> Trace:
-        self.decide()
+        self.decide(pool=PoolSnapshot((ReplicaView(replica),)))  # the policy places it there
         previous = self.state.current_attempt
         self.add(
             AttemptStarted,

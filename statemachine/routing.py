@@ -10,8 +10,9 @@ The strategies (:class:`Strategy`), each over the replicas that serve the model,
 are available and not excluded:
 
 - ``least_outstanding``: the least loaded; ties go to the one chosen least recently.
-  A replica's load is the larger of this gateway's attempts on it and what it
-  reported (a worker's running + queued, which counts every gateway's attempts).
+  A replica's load is this gateway's attempts on it (counted now) plus the other
+  gateways' (what it last reported holding, a worker's running + queued, less this
+  gateway's attempts then).
 - ``prefix_affinity``: the conversation's key (a hash of its leading messages, or the
   client's ``user``) ranks the replicas by rendezvous hashing; the first whose load
   stays within ``affinity_load_factor`` of the mean, plus one (consistent hashing with
@@ -45,7 +46,7 @@ class ReplicaView:
     models: tuple[str, ...] = ()  # empty: every model
     available: bool = True  # healthy, not ejected, not cooling down
     outstanding: int = 0  # this gateway's attempts on it
-    reported_load: int | None = None  # running + queued, as the replica last reported (every gateway's)
+    others_load: int = 0  # other gateways' attempts on it, as of its last report
     cooldown_s: float = 0.0  # what is left of a Retry-After cool-down
     last_chosen: int = 0  # the gateway's placement count when it was last chosen
 
@@ -54,7 +55,7 @@ class ReplicaView:
 
     @property
     def load(self) -> int:
-        return max(self.outstanding, self.reported_load or 0)
+        return self.outstanding + self.others_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,8 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
+            if self.strategy not in tuple(Strategy):
+                raise ValueError(f"strategy must be one of {', '.join(Strategy)}")
             object.__setattr__(self, "strategy", Strategy(self.strategy))
         if not self.affinity_load_factor >= 1:
             raise ValueError("affinity_load_factor must be at least 1")

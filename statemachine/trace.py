@@ -15,7 +15,7 @@ Writing is deterministic, so that a trace exported from the log, imported elsewh
 and exported again is the same text byte for byte. PostgreSQL's jsonb keeps no key
 order inside a body, so nested objects are written in one canonical order:
 ``Decided.params`` in the order of the action's fields, ``usage`` in OpenAI's order,
-anything else sorted. A redacted trace (``redact=True``) drops what the client was
+anything else sorted, at every depth (a start's pool snapshot, a request's routing). A redacted trace (``redact=True``) drops what the client was
 sent, the delivered text and tool call arguments, and says so in its header.
 """
 
@@ -158,9 +158,12 @@ def trace_line(event: Event, *, redact: bool = False) -> str:
     """One event's line, its nested objects in canonical order (see the module docstring)."""
     form = to_json(event)
     body = form["body"]
+    for name, value in body.items():
+        if isinstance(value, dict):
+            body[name] = _sorted(value)
     if isinstance(event, Decided):
         action = ACTION_TYPES.get(event.action)
-        body["params"] = _ordered(event.params, action_params_order(action) if action else ())
+        body["params"] = _ordered(body["params"], action_params_order(action) if action else ())
     elif isinstance(event, RequestCompleted):
         body["usage"] = _ordered(event.usage, _USAGE_ORDER)
     if redact:
@@ -179,6 +182,15 @@ REDACTED_FIELDS = (
 _REDACTED = {DeltasDelivered: ("text", "logprobs"), DeltasProduced: ("text",), ToolCallEmitted: ("arguments",)}
 _REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "arguments": ""}
 _USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _sorted(value: Any) -> Any:
+    """``value`` with the keys of every object in it sorted."""
+    if isinstance(value, dict):
+        return {name: _sorted(value[name]) for name in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(item) for item in value]
+    return value
 
 
 def _ordered(values: Mapping[str, Any], order: Iterable[str]) -> dict[str, Any]:

@@ -149,9 +149,6 @@ class RequestLoop:
                 run.generated_tokens += 1
                 yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
-                if frame.queue_position is not None:  # the replica holds at least this many
-                    replica = run.replica
-                    replica.reported_load = max(replica.reported_load or 0, frame.queue_position + 1)
                 deadline = run.deadline_due()
                 if deadline is not None:
                     waited = self.ctx.clock() - run.started_at

@@ -27,7 +27,11 @@ def describe_decision(decision: Mapping[str, Any]) -> str:
     action = ACTION_TYPES.get(decision["action"])
     order = action_params_order(action) if action is not None else ()
     names = [name for name in order if name in values] + sorted(set(values) - set(order))
-    params = " ".join(f"{name}={_short(values[name])}" for name in names if values[name] not in (None, [], ""))
+    params = " ".join(
+        f"{name}={_pool(values[name]) if name == 'pool' else _short(values[name])}"
+        for name in names
+        if values[name] not in (None, [], "")
+    )
     head = f"{decision['action']}({decision['reason']})"
     return f"{head} {params}" if params else head
 
@@ -96,6 +100,16 @@ def _detail(event: Event) -> str:
 
 def _clock(at: Any) -> str:
     return str(at.strftime("%H:%M:%S.%f")[:-3])
+
+
+def _pool(pool: Mapping[str, Any]) -> str:
+    """A placement's pool snapshot as ``[w1 load 0, w2 load 3 out]``: each replica's load
+    (this gateway's attempts and the others'), ``out`` when it was not available."""
+    views = []
+    for view in pool.get("replicas", ()):
+        load = view.get("outstanding", 0) + view.get("others_load", 0)
+        views.append(f"{view['id']} load {load}" + ("" if view.get("available", True) else " out"))
+    return "[" + ", ".join(views) + "]"
 
 
 def _short(value: Any) -> str:

@@ -1,9 +1,9 @@
 """The replica pool: what the gateway knows of its replicas, and which are out.
 
 How this works: each replica has a count of this gateway's outstanding attempts, the
-load it last reported itself (a worker's running + queued attempts, from every
-gateway, in its health answer; raised between probes by the queue positions its
-heartbeats give), a health flag from background probes (a real 1-token generation),
+other gateways' load on it (what it last reported holding, a worker's running +
+queued attempts in its health answer, less this gateway's count then: a stale total
+would hide how this gateway's own count changed since), a health flag from background probes (a real 1-token generation),
 a circuit breaker, and a cool-down from ``Retry-After``. The pool does not choose:
 ``snapshot`` gives the policy a pure view of it (:mod:`statemachine.routing`), the
 policy places the attempt, and ``placed`` counts the choice (round robin's turn, and
@@ -59,7 +59,7 @@ class Replica:
     cooldown_until: float = 0.0  # from an upstream Retry-After
     last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
     frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
-    reported_load: int | None = None  # running + queued, as it last said (None: it never says)
+    others_load: int = 0  # other gateways' attempts on it, as of its last report
     renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
 
     def __post_init__(self) -> None:
@@ -109,7 +109,7 @@ class ReplicaPool:
                     models=replica.config.models,
                     available=self.available(replica),
                     outstanding=replica.outstanding,
-                    reported_load=replica.reported_load,
+                    others_load=replica.others_load,
                     cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
                     last_chosen=replica.last_chosen,
                 )
@@ -125,8 +125,9 @@ class ReplicaPool:
         replica.last_chosen = self._choices
 
     def reported(self, replica: Replica, load: int) -> None:
-        """What the replica says it holds (running + queued, every gateway's)."""
-        replica.reported_load = load
+        """What the replica says it holds (running + queued, every gateway's): less this
+        gateway's own attempts, the other gateways' load on it."""
+        replica.others_load = max(load - replica.outstanding, 0)
 
     def any_available(self, model: str | None = None) -> bool:
         return any(self.available(replica, model) for replica in self.replicas.values())

@@ -3,7 +3,9 @@
 The token loop only increments plain integers (``WorkerStats``); this collector turns
 them into metric families when /metrics is scraped, so no metric lock sits on the
 per-token path. ``tokens_per_second`` is the generation rate over the last ten
-seconds, sampled by the worker's housekeeping loop.
+seconds, sampled by the worker's housekeeping loop. A vLLM engine's own metrics
+(``vllm:*``: its prefix-cache queries and hits, its queue, its KV-cache use), which
+vLLM registers in prometheus_client's global registry, are served beside them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -91,9 +93,22 @@ class WorkerCollector(Collector):
         yield rejected
 
 
+class EngineCollector(Collector):
+    """The engine's own metric families: vLLM's, from the global registry (none for the sim)."""
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in REGISTRY.collect():
+            if metric.name.startswith(ENGINE_METRICS_PREFIX):
+                yield metric
+
+
+ENGINE_METRICS_PREFIX = "vllm:"
+
+
 def make_registry(worker: Worker, rate: TokenRate, worker_id: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkerCollector(worker, rate, worker_id))
+    registry.register(EngineCollector())
     return registry
 
 

@@ -47,6 +47,11 @@ def test_flags_and_environment_override_the_file(tmp_path: Path, monkeypatch: py
         ({"timeouts": {"stall_s": 0}}, "must be positive"),
         ({"timeouts": {"first_token_soft_s": 9, "first_token_hard_s": 1}}, "must not exceed"),
         ({"policy": {"max_attempts": 0}}, "at least 1"),
+        ({"routing": {"strategy": "fastest"}}, "routing: strategy must be one of least_outstanding, prefix_affinity"),
+        ({"routing": {"fallback": ["x"]}}, "unknown routing settings: fallback"),
+        ({"models": {"a": "1"}, "routing": {"fallbacks": ["b"]}}, "fallback model 'b' is not in models"),
+        ({"models": {"a": "1"}, "routing": {"models": {"b": {}}}}, "routing.models.b: no such model"),
+        ({"routing": {"models": {"a": {"affinity_load_factor": 0.5}}}}, "affinity_load_factor must be at least 1"),
     ],
 )
 def test_bad_settings_are_named(values: dict[str, object], message: str) -> None:

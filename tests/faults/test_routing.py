@@ -42,9 +42,7 @@ def gateway(database_url: str, upstreams: tuple[ScriptedUpstream, ScriptedUpstre
         ReplicaConfig(id="big-1", url=big.base_url, kind="openai", models=(BIG,)),
     ]
     routing = {"models": {SMALL: {"context_window_fallbacks": [BIG]}}}
-    with running_gateway(
-        database_url, replicas, models={SMALL: REVISION, BIG: REVISION}, routing=routing
-    ) as running:
+    with running_gateway(database_url, replicas, models={SMALL: REVISION, BIG: REVISION}, routing=routing) as running:
         yield running
 
 

@@ -34,9 +34,9 @@ def snapshot(*views: ReplicaView, placements: int = 0) -> PoolSnapshot:
 # --- the strategies ---------------------------------------------------------------------
 
 
-def test_least_outstanding_counts_the_load_a_replica_reports_from_every_gateway() -> None:
-    pool = snapshot(ReplicaView("a", outstanding=1), ReplicaView("b", outstanding=0, reported_load=4))
-    assert place(pool, "m", (), DEFAULT_ROUTING).replica == "a"  # b holds 4, most of them other gateways'
+def test_least_outstanding_counts_the_other_gateways_load_a_replica_reports() -> None:
+    pool = snapshot(ReplicaView("a", outstanding=1), ReplicaView("b", outstanding=0, others_load=4))
+    assert place(pool, "m", (), DEFAULT_ROUTING).replica == "a"  # b holds 4 of other gateways'
 
 
 def test_unavailable_excluded_and_non_serving_replicas_are_never_placed() -> None:
@@ -97,7 +97,7 @@ def test_a_snapshot_and_a_routing_config_survive_their_json_form() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"strategy": "fastest"}, "fastest"),
+        ({"strategy": "fastest"}, "strategy must be one of least_outstanding, prefix_affinity, round_robin"),
         ({"affinity_load_factor": 0.5}, "at least 1"),
         ({"retry_same_max_wait_s": -1}, "between 0 and 60"),
         ({"fallbacks": "big"}, "a list of model names"),

@@ -185,12 +185,15 @@ async def test_an_unhealthy_answer_counts_even_while_the_replica_streams() -> No
 def test_a_probe_takes_the_load_the_replica_reports_into_the_snapshot() -> None:
     p, clock = pool("a", "b")
     a, b = p.replicas["a"], p.replicas["b"]
-    a.client = cast(ReplicaClient, Probed(ProbeAnswer.HEALTHY, reported_load=7))  # busy with other gateways' work
+    a.outstanding = 1
+    a.client = cast(ReplicaClient, Probed(ProbeAnswer.HEALTHY, reported_load=7))  # 6 of them other gateways'
     asyncio.run(p.probe(a))
     b.outstanding = 2
     p.cool_down(b, 1.5)
     views = {view.id: view for view in p.snapshot(["m"]).replicas}
-    assert (views["a"].reported_load, views["a"].load, views["a"].available) == (7, 7, True)
+    assert (views["a"].others_load, views["a"].load, views["a"].available) == (6, 7, True)
     assert (views["b"].outstanding, views["b"].cooldown_s, views["b"].available) == (2, 1.5, False)
     clock.now += 1.5
     assert choose(p, "m") == "b"  # cooled down: 2 outstanding here is less than a's 7
+    a.outstanding = 0  # a's attempt here ended since: its load is the others' 6, not the stale 7
+    assert p.snapshot(["m"]).replicas[0].load == 6
