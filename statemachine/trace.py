@@ -15,8 +15,9 @@ Writing is deterministic, so that a trace exported from the log, imported elsewh
 and exported again is the same text byte for byte. PostgreSQL's jsonb keeps no key
 order inside a body, so nested objects are written in one canonical order:
 ``Decided.params`` in the order of the action's fields, ``usage`` in OpenAI's order,
-anything else sorted, at every depth (a start's pool snapshot, a request's routing). A redacted trace (``redact=True``) drops what the client was
-sent, the delivered text and tool call arguments, and says so in its header.
+anything else sorted, at every depth (a start's pool snapshot, a request's
+routing). A redacted trace (``redact=True``) drops what the client was sent, the
+delivered text and tool call arguments, and says so in its header.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 How this works: each replica has a count of this gateway's outstanding attempts, the
 other gateways' load on it (what it last reported holding, a worker's running +
 queued attempts in its health answer, less this gateway's count then: a stale total
-would hide how this gateway's own count changed since), a health flag from background probes (a real 1-token generation),
-a circuit breaker, and a cool-down from ``Retry-After``. The pool does not choose:
+would hide how this gateway's own count changed since), a health flag from
+background probes (a real 1-token generation), a circuit breaker, and a cool-down
+from ``Retry-After``. The pool does not choose:
 ``snapshot`` gives the policy a pure view of it (:mod:`statemachine.routing`), the
 policy places the attempt, and ``placed`` counts the choice (round robin's turn, and
 ties going to the replica chosen least recently). After ``eject_after_failures``
