@@ -13,7 +13,9 @@ it has reached the client, and only once the source attempt is dead or released.
                                    (within resume_grace_s it goes on as if attached)
     decode, failure              → [fence a live source,] fail upstream_decode_interrupted
     overloaded on a soft timer   → wait (record it once), never migrate
-    live source, other failure   → fence: cancel sent, then ack or lease expiry
+    live source, other failure   → fence: cancel sent, then ack or lease expiry; before
+                                   any delivery, a replica that aborts on a closed
+                                   connection is released once it is closed
     upstream refused the request → fail with the upstream's reason, no retry
     a second server error        → poison: fail, not retryable, no more attempts
                                    (the driver counts none of them toward ejection)
@@ -33,7 +35,7 @@ from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.request_state import ActionName, AttemptState, FenceWait, RequestState, StartRefusal
 
-POLICY_VERSION = "2026-12-01.2"
+POLICY_VERSION = "2026-12-01.3"
 
 # A request that got this many server errors about itself (HTTP 500, an engine failure)
 # before any output, on any replicas, is poison: it is failing them, not they it.
@@ -189,7 +191,8 @@ def _on_decode_failure(state: RequestState, current: AttemptState) -> list[Actio
     if current.live:
         # the stream ends at once; the fence completes afterwards as bookkeeping
         reason = f"{current.failure.value}_after_first_delta"
-        actions.append(FenceAttempt(reason, current.attempt, current.fence_wait, request_waits=False))
+        wait_for = current.fence_wait(delivered=True)
+        actions.append(FenceAttempt(reason, current.attempt, wait_for, request_waits=False))
     actions.append(
         FailRequest(
             reason="failure_after_first_delta",
@@ -214,8 +217,10 @@ def _in_prefill(state: RequestState, current: AttemptState | None, config: Polic
             return []
         if _soft_overload(current):
             return [Wait("overloaded_soft_timeout", current.attempt)]
-        # liveness uncertain (or a hard deadline on a slow replica): fence it first
-        return [FenceAttempt(current.failure.value, current.attempt, current.fence_wait, request_waits=True)]
+        # liveness uncertain (or a hard deadline on a slow replica): fence it first; nothing
+        # was delivered, so a replica that aborts on a closed connection is fenced by closing it
+        wait_for = current.fence_wait(delivered=False)
+        return [FenceAttempt(current.failure.value, current.attempt, wait_for, request_waits=True)]
     if current.failure is FailureKind.REQUEST_REFUSED:
         return [
             _fail_before_output(

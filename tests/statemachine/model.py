@@ -65,10 +65,12 @@ class ModelDriver:
         replicas: tuple[str, ...] = ("w1", "w2", "w3"),
         global_budget: int = 100,
         acknowledges_cancel: bool = True,
+        aborts_on_close: bool = False,
         **accepted_overrides: Any,
     ) -> None:
         self.config = config or PolicyConfig()
         self.acknowledges_cancel = acknowledges_cancel  # the replicas' kind: a worker, or a plain OpenAI server
+        self.aborts_on_close = aborts_on_close  # a plain OpenAI server: closing the connection aborts
         self.replicas = replicas
         self.global_budget = global_budget
         self.events: list[Event] = []
@@ -130,6 +132,7 @@ class ModelDriver:
                     replica_id=free[0],
                     lease_expires_at=T0 + timedelta(seconds=5),
                     acknowledges_cancel=self.acknowledges_cancel,
+                    aborts_on_close=self.aborts_on_close,
                 )
         elif isinstance(action, FenceAttempt):
             self.record(ev.AttemptFenced, **self.scoped(action.attempt), waiting_for=action.wait_for)
@@ -205,6 +208,11 @@ class ModelDriver:
     def lease_expires(self) -> None:
         self.record(ev.LeaseExpired, **self.scoped())
         self.record(ev.AttemptReleased, **self.scoped(), because=ev.ReleaseReason.LEASE_EXPIRED)
+        self.step()
+
+    def connection_closed(self) -> None:
+        """The driver closed the fenced attempt's stream (a replica that aborts on it)."""
+        self.record(ev.AttemptReleased, **self.scoped(), because=ev.ReleaseReason.CONNECTION_CLOSED)
         self.step()
 
     def client_gone(self, resume_grace_s: float = 0.0) -> list[Any]:
