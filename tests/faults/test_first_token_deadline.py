@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
+import httpx
 import openai
 import pytest
 
@@ -37,6 +38,8 @@ DEADLINE_S = 1.0
 FIRST_TOKEN_AFTER_S = 20.0
 LEASE_TTL_S = 30.0  # a fence that waited for the lease would hold the client this long
 MAX_TOKENS = 8
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +156,9 @@ def test_the_openai_sdk_gets_the_whole_answer_from_the_second_replica(
     (completed,) = of(events, ev.RequestCompleted)
     assert [completed.finish_reason] == finish == ["length"]  # type: ignore[attr-defined]
     client.close()
+    metrics = httpx.get(gateway.url + "/metrics").text.splitlines()
+    fences = [line for line in metrics if "fenced_attempts_total{" in line]
+    assert [line.split("{")[1].split("}")[0] for line in fences] == ['released_by="connection_close"']
 
 
 def test_a_raw_sse_client_gets_each_delta_once(
