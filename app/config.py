@@ -143,6 +143,9 @@ class Timeouts:
     stall_s: float = 2.0  # no frame at all for this long: liveness uncertain
     first_token_soft_s: float = 10.0  # queued this long: recorded, never migrated
     first_token_hard_s: float = 60.0  # queued this long: fenced and retried elsewhere
+    # an OpenAI upstream (no heartbeats) with no first token this long (or first_token_hard_s,
+    # the smaller): closed, and retried elsewhere while nothing was delivered
+    openai_first_token_s: float = 10.0
     connect_s: float = 2.0  # opening a connection to a replica
     cancel_ack_s: float = 2.0  # waiting for a worker's cancel acknowledgement
     upstream_response_s: float = 10.0  # an OpenAI upstream that sends no headers in time
@@ -243,6 +246,8 @@ class GatewayConfig:
                 raise ConfigError(f"routing: fallback model {unknown[0]!r} is not in models")
         if self.timeouts.first_token_soft_s > self.timeouts.first_token_hard_s:
             raise ConfigError("first_token_soft_s must not exceed first_token_hard_s")
+        if not self.timeouts.openai_first_token_s > 0:  # not: NaN is refused too
+            raise ConfigError("openai_first_token_s must be positive")
 
     @property
     def http_limits(self) -> HttpLimits:

@@ -51,6 +51,9 @@ class ReleaseReason(enum.StrEnum):
     CANCEL_ACKED = "cancel_acked"
     LEASE_EXPIRED = "lease_expired"
     REPLICA_EXITED = "replica_exited"
+    # the gateway closed the stream of a replica that aborts on a closed connection (an
+    # OpenAI-compatible server), fenced before any delivery: assumed, not proven (DESIGN.md §7)
+    CONNECTION_CLOSED = "connection_closed"
 
 
 # --- the envelopes (abstract: no concrete event inherits from another) -------------------
@@ -198,6 +201,9 @@ class AttemptStarted(AttemptScoped):
     lease_expires_at: datetime
     # the replica confirms a cancel (a worker); else only the lease proves it stopped
     acknowledges_cancel: bool = True
+    # the replica aborts a request whose connection closed (vLLM's OpenAI server): before
+    # any delivery, closing it fences the attempt (False in logs written before)
+    aborts_on_close: bool = False
     model: str | None = None  # the model asked for, when a fallback's (None: the request's own)
 
 

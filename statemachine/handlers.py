@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from statemachine.batches import batch_problem
 from statemachine.errors import IllegalTransition
 from statemachine.events import (
     FINISH_REASONS,
@@ -44,6 +45,7 @@ from statemachine.request_state import (
     ActionName,
     AttemptState,
     EmittedToolCall,
+    FenceWait,
     Outcome,
     RequestState,
     StartRefusal,
@@ -109,6 +111,7 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
         started_at=event.occurred_at,
         lease_expires_at=event.lease_expires_at,
         acknowledges_cancel=event.acknowledges_cancel,
+        aborts_on_close=event.aborts_on_close,
         model=event.model or state.model,
     )
     return {
@@ -141,9 +144,9 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
     if event.attempt != state.first_delta_attempt:
         raise illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
     _live_current(state, event)
-    _check_batch(state, event, follows=state.delivered_deltas)
-    if event.logprobs is not None and (event.text is None or len(event.logprobs) != event.to_index - event.from_index):
-        raise illegal(state, event, "log probabilities are kept with the text, one entry per delta")
+    problem = batch_problem(event, follows=state.delivered_deltas)
+    if problem is not None:
+        raise illegal(state, event, problem)
     return {
         "delivered_deltas": event.to_index,
         "delivered_output_tokens": state.delivered_output_tokens + event.tokens,
@@ -155,22 +158,10 @@ def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
     if not state.client_gone:
         raise illegal(state, event, "output is recorded as only produced while no client is attached")
     _live_current(state, event)
-    _check_batch(state, event, follows=state.produced_deltas)
+    problem = batch_problem(event, follows=state.produced_deltas)
+    if problem is not None:
+        raise illegal(state, event, problem)
     return {"produced_deltas": event.to_index}
-
-
-def _check_batch(state: RequestState, event: DeltasDelivered | DeltasProduced, *, follows: int) -> None:
-    """A batch starts at delta ``follows``, holds at least one, and its shapes add up."""
-    if event.from_index != follows or event.to_index <= event.from_index:
-        raise illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) do not follow delta {follows}")
-    if event.tokens < 0:
-        raise illegal(state, event, "negative token count")
-    if event.deltas and (
-        len(event.deltas) != event.to_index - event.from_index
-        or sum(tokens for _, _, tokens in event.deltas) != event.tokens
-        or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
-    ):
-        raise illegal(state, event, "the deltas' shapes disagree with the indexes, the tokens or the text")
 
 
 def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
@@ -200,7 +191,9 @@ def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
 
 def _on_fenced(state: RequestState, event: AttemptFenced) -> Changes:
     attempt = _live_current(state, event)
-    changes = _with_current(state, _evolve(attempt, {"fenced": True}))
+    if event.waiting_for == FenceWait.CONNECTION_CLOSE and (state.first_delta_sent or not attempt.aborts_on_close):
+        raise illegal(state, event, "only a replica that aborts on close, before any delivery, is fenced by closing")
+    changes = _with_current(state, _evolve(attempt, {"fenced": True, "waiting_for": event.waiting_for}))
     changes["pending"] = state.pending - {ActionName.FENCE_ATTEMPT}
     return changes
 
@@ -232,6 +225,8 @@ def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
         raise illegal(state, event, "released for a cancel ack that was not recorded")
     if event.because is ReleaseReason.LEASE_EXPIRED and not attempt.lease_expired:
         raise illegal(state, event, "released for a lease expiry that was not recorded")
+    if event.because is ReleaseReason.CONNECTION_CLOSED and attempt.waiting_for != FenceWait.CONNECTION_CLOSE:
+        raise illegal(state, event, "released by a closed connection without a fence that waits for one")
     if state.phase is Phase.FENCED and (state.first_delta_sent or not attempt.fenced):
         raise illegal(state, event, "only the fenced attempt of an undelivered request reopens prefill")
     return _with_attempt(state, _evolve(attempt, {"released": event.because}))

@@ -13,7 +13,9 @@ it has reached the client, and only once the source attempt is dead or released.
                                    (within resume_grace_s it goes on as if attached)
     decode, failure              → [fence a live source,] fail upstream_decode_interrupted
     overloaded on a soft timer   → wait (record it once), never migrate
-    live source, other failure   → fence: cancel sent, then ack or lease expiry
+    live source, other failure   → fence: cancel sent, then ack or lease expiry; before
+                                   any delivery, a replica that aborts on a closed
+                                   connection is released once it is closed
     upstream refused the request → its fallback model, else fail with the upstream's
                                    reason, no retry
     a second server error        → poison: fail, not retryable, no more attempts
@@ -130,7 +132,8 @@ def _on_decode_failure(state: RequestState, current: AttemptState) -> list[Actio
     if current.live:
         # the stream ends at once; the fence completes afterwards as bookkeeping
         reason = f"{current.failure.value}_after_first_delta"
-        actions.append(FenceAttempt(reason, current.attempt, current.fence_wait, request_waits=False))
+        wait_for = current.fence_wait(delivered=True)
+        actions.append(FenceAttempt(reason, current.attempt, wait_for, request_waits=False))
     actions.append(
         FailRequest(
             reason="failure_after_first_delta",
@@ -161,8 +164,10 @@ def _in_prefill(
             return []
         if _soft_overload(current):
             return [Wait("overloaded_soft_timeout", current.attempt)]
-        # liveness uncertain (or a hard deadline on a slow replica): fence it first
-        return [FenceAttempt(current.failure.value, current.attempt, current.fence_wait, request_waits=True)]
+        # liveness uncertain (or a hard deadline on a slow replica): fence it first; nothing
+        # was delivered, so a replica that aborts on a closed connection is fenced by closing it
+        wait_for = current.fence_wait(delivered=False)
+        return [FenceAttempt(current.failure.value, current.attempt, wait_for, request_waits=True)]
     if current.failure is FailureKind.REQUEST_REFUSED:
         code = current.upstream_code or "upstream_refused_request"
         chain = state.routing.context_window_fallbacks if code == CONTEXT_LENGTH_EXCEEDED else ()

@@ -58,6 +58,9 @@ class FenceWait(enum.StrEnum):
 
     CANCEL_ACK_OR_LEASE_EXPIRY = "cancel_ack_or_lease_expiry"  # a replica that acknowledges cancels
     LEASE_EXPIRY = "lease_expiry"  # one that does not: only its lease proves it stopped
+    # before any delivery, a replica that aborts on a closed connection: closing it is the
+    # fence, assumed and never acknowledged (DESIGN.md §7); the gateway alone publishes
+    CONNECTION_CLOSE = "connection_close"
 
 
 @dataclass(frozen=True)  # not slotted: evolve() copies it as one __dict__
@@ -69,6 +72,7 @@ class AttemptState:
     lease_expires_at: datetime
     model: str = ""  # the model it asked for: the request's, or a fallback's
     acknowledges_cancel: bool = True  # the replica confirms a cancel (a worker); else only the lease
+    aborts_on_close: bool = False  # the replica aborts when its connection closes (an OpenAI server)
     first_token_received: bool = False
     failure: FailureKind | None = None
     failure_deadline: Deadline | None = None
@@ -79,6 +83,7 @@ class AttemptState:
     retry_after_s: float | None = None
     failure_answered: bool = False  # a decision was recorded after the last failure
     fenced: bool = False
+    waiting_for: str | None = None  # what its fence waits for, as AttemptFenced recorded it
     cancel_sent: bool = False
     cancel_acked: bool = False
     lease_expired: bool = False
@@ -99,9 +104,11 @@ class AttemptState:
         """It failed with a server error about the request (:func:`is_server_error`)."""
         return self.failure is not None and is_server_error(self.upstream_status, self.upstream_code)
 
-    @property
-    def fence_wait(self) -> FenceWait:
-        """What fencing this attempt waits for."""
+    def fence_wait(self, *, delivered: bool) -> FenceWait:
+        """What fencing this attempt waits for: while nothing was delivered, the closed
+        connection of a replica that aborts on it; else its cancel ack or its lease."""
+        if self.aborts_on_close and not delivered:
+            return FenceWait.CONNECTION_CLOSE
         return FenceWait.CANCEL_ACK_OR_LEASE_EXPIRY if self.acknowledges_cancel else FenceWait.LEASE_EXPIRY
 
     @property

@@ -5,7 +5,8 @@ its replica's renewer renews the lease every third of its TTL, in one call with 
 replica's other attempts (app/replicas/renewer.py). ``next_frame`` reads the
 next frame under a stall timer: a worker sends heartbeats while queued, so silence
 means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
-so before its first token only the hard first-token deadline applies. Heartbeats
+so before its first token only its own first-token deadline applies
+(``openai_first_token_s``, counted from the attempt's start). Heartbeats
 that show queueing turn into the soft and then the hard first-token deadline, each
 reported once (``deadline_due``). ``release`` stops renewing and closes the stream;
 the lease then lapses on the replica unless a cancel ends it first.
@@ -81,13 +82,17 @@ class AttemptRun:
         assert self._frames is not None, "open() first"
         timeouts = self.timeouts
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
-        limit = timeouts.first_token_hard_s if silent_prefill else timeouts.stall_s
+        if silent_prefill:  # an OpenAI upstream: its first-token deadline runs from the start
+            first_token_s = min(timeouts.openai_first_token_s, timeouts.first_token_hard_s)
+            limit = max(first_token_s - (self.clock() - self.started_at), 0.0)
+        else:
+            limit = timeouts.stall_s
         try:
             async with asyncio.timeout(limit):
                 frame = await anext(self._frames)
         except TimeoutError:
-            what = "no first token" if silent_prefill else "no frame"
-            raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"{what} for {limit:g}s") from None
+            what = f"no first token within {first_token_s:g}s" if silent_prefill else f"no frame for {limit:g}s"
+            raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, what) from None
         except StopAsyncIteration:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before the attempt finished") from None
         if not isinstance(frame, Heartbeat):

@@ -46,7 +46,7 @@ from statemachine.actions import (
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import POISON_REQUEST, decide, ended_by_gateway, needs_pool
-from statemachine.request_state import DEAD_KINDS, RequestState
+from statemachine.request_state import DEAD_KINDS, FenceWait, RequestState
 
 log = logging.getLogger("phasegate.driver")
 
@@ -229,6 +229,7 @@ class RequestLoop:
             replica_id=replica.id,
             lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
             acknowledges_cancel=replica.client.acknowledges_cancel,
+            aborts_on_close=replica.client.aborts_on_close,
             model=action.model if action.model != request.model else None,
         )
         run = AttemptRun(
@@ -271,7 +272,10 @@ class RequestLoop:
         )
         self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
         self.run = None
-        fence = self.ctx.spawn(self._settle(run, fenced=True), name=f"fence {self.request_id}/{run.attempt}")
+        closing = action.wait_for is FenceWait.CONNECTION_CLOSE
+        fence = self.ctx.spawn(
+            self._settle(run, fenced=True, closing=closing), name=f"fence {self.request_id}/{run.attempt}"
+        )
         if not action.request_waits:
             return _nothing  # the stream ends now; the fence completes as bookkeeping
 
@@ -291,15 +295,20 @@ class RequestLoop:
         self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
         return None
 
-    async def _settle(self, run: AttemptRun, *, fenced: bool) -> None:
-        """Stop the attempt for good: cancel acknowledged, or its lease run out."""
-        generated = await run.cancel()  # before the stream closes: the ack names the attempt
+    async def _settle(self, run: AttemptRun, *, fenced: bool, closing: bool = False) -> None:
+        """Stop the attempt for good: cancel acknowledged, or its lease run out; or,
+        ``closing`` (a fence before any delivery on a replica that aborts on a closed
+        connection), its stream closed, with no proof to wait for (DESIGN.md §7)."""
+        generated = None if closing else await run.cancel()  # before the close: the ack names the attempt
         await run.release()
-        if generated is None:
-            await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
-        self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
+        if closing:
+            self.recorder.record_closed(run.attempt, run.lease_epoch)
+        else:
+            if generated is None:
+                await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
+            self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
         if fenced:
-            released_by = "cancel_ack" if generated is not None else "lease_expiry"
+            released_by = "connection_close" if closing else "cancel_ack" if generated is not None else "lease_expiry"
             self.ctx.metrics.fences.labels(released_by=released_by).inc()
         await self.recorder.flush(durable=False)
         self._maybe_forget()

@@ -130,6 +130,13 @@ class Recorder:
             self.record(ev.LeaseExpired, **scope)
             self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
 
+    def record_closed(self, attempt: int, lease_epoch: int) -> None:
+        """The attempt's stream is closed, which is its fence (a replica that aborts on
+        a closed connection, before any delivery): it is released, unproven."""
+        self.record(
+            ev.AttemptReleased, attempt=attempt, lease_epoch=lease_epoch, because=ReleaseReason.CONNECTION_CLOSED
+        )
+
     def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)
         self._queued.append(event)

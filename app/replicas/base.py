@@ -2,8 +2,9 @@
 
 Two kinds implement :class:`ReplicaClient`: a ``phasegate worker`` (leases, cancel
 acknowledgements, heartbeats) and any OpenAI-compatible server such as ``vllm
-serve`` (no acknowledgement: a cancel is only a closed connection, so a fence on
-such a replica always waits for the lease to expire).
+serve`` (no acknowledgement: a cancel is only a closed connection, which such a
+server aborts on; so before any delivery the closed connection fences the attempt,
+and after one the fence waits for the lease to expire, DESIGN.md §7).
 
 A started attempt is an async iterator of frames. Everything that goes wrong is an
 :class:`UpstreamFailure` carrying the failure kind of DESIGN.md §4, so the driver
@@ -118,6 +119,7 @@ class ReplicaClient(Protocol):
     replica_id: str
     kind: str
     acknowledges_cancel: bool  # False: a fence waits for the lease to expire
+    aborts_on_close: bool  # True: before any delivery, closing the stream is the fence (no proof)
     sends_heartbeats: bool  # False: silence before the first token is not a stall
     reported_load: int | None  # running + queued, as its last health answer said (None: it never says)
 

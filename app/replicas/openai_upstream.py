@@ -2,9 +2,11 @@
 
 Such a server knows nothing of leases: renewing is a no-op, and a cancel is only
 the closed connection (vLLM aborts a request whose client went away) with no
-acknowledgement, so a fence on this kind always waits for the gateway-side lease
-to run out. It sends nothing while it queues or prefills, so before the first token
-only the hard first-token deadline applies (see ``AttemptRun.next_frame``).
+acknowledgement. Before any delivery, closing the stream is therefore the fence
+(``aborts_on_close``: an assumption, never proven); after one, a fence waits for the
+gateway-side lease to run out. It sends nothing while it queues or prefills, so
+before the first token its own first-token deadline applies (``openai_first_token_s``,
+see ``AttemptRun.next_frame``).
 
 Upstream behaviour mapped to the failure kinds of DESIGN.md §4:
 
@@ -39,6 +41,7 @@ USAGE_GRACE_S = 0.5
 
 class OpenAIUpstream:
     acknowledges_cancel = False
+    aborts_on_close = True  # vLLM aborts a request whose connection closed (no acknowledgement)
     sends_heartbeats = False
     kind = "openai"
     reported_load: int | None = None  # an OpenAI-compatible server reports no load in its health answer

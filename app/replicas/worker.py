@@ -25,6 +25,7 @@ from statemachine.events import FailureKind
 class WorkerReplica:
     kind = "worker"
     acknowledges_cancel = True
+    aborts_on_close = False  # its fence waits for the stronger proof: a cancel ack, or the lease
     sends_heartbeats = True
 
     def __init__(

@@ -183,7 +183,7 @@ def _attempt_lane(canvas: _Canvas, number: int, y: float) -> None:
     end, how = _attempt_end(canvas.events, number, own)
     x0, x1 = canvas.x(started.seq), canvas.x(end.seq)
     colour = {"completed": COLOURS["completed"], "running": COLOURS["delivered"]}.get(how, COLOURS["failed"])
-    if how in ("cancel_acked", "lease_expired"):
+    if how in ("cancel_acked", "lease_expired", "connection_closed"):
         colour = COLOURS["lease"]
     canvas.add(
         f'<text class="small" x="8" y="{y + 8}">{escape(started.replica_id)} · epoch {started.lease_epoch}</text>'

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, ReplicaConfig, load_config, parse_replica
+from app.config import ConfigError, ReplicaConfig, Timeouts, load_config, parse_replica
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -23,7 +24,15 @@ def test_the_documented_file_is_a_valid_configuration(tmp_path: Path, monkeypatc
     assert config.replicas[0].models == ("tiny-llama",) and config.api_keys["sk-team-a"] == "team-a"
     assert config.policy.max_attempts == 2 and config.policy.retry_max_prompt_tokens == 8000
     assert config.timeouts.stall_s == 2.0 and config.limits.max_tokens == 4096
+    assert config.timeouts.openai_first_token_s == 10.0
     assert config.model_revision("tiny-llama") == "2026-11-30"
+
+
+def test_the_documented_file_lists_every_timeout() -> None:
+    (example,) = re.findall(r"```toml\n(.*?)```", DOC.read_text(), flags=re.S)
+    (section,) = re.findall(r"^\[timeouts\]\n(.*?)(?:^\[|\Z)", example, flags=re.S | re.M)
+    documented = set(re.findall(r"^(\w+) =", section, flags=re.M))
+    assert documented == {f.name for f in dataclasses.fields(Timeouts)}
 
 
 def test_flags_and_environment_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,6 +55,8 @@ def test_flags_and_environment_override_the_file(tmp_path: Path, monkeypatch: py
         ({"max_body_bytes": 10}, "at least 1024"),
         ({"timeouts": {"stall_s": 0}}, "must be positive"),
         ({"timeouts": {"first_token_soft_s": 9, "first_token_hard_s": 1}}, "must not exceed"),
+        ({"timeouts": {"openai_first_token_s": 0}}, "openai_first_token_s must be positive"),
+        ({"timeouts": {"openai_first_token_s": float("nan")}}, "openai_first_token_s must be positive"),
         ({"policy": {"max_attempts": 0}}, "at least 1"),
         ({"routing": {"strategy": "fastest"}}, "routing: strategy must be one of least_outstanding, prefix_affinity"),
         ({"routing": {"fallback": ["x"]}}, "unknown routing settings: fallback"),

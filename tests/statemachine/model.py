@@ -65,11 +65,13 @@ class ModelDriver:
         replicas: tuple[str, ...] = ("w1", "w2", "w3"),
         global_budget: int = 100,
         acknowledges_cancel: bool = True,
+        aborts_on_close: bool = False,
         pool: PoolSnapshot | None = None,
         **accepted_overrides: Any,
     ) -> None:
         self.config = config or PolicyConfig()
         self.acknowledges_cancel = acknowledges_cancel  # the replicas' kind: a worker, or a plain OpenAI server
+        self.aborts_on_close = aborts_on_close  # a plain OpenAI server: closing the connection aborts
         self.replicas = replicas
         # what the pool looks like to the policy: every replica available and idle (tests may change it)
         self.pool = pool or PoolSnapshot(tuple(ReplicaView(replica) for replica in replicas))
@@ -132,6 +134,7 @@ class ModelDriver:
                     replica_id=action.replica,
                     lease_expires_at=T0 + timedelta(seconds=5),
                     acknowledges_cancel=self.acknowledges_cancel,
+                    aborts_on_close=self.aborts_on_close,
                     model=None if action.model == self.state.model else action.model,
                 )
                 self.pool = dataclasses.replace(self.pool, placements=self.pool.placements + 1)
@@ -211,6 +214,11 @@ class ModelDriver:
     def lease_expires(self) -> None:
         self.record(ev.LeaseExpired, **self.scoped())
         self.record(ev.AttemptReleased, **self.scoped(), because=ev.ReleaseReason.LEASE_EXPIRED)
+        self.step()
+
+    def connection_closed(self) -> None:
+        """The driver closed the fenced attempt's stream (a replica that aborts on it)."""
+        self.record(ev.AttemptReleased, **self.scoped(), because=ev.ReleaseReason.CONNECTION_CLOSED)
         self.step()
 
     def client_gone(self, resume_grace_s: float = 0.0) -> list[Any]:

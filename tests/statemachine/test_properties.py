@@ -17,7 +17,7 @@ from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import PolicyConfig
 from statemachine.replay import replay
-from statemachine.request_state import DEAD_KINDS
+from statemachine.request_state import DEAD_KINDS, FenceWait
 from statemachine.state import fold
 from tests.statemachine.model import ModelDriver
 
@@ -31,13 +31,25 @@ class RequestLifecycle(RuleBasedStateMachine):
         global_budget=st.integers(min_value=0, max_value=3),
         cost_guard=st.sampled_from([None, 5, 50]),
         shape=st.sampled_from([{}, {"n": 2}, {"guided": True}, {"tools": True}]),
+        kind=st.sampled_from(
+            [
+                {},  # workers: cancels acknowledged
+                {"acknowledges_cancel": False, "aborts_on_close": True},  # OpenAI servers: closing aborts
+            ]
+        ),
     )
     def accept(
-        self, max_attempts: int, replica_count: int, global_budget: int, cost_guard: int | None, shape: dict
+        self,
+        max_attempts: int,
+        replica_count: int,
+        global_budget: int,
+        cost_guard: int | None,
+        shape: dict,
+        kind: dict,
     ) -> None:
         config = PolicyConfig(max_attempts=max_attempts, retry_max_prompt_tokens=cost_guard)
         replicas = tuple(f"w{i}" for i in range(1, replica_count + 1))
-        self.driver = ModelDriver(config=config, replicas=replicas, global_budget=global_budget, **shape)
+        self.driver = ModelDriver(config=config, replicas=replicas, global_budget=global_budget, **shape, **kind)
         self.tool_calls = 0
 
     # --- what the environment can do ---------------------------------------------------
@@ -108,6 +120,17 @@ class RequestLifecycle(RuleBasedStateMachine):
     def lease_expires(self) -> None:
         self.driver.lease_expires()
 
+    @precondition(
+        lambda self: (
+            (current := self.driver.state.current_attempt) is not None
+            and current.released is None
+            and current.waiting_for == FenceWait.CONNECTION_CLOSE
+        )
+    )
+    @rule()
+    def connection_closed(self) -> None:
+        self.driver.connection_closed()
+
     @precondition(lambda self: self.driver.state.phase is not Phase.TERMINATED and not self.driver.state.client_gone)
     @rule()
     def client_disconnects(self) -> None:
@@ -143,6 +166,16 @@ class RequestLifecycle(RuleBasedStateMachine):
                 isinstance(event, ev.UpstreamFailed) and event.kind in DEAD_KINDS
             ):
                 ended.add(event.attempt)
+
+    @invariant()
+    def a_closed_connection_fences_only_before_any_delivery(self) -> None:
+        committed = False
+        for event in self.driver.events:
+            committed = committed or isinstance(event, ev.FirstDeltaCommitted)
+            if isinstance(event, ev.AttemptFenced) and event.waiting_for == FenceWait.CONNECTION_CLOSE:
+                assert not committed
+            if isinstance(event, ev.AttemptReleased) and event.because is ev.ReleaseReason.CONNECTION_CLOSED:
+                assert not committed
 
     @invariant()
     def only_one_attempt_ever_delivers(self) -> None:

@@ -6,8 +6,9 @@ never answer is tested against this small server, run as its own process on a re
 socket. It streams deterministic text for any prompt; ``POST /admin/script`` queues
 behaviours that the next requests consume one each (``"attempt": n`` keeps one for
 the gateway's n-th attempt of a request, read from the ``x-request-id`` it sends); ``GET /admin/requests`` counts
-the generation requests it received and shows the last one's body. Run: ``python -m tests.support.scripted_upstream
---port P``.
+the generation requests it received, the streams whose client closed the connection before
+the end (``aborted``, by ``x-request-id``: what vLLM aborts) and shows the last one's body.
+Run: ``python -m tests.support.scripted_upstream --port P``.
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
 "context_length_exceeded", "message": "…", "param": "messages"}``, ``{"malformed_at": k}`` (with ``"malformed":
@@ -61,6 +62,7 @@ class Upstream:
         self.last_body: dict[str, Any] | None = None  # the last generation request, as received
         self.token_delay_s = token_delay_s
         self.tool_runs: dict[str, int] = {}
+        self.aborted: list[str] = []  # x-request-id of each stream whose client closed it early
 
     async def admin_script(self, request: Request) -> Response:
         behaviours = await request.json()
@@ -70,7 +72,7 @@ class Upstream:
         return JSONResponse({"queued": len(self.script)})
 
     async def admin_requests(self, request: Request) -> Response:
-        return JSONResponse({"requests": self.requests, "last_body": self.last_body})
+        return JSONResponse({"requests": self.requests, "last_body": self.last_body, "aborted": self.aborted})
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
@@ -99,7 +101,20 @@ class Upstream:
             behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
         if body.get("logprobs") is not None:  # as vLLM: -0.5 for each word, -1.5 for one alternative
             behaviour = {**behaviour, "logprobs": True}
-        return StreamingResponse(self._chunks(chat, body["model"], words, behaviour), media_type="text/event-stream")
+        chunks = self._chunks(chat, body["model"], words, behaviour)
+        return StreamingResponse(
+            self._noting_abort(chunks, request.headers.get("x-request-id", "")), media_type="text/event-stream"
+        )
+
+    async def _noting_abort(self, chunks: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+        """``chunks``, noting when the client closed the connection before they ended (the
+        response is cancelled then, as vLLM's server aborts the request)."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
 
     def _take(self, attempt: int) -> dict[str, Any]:
         """The first queued behaviour for this attempt number (or for any attempt)."""
@@ -241,6 +256,11 @@ class ScriptedUpstream:
         """The body of the last generation request it received."""
         body: dict[str, Any] | None = httpx.get(self.base_url + "/admin/requests").json()["last_body"]
         return body
+
+    @property
+    def aborted(self) -> list[str]:
+        """The ``x-request-id`` of each stream whose client closed the connection early."""
+        return list(httpx.get(self.base_url + "/admin/requests").json()["aborted"])
 
     @property
     def tool_runs(self) -> dict[str, int]:

@@ -6,8 +6,9 @@ over its real sockets and what its own log says (a traceback, a warning)::
         assert "Traceback" not in gateway.logs()
 
 The gateway runs on ``database_url`` with ``worker`` as its one replica (the worker's token
-given through the environment, as a deployment does), in a process group of its own,
-ended with SIGTERM (then SIGKILL) on leaving.
+given through the environment, as a deployment does), or with ``replicas`` (``--replica``
+flags such as ``openai=http://…#u1``) instead, in a process group of its own, ended with
+SIGTERM (then SIGKILL) on leaving.
 """
 
 from __future__ import annotations
@@ -53,17 +54,26 @@ def _toml(settings: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def served_gateway(
-    database_url: str, worker: WorkerProcess, *, settings: dict[str, Any] | None = None, ready_timeout: float = 60
+    database_url: str,
+    worker: WorkerProcess | None,
+    *,
+    settings: dict[str, Any] | None = None,
+    ready_timeout: float = 60,
+    replicas: tuple[str, ...] = (),
 ) -> Iterator[ServedGateway]:
     with tempfile.TemporaryDirectory(prefix="phasegate-served-") as tmp:
         config = Path(tmp) / "phasegate.toml"
         config.write_text(_toml(settings or {}))
         port = free_port()
         command = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port)]
-        command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}={REVISION}"]
+        if not replicas and worker is not None:
+            replicas = (f"worker={worker.base_url}#w1",)
+        for flag in replicas:
+            command += ["--replica", flag]
+        command += ["--model", f"{MODEL}={REVISION}"]
         env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "PHASEGATE_DATA_DIR")}
         env["DATABASE_URL"] = database_url
-        if worker.token is not None:
+        if worker is not None and worker.token is not None:
             env[TOKEN_ENV] = worker.token
         log_path = Path(tmp) / "gateway.log"
         with log_path.open("wb") as log:

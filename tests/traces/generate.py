@@ -59,6 +59,18 @@ def fence_released_by_lease_expiry() -> ModelDriver:
     return driver
 
 
+def fence_released_by_connection_close() -> ModelDriver:
+    """An OpenAI-compatible replica missed its first-token deadline: closing its connection
+    is the fence, and the retry starts with no lease waited out (DESIGN.md §7)."""
+    driver = ModelDriver("req_closed", acknowledges_cancel=False, aborts_on_close=True)
+    driver.fail(FailureKind.LIVENESS_UNCERTAIN)
+    driver.connection_closed()
+    driver.first_token()
+    driver.deliver(2, "yo")
+    driver.complete()
+    return driver
+
+
 def client_disconnect() -> ModelDriver:
     driver = ModelDriver("req_gone")
     driver.first_token()
@@ -132,6 +144,7 @@ SCENARIOS: dict[str, Callable[[], ModelDriver]] = {
     "retry_before_first_delta": retry_before_first_delta,
     "decode_interrupted": decode_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
+    "fence_released_by_connection_close": fence_released_by_connection_close,
     "client_disconnect": client_disconnect,
     "client_resumed_within_grace": client_resumed_within_grace,
     "resume_grace_expired": resume_grace_expired,

@@ -4,7 +4,8 @@
 
 The traces next to this file are written by the pure model that replay then checks
 (tests/traces/generate.py); these are not. Each scenario here starts two real sim
-workers (faults on, each behind a TCP proxy), a real gateway on a real PostgreSQL
+workers (faults on, each behind a TCP proxy; two scripted OpenAI-compatible upstreams
+for the scenarios of ``OPENAI_SCENARIOS``), a real gateway on a real PostgreSQL
 (the embedded server, in a temporary directory), scripts one fault, runs one request
 through the gateway with a real client, and exports that request's log with the
 same code as ``phasegate trace export`` (``app.incident.trace_io.export_trace``).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import io
 import os
 import shutil
@@ -30,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ from statemachine.invariants import violations
 from statemachine.replay import replay
 from tests.support.choices import stream_choices
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
-from tests.support.scripted_upstream import running_scripted_upstream
+from tests.support.scripted_upstream import ScriptedUpstream, running_scripted_upstream
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy
 from tests.support.transcript import stream_chat
 from tests.support.workers import WorkerProcess, running_worker
@@ -65,6 +67,7 @@ class Scene:
     gateway: RunningGateway
     workers: list[WorkerProcess]
     proxies: list[TcpProxy]
+    upstreams: list[ScriptedUpstream] = field(default_factory=list)  # openai replicas, instead of workers
 
     def fault_first_attempt(self, prompt: str, **spec: Any) -> None:
         """Script ``spec`` on every worker, for attempt 1 of the request with ``prompt``."""
@@ -142,6 +145,15 @@ def fence_released_by_lease_expiry(scene: Scene) -> str:
     return transcript.request_id
 
 
+def fence_released_by_connection_close(scene: Scene) -> str:
+    """The ``openai`` replica holding attempt 1 sends its first token only after 20 s."""
+    for upstream in scene.upstreams:
+        upstream.script({"delay_first_s": 20, "attempt": 1})
+    transcript = stream_chat(scene.gateway.url, body("recorded: a first token after 20 s"))
+    assert transcript.done and transcript.error is None
+    return transcript.request_id
+
+
 def client_disconnect(scene: Scene) -> str:
     prompt = "recorded: the client leaves"
     transcript = stream_chat(scene.gateway.url, body(prompt, max_tokens=400), on_delta=lambda n: n >= 3)
@@ -182,6 +194,7 @@ SCENARIOS: dict[str, Callable[[Scene], str]] = {
     "decode_interrupted": decode_interrupted,
     "choices_interrupted": choices_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
+    "fence_released_by_connection_close": fence_released_by_connection_close,
     "client_disconnect": client_disconnect,
     "client_resumed_within_grace": client_resumed_within_grace,
     "resume_grace_expired": resume_grace_expired,
@@ -191,12 +204,19 @@ SCENARIOS: dict[str, Callable[[Scene], str]] = {
 DECODE_MS = {"client_disconnect": 20.0, "client_resumed_within_grace": 20.0, "resume_grace_expired": 20.0}
 # how long a client that left may come back (DESIGN.md §12); 0: cancelled at once
 RESUME_GRACE_S = {"client_resumed_within_grace": 10.0, "resume_grace_expired": 0.5}
+# served by two scripted OpenAI-compatible upstreams (kind openai), with a short first-token deadline
+OPENAI_SCENARIOS = {"fence_released_by_connection_close"}
+OPENAI_TIMEOUTS = dataclasses.replace(TIMEOUTS, openai_first_token_s=1.0)
 assert set(SCENARIOS) == set(EXPECTED)
 
 
 @contextlib.contextmanager
 def scene_for(name: str, database_url: str) -> Iterator[Scene]:
     """Two fresh workers behind proxies, a tool webhook and a gateway over them."""
+    if name in OPENAI_SCENARIOS:
+        with openai_scene(database_url) as scene:
+            yield scene
+        return
     decode_ms = DECODE_MS.get(name, 3.0)
     with ExitStack() as stack:
         workers = [
@@ -224,6 +244,18 @@ def scene_for(name: str, database_url: str) -> Iterator[Scene]:
             )
         )
         yield Scene(gateway, workers, proxies)
+
+
+@contextlib.contextmanager
+def openai_scene(database_url: str) -> Iterator[Scene]:
+    """Two fresh scripted OpenAI-compatible upstreams and a gateway over them."""
+    with ExitStack() as stack:
+        upstreams = [stack.enter_context(running_scripted_upstream()) for _ in (1, 2)]
+        replicas = [ReplicaConfig(id=f"u{n}", url=u.base_url, kind="openai") for n, u in enumerate(upstreams, start=1)]
+        gateway = stack.enter_context(
+            running_gateway(database_url, replicas, timeouts=OPENAI_TIMEOUTS, health_interval_s=30, resume_grace_s=0.0)
+        )
+        yield Scene(gateway, [], [], upstreams)
 
 
 def record(name: str, database_url: str) -> str:

@@ -95,6 +95,26 @@ def fence_released_by_lease_expiry(events: list[ev.Event]) -> None:
     assert _published_by(events) == {2}
 
 
+def fence_released_by_connection_close(events: list[ev.Event]) -> None:
+    """An ``openai`` replica sent no first token within ``openai_first_token_s``: attempt 1
+    fenced by closing its connection, released so with no lease waited out, then retried."""
+    assert fold(events).outcome is Outcome.COMPLETED and len(_replicas(events)) == 2
+    (failed,) = _of(events, ev.UpstreamFailed)
+    assert failed.attempt == 1 and failed.kind is FailureKind.LIVENESS_UNCERTAIN  # type: ignore[attr-defined]
+    assert failed.detail.startswith("no first token within")  # type: ignore[attr-defined]
+    (fenced,) = _of(events, ev.AttemptFenced)
+    assert fenced.waiting_for == "connection_close"  # type: ignore[attr-defined]
+    released = [e for e in _of(events, ev.AttemptReleased) if e.attempt == 1]  # type: ignore[attr-defined]
+    assert [r.because for r in released] == [ReleaseReason.CONNECTION_CLOSED]  # type: ignore[attr-defined]
+    assert not _of(events, ev.LeaseExpired) and not _of(events, ev.CancelAcked)
+    assert (
+        _index(events, ev.AttemptFenced, 1)
+        < _index(events, ev.AttemptReleased, 1)
+        < _index(events, ev.AttemptStarted, 2)
+    )
+    assert _published_by(events) == {2}
+
+
 def client_disconnect(events: list[ev.Event]) -> None:
     assert fold(events).outcome is Outcome.CANCELLED and len(_replicas(events)) == 1
     order = [
@@ -143,6 +163,7 @@ EXPECTED: dict[str, Callable[[list[ev.Event]], None]] = {
     "decode_interrupted": decode_interrupted,
     "choices_interrupted": choices_interrupted,
     "fence_released_by_lease_expiry": fence_released_by_lease_expiry,
+    "fence_released_by_connection_close": fence_released_by_connection_close,
     "client_disconnect": client_disconnect,
     "client_resumed_within_grace": client_resumed_within_grace,
     "resume_grace_expired": resume_grace_expired,

@@ -147,7 +147,7 @@ def test_a_500_from_every_upstream_is_poison_and_ejects_neither(
     ],
     ids=["malformed chunk", "text that is not unicode", "never answers"],
 )
-def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
+def test_uncertain_upstreams_are_fenced_by_closing_the_connection_then_retried(
     gateway: RunningGateway, upstreams: list[ScriptedUpstream], behaviour: dict[str, object], kind: FailureKind
 ) -> None:
     script_first(upstreams, behaviour)
@@ -158,11 +158,14 @@ def test_uncertain_upstreams_are_fenced_by_lease_expiry_then_retried(
     assert failed.kind is kind  # type: ignore[attr-defined]
     order = [type(e).__name__ for e in events]
     second = [i for i, e in enumerate(events) if isinstance(e, ev.AttemptStarted)][1]
-    # no acknowledgement exists for this kind: the fence waits out the lease
-    assert "CancelAcked" not in order
-    assert order.index("AttemptFenced") < order.index("LeaseExpired") < order.index("AttemptReleased") < second
+    # nothing was delivered: closing the connection is the fence (vLLM aborts on it, no
+    # acknowledgement exists for this kind), so no lease is waited out (DESIGN.md §7)
+    assert "CancelAcked" not in order and "LeaseExpired" not in order
+    assert order.index("AttemptFenced") < order.index("AttemptReleased") < second
+    (fenced,) = of(events, ev.AttemptFenced)
+    assert fenced.waiting_for == "connection_close"  # type: ignore[attr-defined]
     (released,) = of(events, ev.AttemptReleased)
-    assert released.because is ReleaseReason.LEASE_EXPIRED  # type: ignore[attr-defined]
+    assert released.because is ReleaseReason.CONNECTION_CLOSED  # type: ignore[attr-defined]
     assert replay(events).ok
 
 

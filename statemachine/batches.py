@@ -1,0 +1,29 @@
+"""What a batch of deltas must look like, whether delivered or only produced.
+
+The fold (:mod:`statemachine.state`) asks :func:`batch_problem` of every
+``DeltasDelivered`` and ``DeltasProduced`` and refuses the event with the reason it
+names: the batch follows the last one without a gap, holds at least one delta, and its
+per-delta shapes add up to its indexes, tokens and text.
+"""
+
+from __future__ import annotations
+
+from statemachine.events import DeltasDelivered, DeltasProduced
+
+
+def batch_problem(event: DeltasDelivered | DeltasProduced, *, follows: int) -> str | None:
+    """Why the batch cannot follow delta ``follows``, or ``None`` when it can."""
+    if event.from_index != follows or event.to_index <= event.from_index:
+        return f"deltas [{event.from_index}, {event.to_index}) do not follow delta {follows}"
+    if event.tokens < 0:
+        return "negative token count"
+    if event.deltas and (
+        len(event.deltas) != event.to_index - event.from_index
+        or sum(tokens for _, _, tokens in event.deltas) != event.tokens
+        or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
+    ):
+        return "the deltas' shapes disagree with the indexes, the tokens or the text"
+    logprobs = event.logprobs if isinstance(event, DeltasDelivered) else None
+    if logprobs is not None and (event.text is None or len(logprobs) != event.to_index - event.from_index):
+        return "log probabilities are kept with the text, one entry per delta"
+    return None
