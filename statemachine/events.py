@@ -98,7 +98,8 @@ class RequestAccepted(RequestScoped):
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
     trace_id: str | None = None  # the OpenTelemetry trace of the request (32 hex digits), when traced
     logprobs: int | None = None  # log probabilities asked for: alternatives at each token (None: none)
-    # how its attempts are placed (statemachine.routing.RoutingConfig's fields; None: the defaults)
+    # how its attempts are placed: statemachine.routing.RoutingConfig's strategy and the fields
+    # off their defaults (None: the defaults, in logs written before placements were recorded)
     routing: dict[str, Any] | None = None
     affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
 

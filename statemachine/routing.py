@@ -10,6 +10,7 @@ The strategies (:class:`Strategy`), each over the replicas that serve the model,
 are available and not excluded:
 
 - ``least_outstanding``: the least loaded; ties go to the one chosen least recently.
+  (Also what ``prefix_affinity`` does for a request with no key.)
   A replica's load is this gateway's attempts on it (counted now) plus the other
   gateways' (what it last reported holding, a worker's running + queued, less this
   gateway's attempts then).
@@ -18,7 +19,8 @@ are available and not excluded:
   stays within ``affinity_load_factor`` of the mean, plus one (consistent hashing with
   bounded load; the one keeps a lightly loaded pool from moving a conversation off
   its replica for a single request) takes it, so turns of one conversation reuse a replica's prefix cache without
-  piling onto it. No key: least outstanding.
+  piling onto it. No key: least outstanding. The default: it measured best
+  (``ops/bench/routing.py``).
 - ``round_robin``: the next in id order after the gateway's count of placements.
 """
 
@@ -96,7 +98,7 @@ class PoolSnapshot:
 class RoutingConfig:
     """How one request is placed, recorded on its ``RequestAccepted`` so replay uses it."""
 
-    strategy: Strategy = Strategy.LEAST_OUTSTANDING
+    strategy: Strategy = Strategy.PREFIX_AFFINITY  # what measured best (docs/routing.md)
     affinity_load_factor: float = 1.25  # prefix affinity: a replica over this times the mean load is passed over
     retry_same_max_wait_s: float = 2.0  # a Retry-After up to this may be waited out on the same replica
     fallbacks: tuple[str, ...] = ()  # models tried in order after any failure before output
@@ -113,10 +115,13 @@ class RoutingConfig:
         if not 0 <= self.retry_same_max_wait_s <= 60:
             raise ValueError("retry_same_max_wait_s must be between 0 and 60 seconds")
 
-    def to_params(self) -> dict[str, Any]:
+    def to_params(self, *, compact: bool = False) -> dict[str, Any]:
+        """As JSON values; ``compact``: the strategy and the fields off their defaults only
+        (what each ``RequestAccepted`` records)."""
         return {
             name: list(value) if isinstance(value, tuple) else (value.value if isinstance(value, enum.Enum) else value)
-            for name, value in ((f.name, getattr(self, f.name)) for f in fields(self))
+            for name, value, default in ((f.name, getattr(self, f.name), f.default) for f in fields(self))
+            if not compact or name == "strategy" or value != default
         }
 
     @classmethod

@@ -30,7 +30,7 @@ from app.store.errors import StoreError
 from statemachine import events as ev
 from statemachine.events import TokenLogprob
 from statemachine.phases import Phase
-from statemachine.routing import DEFAULT_ROUTING, Strategy
+from statemachine.routing import Strategy
 
 log = logging.getLogger("phasegate.driver")
 
@@ -61,7 +61,7 @@ class RequestDriver(RequestLoop):
             gateway=self.ctx.gateway_id,
             trace_id=self.ctx.tracing.trace_id(),
             logprobs=request.logprobs,
-            routing=None if routing == DEFAULT_ROUTING else routing.to_params(),
+            routing=routing.to_params(compact=True),
             affinity_key=request.affinity_key() if affinity else None,
         )
         assert accepted is not None

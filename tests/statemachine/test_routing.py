@@ -92,6 +92,8 @@ def test_a_snapshot_and_a_routing_config_survive_their_json_form() -> None:
     assert pool.to_params()["replicas"][1] == {"id": "b"}  # defaults left out: it is on every start
     config = RoutingConfig(Strategy.ROUND_ROBIN, 1.5, 1.0, ("x",), ("y", "z"), ())
     assert RoutingConfig.from_params(config.to_params()) == config
+    assert RoutingConfig.from_params(config.to_params(compact=True)) == config
+    assert DEFAULT_ROUTING.to_params(compact=True) == {"strategy": "prefix_affinity"}
 
 
 @pytest.mark.parametrize(
