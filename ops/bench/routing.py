@@ -7,7 +7,10 @@
 Two ``phasegate worker --engine vllm`` replicas serve the tiny local model with prefix
 caching on and ``max_model_len`` 4096 (``.ci/vllm-env`` builds both). For each
 strategy a gateway (``phasegate serve --processes 1``, the log on an embedded
-PostgreSQL) fronts them, and the workload runs: ``--conversations`` chats, each with
+PostgreSQL) fronts them. Then, when vllm-router is installed (``ops/bench/peers.py
+--install``), two ``vllm serve`` replicas of the same model, fronted by vllm-router's
+``cache_aware`` policy and by phasegate (``openai`` replicas), since vllm-router
+cannot front phasegate workers. Through each front the workload runs: ``--conversations`` chats, each with
 a system prompt of its own (``--system-words``, about 3 tokens a word here) and
 ``--turns`` user turns that each repeat the whole history, ``--concurrency`` chats
 at a time, every answer streamed. Each strategy gets fresh text (a seed of its own),
@@ -18,7 +21,7 @@ Per strategy it prints:
 - the prefix-cache hit rate: vLLM's own counters (``vllm:prefix_cache_hits`` over
   ``vllm:prefix_cache_queries``, in tokens) from each worker's /metrics, summed;
 - TTFT p50 and p99, as the client saw it (the first content chunk);
-- balance: the attempts each worker admitted (``phasegate_worker_attempts_started``).
+- balance: the prompt tokens each replica took (``vllm:prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
 
 import httpx
 
@@ -110,7 +115,7 @@ def scrape(urls: list[str]) -> list[dict[str, float]]:
         readings.append(
             {
                 name: metric_sum(body, name)
-                for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "phasegate_worker_attempts_started")
+                for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens")
             }
         )
     return readings
@@ -165,31 +170,85 @@ async def workload(port: int, seed: int, options: argparse.Namespace) -> tuple[l
     return ttfts, errors
 
 
-def start_workers(options: argparse.Namespace, workdir: Path) -> tuple[list[str], list]:  # type: ignore[type-arg]
+@dataclass
+class Front:
+    """What the clients talk to: a gateway in front of the two replicas."""
+
+    name: str
+    port: int
+    process: Popen[bytes]
+    ready: str
+
+
+def start_replicas(options: argparse.Namespace, workdir: Path, kind: str) -> tuple[list[str], list[Popen[bytes]]]:
+    """Two replicas of the tiny model with prefix caching on: phasegate workers
+    (``kind`` "worker") or ``vllm serve`` (``kind`` "openai")."""
     urls, processes = [], []
-    args = {"enable_prefix_caching": True}
     for n in range(2):
         port = free_port()
-        command = [options.vllm_python, "-m", "app.cli", "worker", "--port", str(port), "--engine", "vllm"]
-        command += ["--model-path", options.model, "--max-model-len", "4096", "--dtype", "float32"]
-        command += ["--max-running", "8", "--vllm-args", json.dumps(args)]
-        processes.append(start(command, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log=workdir / f"worker{n}.log"))
+        if kind == "worker":
+            command = [options.vllm_python, "-m", "app.cli", "worker", "--port", str(port), "--engine", "vllm"]
+            command += ["--model-path", options.model, "--max-model-len", "4096", "--dtype", "float32"]
+            command += ["--max-running", "8", "--vllm-args", json.dumps({"enable_prefix_caching": True})]
+            ready = "/v1/ready"
+        else:
+            command = [options.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
+            command += ["--model", options.model, "--served-model-name", MODEL, "--max-model-len", "4096"]
+            command += ["--dtype", "float32", "--max-num-seqs", "8", "--enable-prefix-caching"]
+            ready = "/health"
+        processes.append(start(command, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log=workdir / f"{kind}{n}.log"))
         urls.append(f"http://127.0.0.1:{port}")
-    for url, process in zip(urls, processes, strict=True):
-        try:
-            wait_http(url + "/v1/ready", timeout=300)
-        except RuntimeError:
-            for p in processes:
-                stop(p)
-            raise RuntimeError(f"a vLLM worker did not get ready: see {workdir} ({process.args})") from None
+    try:
+        for url in urls:
+            wait_http(url + ready, timeout=300)
+    except RuntimeError:
+        for process in processes:
+            stop(process)
+        raise RuntimeError(f"a vLLM replica did not get ready: see the logs in {workdir}") from None
     return urls, processes
 
 
-def gateway_config(workdir: Path, strategy: str, workers: list[str]) -> Path:
-    replicas = "".join(f'\n[[replicas]]\nid = "w{n}"\nurl = "{url}"\n' for n, url in enumerate(workers, start=1))
-    path = workdir / f"{strategy}.toml"
-    path.write_text(f'[models]\n"{MODEL}" = "bench"\n{replicas}\n[routing]\nstrategy = "{strategy}"\n')
-    return path
+def phasegate_gateway(workdir: Path, strategy: str, replicas: list[str], kind: str, database_url: str) -> Front:
+    entries = "".join(
+        f'\n[[replicas]]\nid = "r{n}"\nurl = "{url}"\nkind = "{kind}"\n' for n, url in enumerate(replicas, start=1)
+    )
+    config = workdir / f"{strategy}-{kind}.toml"
+    config.write_text(f'[models]\n"{MODEL}" = "bench"\n{entries}\n[routing]\nstrategy = "{strategy}"\n')
+    port = free_port()
+    command = phasegate("serve", "--config", str(config), "--port", str(port), "--processes", "1")
+    process = start(command, env={"DATABASE_URL": database_url}, log=workdir / f"gateway-{strategy}-{kind}.log")
+    return Front(f"phasegate {strategy}", port, process, "/readyz")
+
+
+def router_gateway(workdir: Path, replicas: list[str], router: Path) -> Front:
+    port = free_port()
+    command = [str(router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *replicas]
+    command += ["--policy", "cache_aware", "--log-level", "warning"]
+    return Front("vllm-router cache_aware", port, start(command, log=workdir / "vllm-router.log"), "/health")
+
+
+def measure(front: Front, replicas: list[str], seed: int, options: argparse.Namespace) -> None:
+    """Run the workload through ``front`` and print its row."""
+    try:
+        wait_http(f"http://127.0.0.1:{front.port}{front.ready}", timeout=120)
+        warm = argparse.Namespace(**{**vars(options), "conversations": 2, "turns": 1})
+        asyncio.run(workload(front.port, -seed, warm))  # unmeasured, text of its own: the first requests are slow
+        before = scrape(replicas)
+        ttfts, errors = asyncio.run(workload(front.port, seed, options))
+        after = scrape(replicas)
+    finally:
+        stop(front.process)
+    queries = sum(increase(before, after, "vllm:prefix_cache_queries"))
+    hits = sum(increase(before, after, "vllm:prefix_cache_hits"))
+    spread = "/".join(f"{n / 1000:.0f}k" for n in increase(before, after, "vllm:prompt_tokens"))
+    rate = f"{hits / queries:.1%}" if queries else "n/a"
+    p50, p99 = (f"{pct(ttfts, q) * 1000:.1f} ms" if ttfts else "n/a" for q in (0.5, 0.99))
+    print(row(front.name, rate, p50, p99, spread, len(errors), width=WIDTH), flush=True)
+    for error in sorted(set(errors)):
+        print(f"  {front.name}: {errors.count(error)} x {error}")
+
+
+WIDTH = 24
 
 
 def main() -> None:
@@ -203,6 +262,11 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--vllm-python", default=str(REPO / ".venv-vllm/bin/python"))
     parser.add_argument("--model", default=str(REPO / "var/models/tiny-llama"))
+    parser.add_argument(
+        "--router",
+        default=str(Path.home() / ".cache/phasegate-peers/vllm-router/bin/vllm-router"),
+        help="vllm-router (ops/bench/peers.py --install puts it here); missing: that part is skipped",
+    )
     options = parser.parse_args()
     if not Path(options.vllm_python).exists() or not Path(options.model).exists():
         raise SystemExit(f"needs {options.vllm_python} and {options.model}: run .ci/vllm-env first")
@@ -210,43 +274,37 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-routing-"))
     workdir.chmod(0o755)  # the embedded server's own user must enter it
     database = EmbeddedPostgres(workdir / "pg")
-    workers: list = []  # type: ignore[type-arg]
     try:
         url = database.start()
         upgrade(url)
-        worker_urls, workers = start_workers(options, workdir)
         print(
             f"{options.conversations} chats x {options.turns} turns, {options.concurrency} at a time;"
             f" system prompt {options.system_words} words, turns {options.user_words} words,"
-            f" {options.max_tokens} tokens an answer; 2 vLLM workers (prefix caching on)",
+            f" {options.max_tokens} tokens an answer; 2 vLLM replicas of the tiny model (prefix caching on)",
             flush=True,
         )
-        print(row("strategy", "hit rate", "TTFT p50", "TTFT p99", "per worker", "errors", width=18))
-        for seed, strategy in enumerate(options.strategies.split(","), start=1):
-            port = free_port()
-            config = gateway_config(workdir, strategy, worker_urls)
-            command = phasegate("serve", "--config", str(config), "--port", str(port), "--processes", "1")
-            gateway = start(command, env={"DATABASE_URL": url}, log=workdir / f"gateway-{strategy}.log")
-            try:
-                wait_http(f"http://127.0.0.1:{port}/readyz", timeout=60)
-                warm = argparse.Namespace(**{**vars(options), "conversations": 2, "turns": 1})
-                asyncio.run(workload(port, -seed, warm))  # unmeasured, text of its own: the first requests are slow
-                before = scrape(worker_urls)
-                ttfts, errors = asyncio.run(workload(port, seed, options))
-                after = scrape(worker_urls)
-            finally:
-                stop(gateway)
-            queries = sum(increase(before, after, "vllm:prefix_cache_queries"))
-            hits = sum(increase(before, after, "vllm:prefix_cache_hits"))
-            spread = "/".join(f"{n:.0f}" for n in increase(before, after, "phasegate_worker_attempts_started"))
-            rate = f"{hits / queries:.1%}" if queries else "n/a"
-            p50, p99 = (f"{pct(ttfts, q) * 1000:.1f} ms" if ttfts else "n/a" for q in (0.5, 0.99))
-            print(row(strategy, rate, p50, p99, spread, len(errors), width=18), flush=True)
-            for error in sorted(set(errors)):
-                print(f"  {strategy}: {errors.count(error)} x {error}")
+        header = ("in front", "prefix-cache hits", "TTFT p50", "TTFT p99", "prompt tokens each", "errors")
+        print(row(*header, width=WIDTH))
+        strategies = options.strategies.split(",")
+        replicas, processes = start_replicas(options, workdir, "worker")
+        try:  # phasegate workers, each strategy
+            for seed, strategy in enumerate(strategies, start=1):
+                measure(phasegate_gateway(workdir, strategy, replicas, "worker", url), replicas, seed, options)
+        finally:
+            for process in processes:
+                stop(process)
+        if not Path(options.router).exists():
+            print(f"vllm-router: skipped: {options.router} is not there (ops/bench/peers.py --install)")
+            return
+        replicas, processes = start_replicas(options, workdir, "openai")
+        try:  # vllm serve replicas: vllm-router's cache-aware policy, and phasegate in front of the same
+            measure(router_gateway(workdir, replicas, Path(options.router)), replicas, 100, options)
+            for seed, strategy in enumerate(strategies[:2], start=101):
+                measure(phasegate_gateway(workdir, strategy, replicas, "openai", url), replicas, seed, options)
+        finally:
+            for process in processes:
+                stop(process)
     finally:
-        for process in workers:
-            stop(process)
         database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 

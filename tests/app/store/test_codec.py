@@ -22,6 +22,7 @@ from statemachine.events import (
     NoReplicaAvailable,
     ResumeGraceExpired,
     RetryBudgetDenied,
+    RetryWaitElapsed,
     StreamResumed,
     UpstreamFailed,
 )
@@ -51,6 +52,7 @@ def one_of_each() -> list[Event]:
         StreamResumed("req_codec", 9, T0, 0, 2, "gw_b"),
         ClientResumed("req_codec", 9, T0, 4, "gw_b"),
         ResumeGraceExpired("req_codec", 9, T0),
+        RetryWaitElapsed("req_codec", 9, T0, "w1"),
         DeltasProduced("req_codec", 9, T0, 1, 1, 5, 7, 2, "ab", None, ((0, 1, 1), (0, 1, 1))),
     ):
         samples[type(event).__name__] = event
