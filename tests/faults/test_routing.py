@@ -22,6 +22,7 @@ from tests.support.transcript import of
 
 PROMPT = "where does this attempt go"
 SMALL, BIG = "small", "big"
+ADMIN_TOKEN = "routing-admin-token"
 REFUSAL = {"status": 400, "code": "context_length_exceeded", "message": "the prompt is too long", "param": "messages"}
 
 
@@ -42,7 +43,8 @@ def gateway(database_url: str, upstreams: tuple[ScriptedUpstream, ScriptedUpstre
         ReplicaConfig(id="big-1", url=big.base_url, kind="openai", models=(BIG,)),
     ]
     routing = {"models": {SMALL: {"context_window_fallbacks": [BIG]}}}
-    with running_gateway(database_url, replicas, models={SMALL: REVISION, BIG: REVISION}, routing=routing) as running:
+    models = {SMALL: REVISION, BIG: REVISION}
+    with running_gateway(database_url, replicas, models=models, routing=routing, admin_token=ADMIN_TOKEN) as running:
         yield running
 
 
@@ -83,6 +85,9 @@ def test_a_429_with_a_short_retry_after_is_retried_on_the_same_replica_after_the
     state = fold(events)
     assert state.outcome is Outcome.COMPLETED and state.delivered_deltas == 5  # the log says what the client got
     assert_replays(events)
+    with gateway.http(headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:  # the timeline shows it
+        page = http.get(f"/ui/requests/{request_id}").text
+    assert "wait_to_retry" in page and "same replica: no other is healthier (waited 1s)" in page
 
 
 def test_one_server_error_is_retried_on_the_same_replica_at_once(
