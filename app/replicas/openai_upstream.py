@@ -23,6 +23,7 @@ Upstream behaviour mapped to the failure kinds of DESIGN.md §4:
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ class OpenAIUpstream:
     aborts_on_close = True  # vLLM aborts a request whose connection closed (no acknowledgement)
     sends_heartbeats = False
     kind = "openai"
-    reported_load: int | None = None  # an OpenAI-compatible server reports no load in its health answer
+    reported_load: int | None = None  # vLLM's running + waiting requests, from its /metrics (None: not vLLM)
 
     def __init__(
         self,
@@ -118,10 +119,28 @@ class OpenAIUpstream:
             return ProbeAnswer.SILENT
         except httpx.HTTPError:
             return ProbeAnswer.UNHEALTHY
-        return ProbeAnswer.HEALTHY if response.status_code == 200 else ProbeAnswer.UNHEALTHY
+        if response.status_code != 200:
+            return ProbeAnswer.UNHEALTHY
+        self.reported_load = await self._engine_load()
+        return ProbeAnswer.HEALTHY
+
+    async def _engine_load(self) -> int | None:
+        """The requests vLLM holds, every client's (``vllm:num_requests_running`` and
+        ``_waiting`` on its /metrics); ``None`` from a server that does not say."""
+        try:
+            response = await self._client.get("/metrics", timeout=self.response_timeout_s)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        counts = [float(m.group(1)) for m in _VLLM_LOAD.finditer(response.text)]
+        return round(sum(counts)) if counts else None
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+_VLLM_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
 async def _refusal(response: httpx.Response) -> UpstreamFailure:

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from app.replicas.base import ProbeAnswer
+from app.replicas.openai_upstream import OpenAIUpstream
 from app.replicas.worker_client import http_client
 from tests.support.workers import running_vllm_openai_server, vllm_env
 
@@ -32,6 +34,13 @@ async def test_the_plain_vllm_server_streams_and_its_whole_group_dies_with_it():
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        # the gateway's probe of such a replica: a real generation, and the load vLLM reports
+        upstream = OpenAIUpstream("vllm", base_url, health_model="tiny-llama", response_timeout_s=30)
+        try:
+            assert await upstream.health() is ProbeAnswer.HEALTHY
+            assert upstream.reported_load == 0  # idle now: vLLM's running and waiting counts, read
+        finally:
+            await upstream.close()
         pgid = process.pid
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
