@@ -134,6 +134,7 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
     config.write_text(
         f'admin_token = "{ADMIN_TOKEN}"\nworker_token = "{WORKER_TOKEN}"\nmetrics_token = "{METRICS_TOKEN}"\n'
         f'[api_keys]\n"{API_KEY}" = "acme"\n[timeouts]\nstall_s = 1.0\nlease_ttl_s = 1.0\ncancel_ack_s = 1.0\n'
+        '[routing]\nstrategy = "least_outstanding"\n'  # both workers get attempts, whatever the prompts
     )
     port = free_port()
     command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))

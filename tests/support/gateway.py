@@ -103,6 +103,9 @@ def running_gateway(
     )
     overrides.setdefault("models", {MODEL: REVISION})
     overrides.setdefault("health_interval_s", 0.5)
+    # the fault tests say which replica an attempt meets: the least loaded, ties to the first
+    # listed; the default strategy (prefix affinity, docs/routing.md) has tests of its own
+    overrides.setdefault("routing", {"strategy": "least_outstanding"})
     config = load_config(None, port=free_port(), replicas=configs, apply_migrations=False, **overrides)
     loop = asyncio.new_event_loop()
     started = threading.Event()
