@@ -3,8 +3,13 @@
 One row is a plain ``INSERT … VALUES``; a few are an ``INSERT … SELECT FROM unnest(…)``
 of column arrays; many are a binary ``COPY``, which costs less CPU per event on both
 sides (``ops/bench/eventlog.py``; figures: docs/performance.md). The INSERTs skip events already
-recorded (``ON CONFLICT (event_id) DO NOTHING``: a retried append is a no-op); COPY
+recorded (``ON CONFLICT (event_id, accepted_on) DO NOTHING``: a retried append is a no-op); COPY
 cannot, so a batch that repeats one fails and the writer writes it again by INSERT.
+
+Every row names its partition, ``accepted_on`` (migration 0007). A row whose day the
+store does not know (an append to a request another process accepted: a sweep, a
+resume's bookkeeping) takes it from the request's row in the same statement, a
+lookup that runs only for such rows; COPY cannot, so such a batch goes by INSERT.
 """
 
 from __future__ import annotations
@@ -17,21 +22,28 @@ from app.store.codec import EventRow
 
 # One event, the common durable append: plain VALUES skip building and unpacking the
 # arrays (figures: docs/performance.md).
-INSERT_EVENT = """
+# With no request row either, any day will do: the projection's stream guard refuses
+# the append (PG409) as it did before partitions.
+_ACCEPTED_ON = """coalesce({day}, (SELECT r.accepted_on FROM requests r WHERE r.request_id = {request_id} LIMIT 1),
+                 (now() AT TIME ZONE 'UTC')::date)"""
+
+INSERT_EVENT = f"""
 INSERT INTO request_events
-    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb)
-ON CONFLICT (event_id) DO NOTHING
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, {_ACCEPTED_ON.format(day="$10::date", request_id="$1")})
+ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
 
-INSERT_EVENTS = """
+INSERT_EVENTS = f"""
 INSERT INTO request_events
-    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
-SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb,
+       {_ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")}
   FROM unnest($1::text[], $2::integer[], $3::uuid[], $4::text[], $5::smallint[],
-              $6::integer[], $7::integer[], $8::timestamptz[], $9::text[])
-       AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
-ON CONFLICT (event_id) DO NOTHING
+              $6::integer[], $7::integer[], $8::timestamptz[], $9::text[], $10::date[])
+       AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body,
+                accepted_on)
+ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
 COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
 
@@ -40,7 +52,7 @@ async def insert_rows(conn: asyncpg.Connection, rows: Sequence[EventRow], *, cop
     """Insert ``rows`` in one statement; ``copy``: COPY may be used (a batch without retried events)."""
     if len(rows) == 1:
         await conn.execute(INSERT_EVENT, *rows[0])
-    elif copy and len(rows) >= COPY_FROM:
+    elif copy and len(rows) >= COPY_FROM and all(row.accepted_on is not None for row in rows):
         await conn.copy_records_to_table("request_events", records=rows, columns=EventRow._fields)
     else:
         await conn.execute(INSERT_EVENTS, *columns(rows))

@@ -23,8 +23,8 @@ costs markedly more (figures: docs/performance.md).
   measures the group-commit rate; figures: docs/performance.md).
 - The queue is bounded (``max_queued_events``): appends wait for room.
 - A batch that PostgreSQL rejects (a conflict; or a retried event, which COPY cannot
-  skip) is written again with one savepoint per append and ``ON CONFLICT (event_id)
-  DO NOTHING``, so retries are no-ops and only the offending appends fail. The
+  skip) is written again with one savepoint per append and ``ON CONFLICT (event_id,
+  accepted_on) DO NOTHING``, so retries are no-ops and only the offending appends fail. The
   request's appends already in the pipeline behind a failed one fail with it (they
   would follow someone else's events). A non-durable append's failure is raised by
   the request's next append; after that the request may append again.
