@@ -24,9 +24,9 @@ async def connect(url: str) -> asyncpg.Connection:
 
 
 async def conversion_day(connection: asyncpg.Connection) -> date:
-    """The day the test's database was converted: its legacy partition's last day."""
+    """The day the test's database was converted: the first after its legacy partition."""
     (legacy,) = [p for p in await partitions.partitions(connection, "request_events") if p.first_day is None]
-    return legacy.end - timedelta(days=1)
+    return legacy.end
 
 
 async def where_rows_are(connection: asyncpg.Connection, request_id: str) -> dict[str, set[str]]:
@@ -115,7 +115,7 @@ async def test_retention_archives_then_drops_whole_days(database_url: str, tmp_p
         done = await partitions.maintain(
             connection, days_ahead=1, retention_days=2, archive_dir=tmp_path, on=kept_day + timedelta(days=2)
         )
-        gone = [converted + timedelta(days=n) for n in range(1, 6)]
+        gone = [converted + timedelta(days=n) for n in range(6)]
         assert sorted(done.dropped) == sorted(
             [f"{table}_legacy" for table in partitions.PARTITIONED]
             + [f"{table}_p{day:%Y%m%d}" for day in gone for table in partitions.PARTITIONED]
