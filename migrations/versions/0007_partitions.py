@@ -193,11 +193,15 @@ def upgrade() -> None:
     before = day - timedelta(days=1)  # the legacy rows' accept day, whatever it was
     # 1. the partition key, metadata only (a constant default rewrites nothing); the
     # tables locked in the order an append takes them (the log, then its trigger's)
+    # (IF EXISTS, IF NOT EXISTS: a conversion stopped in step 2 has committed step 1)
     op.execute(LOCK)
-    op.execute(f"ALTER TABLE request_attempts DROP CONSTRAINT {FOREIGN_KEY}")
+    op.execute(f"ALTER TABLE request_attempts DROP CONSTRAINT IF EXISTS {FOREIGN_KEY}")
     for table in PARTITIONED:
-        op.execute(f"ALTER TABLE {table} ADD COLUMN accepted_on date NOT NULL DEFAULT '{before}'")
-        op.execute(f"ALTER TABLE {table} ADD CONSTRAINT {table}_legacy_bound CHECK (accepted_on < '{day}') NOT VALID")
+        op.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS accepted_on date NOT NULL DEFAULT '{before}'")
+        op.execute(
+            f"ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {table}_legacy_bound,"
+            f" ADD CONSTRAINT {table}_legacy_bound CHECK (accepted_on < '{day}') NOT VALID"
+        )
     # 2. indexes and the bound's validation, with appends going on
     with op.get_context().autocommit_block():
         for table in PARTITIONED:

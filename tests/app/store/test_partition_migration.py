@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import asyncpg
+import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.store import PostgresEventStore, migrate
@@ -197,6 +198,31 @@ async def test_the_previous_releases_requests_carried_on_under_load(empty_databa
             "request_events_legacy": len(previous),
             f"request_events_p{day:%Y%m%d}": len(fresh),
         }
+    finally:
+        await connection.close()
+    await fold_agrees(url)
+
+
+async def test_a_conversion_stopped_half_way_runs_again(empty_database_url: str) -> None:
+    """Stopped in its second step (outside any transaction), 0007 has committed its first
+    and may leave an invalid index behind; run again, it completes."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, PREVIOUS)
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        for number in range(20):
+            await append_as_before(connection, scenario(number).events, PREVIOUS_INSERT_EVENTS)
+        await connection.execute("ALTER TABLE request_attempts DROP CONSTRAINT request_attempts_request_id_fkey")
+        for table in ("request_events", "requests", "request_attempts"):
+            await connection.execute(f"ALTER TABLE {table} ADD COLUMN accepted_on date NOT NULL DEFAULT '2026-11-01'")
+        # a unique build that failed, as a cancelled CREATE INDEX CONCURRENTLY leaves it: invalid
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await connection.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY request_events_stream_part_key_legacy ON request_events (type)"
+            )
+        await migrate.upgrade_async(url)
+        assert await migrate.current_revision_async(url) == "0007"
+        assert await count(connection, "request_events_legacy") == sum(len(scenario(n).events) for n in range(20))
     finally:
         await connection.close()
     await fold_agrees(url)
