@@ -48,6 +48,7 @@ _LOCK_KEY = 0x70686173_6D61  # "phasma": one maintenance at a time, over every g
 _STORAGE = {"requests": " WITH (fillfactor = 80)"}  # as 0001 made the table: room for HOT updates
 _BOUND = re.compile(r"FROM \((?:'(?P<low>[0-9-]+)'|MINVALUE)\) TO \('(?P<high>[0-9-]+)'\)")
 
+_IS_PARTITIONED = "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')"
 _PARTITIONS = """
 SELECT child.relname AS name, pg_get_expr(child.relpartbound, child.oid) AS bound, i.inhdetachpending AS pending
   FROM pg_inherits i
@@ -76,8 +77,11 @@ class Maintenance:
     archived: list[Path] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     skipped: bool = False  # another run held the lock
+    unpartitioned: bool = False  # the log is not partitioned yet (migration 0007)
 
     def __str__(self) -> str:
+        if self.unpartitioned:
+            return "the log is not partitioned yet: run 'phasegate db upgrade' first"
         if self.skipped:
             return "another maintenance run is in progress: nothing done"
         return (
@@ -131,6 +135,11 @@ async def maintain(
             return done
         await asyncio.sleep(0.1)
     try:
+        if not await connection.fetchval(
+            "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')"
+        ):
+            done.unpartitioned = True  # at 0006 still (a rolling upgrade): `phasegate db upgrade` first
+            return done
         await connection.execute(f"SET lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
         cutoff = None if retention_days is None else day - timedelta(days=retention_days)
         for table in PARTITIONED:

@@ -128,6 +128,8 @@ class PostgresEventStore(EventStore):
             if first.accepted_on is None:  # not a RequestAccepted: the INSERT finds the day
                 return [first, *(to_row(event) for event in events[1:])]
             day = first.accepted_on
+            if not self.writer.schema.partitioned:  # 0006 records no day: remember none
+                return [first, *(to_row(event, day) for event in events[1:])]
             if len(self._accept_days) >= _ACCEPT_DAYS_KEPT:
                 del self._accept_days[next(iter(self._accept_days))]  # the oldest accepted
             self._accept_days[request_id] = day

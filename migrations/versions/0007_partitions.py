@@ -38,7 +38,9 @@ carry on in the legacy partition. ``request_attempts`` loses its foreign key on
 ``requests``: between partitioned tables it would make every detach of a day scan.
 The previous release cannot append once the switch is done: its
 ``ON CONFLICT (event_id)`` needs a unique index on ``event_id`` alone, which a
-partitioned table cannot have (docs/scaling.md, "Upgrading to partitions").
+partitioned table cannot have. This release appends to both schemas, so roll it out
+first with ``apply_migrations = false``, then convert (docs/scaling.md, "Upgrading
+to partitions, rolling").
 
 Downgrade copies the days' partitions back into the legacy table and puts 0006's
 tables back (not online: it holds the tables' lock while it copies).

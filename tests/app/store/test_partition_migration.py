@@ -226,3 +226,47 @@ async def test_a_conversion_stopped_half_way_runs_again(empty_database_url: str)
     finally:
         await connection.close()
     await fold_agrees(url)
+
+
+async def test_the_store_appends_through_the_conversion(empty_database_url: str) -> None:
+    """This release's store on a log still at 0006 (a rolling upgrade, before `phasegate db
+    upgrade`) appends with 0006's statements; its drivers go on appending, one event at a
+    time, while the log is converted, and its writer takes the new statements at the
+    switch. Requests that straddle the switch end in the legacy partition; nothing is lost."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, PREVIOUS)
+    store = await PostgresEventStore.connect(url)
+    upgraded = asyncio.Event()
+    done: list[traces.Trace] = []
+
+    async def driver(lane: int) -> None:
+        number, after = 0, 0
+        while after < 3:  # whole requests begun after the conversion
+            after += upgraded.is_set()
+            trace = scenario(lane * 10_000 + number)
+            for seq, event in enumerate(trace.events):
+                await store.append(trace.request_id, seq, [event], durable=seq < 3)
+                await asyncio.sleep(0.001)
+            done.append(trace)
+            number += 1
+
+    try:
+        assert not store.writer.schema.partitioned
+        drivers = asyncio.gather(*(driver(lane) for lane in range(8)))
+        await asyncio.sleep(0.3)
+        before = len(done)
+        await migrate.upgrade_async(url)
+        upgraded.set()
+        await drivers
+        await store.flush()
+        assert store.writer.schema.partitioned
+        assert 0 < before < len(done)
+    finally:
+        await store.close()
+    fresh = await PostgresEventStore.connect(url)
+    try:
+        for trace in done:
+            assert await fresh.read(trace.request_id) == trace.events
+    finally:
+        await fresh.close()
+    await fold_agrees(url)
