@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
 from app.store.errors import InvalidAppend
-from app.store.insert import INSERT_EVENTS, columns
+from app.store.insert import INSERT_EVENTS_LOOKUP, columns
 from app.store.partitions import ensure_days
 from app.store.queries import known_requests, stream_in_log_order
 from statemachine.errors import TraceError
@@ -201,7 +201,7 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
                 )
             await ensure_days(connection, [day for day in days.values() if day is not None])
             try:
-                status = await connection.execute(INSERT_EVENTS, *columns(rows))
+                status = await connection.execute(INSERT_EVENTS_LOOKUP, *columns(rows))
             except asyncpg.PostgresError as exc:
                 raise TraceRefused(f"{name}: PostgreSQL refused the events ({exc}); nothing was imported") from None
             if int(status.split()[-1]) != len(rows):

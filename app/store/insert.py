@@ -31,25 +31,37 @@ _ACCEPTED_ON = """coalesce({day}, (SELECT r.accepted_on FROM requests r WHERE r.
                  (now() AT TIME ZONE 'UTC')::date)"""
 
 # One event, the common durable append: plain VALUES skip building and unpacking the
-# arrays (figures: docs/performance.md).
-INSERT_EVENT = f"""
+# arrays (figures: docs/performance.md). Its day named: a statement that may look the
+# day up costs more even when it does not (the lookup's plan locks every day's
+# partition of requests at each execution), so that one is taken only when needed.
+INSERT_EVENT = """
+INSERT INTO request_events
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, $10::date)
+ON CONFLICT (event_id, accepted_on) DO NOTHING
+"""
+INSERT_EVENT_LOOKUP = f"""
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, {_ACCEPTED_ON.format(day="$10::date", request_id="$1")})
 ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
 
-INSERT_EVENTS = f"""
+_INSERT_EVENTS = """
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
 SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb,
-       {_ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")}
+       {accepted_on}
   FROM unnest($1::text[], $2::integer[], $3::uuid[], $4::text[], $5::smallint[],
               $6::integer[], $7::integer[], $8::timestamptz[], $9::text[], $10::date[])
        AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body,
                 accepted_on)
 ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
+INSERT_EVENTS = _INSERT_EVENTS.format(accepted_on="batch.accepted_on")
+INSERT_EVENTS_LOOKUP = _INSERT_EVENTS.format(
+    accepted_on=_ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")
+)
 COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
 
 # 0006's statements, word for word, for a log not yet partitioned
@@ -95,12 +107,13 @@ async def insert_rows(
             await schema.learn(conn)
             if not schema.partitioned:
                 raise
+    dayed = all(row.accepted_on is not None for row in rows)
     if len(rows) == 1:
-        await conn.execute(INSERT_EVENT, *rows[0])
-    elif copy and len(rows) >= COPY_FROM and all(row.accepted_on is not None for row in rows):
+        await conn.execute(INSERT_EVENT if dayed else INSERT_EVENT_LOOKUP, *rows[0])
+    elif copy and len(rows) >= COPY_FROM and dayed:
         await conn.copy_records_to_table("request_events", records=rows, columns=EventRow._fields)
     else:
-        await conn.execute(INSERT_EVENTS, *columns(rows))
+        await conn.execute(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, *columns(rows))
 
 
 async def _insert_undayed(conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool) -> None:

@@ -104,8 +104,7 @@ def _project_events() -> str:
     """0002's projection with the partition key in each of its joins, and the batch's
     days (``first_day``, ``last_day``: plpgsql variables, so parameters of the cached
     plans) bounding each UPDATE: PostgreSQL prunes the other days' partitions when the
-    statement starts instead of setting up a scan of each (an append cost 0.72 ms with
-    92 days of partitions, against 0.18 ms with 4; figures: docs/scaling.md)."""
+    statement starts instead of setting up a scan of each (figures: docs/scaling.md)."""
     previous = context.script.get_revision("0002")
     assert previous is not None and previous.module is not None
     function: str = previous.module.PROJECT_EVENTS
@@ -238,7 +237,7 @@ def upgrade() -> None:
     op.execute(_project_events())
     # Generic plans: their partitions pruned as each statement starts, by the batch's
     # days. Left to choose, PostgreSQL planned each statement afresh, over every
-    # partition, at each append (0.5 ms with 92 days of partitions, 0.23 ms generic).
+    # partition, at each append (figures: docs/scaling.md).
     op.execute("ALTER FUNCTION project_request_events() SET plan_cache_mode = force_generic_plan")
     op.execute(
         "CREATE TRIGGER request_events_project AFTER INSERT ON request_events"
