@@ -227,7 +227,7 @@ def generate(events_file: TextIO, inputs_file: TextIO, *, policy: str, **options
         done.events += len(request.events)
         kept = kept_input(request.body, policy)
         if kept is not None:
-            row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed)  # as the store writes it
+            row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed, day)  # as the store writes it
             inputs_file.write("\t".join(_copy_text(value) for value in row) + "\n")
         done.requests += 1
     done.seconds = time.perf_counter() - began

@@ -15,9 +15,8 @@ All of it is one transaction holding the log's ``ACCESS EXCLUSIVE`` lock, so no
 gateway appends meanwhile (they wait) and a failed load leaves nothing behind. Meant
 for a fresh log (``ops/seed.py``); the loaded requests must be new ones. Into an empty
 log it takes PostgreSQL's bulk-loading path ("Populating a Database" in its manual):
-the tables are truncated in the loading transaction (so COPY may ``FREEZE`` the
-recorded inputs; not the log's rows, which a partitioned table cannot take frozen;
-and under ``wal_level=minimal`` nothing is WAL-logged), and their secondary indexes
+the tables are truncated in the loading transaction (under ``wal_level=minimal``
+nothing is WAL-logged; COPY cannot ``FREEZE`` rows into a partitioned table), and their secondary indexes
 (and foreign key) are dropped and built again at the end, one sort each instead of a
 million inserts (one join instead of a check per row).
 """
@@ -37,7 +36,7 @@ from app.store.codec import EventRow
 from app.store.partitions import ensure_days
 
 TRIGGER = "request_events_project"
-INPUT_COLUMNS = ("request_id", "body", "model_revision", "seed")
+INPUT_COLUMNS = ("request_id", "body", "model_revision", "seed", "accepted_on")
 TABLES = ("request_events", "requests", "request_attempts", "request_inputs")
 
 # The secondary indexes of the loaded tables (not their primary keys, which the
@@ -104,7 +103,7 @@ async def load_events(
         # COPY FREEZE cannot fill a partitioned table: the log's rows are written unfrozen
         await connection.copy_to_table("request_events", source=events, columns=columns)
         if inputs is not None:
-            await connection.copy_to_table("request_inputs", source=inputs, columns=list(INPUT_COLUMNS), freeze=empty)
+            await connection.copy_to_table("request_inputs", source=inputs, columns=list(INPUT_COLUMNS))
         copied = time.perf_counter()
         loaded = int(await connection.fetchval("SELECT count(*) FROM request_events WHERE position > $1", before))
         # statistics for what was just loaded: without them the projection's joins are

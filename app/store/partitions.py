@@ -1,7 +1,8 @@
 """The log's day partitions: made ahead of need, and dropped whole past retention.
 
-How this works: ``request_events``, ``requests`` and ``request_attempts`` are partitioned
-by ``accepted_on``, the UTC day a request was accepted (migration 0007): one partition
+How this works: ``request_events``, ``requests``, ``request_attempts`` and
+``request_inputs`` are partitioned by ``accepted_on``, the UTC day a request was
+accepted (migration 0007): one partition
 a day per table, ``<table>_pYYYYMMDD``, and ``<table>_legacy`` holding everything up to
 the day the log was converted. :func:`maintain` (``phasegate db maintain``, and every
 gateway hourly) does two things, under one advisory lock so that several gateways
@@ -43,7 +44,7 @@ from statemachine.trace import trace_header, trace_line
 
 logger = logging.getLogger("phasegate.store.partitions")
 
-PARTITIONED = ("request_events", "requests", "request_attempts")
+PARTITIONED = ("request_events", "requests", "request_attempts", "request_inputs")
 _LOCK_KEY = 0x70686173_6D61  # "phasma": one maintenance at a time, over every gateway
 _STORAGE = {"requests": " WITH (fillfactor = 80)"}  # as 0001 made the table: room for HOT updates
 _BOUND = re.compile(r"FROM \((?:'(?P<low>[0-9-]+)'|MINVALUE)\) TO \('(?P<high>[0-9-]+)'\)")
@@ -199,7 +200,7 @@ async def _retire(connection: asyncpg.Connection, cutoff: date, archive_dir: Pat
     for events in expired["request_events"]:
         if archive_dir is not None:
             done.archived.append(await archive(connection, events, archive_dir))
-    for table in ("request_attempts", "requests", "request_events"):  # the log last: archived, kept longest
+    for table in ("request_inputs", "request_attempts", "requests", "request_events"):  # the log last
         for partition in expired[table]:
             await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {partition.name} CONCURRENTLY")
             await connection.execute(f"DROP TABLE {partition.name}")

@@ -41,7 +41,18 @@ logger = logging.getLogger("phasegate.store")
 _ACCEPT_DAYS_KEPT = 200_000
 
 
+# The input's partition is its request's accept day: the store's, else the request's
+# row's (the input may be written first: then today, its RequestAccepted's day).
 _INSERT_INPUTS = """
+    INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
+    SELECT request_id, body, model_revision, seed,
+           coalesce(accepted_on, (SELECT r.accepted_on FROM requests r WHERE r.request_id = i.request_id LIMIT 1),
+                    (now() AT TIME ZONE 'UTC')::date)
+      FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
+           AS i(request_id, body, model_revision, seed, accepted_on)
+    ON CONFLICT (request_id, accepted_on) DO NOTHING
+"""
+_PREVIOUS_INSERT_INPUTS = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed)
     SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[])
     ON CONFLICT (request_id) DO NOTHING
@@ -311,7 +322,13 @@ class PostgresEventStore(EventStore):
         columns = [list(column) for column in zip(*batch, strict=True)]
         async with self._connection(commit=True) as connection:
             raw = (await connection.get_raw_connection()).driver_connection
-            await raw.execute(_INSERT_INPUTS, *columns)
+            log = self.writer.schema
+            if not log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
+                await log.learn(raw)
+            if log.partitioned:
+                await raw.execute(_INSERT_INPUTS, *columns, [self._accept_days.get(r) for r in columns[0]])
+            else:
+                await raw.execute(_PREVIOUS_INSERT_INPUTS, *columns)
 
     async def read_input(self, request_id: str) -> RequestInput | None:
         if self._inputs_written is not None:

@@ -4,14 +4,15 @@ Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-01
 
-``request_events``, ``requests`` and ``request_attempts`` become range-partitioned on a
-new column ``accepted_on`` (the UTC day of the request's ``RequestAccepted``), so every
+``request_events``, ``requests``, ``request_attempts`` and ``request_inputs`` become
+range-partitioned on a new column ``accepted_on`` (the UTC day of the request's
+``RequestAccepted``), so every
 row of one request lives in one day's partition and a day past retention is dropped
 whole (``phasegate db maintain``, app/store/partitions.py), never deleted row by row.
 Unique constraints must hold the partition key: ``(request_id, version, accepted_on)``
 is the stream key, ``(event_id, accepted_on)`` the retried-append key. Tables that need
 global uniqueness (``tool_executions``, ``idempotency_keys``, ``gateway_instances``,
-``api_keys``) stay as they are; ``request_inputs`` too (keyed by request id alone).
+``api_keys``) stay as they are.
 
 How the conversion stays online (docs/scaling.md has the locks, step by step), on the
 conversion day C:
@@ -23,7 +24,7 @@ conversion day C:
 2. Outside any transaction, the unique indexes the partitioned parents need are
    built ``CONCURRENTLY`` on the old tables, and a ``CHECK (accepted_on < C)`` is
    added ``NOT VALID`` and then validated (``SHARE UPDATE EXCLUSIVE``: appends go on).
-3. One short transaction takes the three tables' ``ACCESS EXCLUSIVE`` lock (appends
+3. One short transaction takes the four tables' ``ACCESS EXCLUSIVE`` lock (appends
    wait: milliseconds, no scan), renames each to ``*_legacy``, drops 0001's keys
    (the new ones, with the day, hold them), creates the partitioned parent under the
    old name and attaches the legacy table as the partition ``FROM (MINVALUE) TO (C)``:
@@ -58,7 +59,7 @@ down_revision: str | None = "0006"
 branch_labels: str | None = None
 depends_on: str | None = None
 
-PARTITIONED = ("request_events", "requests", "request_attempts")
+PARTITIONED = ("request_events", "requests", "request_attempts", "request_inputs")
 DAYS_AHEAD = 2  # partitions made by the migration after day C's (then `phasegate db maintain`)
 
 # The unique keys of each parent: (name, columns). Built concurrently on the old table
@@ -71,6 +72,7 @@ UNIQUE_KEYS = {
     ),
     "requests": (("requests_part_key", "request_id, accepted_on"),),
     "request_attempts": (("request_attempts_part_key", "request_id, attempt, accepted_on"),),
+    "request_inputs": (("request_inputs_part_key", "request_id, accepted_on"),),
 }
 
 # The parents' plain indexes, as 0001 made them on the tables (names are the parents',
@@ -95,9 +97,10 @@ OLD_KEYS = {
     ),
     "requests": (("requests_pkey", "PRIMARY KEY (request_id)"),),
     "request_attempts": (("request_attempts_pkey", "PRIMARY KEY (request_id, attempt)"),),
+    "request_inputs": (("request_inputs_pkey", "PRIMARY KEY (request_id)"),),
 }
 FOREIGN_KEY = "request_attempts_request_id_fkey"
-LOCK = "LOCK TABLE request_events, requests, request_attempts IN ACCESS EXCLUSIVE MODE"
+LOCK = "LOCK TABLE request_events, requests, request_attempts, request_inputs IN ACCESS EXCLUSIVE MODE"
 
 
 def _project_events() -> str:
@@ -258,7 +261,7 @@ def upgrade() -> None:
 
 # Tables whose policy reaches the tenant through ``requests``: a policy holds the table
 # it names by oid, so after the rename these would read the legacy partition alone.
-THROUGH_REQUESTS = ("tool_executions", "request_inputs")
+THROUGH_REQUESTS = ("tool_executions",)
 
 
 def _tenant_policies() -> dict[str, str]:

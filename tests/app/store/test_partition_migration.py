@@ -246,6 +246,8 @@ async def test_the_store_appends_through_the_conversion(empty_database_url: str)
             trace = scenario(lane * 10_000 + number)
             for seq, event in enumerate(trace.events):
                 await store.append(trace.request_id, seq, [event], durable=seq < 3)
+                if seq == 0:
+                    await store.record_input(trace.request_id, {"model": "tiny-llm", "lane": lane})
                 await asyncio.sleep(0.001)
             done.append(trace)
             number += 1
@@ -267,6 +269,7 @@ async def test_the_store_appends_through_the_conversion(empty_database_url: str)
     try:
         for trace in done:
             assert await fresh.read(trace.request_id) == trace.events
+            assert await fresh.read_input(trace.request_id) is not None
     finally:
         await fresh.close()
     await fold_agrees(url)

@@ -50,6 +50,7 @@ async def test_every_row_of_a_request_lands_in_its_accept_days_partitions(databa
         store = await PostgresEventStore.connect(database_url)
         try:
             await store.append(trace.request_id, 0, trace.events[:3])
+            await store.record_input(trace.request_id, {"model": "tiny-llm"})  # the day the store knows
         finally:
             await store.close()
         # a store that did not accept it (another gateway's sweep): the INSERT looks the day up
@@ -71,6 +72,7 @@ async def test_every_row_of_a_request_lands_in_its_accept_days_partitions(databa
 async def test_a_request_of_the_past_lands_in_the_legacy_partition(event_store: PostgresEventStore) -> None:
     trace = traces.completed("req_old")  # accepted 2026-11-30, before any test database was converted
     await event_store.append(trace.request_id, 0, trace.events)
+    await event_store.record_input(trace.request_id, {"model": "tiny-llm"})
     connection = await connect(event_store.url)
     try:
         assert await where_rows_are(connection, trace.request_id) == {
@@ -110,6 +112,7 @@ async def test_retention_archives_then_drops_whole_days(database_url: str, tmp_p
         }
         for trace in requests.values():
             await store.append(trace.request_id, 0, trace.events)
+            await store.record_input(trace.request_id, {"model": "tiny-llm"})
 
         # on kept_day + 2 with 2 days kept: every day before kept_day goes, legacy included
         done = await partitions.maintain(
@@ -125,6 +128,7 @@ async def test_retention_archives_then_drops_whole_days(database_url: str, tmp_p
         assert await store.read("req_legacy") == [] and await store.read("req_next_day") == []
         assert await store.read("req_kept") == requests["req_kept"].events
         assert await connection.fetchval("SELECT count(*) FROM requests") == 1
+        assert await connection.fetchval("SELECT array_agg(request_id) FROM request_inputs") == ["req_kept"]
 
         # each day's events were written first, as a trace that reads back as they were
         assert sorted(path.name for path in done.archived) == sorted(
