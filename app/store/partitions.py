@@ -136,9 +136,7 @@ async def maintain(
             return done
         await asyncio.sleep(0.1)
     try:
-        if not await connection.fetchval(
-            "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')"
-        ):
+        if not await connection.fetchval(_IS_PARTITIONED):
             done.unpartitioned = True  # at 0006 still (a rolling upgrade): `phasegate db upgrade` first
             return done
         await connection.execute(f"SET lock_timeout = '{int(lock_timeout_s * 1000)}ms'")

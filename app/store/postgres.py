@@ -320,15 +320,21 @@ class PostgresEventStore(EventStore):
         finally:
             batch, self._pending_inputs, self._inputs_written = self._pending_inputs, [], None
         columns = [list(column) for column in zip(*batch, strict=True)]
-        async with self._connection(commit=True) as connection:
-            raw = (await connection.get_raw_connection()).driver_connection
-            log = self.writer.schema
-            if not log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
-                await log.learn(raw)
-            if log.partitioned:
-                await raw.execute(_INSERT_INPUTS, *columns, [self._accept_days.get(r) for r in columns[0]])
-            else:
-                await raw.execute(_PREVIOUS_INSERT_INPUTS, *columns)
+        log = self.writer.schema
+        for last in (False, True):
+            try:
+                async with self._connection(commit=True) as connection:
+                    raw = (await connection.get_raw_connection()).driver_connection
+                    if not log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
+                        await log.learn(raw)
+                    if log.partitioned:
+                        await raw.execute(_INSERT_INPUTS, *columns, [self._accept_days.get(r) for r in columns[0]])
+                    else:
+                        await raw.execute(_PREVIOUS_INSERT_INPUTS, *columns)
+                return
+            except asyncpg.InvalidColumnReferenceError:  # the conversion's switch came between: again
+                if last:
+                    raise
 
     async def read_input(self, request_id: str) -> RequestInput | None:
         if self._inputs_written is not None:
