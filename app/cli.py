@@ -2,7 +2,7 @@
 
     phasegate serve     the gateway (embedded PostgreSQL and simulated workers by default)
     phasegate worker    a replica: one engine behind the lease protocol
-    phasegate db        the log's schema: upgrade, downgrade, current, check
+    phasegate db        the log's schema: upgrade, downgrade, current, check, maintain
     phasegate replay    re-run requests' recorded decisions, from the log or a trace file
     phasegate trace     export requests as a trace file, import one elsewhere
     phasegate keys      API keys, stored hashed: create (printed once), list, revoke

@@ -198,6 +198,13 @@ class GatewayConfig:
     sweep_interval_s: float = 2.0  # how often a live instance looks for lapsed ones
     drain_s: float = 30.0  # SIGTERM: how long open streams may run before their final error
     idempotency_ttl_s: float = 86400.0  # how long an Idempotency-Key binds its request
+    # The log's day partitions (docs/scaling.md): made this many days ahead; dropped past
+    # retention_days (None: kept for ever), archived to archive_dir first when it is set;
+    # each gateway runs the maintenance every maintain_interval_s (0: only by hand)
+    partitions_ahead_days: int = 3
+    retention_days: int | None = None
+    archive_dir: Path | None = None
+    maintain_interval_s: float = 3600.0
     resume_grace_s: float = 10.0  # a client that left may attach again this long; 0: cancel at once
     log_format: str = "text"  # "json": one object a line, with request_id, attempt and instance
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; unset: no tracing (the otel extra)
@@ -236,6 +243,12 @@ class GatewayConfig:
             raise ConfigError("timeouts must be positive")
         if self.instance_lease_ttl_s <= 0 or self.sweep_interval_s <= 0 or self.drain_s < 0:
             raise ConfigError("instance_lease_ttl_s and sweep_interval_s must be positive, drain_s not negative")
+        if self.retention_days is not None and (isinstance(self.retention_days, bool) or self.retention_days < 1):
+            raise ConfigError("retention_days must be a whole number of days, at least 1 (unset: keep everything)")
+        if not 1 <= self.partitions_ahead_days <= 366:
+            raise ConfigError("partitions_ahead_days must be between 1 and 366")
+        if self.maintain_interval_s < 0:
+            raise ConfigError("maintain_interval_s must not be negative (0: no maintenance by the gateway)")
         if not 0 <= self.resume_grace_s <= 3600:
             raise ConfigError("resume_grace_s must be between 0 and 3600 seconds")
         for model, chain in self.routing.chains().items():
@@ -328,8 +341,9 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             if isinstance(origins, str) or not all(isinstance(o, str) for o in origins):
                 raise ConfigError("cors_allow_origins must be a list of origins")
             values["cors_allow_origins"] = tuple(origins)
-        if values.get("data_dir") is not None:
-            values["data_dir"] = Path(values["data_dir"])
+        for name in ("data_dir", "archive_dir"):
+            if values.get(name) is not None:
+                values[name] = Path(values[name])
         _resolve_worker_token(values)
         return GatewayConfig(**values)
     except TypeError as exc:

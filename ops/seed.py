@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -211,6 +211,7 @@ class Generated:
     requests: int = 0
     events: int = 0
     seconds: float = 0.0
+    days: set[date] = dataclasses.field(default_factory=set)  # the requests' accept days (partitions)
 
 
 def generate(events_file: TextIO, inputs_file: TextIO, *, policy: str, **options: Any) -> Generated:
@@ -218,12 +219,15 @@ def generate(events_file: TextIO, inputs_file: TextIO, *, policy: str, **options
     began = time.perf_counter()
     done = Generated()
     for request in seeded_requests(policy=policy, **options):
+        day = to_row(request.events[0]).accepted_on  # the RequestAccepted's: every row's partition
+        assert day is not None
+        done.days.add(day)
         for event in request.events:
-            events_file.write("\t".join(_copy_text(value) for value in to_row(event)) + "\n")
+            events_file.write("\t".join(_copy_text(value) for value in to_row(event, day)) + "\n")
         done.events += len(request.events)
         kept = kept_input(request.body, policy)
         if kept is not None:
-            row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed)  # as the store writes it
+            row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed, day)  # as the store writes it
             inputs_file.write("\t".join(_copy_text(value) for value in row) + "\n")
         done.requests += 1
     done.seconds = time.perf_counter() - began
@@ -242,7 +246,7 @@ async def seed_database(
             generated = generate(events_file, inputs_file, events=events, days=days, end=end, policy=policy, seed=seed)
         connection = await asyncpg.connect(asyncpg_dsn(url))
         try:
-            times = await load_events(connection, events_path, inputs=inputs_path)
+            times = await load_events(connection, events_path, inputs=inputs_path, days=generated.days)
             began = time.perf_counter()
             await connection.execute("VACUUM (ANALYZE) request_events, requests, request_attempts, request_inputs")
             analyzed = time.perf_counter() - began

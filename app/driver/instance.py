@@ -13,7 +13,10 @@ instances and closes their open requests from the log (``gateway_lost``), cancel
 their attempts. It marks a lapsed instance swept only once none of its requests is
 left open; until then it goes back to it each sweep. ``drain`` is SIGTERM's path:
 refuse new requests, let open streams run up to ``drain_s``, then end them with
-``gateway_draining``, recorded.
+``gateway_draining``, recorded. Every ``maintain_interval_s`` (and once at start) it
+maintains the log's day partitions (:mod:`app.store.partitions`: ahead, retention);
+the instances take turns on an advisory lock, and a run another instance holds is
+skipped.
 """
 
 from __future__ import annotations
@@ -72,13 +75,18 @@ class GatewayInstance:
         return self.ctx.config.instance_lease_ttl_s
 
     async def start(self) -> None:
-        """Register (raises if PostgreSQL cannot be reached), then heartbeat and sweep."""
+        """Register (raises if PostgreSQL cannot be reached), make today's partitions,
+        then heartbeat, sweep and maintain the partitions."""
         await self._register()
+        if self.ctx.config.maintain_interval_s > 0:
+            await self.maintain(wait=False)  # skipped: another instance is making them
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._heartbeats(), name="instance heartbeat"),
             loop.create_task(self._sweeps(), name="instance sweeps"),
         ]
+        if self.ctx.config.maintain_interval_s > 0:
+            self._tasks.append(loop.create_task(self._maintenance(), name="partition maintenance"))
 
     async def _register(self) -> None:
         config = self.ctx.config
@@ -202,6 +210,30 @@ class GatewayInstance:
             log.exception("could not close request %s of a lapsed instance", request_id)
             return 0
         return 1
+
+    # --- the log's partitions ----------------------------------------------------------
+
+    async def _maintenance(self) -> None:
+        while True:
+            await asyncio.sleep(self.ctx.config.maintain_interval_s)
+            await self.maintain(wait=False)
+
+    async def maintain(self, *, wait: bool) -> None:
+        """Make partitions ahead and apply retention; a failure is logged, and the
+        next run tries again (partitions are made days ahead)."""
+        config = self.ctx.config
+        try:
+            done = await self.store.maintain_partitions(
+                days_ahead=config.partitions_ahead_days,
+                retention_days=config.retention_days,
+                archive_dir=config.archive_dir,
+                wait=wait,
+            )
+        except Exception as exc:
+            log.warning("gateway instance %s: partition maintenance failed: %r", self.instance_id, exc)
+            return
+        if done.created or done.dropped:
+            log.info("gateway instance %s: partition maintenance: %s", self.instance_id, done)
 
     # --- the end -----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,7 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.store.codec import to_row
 from app.store.database import asyncpg_dsn
 from app.store.errors import InvalidAppend
-from app.store.insert import INSERT_EVENTS, columns
+from app.store.insert import INSERT_EVENTS_LOOKUP, columns
+from app.store.partitions import ensure_days
 from app.store.queries import known_requests, stream_in_log_order
 from statemachine.errors import TraceError
 from statemachine.trace import Trace, fold_trace, parse_trace, trace_header, trace_line
@@ -172,9 +174,13 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
         raise TraceRefused(f"{name}: {exc}") from None
     events = sorted(trace.events, key=lambda event: trace.line_of(event.request_id, event.seq))
     rows = []
+    days: dict[str, date | None] = {}  # each request's accept day, from its RequestAccepted (seq 1)
     for event in events:
         try:
-            rows.append(to_row(event))
+            row = to_row(event, days.get(event.request_id))
+            if row.type == "RequestAccepted":
+                days[event.request_id] = row.accepted_on
+            rows.append(row)
         except InvalidAppend as exc:  # replayable, but not something the log can hold
             line = trace.line_of(event.request_id, event.seq)
             raise TraceRefused(f"{name}: line {line}: {exc}; nothing was imported") from None
@@ -193,8 +199,9 @@ async def import_trace(url: str, trace: Trace, *, name: str) -> Imported:
                     f"{name}: line {trace.line_of(duplicate, 1)}: request {duplicate} is already in the database;"
                     " nothing was imported"
                 )
+            await ensure_days(connection, [day for day in days.values() if day is not None])
             try:
-                status = await connection.execute(INSERT_EVENTS, *columns(rows))
+                status = await connection.execute(INSERT_EVENTS_LOOKUP, *columns(rows))
             except asyncpg.PostgresError as exc:
                 raise TraceRefused(f"{name}: PostgreSQL refused the events ({exc}); nothing was imported") from None
             if int(status.split()[-1]) != len(rows):

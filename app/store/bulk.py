@@ -15,8 +15,8 @@ All of it is one transaction holding the log's ``ACCESS EXCLUSIVE`` lock, so no
 gateway appends meanwhile (they wait) and a failed load leaves nothing behind. Meant
 for a fresh log (``ops/seed.py``); the loaded requests must be new ones. Into an empty
 log it takes PostgreSQL's bulk-loading path ("Populating a Database" in its manual):
-the tables are truncated in the loading transaction (so COPY may ``FREEZE`` its rows,
-and under ``wal_level=minimal`` nothing is WAL-logged), and their secondary indexes
+the tables are truncated in the loading transaction (under ``wal_level=minimal``
+nothing is WAL-logged; COPY cannot ``FREEZE`` rows into a partitioned table), and their secondary indexes
 (and foreign key) are dropped and built again at the end, one sort each instead of a
 million inserts (one join instead of a check per row).
 """
@@ -24,17 +24,19 @@ million inserts (one join instead of a check per row).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 
 import asyncpg
 
 from app.store.bulk_projection import PROJECT_ATTEMPTS, PROJECT_REQUESTS, REFUSE
 from app.store.codec import EventRow
+from app.store.partitions import ensure_days
 
 TRIGGER = "request_events_project"
-INPUT_COLUMNS = ("request_id", "body", "model_revision", "seed")
+INPUT_COLUMNS = ("request_id", "body", "model_revision", "seed", "accepted_on")
 TABLES = ("request_events", "requests", "request_attempts", "request_inputs")
 
 # The secondary indexes of the loaded tables (not their primary keys, which the
@@ -47,6 +49,7 @@ SELECT i.indexrelid::regclass::text AS index, t.relname AS table_name, c.conname
   JOIN pg_class t ON t.oid = i.indrelid
   LEFT JOIN pg_constraint c ON c.conindid = i.indexrelid AND c.conrelid = i.indrelid
  WHERE t.relname = ANY($1::text[]) AND t.relnamespace = 'public'::regnamespace AND NOT i.indisprimary
+   AND t.relkind = 'r'  -- a partitioned table's indexes stay: see _drop_secondary_indexes
  ORDER BY 1
 """
 
@@ -76,15 +79,18 @@ async def load_events(
     events: Path | AsyncIterable[bytes],
     *,
     inputs: Path | AsyncIterable[bytes] | None = None,
+    days: Iterable[date] = (),
     work_mem: str = "256MB",
 ) -> LoadTimes:
     """COPY ``events`` (text format, :data:`EventRow` columns) into ``request_events``
     and ``inputs`` (text format, :data:`INPUT_COLUMNS`) into ``request_inputs``, then
-    build the read models of the loaded requests; see the module docstring."""
+    build the read models of the loaded requests; see the module docstring. ``days``:
+    the accept days of the loaded requests, whose partitions are made if missing."""
     async with connection.transaction():
         await connection.execute(f"LOCK TABLE {', '.join(TABLES)} IN ACCESS EXCLUSIVE MODE")
         await connection.execute(f"SET LOCAL work_mem = '{work_mem}'")
         await connection.execute(f"SET LOCAL maintenance_work_mem = '{work_mem}'")
+        await ensure_days(connection, list(days))
         empty = all([await connection.fetchval(f"SELECT NOT EXISTS (SELECT FROM {table})") for table in TABLES])
         rebuild: list[str] = []
         if empty:
@@ -94,9 +100,10 @@ async def load_events(
         await connection.execute(f"ALTER TABLE request_events DISABLE TRIGGER {TRIGGER}")
         began = time.perf_counter()
         columns = list(EventRow._fields)
-        await connection.copy_to_table("request_events", source=events, columns=columns, freeze=empty)
+        # COPY FREEZE cannot fill a partitioned table: the log's rows are written unfrozen
+        await connection.copy_to_table("request_events", source=events, columns=columns)
         if inputs is not None:
-            await connection.copy_to_table("request_inputs", source=inputs, columns=list(INPUT_COLUMNS), freeze=empty)
+            await connection.copy_to_table("request_inputs", source=inputs, columns=list(INPUT_COLUMNS))
         copied = time.perf_counter()
         loaded = int(await connection.fetchval("SELECT count(*) FROM request_events WHERE position > $1", before))
         # statistics for what was just loaded: without them the projection's joins are
@@ -113,7 +120,10 @@ async def load_events(
 
 async def _drop_secondary_indexes(connection: asyncpg.Connection) -> list[str]:
     """Drop the loaded tables' secondary indexes and foreign keys; the statements that
-    build them again (the keys last, once the indexes are back)."""
+    build them again (the keys last, once the indexes are back). Not those of the
+    partitioned tables (migration 0007): a partition's index attached to its parent's
+    cannot be dropped alone, and dropped with the parent's it would be built again
+    under another name, so the legacy partition's indexes would lose 0006's names."""
     rebuild = []
     for index in await connection.fetch(_SECONDARY_INDEXES, list(TABLES)):
         if index["conname"] is not None:

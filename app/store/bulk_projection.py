@@ -1,6 +1,6 @@
 """The read models of a bulk load, built set-based: what the projection trigger writes.
 
-How this works: the trigger ``project_request_events`` (migrations/, 0002) inserts a
+How this works: the trigger ``project_request_events`` (migrations/, 0002, 0007) inserts a
 request's row on ``RequestAccepted`` and then UPDATEs it, and its attempts' rows, with
 aggregates over each batch. A bulk load brings whole, new requests, so their read
 models are those aggregates over the request's whole stream taken as one batch (the
@@ -10,7 +10,8 @@ written once, by an ``INSERT ... SELECT`` of those aggregates over ``new_events`
 temporary view of the loaded rows): no row is updated, nothing is inserted twice.
 
 The expressions are the trigger's, with the row's starting values (``attempts = 0``,
-``replicas_tried = '{}'``, ...) folded in. A migration that changes the projection must
+``replicas_tried = '{}'``, ...) folded in, and each row's partition key ``accepted_on``
+(migration 0007) taken from its request's events, as the trigger takes it. A migration that changes the projection must
 change them too: ``tests/app/store/test_bulk.py`` compares the two builds row for row.
 
 The stream guard is the trigger's too: each request's versions must run 1, 2, ... with
@@ -32,7 +33,7 @@ $fn$
 
 PROJECT_REQUESTS = """
 WITH stream AS (
-    SELECT request_id,
+    SELECT request_id, accepted_on,
            min(version) AS first_version,
            max(version) AS last_version,
            count(*) AS events,
@@ -69,7 +70,7 @@ WITH stream AS (
                                                    'RequestCancelled')) AS finished_at
       -- each event's fields read out of its body before the sort by request, which then
       -- sorts narrow rows, not every delivery's text (OFFSET 0 keeps it a subquery)
-      FROM (SELECT request_id, version, type, attempt, occurred_at,
+      FROM (SELECT request_id, accepted_on, version, type, attempt, occurred_at,
                    CASE WHEN type = 'RequestAccepted' THEN body END AS accepted,
                    CASE WHEN type = 'AttemptStarted' THEN body->>'replica_id' END AS replica_id,
                    CASE WHEN type = 'DeltasDelivered' THEN body->>'to_index' END AS to_index,
@@ -82,7 +83,7 @@ WITH stream AS (
                    CASE WHEN type = 'RequestCompleted' THEN (body->'usage')::text END AS usage
               FROM new_events
             OFFSET 0) e
-     GROUP BY request_id
+     GROUP BY request_id, accepted_on
 ), phased AS NOT MATERIALIZED (
     SELECT stream.*,
            coalesce((ARRAY['prefill', 'decode', 'fenced', 'terminated'])[phase_change % 8], 'new') AS last_phase,
@@ -97,7 +98,7 @@ INSERT INTO requests (request_id, tenant, model, model_revision, endpoint, strea
                       error_code, error_message, retryable, finish_reason, usage, attempts,
                       replicas_tried, first_delta_attempt, delivered_deltas, delivered_output_tokens,
                       tool_calls, decisions, accepted_at, first_delta_at, client_disconnected_at,
-                      finished_at, last_event_at, last_seq, ttft_ms, duration_ms, decode_ms)
+                      finished_at, last_event_at, last_seq, ttft_ms, duration_ms, decode_ms, accepted_on)
 SELECT request_id, accepted->>'tenant', accepted->>'model', accepted->>'model_revision',
        accepted->>'endpoint', (accepted->>'stream')::boolean, (accepted->>'prompt_tokens')::integer,
        (accepted->>'n')::integer, (accepted->>'guided')::boolean, (accepted->>'tools')::boolean,
@@ -112,7 +113,7 @@ SELECT request_id, accepted->>'tenant', accepted->>'model', accepted->>'model_re
        accepted_at, first_delta_at, client_disconnected_at, finished_at,
        greatest(accepted_at, last_event_at), last_version,
        milliseconds(first_delta_at - accepted_at), milliseconds(finished_at - accepted_at),
-       milliseconds(finished_at - first_delta_at)
+       milliseconds(finished_at - first_delta_at), accepted_on
   FROM phased
 """
 
@@ -120,7 +121,7 @@ SELECT request_id, accepted->>'tenant', accepted->>'model', accepted->>'model_re
 # last one started (fold's current attempt), at the request's terminal event.
 PROJECT_ATTEMPTS = """
 WITH attempt AS (
-    SELECT request_id, attempt,
+    SELECT request_id, accepted_on, attempt,
            min(lease_epoch) FILTER (WHERE type = 'AttemptStarted') AS lease_epoch,
            (array_agg(body) FILTER (WHERE type = 'AttemptStarted'))[1] AS started,
            min(occurred_at) FILTER (WHERE type = 'AttemptStarted') AS started_at,
@@ -141,13 +142,13 @@ WITH attempt AS (
       FROM new_events
      WHERE type IN ('AttemptStarted', 'FirstTokenReceived', 'UpstreamFailed', 'AttemptFenced', 'CancelSent',
                     'CancelAcked', 'LeaseExpired', 'AttemptReleased')
-     GROUP BY request_id, attempt
+     GROUP BY request_id, accepted_on, attempt
 )
 INSERT INTO request_attempts (request_id, attempt, lease_epoch, replica_id, started_at, lease_expires_at,
                               first_token_at, failure_kind, failure_detail, failure_deadline,
                               upstream_status, upstream_code, failed_at, fenced_at, waiting_for,
                               cancel_sent_at, cancel_acked_at, generated_tokens, lease_expired_at,
-                              released_at, released_because, completed_at, fence_ms)
+                              released_at, released_because, completed_at, fence_ms, accepted_on)
 SELECT a.request_id, a.attempt, a.lease_epoch, a.started->>'replica_id', a.started_at,
        (a.started->>'lease_expires_at')::timestamptz,
        a.first_token_at, a.failure->>'kind', a.failure->>'detail', a.failure->>'deadline',
@@ -155,8 +156,8 @@ SELECT a.request_id, a.attempt, a.lease_epoch, a.started->>'replica_id', a.start
        a.waiting_for, a.cancel_sent_at, a.cancel_acked_at, a.generated_tokens, a.lease_expired_at,
        a.released_at, a.released_because,
        CASE WHEN r.outcome = 'completed' AND r.attempts = a.attempt THEN r.finished_at END,
-       milliseconds(a.released_at - a.fenced_at)
-  FROM attempt a JOIN requests r USING (request_id)
+       milliseconds(a.released_at - a.fenced_at), a.accepted_on
+  FROM attempt a JOIN requests r USING (request_id, accepted_on)
  -- an attempt's news without its AttemptStarted make no row (the trigger's UPDATE finds
  -- none); two starts of one attempt fail as the trigger's INSERT does, on the primary key
  WHERE CASE WHEN a.starts <= 1 THEN a.starts = 1

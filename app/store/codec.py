@@ -1,6 +1,9 @@
 """Events to rows of ``request_events`` and back, through the events' JSON form.
 
 The envelope goes to columns (``seq`` is the row's ``version``), the body to jsonb.
+Each row also carries its request's ``accepted_on``, the partition key (migration
+0007): the UTC day of the request's ``RequestAccepted``, which the store supplies
+for the events after it (:mod:`app.store.postgres`).
 
 Each event's id is derived from the event itself, so appending the very same event
 again, or re-importing a recorded trace, finds the row already there: 48 bits of
@@ -28,7 +31,7 @@ import hashlib
 import json
 import typing
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, NamedTuple
 
 import orjson
@@ -39,6 +42,8 @@ from statemachine.jsonform import from_json
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
+_DAY = timedelta(days=1)
+_EPOCH_DAY = _EPOCH.date()
 
 
 class EventRow(NamedTuple):
@@ -53,6 +58,8 @@ class EventRow(NamedTuple):
     lease_epoch: int | None
     occurred_at: datetime
     body: str  # JSON text, cast to jsonb by the INSERT
+    # the request's accept day (the partition key); None: the INSERT looks it up
+    accepted_on: date | None = None
 
 
 class _Layout(NamedTuple):
@@ -77,8 +84,14 @@ def _layout(cls: type[Event]) -> _Layout:
 _LAYOUTS = {cls: _layout(cls) for cls in EVENT_TYPES.values()}
 
 
-def to_row(event: Event) -> EventRow:
-    """The row that records ``event``."""
+def accept_day(accepted_at: datetime) -> date:
+    """The partition key of a request accepted at ``accepted_at``: its UTC day."""
+    return _EPOCH_DAY + timedelta(days=(accepted_at - _EPOCH) // _DAY)
+
+
+def to_row(event: Event, accepted_on: date | None = None) -> EventRow:
+    """The row that records ``event`` of a request accepted on ``accepted_on`` (a
+    ``RequestAccepted`` is on its own day)."""
     layout = _LAYOUTS[type(event)]
     body_form = {name: getattr(event, name) for name in layout.body_fields}
     for name in layout.datetime_fields:
@@ -110,6 +123,7 @@ def to_row(event: Event) -> EventRow:
         lease_epoch,
         at,
         body,
+        accept_day(at) if layout.name == "RequestAccepted" else accepted_on,
     )
 
 

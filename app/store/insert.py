@@ -3,8 +3,18 @@
 One row is a plain ``INSERT … VALUES``; a few are an ``INSERT … SELECT FROM unnest(…)``
 of column arrays; many are a binary ``COPY``, which costs less CPU per event on both
 sides (``ops/bench/eventlog.py``; figures: docs/performance.md). The INSERTs skip events already
-recorded (``ON CONFLICT (event_id) DO NOTHING``: a retried append is a no-op); COPY
+recorded (``ON CONFLICT (event_id, accepted_on) DO NOTHING``: a retried append is a no-op); COPY
 cannot, so a batch that repeats one fails and the writer writes it again by INSERT.
+
+Every row names its partition, ``accepted_on`` (migration 0007). A row whose day the
+store does not know (an append to a request another process accepted: a sweep, a
+resume's bookkeeping) takes it from the request's row in the same statement, a
+lookup that runs only for such rows; COPY cannot, so such a batch goes by INSERT.
+
+A log not yet converted (schema 0006: this release started before ``phasegate db
+upgrade``, in a rolling upgrade) takes 0006's statements, which name no day
+(:class:`LogSchema`); once the conversion's switch is done they are refused
+(SQLSTATE 42P10: no unique index on ``event_id`` alone), and the writer looks again.
 """
 
 from __future__ import annotations
@@ -15,16 +25,53 @@ import asyncpg
 
 from app.store.codec import EventRow
 
+# With no request row either, any day will do: the projection's stream guard refuses
+# the append (PG409) as it did before partitions.
+_ACCEPTED_ON = """coalesce({day}, (SELECT r.accepted_on FROM requests r WHERE r.request_id = {request_id} LIMIT 1),
+                 (now() AT TIME ZONE 'UTC')::date)"""
+
 # One event, the common durable append: plain VALUES skip building and unpacking the
-# arrays (figures: docs/performance.md).
+# arrays (figures: docs/performance.md). Its day named: a statement that may look the
+# day up costs more even when it does not (the lookup's plan locks every day's
+# partition of requests at each execution), so that one is taken only when needed.
 INSERT_EVENT = """
+INSERT INTO request_events
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, $10::date)
+ON CONFLICT (event_id, accepted_on) DO NOTHING
+"""
+INSERT_EVENT_LOOKUP = f"""
+INSERT INTO request_events
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, {_ACCEPTED_ON.format(day="$10::date", request_id="$1")})
+ON CONFLICT (event_id, accepted_on) DO NOTHING
+"""
+
+_INSERT_EVENTS = """
+INSERT INTO request_events
+    (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
+SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb,
+       {accepted_on}
+  FROM unnest($1::text[], $2::integer[], $3::uuid[], $4::text[], $5::smallint[],
+              $6::integer[], $7::integer[], $8::timestamptz[], $9::text[], $10::date[])
+       AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body,
+                accepted_on)
+ON CONFLICT (event_id, accepted_on) DO NOTHING
+"""
+INSERT_EVENTS = _INSERT_EVENTS.format(accepted_on="batch.accepted_on")
+INSERT_EVENTS_LOOKUP = _INSERT_EVENTS.format(
+    accepted_on=_ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")
+)
+COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
+
+# 0006's statements, word for word, for a log not yet partitioned
+PREVIOUS_INSERT_EVENT = """
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb)
 ON CONFLICT (event_id) DO NOTHING
 """
-
-INSERT_EVENTS = """
+PREVIOUS_INSERT_EVENTS = """
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
 SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body::jsonb
@@ -33,17 +80,50 @@ SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch
        AS batch(request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body)
 ON CONFLICT (event_id) DO NOTHING
 """
-COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
+_FIELDS = EventRow._fields[:9]
 
 
-async def insert_rows(conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool) -> None:
+class LogSchema:
+    """Whether ``request_events`` is partitioned (0007) or not yet (0006): which statements append."""
+
+    def __init__(self) -> None:
+        self.partitioned = True
+
+    async def learn(self, conn: asyncpg.Connection) -> None:
+        self.partitioned = bool(
+            await conn.fetchval("SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')")
+        )
+
+
+async def insert_rows(
+    conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool, schema: LogSchema | None = None
+) -> None:
     """Insert ``rows`` in one statement; ``copy``: COPY may be used (a batch without retried events)."""
+    if schema is not None and not schema.partitioned:
+        try:
+            await _insert_undayed(conn, rows, copy=copy)
+            return
+        except asyncpg.InvalidColumnReferenceError:  # 0007's switch was just done: look again
+            await schema.learn(conn)
+            if not schema.partitioned:
+                raise
+    dayed = all(row.accepted_on is not None for row in rows)
     if len(rows) == 1:
-        await conn.execute(INSERT_EVENT, *rows[0])
-    elif copy and len(rows) >= COPY_FROM:
+        await conn.execute(INSERT_EVENT if dayed else INSERT_EVENT_LOOKUP, *rows[0])
+    elif copy and len(rows) >= COPY_FROM and dayed:
         await conn.copy_records_to_table("request_events", records=rows, columns=EventRow._fields)
     else:
-        await conn.execute(INSERT_EVENTS, *columns(rows))
+        await conn.execute(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, *columns(rows))
+
+
+async def _insert_undayed(conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool) -> None:
+    undayed = [row[:9] for row in rows]
+    if len(rows) == 1:
+        await conn.execute(PREVIOUS_INSERT_EVENT, *undayed[0])
+    elif copy and len(rows) >= COPY_FROM:
+        await conn.copy_records_to_table("request_events", records=undayed, columns=_FIELDS)
+    else:
+        await conn.execute(PREVIOUS_INSERT_EVENTS, *[list(column) for column in zip(*undayed, strict=True)])
 
 
 def columns(rows: Iterable[EventRow]) -> list[list[object]]:

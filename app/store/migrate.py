@@ -2,7 +2,10 @@
 
 ``phasegate db upgrade`` and the server at start call these. The async forms run
 inside an event loop; the plain ones start their own. Concurrent upgrades (two
-gateways starting at once) queue on an advisory lock instead of racing.
+gateways starting at once) queue on an advisory lock instead of racing. The lock is
+the session's, taken by polling: a waiting upgrader holds no transaction, so a
+migration that builds an index ``CONCURRENTLY`` (0007), which waits for every older
+snapshot, does not wait for it. Each migration is its own transaction.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from app.store.database import sqlalchemy_url
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 _LOCK_KEY = 0x70686173_6567  # "phaseg": the advisory lock that serialises upgrades
+_LOCK_POLL_S = 0.05
 
 
 def alembic_config() -> Config:
@@ -67,15 +71,23 @@ async def _run(url: str, step: Callable[[Config], None]) -> None:
     engine = create_async_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
+            lock = {"key": _LOCK_KEY}
+            while not (await connection.execute(text("SELECT pg_try_advisory_lock(:key)"), lock)).scalar():
+                await connection.commit()  # wait outside any transaction
+                await asyncio.sleep(_LOCK_POLL_S)
+            await connection.commit()
 
             def migrate(sync: Connection) -> None:
-                # held to the end of the one transaction all the migrations run in
-                sync.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
                 config = alembic_config()
                 config.attributes["connection"] = sync
                 step(config)
 
-            await connection.run_sync(migrate)
-            await connection.commit()
+            try:
+                await connection.run_sync(migrate)
+                await connection.commit()
+            finally:
+                await connection.rollback()
+                await connection.execute(text("SELECT pg_advisory_unlock(:key)"), lock)
+                await connection.commit()
     finally:
         await engine.dispose()

@@ -15,15 +15,17 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from datetime import date
 from typing import Any
 
+import asyncpg
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app.store import schema
+from app.store import partitions, schema
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
-from app.store.codec import from_row, storable, to_row
+from app.store.codec import EventRow, from_row, storable, to_row
 from app.store.content import kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, refused_as_read_only
@@ -33,8 +35,24 @@ from statemachine.events import Event
 
 logger = logging.getLogger("phasegate.store")
 
+# Accept days remembered, of the requests most recently accepted here: one for each
+# request still live, with room to spare. A forgotten one costs its appends a lookup
+# inside their INSERT, not a round trip.
+_ACCEPT_DAYS_KEPT = 200_000
 
+
+# The input's partition is its request's accept day: the store's, else the request's
+# row's (the input may be written first: then today, its RequestAccepted's day).
 _INSERT_INPUTS = """
+    INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
+    SELECT request_id, body, model_revision, seed,
+           coalesce(accepted_on, (SELECT r.accepted_on FROM requests r WHERE r.request_id = i.request_id LIMIT 1),
+                    (now() AT TIME ZONE 'UTC')::date)
+      FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
+           AS i(request_id, body, model_revision, seed, accepted_on)
+    ON CONFLICT (request_id, accepted_on) DO NOTHING
+"""
+_PREVIOUS_INSERT_INPUTS = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed)
     SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[])
     ON CONFLICT (request_id) DO NOTHING
@@ -83,6 +101,7 @@ class PostgresEventStore(EventStore):
         self._inputs_written: asyncio.Task[None] | None = None
         self._closed = False
         self._outage = False
+        self._accept_days: dict[str, date] = {}  # request -> partition key, of requests accepted here
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> PostgresEventStore:
@@ -101,15 +120,41 @@ class PostgresEventStore(EventStore):
         self, request_id: str, expected_version: int, events: Sequence[Event], *, durable: bool = True
     ) -> int:
         check_append(request_id, expected_version, events)
-        await self.writer.submit(request_id, expected_version, [to_row(event) for event in events], durable)
+        await self.writer.submit(request_id, expected_version, self._rows(request_id, events), durable)
         return expected_version + len(events)
 
     async def append_grouped(self, request_id: str, expected_version: int, events: Sequence[Event]) -> Awaitable[None]:
         check_append(request_id, expected_version, events)
-        rows = [to_row(event) for event in events]
+        rows = self._rows(request_id, events)
         committed = await self.writer.enqueue(request_id, expected_version, rows, durable=False, track=True)
         assert committed is not None
         return committed
+
+    def _rows(self, request_id: str, events: Sequence[Event]) -> list[EventRow]:
+        """The rows of ``events``, each with its request's accept day (the partition key)
+        when this store accepted the request; else the INSERT looks the day up."""
+        day = self._accept_days.get(request_id)
+        if day is None:
+            first = to_row(events[0])
+            if first.accepted_on is None:  # not a RequestAccepted: the INSERT finds the day
+                return [first, *(to_row(event) for event in events[1:])]
+            day = first.accepted_on
+            if not self.writer.schema.partitioned:  # 0006 records no day: remember none
+                return [first, *(to_row(event, day) for event in events[1:])]
+            if len(self._accept_days) >= _ACCEPT_DAYS_KEPT:
+                del self._accept_days[next(iter(self._accept_days))]  # the oldest accepted
+            self._accept_days[request_id] = day
+            return [first, *(to_row(event, day) for event in events[1:])]
+        return [to_row(event, day) for event in events]
+
+    async def maintain_partitions(self, **options: Any) -> partitions.Maintenance:
+        """Run :func:`app.store.partitions.maintain` on a connection of its own (a
+        concurrent detach cannot run inside a transaction, nor on the pool's)."""
+        connection = await asyncpg.connect(asyncpg_dsn(self.url), timeout=10)
+        try:
+            return await partitions.maintain(connection, **options)
+        finally:
+            await connection.close()
 
     async def read(self, request_id: str) -> list[Event]:
         events = schema.request_events.c
@@ -275,9 +320,21 @@ class PostgresEventStore(EventStore):
         finally:
             batch, self._pending_inputs, self._inputs_written = self._pending_inputs, [], None
         columns = [list(column) for column in zip(*batch, strict=True)]
-        async with self._connection(commit=True) as connection:
-            raw = (await connection.get_raw_connection()).driver_connection
-            await raw.execute(_INSERT_INPUTS, *columns)
+        log = self.writer.schema
+        for last in (False, True):
+            try:
+                async with self._connection(commit=True) as connection:
+                    raw = (await connection.get_raw_connection()).driver_connection
+                    if not log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
+                        await log.learn(raw)
+                    if log.partitioned:
+                        await raw.execute(_INSERT_INPUTS, *columns, [self._accept_days.get(r) for r in columns[0]])
+                    else:
+                        await raw.execute(_PREVIOUS_INSERT_INPUTS, *columns)
+                return
+            except asyncpg.InvalidColumnReferenceError:  # the conversion's switch came between: again
+                if last:
+                    raise
 
     async def read_input(self, request_id: str) -> RequestInput | None:
         if self._inputs_written is not None:

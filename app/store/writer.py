@@ -23,8 +23,8 @@ costs markedly more (figures: docs/performance.md).
   measures the group-commit rate; figures: docs/performance.md).
 - The queue is bounded (``max_queued_events``): appends wait for room.
 - A batch that PostgreSQL rejects (a conflict; or a retried event, which COPY cannot
-  skip) is written again with one savepoint per append and ``ON CONFLICT (event_id)
-  DO NOTHING``, so retries are no-ops and only the offending appends fail. The
+  skip) is written again with one savepoint per append and ``ON CONFLICT (event_id,
+  accepted_on) DO NOTHING``, so retries are no-ops and only the offending appends fail. The
   request's appends already in the pipeline behind a failed one fail with it (they
   would follow someone else's events). A non-durable append's failure is raised by
   the request's next append; after that the request may append again.
@@ -47,7 +47,7 @@ import asyncpg
 
 from app.store.codec import EventRow
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, rejection
-from app.store.insert import insert_rows
+from app.store.insert import LogSchema, insert_rows
 
 logger = logging.getLogger("phasegate.store.writer")
 
@@ -105,6 +105,7 @@ class GroupCommitWriter:
         self._command_timeout = command_timeout  # a hung connection is an outage, not a wait forever
         self._reconnect_max_delay = reconnect_max_delay
         self._conn: asyncpg.Connection | None = None
+        self.schema = LogSchema()
         self._queue: collections.deque[PendingAppend] = collections.deque()
         self._queued_events = 0
         self._durable_queued = 0
@@ -134,7 +135,9 @@ class GroupCommitWriter:
 
     async def _connect(self) -> asyncpg.Connection:
         self._bound_instance = None
-        return await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
+        conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
+        await self.schema.learn(conn)  # partitioned or not yet (a rolling upgrade): app/store/insert.py
+        return conn
 
     def bind_instance(self, instance: str | None) -> None:
         """Append for ``instance`` from the next batch on: PostgreSQL refuses the
@@ -305,7 +308,7 @@ class GroupCommitWriter:
                 if self._bound_instance != self._instance:  # once per connection or instance
                     await self._conn.execute("SELECT set_config('phasegate.instance', $1, false)", self._instance or "")
                     self._bound_instance = self._instance
-                await insert_rows(self._conn, rows, copy=True)
+                await insert_rows(self._conn, rows, copy=True, schema=self.schema)
             except _REJECTIONS as exc:
                 if is_unavailable(exc):
                     raise
@@ -335,7 +338,7 @@ class GroupCommitWriter:
                     continue
                 try:
                     async with self._conn.transaction():
-                        await insert_rows(self._conn, entry.rows, copy=False)
+                        await insert_rows(self._conn, entry.rows, copy=False, schema=self.schema)
                 except _REJECTIONS as exc:
                     if is_unavailable(exc):
                         raise

@@ -53,7 +53,7 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
 from app.store import migrate
-from app.store.codec import to_row
+from app.store.codec import EventRow, accept_day, to_row
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT
@@ -105,6 +105,11 @@ def delivery(request_id: str, index: int) -> DeltasDelivered:
     return DeltasDelivered(request_id, 4 + index, at, 1, 1, index, index + 1, 1, " tok", None)
 
 
+def dayed_row(event: Event) -> EventRow:
+    """The row of ``event`` with its request's accept day, as the store writes it."""
+    return to_row(event, accept_day(T0))
+
+
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -123,7 +128,7 @@ async def bench_durable(store: PostgresEventStore, count: int) -> Durable:
     result = Durable([], [], [])
     try:
         for event in opening("direct"):
-            await direct.execute(INSERT_EVENT, *to_row(event))
+            await direct.execute(INSERT_EVENT, *dayed_row(event))
         for block in range(0, count, 100):  # interleaved, so that a noisy moment hits all three
             for index in range(block, min(block + 100, count)):
                 event = delivery("durable", index)
@@ -131,7 +136,7 @@ async def bench_durable(store: PostgresEventStore, count: int) -> Durable:
                 await store.append("durable", 3 + index, [event])
                 result.store.append(time.perf_counter() - began)
             for index in range(block, min(block + 100, count)):
-                row = to_row(delivery("direct", index))
+                row = dayed_row(delivery("direct", index))
                 began = time.perf_counter()
                 await direct.execute(INSERT_EVENT, *row)
                 result.direct.append(time.perf_counter() - began)
@@ -260,11 +265,11 @@ async def bench_synchronous_commit(url: str, count: int) -> dict[str, list[float
         for level, connection in connections.items():
             await connection.execute(f"SET synchronous_commit TO {level}")
             for event in opening(f"sync-{level}"):
-                await connection.execute(INSERT_EVENT, *to_row(event))
+                await connection.execute(INSERT_EVENT, *dayed_row(event))
         for block in range(0, count, 100):
             for level, connection in connections.items():
                 for index in range(block, min(block + 100, count)):
-                    row = to_row(delivery(f"sync-{level}", index))
+                    row = dayed_row(delivery(f"sync-{level}", index))
                     began = time.perf_counter()
                     await connection.execute(INSERT_EVENT, *row)
                     samples[level].append(time.perf_counter() - began)
@@ -275,7 +280,7 @@ async def bench_synchronous_commit(url: str, count: int) -> dict[str, list[float
 
 
 def _params(event: Event) -> dict[str, object]:
-    return {f"p{n}": value for n, value in enumerate(to_row(event), start=1)}
+    return {f"p{n}": value for n, value in enumerate(dayed_row(event), start=1)}
 
 
 async def _last_position(store: PostgresEventStore) -> int:
