@@ -149,6 +149,8 @@ class RequestLoop:
                 run.generated_tokens += 1
                 yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
+                if frame.queue_position:
+                    self.ctx.pool.queued_at(run.replica, frame.queue_position)
                 deadline = run.deadline_due()
                 if deadline is not None:
                     waited = self.ctx.clock() - run.started_at

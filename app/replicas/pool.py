@@ -3,7 +3,8 @@
 How this works: each replica has a count of this gateway's outstanding attempts, the
 other gateways' load on it (what it last reported holding, a worker's running +
 queued attempts in its health answer, less this gateway's count then: a stale total
-would hide how this gateway's own count changed since), a health flag from
+would hide how this gateway's own count changed since; raised between answers by the
+queue positions its heartbeats give), a health flag from
 background probes (a real 1-token generation), a circuit breaker, and a cool-down
 from ``Retry-After``. The pool does not choose:
 ``snapshot`` gives the policy a pure view of it (:mod:`statemachine.routing`), the
@@ -129,6 +130,11 @@ class ReplicaPool:
         """What the replica says it holds (running + queued, every gateway's): less this
         gateway's own attempts, the other gateways' load on it."""
         replica.others_load = max(load - replica.outstanding, 0)
+
+    def queued_at(self, replica: Replica, position: int) -> None:
+        """A heartbeat says an attempt waits at ``position`` (1: next in line) for an engine
+        slot: the replica holds at least that many waiting, between its health answers."""
+        replica.others_load = max(replica.others_load, position - replica.outstanding)
 
     def any_available(self, model: str | None = None) -> bool:
         return any(self.available(replica, model) for replica in self.replicas.values())

@@ -197,3 +197,8 @@ def test_a_probe_takes_the_load_the_replica_reports_into_the_snapshot() -> None:
     assert choose(p, "m") == "b"  # cooled down: 2 outstanding here is less than a's 7
     a.outstanding = 0  # a's attempt here ended since: its load is the others' 6, not the stale 7
     assert p.snapshot(["m"]).replicas[0].load == 6
+    b.outstanding = 1
+    p.queued_at(b, 5)  # a heartbeat: one of ours waits fifth in b's queue, so 4 others at least
+    assert p.snapshot(["m"]).replicas[1].others_load == 4
+    p.queued_at(b, 2)  # a lower bound never lowers what is known
+    assert p.snapshot(["m"]).replicas[1].others_load == 4
