@@ -18,45 +18,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from datetime import timedelta
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, NamedTuple
 
+from app.driver.actions import LoopActions
 from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
 from app.driver.feed import AttachedClient, Feed
 from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
-from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
+from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
 from statemachine import events as ev
 from statemachine.actions import (
-    Action,
-    CancelAttempt,
     CancelRequest,
-    FailRequest,
-    FenceAttempt,
-    StartAttempt,
     Wait,
-    WaitToRetry,
 )
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import POISON_REQUEST, decide, ended_by_gateway, needs_pool
-from statemachine.request_state import DEAD_KINDS, FenceWait, RequestState
+from statemachine.policy import decide, ended_by_gateway, needs_pool
+from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
 
-LEASE_EXPIRY_MARGIN_S = 0.05  # clocks differ a little: wait past the replica's expiry
 CANCELLED_BY_CLIENT = "cancelled_by_client"  # RequestCancelled's reason for a stop button
 
 
-class RequestLoop:
-    """One request's loop and the actions it carries out; :class:`~app.driver.driver.RequestDriver`
-    adds what the HTTP layer and the gateway call."""
+class RequestLoop(LoopActions):
+    """One request's loop, which carries out the policy's actions (:class:`LoopActions`);
+    :class:`~app.driver.driver.RequestDriver` adds what the HTTP layer and the gateway call."""
 
     def __init__(self, ctx: GatewayContext, request_id: str, request: GenerationRequest, tenant: str) -> None:
         self.ctx = ctx
@@ -92,14 +85,6 @@ class RequestLoop:
             *routing.context_window_fallbacks,
             *routing.content_policy_fallbacks,
         )
-
-    @property
-    def request_id(self) -> str:
-        return self.recorder.request_id
-
-    @property
-    def state(self) -> RequestState:
-        return self.recorder.state
 
     @property
     def answered_by(self) -> str:
@@ -188,160 +173,6 @@ class RequestLoop:
                 return outcome
             if all(isinstance(action, Wait) for action in actions):
                 return None
-
-    def _record_action(self, action: Action) -> Callable[[], Awaitable[Output | None]] | None:
-        if isinstance(action, StartAttempt):
-            return self._start_attempt(action)
-        if isinstance(action, WaitToRetry):
-            return self._wait_to_retry(action)
-        if isinstance(action, FenceAttempt):
-            return self._fence(action)
-        if isinstance(action, CancelAttempt):
-            return self._cancel_attempt()
-        if isinstance(action, FailRequest):
-            return self._fail(action)
-        if isinstance(action, CancelRequest):
-            return self._cancel_request(action)
-        return None  # Wait: nothing to do but keep reading
-
-    # --- actions: each records its events now and returns what is left to await --------
-
-    def _start_attempt(self, action: StartAttempt) -> Callable[[], Awaitable[Output | None]] | None:
-        ctx, request = self.ctx, self.request
-        if action.attempt > 1 and not ctx.budget.try_take():
-            self.recorder.record(ev.RetryBudgetDenied, scope="global")
-            ctx.metrics.retry_budget_denied.inc()
-            return None
-        replica = ctx.pool.replicas.get(action.replica) if action.replica is not None else None
-        if replica is None:
-            self.recorder.record(
-                ev.NoReplicaAvailable,
-                excluded=action.exclude_replicas,
-                detail=f"no healthy replica serves {action.model or request.model}",
-            )
-            return None
-        ctx.pool.placed(replica)
-        if action.migration is not None:
-            ctx.metrics.migrations.labels(model=request.model, migration_type=action.migration).inc()
-        ttl = ctx.config.timeouts.lease_ttl_s
-        self.recorder.record(
-            ev.AttemptStarted,
-            attempt=action.attempt,
-            lease_epoch=action.attempt,
-            replica_id=replica.id,
-            lease_expires_at=ctx.wall_clock() + timedelta(seconds=ttl),
-            acknowledges_cancel=replica.client.acknowledges_cancel,
-            aborts_on_close=replica.client.aborts_on_close,
-            model=action.model if action.model != request.model else None,
-        )
-        run = AttemptRun(
-            replica,
-            request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl, model=action.model),
-            clock=ctx.clock,
-            timeouts=ctx.config.timeouts,
-        )
-        self.run = run
-        self.tool_calls.restart()
-
-        async def open_attempt() -> Output | None:
-            # queued ahead of anything the replica's answer makes us record, so the log
-            # holds the grant before the commit point; durable only with the commit point
-            await self.recorder.flush(durable=False)
-            try:
-                await run.open()
-            except UpstreamFailure as failure:
-                await self._observe_failure(run, failure)
-                return None
-            self._restarted = action.attempt > 1
-            return None
-
-        return open_attempt
-
-    def _wait_to_retry(self, action: WaitToRetry) -> Callable[[], Awaitable[Output | None]]:
-        async def wait() -> Output | None:
-            # the timer: at most retry_same_max_wait_s; a drain or a stop ends the request after it
-            await asyncio.sleep(action.wait_s)
-            self.recorder.record(ev.RetryWaitElapsed, replica_id=action.replica)
-            return None
-
-        return wait
-
-    def _fence(self, action: FenceAttempt) -> Callable[[], Awaitable[Output | None]]:
-        run = self.run
-        assert run is not None and run.attempt == action.attempt
-        self.recorder.record(
-            ev.AttemptFenced, attempt=run.attempt, lease_epoch=run.lease_epoch, waiting_for=action.wait_for
-        )
-        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        self.run = None
-        closing = action.wait_for is FenceWait.CONNECTION_CLOSE
-        fence = self.ctx.spawn(
-            self._settle(run, fenced=True, closing=closing), name=f"fence {self.request_id}/{run.attempt}"
-        )
-        if not action.request_waits:
-            return _nothing  # the stream ends now; the fence completes as bookkeeping
-
-        async def wait_for_fence() -> Output | None:
-            await self.recorder.flush(durable=False)
-            await asyncio.shield(fence)
-            return None
-
-        return wait_for_fence
-
-    def _cancel_attempt(self) -> Callable[[], Awaitable[Output | None]] | None:
-        run = self.run
-        if run is None:
-            return None
-        self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        self.run = None
-        self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
-        return None
-
-    async def _settle(self, run: AttemptRun, *, fenced: bool, closing: bool = False) -> None:
-        """Stop the attempt for good: cancel acknowledged, or its lease run out; or,
-        ``closing`` (a fence before any delivery on a replica that aborts on a closed
-        connection), its stream closed, with no proof to wait for (DESIGN.md §7)."""
-        generated = None if closing else await run.cancel()  # before the close: the ack names the attempt
-        await run.release()
-        if closing:
-            self.recorder.record_closed(run.attempt, run.lease_epoch)
-        else:
-            if generated is None:
-                await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
-            self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
-        if fenced:
-            released_by = "connection_close" if closing else "cancel_ack" if generated is not None else "lease_expiry"
-            self.ctx.metrics.fences.labels(released_by=released_by).inc()
-        await self.recorder.flush(durable=False)
-        self._maybe_forget()
-
-    def _fail(self, action: FailRequest) -> Callable[[], Awaitable[Output | None]]:
-        self.recorder.record_failed(action)
-        self.charges.settle(poison=action.code == POISON_REQUEST)
-        model = self.request.model
-        if action.code == "upstream_decode_interrupted":
-            self.ctx.metrics.decode_interruptions.labels(model=model).inc()
-        if action.code == "retry_cost_exceeded":
-            self.ctx.metrics.cost_guard.labels(model=model).inc()
-
-        current = self.state.current_attempt
-        refused = action.reason == "upstream_refused_request"
-        param = current.upstream_param if refused and current is not None else None
-
-        async def finish() -> Output | None:
-            await self._end("failed")
-            return Failed.decided(action, param)
-
-        return finish
-
-    def _cancel_request(self, action: CancelRequest) -> Callable[[], Awaitable[Output | None]]:
-        self.recorder.record(ev.RequestCancelled, reason=action.reason)
-
-        async def finish() -> Output | None:
-            await self._end("cancelled")
-            return Cancelled(action.reason)
-
-        return finish
 
     # --- observations ----------------------------------------------------------------
 
@@ -449,7 +280,3 @@ class Interruption(NamedTuple):
     code: str
     message: str
     record: bool
-
-
-async def _nothing() -> Output | None:
-    return None
