@@ -10,6 +10,7 @@ import pytest
 
 from statemachine import events as ev
 from statemachine.actions import FailRequest, StartAttempt, WaitToRetry
+from statemachine.errors import IllegalTransition
 from statemachine.events import FailureKind
 from statemachine.policy import PolicyConfig
 from statemachine.replay import replay
@@ -271,3 +272,40 @@ def test_a_placement_recorded_elsewhere_than_the_snapshot_says_is_named_as_the_d
     (recorded,) = result.divergence.recorded
     (recomputed,) = result.divergence.recomputed
     assert (recorded["params"]["replica"], recomputed["params"]["replica"]) == ("w2", "w3")
+
+
+# --- the fold's side ----------------------------------------------------------------------
+
+
+def test_a_retry_wait_that_was_never_decided_is_illegal() -> None:
+    driver = ModelDriver()
+    with pytest.raises(IllegalTransition, match="no wait to retry was decided"):
+        driver.record(ev.RetryWaitElapsed, replica_id="w1")
+
+
+def test_a_request_accepted_with_routing_that_cannot_be_is_illegal() -> None:
+    with pytest.raises(IllegalTransition, match="routing: strategy must be one of"):
+        ModelDriver(routing={"strategy": "fastest"})
+
+
+def test_a_fallback_pays_the_cost_guard_like_any_retry() -> None:
+    driver = ModelDriver(
+        pool=FALLBACK_POOL,
+        config=PolicyConfig(retry_max_prompt_tokens=5),  # the model driver's prompt is 12 tokens
+        routing={"context_window_fallbacks": ["big"]},
+    )
+    (failed,) = driver.fail(FailureKind.REQUEST_REFUSED, upstream_status=400, upstream_code="context_length_exceeded")
+    assert isinstance(failed, FailRequest) and failed.code == "retry_cost_exceeded"
+
+
+def test_a_fallback_chain_skips_the_models_already_tried() -> None:
+    driver = ModelDriver(pool=FALLBACK_POOL, routing={"context_window_fallbacks": ["tiny", "big"]})
+    (start,) = driver.fail(FailureKind.REQUEST_REFUSED, upstream_status=400, upstream_code="context_length_exceeded")
+    assert isinstance(start, StartAttempt) and start.model == "big"  # "tiny" is the model that refused
+
+
+def test_a_replica_gone_from_the_pool_is_not_waited_for() -> None:
+    driver = ModelDriver(pool=snapshot(ReplicaView("w1"), ReplicaView("w2", outstanding=4)))
+    driver.pool = snapshot(ReplicaView("w2", outstanding=4))  # w1 was removed meanwhile
+    (start,) = driver.fail(FailureKind.REJECTED, upstream_status=429, retry_after_s=1.0)
+    assert isinstance(start, StartAttempt) and start.replica == "w2" and "w1 left the pool" in start.placement
