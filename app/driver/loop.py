@@ -97,6 +97,7 @@ class RequestLoop:
     # --- the loop --------------------------------------------------------------------
 
     async def _drive(self) -> AsyncGenerator[Output, None]:
+        reader = asyncio.current_task()  # the feed's task runs the whole generator
         while True:
             ended = await self._decide_and_act()
             if self._restarted:
@@ -112,15 +113,14 @@ class RequestLoop:
             if run is None or self.state.phase is Phase.TERMINATED:
                 return
             try:
-                self._pulling = asyncio.current_task()
+                self._pulling = reader
                 frame = await run.next_frame()
             except UpstreamFailure as failure:
                 await self._observe_failure(run, failure)
                 continue
             except asyncio.CancelledError:
-                task = asyncio.current_task()
                 poked, self._poked = self._poked, False
-                if (self._interrupted is None and not poked) or task is None or task.uncancel() > 0:
+                if (self._interrupted is None and not poked) or reader is None or reader.uncancel() > 0:
                     raise
                 continue
             finally:
