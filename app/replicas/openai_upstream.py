@@ -171,24 +171,40 @@ class _OpenAIStream:
         usage: dict[str, int] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
         index = 0
-        lines = aiter(self._response.aiter_lines())
+        # Lines split here from the body's bytes, not by httpx's aiter_lines (three
+        # generators a read, and str.splitlines, which also splits a JSON string at a raw
+        # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
+        response = self._response
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        reads = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
+        lines: list[bytes] = []  # complete lines not looked at yet, the next one last
+        rest: bytes | None = b""  # a line whose end is not read yet; None once the body ended
         try:
             while True:
                 finished = len(finish_reasons) >= self._choices
                 if finished and usage is not None:
                     break  # everything is here: do not wait for [DONE]
-                try:
-                    if finished:  # only the usage chunk may still come
-                        async with asyncio.timeout(USAGE_GRACE_S):
-                            line = await anext(lines)
-                    else:
-                        line = await anext(lines)
-                except (StopAsyncIteration, TimeoutError):
-                    break
-                if not line.startswith("data:"):
+                if not lines:
+                    if rest is None:
+                        break
+                    try:
+                        if finished:  # only the usage chunk may still come
+                            async with asyncio.timeout(USAGE_GRACE_S):
+                                read = await anext(reads)
+                        else:
+                            read = await anext(reads)
+                    except TimeoutError:
+                        break
+                    except StopAsyncIteration:  # a last line without its line break
+                        lines, rest = [rest.rstrip(b"\r")], None
+                        continue
+                    lines, rest = _split_lines(rest + read)
+                    continue
+                line = lines.pop()
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, event names
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = _parse_chunk(data)
                 if isinstance(chunk.get("usage"), dict):
@@ -250,12 +266,27 @@ def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
 
 
-def _parse_chunk(data: str) -> dict[str, Any]:
+def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of ``received`` (CRLF, LF or CR ended), the next one last, and
+    the start of the line after them. A trailing CR is held back: it may be half a CRLF."""
+    held = b""
+    if received.endswith(b"\r"):
+        received, held = received[:-1], b"\r"
+    if b"\r" in received:
+        received = received.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    *lines, rest = received.split(b"\n")
+    lines.reverse()
+    return lines, rest + held
+
+
+def _parse_chunk(data: bytes | str) -> dict[str, Any]:
     try:
         # orjson, not json: it refuses what is not Unicode text (a lone UTF-16 surrogate
         # escape), which could neither be sent on as UTF-8 nor recorded, and NaN
         chunk = orjson.loads(data)
     except ValueError as exc:
+        if isinstance(data, bytes):  # as text, as it was read before: bytes not UTF-8 replaced
+            return _parse_chunk(data.decode("utf-8", "replace"))
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk ({exc}): {data[:80]!r}") from None
     if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
