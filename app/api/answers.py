@@ -91,18 +91,30 @@ async def stream_body(
     try:
         while True:
             if type(output) is Delta:
-                if driver.recorder.behind:  # two batches on their way to the log: let it catch up
-                    await driver.recorder.until_the_log_moves()
-                yield shape.content_event(
-                    event_id, output.text, output.choice, first=not started, logprobs=output.logprobs
-                )
+                recorder = driver.recorder
+                if recorder.behind:  # two batches on their way to the log: let it catch up
+                    await recorder.until_the_log_moves()
+                # with the deltas the loop already has, in one write (up to the one that may
+                # close a batch of the log, after which ``behind`` is asked again)
+                deltas = [output, *client.ready_deltas(recorder.deliveries_before_a_batch_closes() - 1)]
+                if driver.ctx.clock() >= driver.ctx.lease_valid_until:
+                    # this instance's lease lapsed after the loop read them: they never go
+                    # out, and the end that follows counts them undelivered (DESIGN.md §11)
+                    output = await anext(client)
+                    continue
+                events = [
+                    shape.content_event(n, d.text, d.choice, first=not started and n == event_id, logprobs=d.logprobs)
+                    for n, d in enumerate(deltas, start=event_id)
+                ]
+                yield events[0] if len(events) == 1 else b"".join(events)
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()
                     return
-                driver.delivered(output.text, output.tokens, output.choice, output.logprobs, index=event_id)
-                event_id += 1
                 started = True
-                delivered_tokens += output.tokens
+                for delta in deltas:
+                    driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, index=event_id)
+                    event_id += 1
+                    delivered_tokens += delta.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))

@@ -108,6 +108,7 @@ class RequestLoop:
                 return
             run = self.run
             if self._interrupted is not None:
+                await self.feed.client_caught_up()
                 yield await self._end_interrupted()
                 return
             if run is None or self.state.phase is Phase.TERMINATED:
@@ -116,6 +117,7 @@ class RequestLoop:
                 self._pulling = reader
                 frame = await run.next_frame()
             except UpstreamFailure as failure:
+                await self.feed.client_caught_up()
                 await self._observe_failure(run, failure)
                 continue
             except asyncio.CancelledError:
@@ -130,6 +132,8 @@ class RequestLoop:
                 # even before the lease's own timer runs (DESIGN.md §11)
                 self.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
                 continue
+            if type(frame) is not Token:  # observed once the client has every delta (app/driver/feed.py)
+                await self.feed.client_caught_up()
             if type(frame) is Token:
                 if run.generated_tokens == 0:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
@@ -160,6 +164,7 @@ class RequestLoop:
             actions = decide(self.state, self.ctx.config.policy)
             if not actions:
                 return None
+            await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
                 self.recorder.record_decided(action)
             # record every action's events first, then await their side effects
