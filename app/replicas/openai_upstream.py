@@ -30,6 +30,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import AttemptRequest, Done, Frame, ProbeAnswer, Token, ToolCall, UpstreamFailure
+from app.replicas.upstream_http import lean_connections
 from app.tracing import inject_traceparent
 from statemachine.events import FINISH_REASONS, FailureKind
 
@@ -57,6 +58,9 @@ class OpenAIUpstream:
         self.base_url = base_url.rstrip("/")
         self.health_model = health_model
         self.response_timeout_s = response_timeout_s
+        # the streamed completions go through connections of our own where they can
+        # (app/replicas/upstream_http.py); the probes and anything else through httpx
+        self._connections = lean_connections(self.base_url, connect_timeout_s=connect_timeout_s)
         self._chat_url = httpx.URL(f"{self.base_url}/v1/chat/completions")
         self._completions_url = httpx.URL(f"{self.base_url}/v1/completions")
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -106,7 +110,11 @@ class OpenAIUpstream:
 
     async def _send(self, http_request: httpx.Request) -> httpx.Response:
         async with asyncio.timeout(self.response_timeout_s):
-            return await self._client.send(http_request, stream=True)
+            if self._connections is None:
+                return await self._client.send(http_request, stream=True)
+            for hook in self._client.event_hooks["request"]:
+                await hook(http_request)
+            return await self._connections.send(http_request)
 
     async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
         return [True] * len(requests)  # no lease upstream; the gateway's lease is the bound a fence waits for
@@ -126,6 +134,8 @@ class OpenAIUpstream:
         return ProbeAnswer.HEALTHY if response.status_code == 200 else ProbeAnswer.UNHEALTHY
 
     async def close(self) -> None:
+        if self._connections is not None:
+            self._connections.close()
         await self._client.aclose()
 
 
