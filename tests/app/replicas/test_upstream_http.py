@@ -9,7 +9,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.replicas.upstream_http import Connections, lean_connections
+from app.replicas.upstream_http import Connections, _Chunks, lean_connections
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -147,3 +147,52 @@ def test_only_plain_http_without_a_proxy_comes_here(monkeypatch: pytest.MonkeyPa
     assert lean_connections("http://vllm:8000", connect_timeout_s=1.0) is None
     monkeypatch.setenv("NO_PROXY", "vllm")
     assert lean_connections("http://vllm:8000", connect_timeout_s=1.0) is not None
+
+
+BODY = b"data: a\n\n" * 3 + b"data: [DONE]\n\n"
+FRAMED = (  # a chunk extension, and a trailer
+    b"9\r\ndata: a\n\n\r\n9;ext=1\r\ndata: a\n\n\r\n9\r\ndata: a\n\n\r\n"
+    b"e\r\ndata: [DONE]\n\n\r\n0\r\nx-trailer: 1\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 13, 1000])
+async def test_chunk_framing_cut_anywhere_by_the_reads(size: int) -> None:
+    answer = HEAD + FRAMED
+    parts = [answer[at : at + size] for at in range(0, len(answer), size)]
+    server = Server(lambda n: parts)  # each part its own write
+    async with server as connections:
+        for _ in range(2):
+            response = await connections.send(request(connections))
+            assert await body_of(response) == BODY
+            await response.aclose()
+        connections.close()
+    assert server.connections == 1
+
+
+async def test_an_answer_that_says_connection_close_is_not_kept() -> None:
+    head = HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+    server = Server(lambda n: [head + FRAMED])
+    async with server as connections:
+        for _ in range(2):
+            response = await connections.send(request(connections))
+            assert await body_of(response) == BODY
+            await response.aclose()
+        connections.close()
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 11])
+def test_the_chunk_framing_taken_off_whatever_the_reads_bring(size: int) -> None:
+    chunks, data = _Chunks(b""), b""
+    for at in range(0, len(FRAMED), size):
+        assert not chunks.done
+        chunks.buffer += FRAMED[at : at + size]
+        data += b"".join(chunks.decode())
+    assert chunks.done and data == BODY and not chunks.buffer
+
+
+@pytest.mark.parametrize("framed", [b"zz\r\n", b"3\r\nabcXY", b"-1\r\n"])
+def test_broken_chunk_framing_is_a_protocol_error(framed: bytes) -> None:
+    with pytest.raises(httpx.RemoteProtocolError):
+        _Chunks(framed).decode()
