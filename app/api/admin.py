@@ -28,7 +28,7 @@ import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -261,4 +261,5 @@ def _unknown(request_id: str) -> NotFound:
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    return {key: value.isoformat() if isinstance(value, datetime) else value for key, value in row.items()}
+    """A read model's row as JSON values: times and days (``accepted_on``, the partition key) in ISO form."""
+    return {key: value.isoformat() if isinstance(value, datetime | date) else value for key, value in row.items()}

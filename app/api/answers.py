@@ -91,41 +91,53 @@ async def stream_body(
     try:
         while True:
             if type(output) is Delta:
-                if driver.recorder.behind:  # two batches on their way to the log: let it catch up
-                    await driver.recorder.until_the_log_moves()
-                chunk = shape.content_chunk(output.text, output.choice, first=not started, logprobs=output.logprobs)
-                yield sse_event(event_id, chunk)
+                recorder = driver.recorder
+                if recorder.behind:  # two batches on their way to the log: let it catch up
+                    await recorder.until_the_log_moves()
+                # with the deltas the loop already has, in one write (up to the one that may
+                # close a batch of the log, after which ``behind`` is asked again)
+                deltas = [output, *client.ready_deltas(recorder.deliveries_before_a_batch_closes() - 1)]
+                if driver.ctx.clock() >= driver.ctx.lease_valid_until:
+                    # this instance's lease lapsed after the loop read them: they never go
+                    # out, and the end that follows counts them undelivered (DESIGN.md §11)
+                    output = await anext(client)
+                    continue
+                events = [
+                    shape.content_event(n, d.text, d.choice, first=not started and n == event_id, logprobs=d.logprobs)
+                    for n, d in enumerate(deltas, start=event_id)
+                ]
+                yield events[0] if len(events) == 1 else b"".join(events)
                 if not connection.open:  # its send returned, but to a client already gone
                     driver.client_gone()
                     return
-                driver.delivered(output.text, output.tokens, output.choice, output.logprobs, index=event_id)
-                event_id += 1
                 started = True
-                delivered_tokens += output.tokens
+                for delta in deltas:
+                    driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, index=event_id)
+                    event_id += 1
+                    delivered_tokens += delta.tokens
             elif isinstance(output, Finished):
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
                     driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id)
                     event_id += 1
                 await driver.complete(output)
+                ending = []  # the last events go out in one write
                 for choice, reason in enumerate(output.finish_reasons):
-                    yield sse_event(event_id, shape.finish_chunk(reason, choice))
+                    ending.append(sse_event(event_id, shape.finish_chunk(reason, choice)))
                     event_id += 1
                 if driver.request.include_usage:
-                    yield sse_event(event_id, shape.usage_chunk(output.usage))
-                yield DONE
+                    ending.append(sse_event(event_id, shape.usage_chunk(output.usage)))
+                yield b"".join([*ending, DONE])
                 return
             elif isinstance(output, Failed):
-                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output)))
-                yield DONE
+                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output))) + DONE
                 return
             elif isinstance(output, Cancelled):
                 if output.reason == CANCELLED_BY_CLIENT:  # a stop button: whoever still reads is told
                     cancelled = Failed(
                         "request_cancelled", "the client cancelled the request", started, delivered_tokens, False, 499
                     )
-                    yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled)))
-                    yield DONE
+                    yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled))) + DONE
                 return
             output = await anext(client)
     except StopAsyncIteration:  # another client attached in its place
@@ -135,8 +147,8 @@ async def stream_body(
         # final error of DESIGN.md §6; the request is closed in the log when it is back.
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
         driver.log_lost(output_delivered=delivered_tokens > 0 or started)
-        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, log_loss.failure(delivered_tokens))))
-        yield DONE
+        failed = log_loss.failure(delivered_tokens)
+        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, failed))) + DONE
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise

@@ -47,6 +47,7 @@ from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailabl
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.token_stream import TokenStreamResponse
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
@@ -289,7 +290,7 @@ async def attach_live(
     shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created, driver.answered_by)
     connection = Connection()
     body = stream_body(driver, shape, first, connection, lambda tokens: None, start=start)
-    return EventSourceResponse(
+    return TokenStreamResponse(
         body,
         headers=headers,
         ping=15,

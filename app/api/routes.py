@@ -23,7 +23,6 @@ from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -54,6 +53,7 @@ from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
+from app.api.token_stream import ServerSendApp, TokenStreamResponse
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -105,7 +105,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 max_age=600,
             )
         )
-    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
+    return ServerSendApp(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
 
 
 def _attempt_of(ctx: GatewayContext) -> Any:
@@ -189,7 +189,7 @@ class _Api:
         shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
         connection = Connection()
         charge = functools.partial(self.limiter.charge, tenant)
-        return EventSourceResponse(
+        return TokenStreamResponse(
             stream_body(driver, shape, first, connection, charge),
             headers=headers,
             ping=15,

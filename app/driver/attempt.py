@@ -3,10 +3,15 @@
 How this works: ``open`` starts the attempt on the replica. While the driver reads,
 its replica's renewer renews the lease every third of its TTL, in one call with the
 replica's other attempts (app/replicas/renewer.py). ``next_frame`` reads the
-next frame under a stall timer: a worker sends heartbeats while queued, so silence
+next frame under a stall deadline: a worker sends heartbeats while queued, so silence
 means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
 so before its first token only its own first-token deadline applies
-(``openai_first_token_s``, counted from the attempt's start). Heartbeats
+(``openai_first_token_s``, counted from the attempt's start). The deadline is one
+timer an attempt (``_StallWatch``), not a timeout armed and disarmed per frame: it
+fires at the deadline of the read in progress, and moves on when reads went on. A timer
+that fires late because the loop was busy (a gateway at saturation) waits as long
+again before it fails the attempt: the frames it did not see may be in the socket,
+unread, and a slow gateway must not be charged to a healthy replica. Heartbeats
 that show queueing turn into the soft and then the hard first-token deadline, each
 reported once (``deadline_due``). ``release`` stops renewing and closes the stream;
 the lease then lapses on the replica unless a cancel ends it first.
@@ -42,6 +47,7 @@ class AttemptRun:
         self.generated_tokens = 0
         self._stream: AttemptStream | None = None
         self._frames: AsyncIterator[Frame] | None = None
+        self._watch: _StallWatch | None = None
         self._released = False
         replica.outstanding += 1
 
@@ -71,6 +77,7 @@ class AttemptRun:
                 FailureKind.LIVENESS_UNCERTAIN, f"no answer to the start within {deadline:g}s"
             ) from None
         self._frames = aiter(self._stream.frames())
+        self._watch = _StallWatch()
         self.replica.renewer.hold(self)
 
     def lease_renewed(self) -> None:
@@ -79,7 +86,7 @@ class AttemptRun:
 
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
-        assert self._frames is not None, "open() first"
+        assert self._frames is not None and self._watch is not None, "open() first"
         timeouts = self.timeouts
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
         if silent_prefill:  # an OpenAI upstream: its first-token deadline runs from the start
@@ -87,14 +94,22 @@ class AttemptRun:
             limit = max(first_token_s - (self.clock() - self.started_at), 0.0)
         else:
             limit = timeouts.stall_s
+        watch = self._watch
+        watch.reading(limit)
         try:
-            async with asyncio.timeout(limit):
-                frame = await anext(self._frames)
-        except TimeoutError:
-            what = f"no first token within {first_token_s:g}s" if silent_prefill else f"no frame for {limit:g}s"
-            raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, what) from None
+            frame = await anext(self._frames)
+        except asyncio.CancelledError:
+            if watch.read_ended():  # the deadline passed, and nobody else cancelled the read
+                what = f"no first token within {first_token_s:g}s" if silent_prefill else f"no frame for {limit:g}s"
+                raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, what) from None
+            raise
         except StopAsyncIteration:
+            watch.read_ended()
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before the attempt finished") from None
+        except BaseException:
+            watch.read_ended()
+            raise
+        watch.read_ended()
         if not isinstance(frame, Heartbeat):
             self.first_token_seen = True
             # proof that its engine works, should a probe of it go unanswered meanwhile (a
@@ -122,6 +137,8 @@ class AttemptRun:
         if self._released:
             return
         self._released = True
+        if self._watch is not None:
+            self._watch.stop()
         self.replica.outstanding -= 1
         await self.replica.renewer.drop(self)
         if self._stream is not None:
@@ -142,3 +159,68 @@ class AttemptRun:
         except (TimeoutError, UpstreamFailure, OSError) as exc:
             log.info("cancel of %s/%d got no acknowledgement: %r", request.request_id, request.attempt, exc)
             return None
+
+
+class _StallWatch:
+    """The stall deadline of an attempt's reads: one timer, moved only when it fires.
+
+    ``reading(limit)`` starts a read that must end within ``limit`` seconds, and
+    ``read_ended()`` ends it. When the timer finds the read in progress past its deadline
+    it cancels the reading task; ``read_ended`` then says so (and takes the cancellation
+    back) unless another cancel of the task came too, which then goes on as it would have.
+    """
+
+    LATE_S = 0.05  # a timer this late says the loop was busy: the read gets as long again
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task: asyncio.Task[object] | None = None  # the task that reads (always the request loop's)
+        self.since: float | None = None  # the read in progress began, on the loop's clock
+        self.limit = 0.0
+        self.cancelling = 0  # the reading task's cancel requests when the read began
+        self.fired = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.due = 0.0
+
+    def reading(self, limit: float) -> None:
+        now = self.loop.time()
+        self.since, self.limit = now, limit
+        if self.task is None:
+            self.task = asyncio.current_task()
+        assert self.task is not None
+        self.cancelling = self.task.cancelling()
+        if self.timer is None or self.due > now + limit:
+            self._arm(now + limit)
+
+    def read_ended(self) -> bool:
+        """The read is over; whether this watch cancelled it (and only this watch)."""
+        self.since = None
+        if not self.fired:
+            return False
+        self.fired = False
+        assert self.task is not None
+        return self.task.uncancel() <= self.cancelling
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _arm(self, due: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.due = due
+        self.timer = self.loop.call_at(due, self._check)
+
+    def _check(self) -> None:
+        self.timer = None
+        now, since = self.loop.time(), self.since
+        if since is None:  # between reads: the next read's deadline is at least this far
+            self._arm(now + self.limit)
+        elif since + self.limit > now:  # a later read than the one this timer was set for
+            self._arm(since + self.limit)
+        elif now - self.due > self.LATE_S:  # the loop ran late: unread frames may be waiting
+            self._arm(now + (now - self.due))
+        elif self.task is not None and not self.fired:
+            self.fired = True
+            self.task.cancel()

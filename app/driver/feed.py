@@ -6,11 +6,14 @@ that leaves (its HTTP task cancelled) never stops the generation: it only detach
 order; the attached :class:`AttachedClient` reads them with its own cursor, so a
 client that attaches again (a resume on this instance) starts at any delta it names.
 
-While a client is attached the loop reads the next frame only once the client has
-taken every delta and come back for more, as when the client pulled the loop itself:
-whatever the loop then observes (a failure, a drain) is decided on deliveries that are
-all recorded, so the final error's counts are what the client got. That is one
-hand-off each way per delta. While no client is attached the loop runs free: each new
+While a client is attached the loop reads on as tokens come, and the client takes every
+delta there is when it comes back for more (``ready_deltas``: one write for all of them
+when it fell behind). Before the loop observes anything but a token (a failure, the
+end, a drain, a decision) it waits until the client has taken every delta and come back
+for more (``client_caught_up``), as when the client pulled the loop itself: what it then
+decides is decided on deliveries that are all recorded, so the final error's counts are
+what the client got, and the log's order is the order things happened. While no client
+is attached the loop runs free: each new
 delta is recorded as produced (the driver's ``on_unattended``), and the final output
 (finished, failed, cancelled) is kept for whoever reads next.
 
@@ -45,6 +48,16 @@ class AttachedClient:
 
     async def __anext__(self) -> Output:
         return await self.feed.next_for(self)
+
+    def ready_deltas(self, most: int) -> list[Delta]:
+        """Up to ``most`` deltas that came after the last one taken, taken now (none
+        after a restart this client was not told of yet, or once detached)."""
+        feed = self.feed
+        if self is not feed.client or self.restarts != feed.restarts:
+            return []
+        taken = feed.deltas[self.cursor : self.cursor + most]
+        self.cursor += len(taken)
+        return taken
 
 
 class Feed:
@@ -135,7 +148,7 @@ class Feed:
         if caught_up is not None and not caught_up.done():
             caught_up.set_result(None)
 
-    async def _until_the_client_caught_up(self) -> None:
+    async def client_caught_up(self) -> None:
         """With a client attached: until it took every delta and asks for more (or left)."""
         while self.client is not None and not self._client_waiting:
             caught_up = self._caught_up = asyncio.get_running_loop().create_future()
@@ -170,5 +183,3 @@ class Feed:
             if result is not None:
                 await result
         self._wake()
-        if type(output) is Delta:
-            await self._until_the_client_caught_up()

@@ -94,6 +94,7 @@ class RequestLoop(LoopActions):
     # --- the loop --------------------------------------------------------------------
 
     async def _drive(self) -> AsyncGenerator[Output, None]:
+        reader = asyncio.current_task()  # the feed's task runs the whole generator
         while True:
             ended = await self._decide_and_act()
             if self._restarted:
@@ -104,20 +105,21 @@ class RequestLoop(LoopActions):
                 return
             run = self.run
             if self._interrupted is not None:
+                await self.feed.client_caught_up()
                 yield await self._end_interrupted()
                 return
             if run is None or self.state.phase is Phase.TERMINATED:
                 return
             try:
-                self._pulling = asyncio.current_task()
+                self._pulling = reader
                 frame = await run.next_frame()
             except UpstreamFailure as failure:
+                await self.feed.client_caught_up()
                 await self._observe_failure(run, failure)
                 continue
             except asyncio.CancelledError:
-                task = asyncio.current_task()
                 poked, self._poked = self._poked, False
-                if (self._interrupted is None and not poked) or task is None or task.uncancel() > 0:
+                if (self._interrupted is None and not poked) or reader is None or reader.uncancel() > 0:
                     raise
                 continue
             finally:
@@ -127,6 +129,8 @@ class RequestLoop(LoopActions):
                 # even before the lease's own timer runs (DESIGN.md §11)
                 self.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
                 continue
+            if type(frame) is not Token:  # observed once the client has every delta (app/driver/feed.py)
+                await self.feed.client_caught_up()
             if type(frame) is Token:
                 if run.generated_tokens == 0:
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
@@ -161,6 +165,7 @@ class RequestLoop(LoopActions):
             actions = decide(state, self.ctx.config.policy, pool)
             if not actions:
                 return None
+            await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
                 self.recorder.record_decided(action)
             # record every action's events first, then await their side effects

@@ -238,6 +238,16 @@ class Recorder:
         self._batches_waiting = sum(1 for event in self._queued if type(event) is DeltasDelivered)
         self._log_moved.set()
 
+    def deliveries_before_a_batch_closes(self) -> int:
+        """How many deltas may be delivered before ``behind`` must be asked again: the
+        last of them may close the open batch, none before it (at least one)."""
+        batch, config = self._batch, self.ctx.config
+        if batch is None or batch.produced:
+            return config.delivery_batch_tokens
+        if self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000:
+            return 1  # aged: the next delta closes it
+        return max(1, config.delivery_batch_tokens - len(batch.texts))
+
     @property
     def behind(self) -> bool:
         """Two batches of deliveries are on their way to the log (one committing, one

@@ -8,7 +8,9 @@ over its real sockets and what its own log says (a traceback, a warning)::
 The gateway runs on ``database_url`` with ``worker`` as its one replica (the worker's token
 given through the environment, as a deployment does), or with ``replicas`` (``--replica``
 flags such as ``openai=http://…#u1``) instead, in a process group of its own, ended with
-SIGTERM (then SIGKILL) on leaving.
+SIGTERM (then SIGKILL) on leaving. It runs one gateway process (``--processes 1``), so
+what its /metrics says is about every request it served (tests/faults/test_processes.py
+runs several).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def served_gateway(
         config.write_text(_toml(settings or {}))
         port = free_port()
         command = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port)]
+        command += ["--processes", "1"]  # one process: its /metrics and its log are the whole gateway's
         if not replicas and worker is not None:
             replicas = (f"worker={worker.base_url}#w1",)
         for flag in replicas:
