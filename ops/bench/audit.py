@@ -148,7 +148,12 @@ async def storage_per_million(url: str, events: int) -> None:
         connection = await asyncpg.connect(asyncpg_dsn(scratch))
         try:
             sizes = {
-                table: int(await connection.fetchval("SELECT pg_total_relation_size($1::regclass)", table))
+                # a partitioned table holds nothing itself: its partitions (and their indexes) do
+                table: int(
+                    await connection.fetchval(
+                        "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree($1::regclass)", table
+                    )
+                )
                 for table in STORAGE_TABLES
             }
         finally:
