@@ -21,7 +21,9 @@ one accept day at a time (:class:`DayRows`), since the tables are partitioned by
   ``FREEZE`` (written once, already frozen: no later pass rewrites every page, and
   under ``wal_level=minimal`` nothing is WAL-logged), its read models written into
   their own day tables, the parents' indexes built on each (one sort each, no index
-  maintained row by row), and then each is attached as the day's partition: the
+  maintained row by row; a partial index, which holds few rows, is made before the rows
+  come, since building it afterwards reads the whole day again), and then each is
+  attached as the day's partition: the
   ``CHECK`` spares the attach its scan and the indexes built are adopted, named as a
   partition made by ``phasegate db maintain`` names them. The empty partitions the
   loaded days replace are dropped, and the legacy partition (everything before the
@@ -54,7 +56,8 @@ _STORAGE = {"requests": " WITH (fillfactor = 80)"}  # as 0001 made the table (an
 # constraint through ALTER TABLE, a plain index as itself, both left unnamed so that
 # PostgreSQL names them as the attach would have (what maintenance's partitions get).
 _PARENT_INDEXES = """
-SELECT pg_get_constraintdef(c.oid) AS constraint_def, pg_get_indexdef(i.indexrelid) AS index_def
+SELECT pg_get_constraintdef(c.oid) AS constraint_def, pg_get_indexdef(i.indexrelid) AS index_def,
+       i.indpred IS NOT NULL AS partial
   FROM pg_index i
   LEFT JOIN pg_constraint c ON c.conindid = i.indexrelid AND c.conrelid = i.indrelid
  WHERE i.indrelid = $1::regclass
@@ -126,6 +129,9 @@ async def _load_apart(connection: asyncpg.Connection, days: Sequence[DayRows]) -
     loaded_days = [rows.day for rows in days]
     await _make_room(connection, loaded_days[0], loaded_days[-1])
     indexes = {table: await _index_statements(connection, table) for table in PARTITIONED}
+    # a partial index holds few rows: kept as they come costs less than reading the day again
+    early = {table: [statement for statement, partial in built if partial] for table, built in indexes.items()}
+    late = {table: [statement for statement, partial in built if not partial] for table, built in indexes.items()}
     position = await connection.fetchval("SELECT pg_get_serial_sequence('request_events', 'position')")
     await connection.execute(REFUSE)
     loaded, copy_s, project_s, index_s = 0, 0.0, 0.0, 0.0
@@ -138,6 +144,8 @@ async def _load_apart(connection: asyncpg.Connection, days: Sequence[DayRows]) -
                 f"CREATE TABLE {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING GENERATED INCLUDING CONSTRAINTS,"
                 f" CONSTRAINT {name}_bound CHECK ({bound})){_STORAGE.get(table, '')}"
             )
+            for statement in early[table]:
+                await connection.execute(statement.replace("{table}", name))
         # the parent's identity, attached or not: one order of positions over all days
         events = tables["request_events"]
         await connection.execute(f"ALTER TABLE {events} ALTER COLUMN position SET DEFAULT nextval('{position}')")
@@ -149,7 +157,7 @@ async def _load_apart(connection: asyncpg.Connection, days: Sequence[DayRows]) -
         await _project(connection, events, requests=tables["requests"], attempts=tables["request_attempts"])
         projected = time.perf_counter()
         for table, name in tables.items():
-            for statement in indexes[table]:
+            for statement in late[table]:
                 await connection.execute(statement.replace("{table}", name))
             await connection.execute(
                 f"ALTER TABLE {table} ATTACH PARTITION {name}"
@@ -183,16 +191,18 @@ async def _make_room(connection: asyncpg.Connection, first: date, last: date) ->
                 await connection.execute(f"DROP TABLE {partition.name}")
 
 
-async def _index_statements(connection: asyncpg.Connection, table: str) -> list[str]:
-    """The statements that build ``table``'s indexes on a table ``{table}``."""
+async def _index_statements(connection: asyncpg.Connection, table: str) -> list[tuple[str, bool]]:
+    """The statements that build ``table``'s indexes on a table ``{table}``, each with
+    whether the index is partial."""
     statements = []
     for index in await connection.fetch(_PARENT_INDEXES, table):
         if index["constraint_def"] is not None:
-            statements.append(f"ALTER TABLE {{table}} ADD {index['constraint_def']}")
+            statement = f"ALTER TABLE {{table}} ADD {index['constraint_def']}"
         else:
             head = _INDEX_HEAD.match(index["index_def"])
             assert head is not None, index["index_def"]
-            statements.append(f"CREATE {head[1] or ''}INDEX ON {{table}} {index['index_def'][head.end() :]}")
+            statement = f"CREATE {head[1] or ''}INDEX ON {{table}} {index['index_def'][head.end() :]}"
+        statements.append((statement, index["partial"]))
     return statements
 
 
