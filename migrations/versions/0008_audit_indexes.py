@@ -18,8 +18,9 @@ as PostgreSQL's manual describes for partitioned tables ("Partition Maintenance"
    build (a ``SHARE`` lock on the parent for a moment: appends wait milliseconds);
 2. outside any transaction, each partition's index built ``CONCURRENTLY`` (``SHARE
    UPDATE EXCLUSIVE``: appends go on) and attached to the parent's (``ALTER INDEX …
-   ATTACH PARTITION``, metadata only); once every partition's is attached, the
-   parent's is valid.
+   ATTACH PARTITION``, metadata only: it holds the new index ``ACCESS EXCLUSIVE``, so
+   appends to that day wait for it a moment, and the tables only ``ACCESS SHARE``);
+   once every partition's is attached, the parent's is valid.
 
 A partition made later (``phasegate db maintain``, a bulk load) gets the index when it
 is attached. A run stopped in step 2 is run again: a partition whose index is already
