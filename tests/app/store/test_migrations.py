@@ -206,3 +206,43 @@ async def test_the_audit_indexes_reach_every_partition_even_after_an_interruptio
         )
     finally:
         await connection.close()
+
+
+async def test_appends_go_on_while_the_audit_indexes_are_built(empty_database_url: str) -> None:
+    """0008 on a live log: a store appending whole requests one event at a time while the
+    indexes are built loses nothing, and no append waits for the whole build."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, "0007")
+    store = await PostgresEventStore.connect(url)
+    built = asyncio.Event()
+    done: list[traces.Trace] = []
+    waits: list[float] = []
+
+    async def appender(lane: int) -> None:
+        number = 0
+        while not built.is_set() or number < 3:
+            trace = traces.completed(f"req_{lane}_{number}")
+            for seq, event in enumerate(trace.events):
+                began = asyncio.get_running_loop().time()
+                await store.append(trace.request_id, seq, [event], durable=True)
+                waits.append(asyncio.get_running_loop().time() - began)
+            done.append(trace)
+            number += 1
+
+    try:
+        for number in range(200):  # rows for the builds to read
+            trace = traces.completed(f"req_before_{number}")
+            await store.append(trace.request_id, 0, trace.events)
+        appenders = asyncio.gather(*(appender(lane) for lane in range(4)))
+        await asyncio.sleep(0.2)
+        began = asyncio.get_running_loop().time()
+        await migrate.upgrade_async(url)
+        took = asyncio.get_running_loop().time() - began
+        built.set()
+        await appenders
+        for trace in done:
+            assert await store.read(trace.request_id) == trace.events
+    finally:
+        await store.close()
+    assert await migrate.current_revision_async(url) == "0008"
+    assert len(done) > 12 and max(waits) < took
