@@ -19,9 +19,11 @@ How this works:
   accepted in the last two minutes are still in flight. Delivered text and the recorded
   inputs follow ``--content-policy`` (full text, a digest, or nothing), as the gateway
   records them.
-- Rows are written as PostgreSQL's COPY text to files, then loaded by
-  :func:`app.store.bulk.load_events` (COPY with the projection trigger off, then the
-  read models in one set-based pass), then ``VACUUM ANALYZE``. The generation rate
+- Rows are written as PostgreSQL's COPY text to files, one pair (events, inputs) per
+  accept day, then loaded by :func:`app.store.bulk.load_events` (into the fresh log,
+  each day COPYed into a table of its own, its read models built in one set-based
+  pass, its indexes built, then attached as the day's partition), then
+  ``VACUUM ANALYZE``. The generation rate
   (Python) and the load rate (PostgreSQL) are printed apart.
 
 Without ``--url`` it starts the embedded PostgreSQL in ``--data-dir`` (a temporary one
@@ -52,7 +54,7 @@ import asyncpg
 from sqlalchemy.engine import make_url
 
 from app.store import migrate
-from app.store.bulk import LoadTimes, load_events
+from app.store.bulk import DayRows, LoadTimes, load_events
 from app.store.codec import to_row
 from app.store.content import kept_input, kept_text
 from app.store.database import asyncpg_dsn, sqlalchemy_url
@@ -211,25 +213,38 @@ class Generated:
     requests: int = 0
     events: int = 0
     seconds: float = 0.0
-    days: set[date] = dataclasses.field(default_factory=set)  # the requests' accept days (partitions)
+    days: dict[date, DayRows] = dataclasses.field(default_factory=dict)  # the files of each accept day
 
 
-def generate(events_file: TextIO, inputs_file: TextIO, *, policy: str, **options: Any) -> Generated:
-    """Write :func:`seeded_requests` as COPY text: events and recorded inputs."""
+def generate(directory: Path, *, policy: str, **options: Any) -> Generated:
+    """Write :func:`seeded_requests` as COPY text, events and recorded inputs, one pair
+    of files per accept day (the log's partitions) in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     done = Generated()
-    for request in seeded_requests(policy=policy, **options):
-        day = to_row(request.events[0]).accepted_on  # the RequestAccepted's: every row's partition
-        assert day is not None
-        done.days.add(day)
-        for event in request.events:
-            events_file.write("\t".join(_copy_text(value) for value in to_row(event, day)) + "\n")
-        done.events += len(request.events)
-        kept = kept_input(request.body, policy)
-        if kept is not None:
-            row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed, day)  # as the store writes it
-            inputs_file.write("\t".join(_copy_text(value) for value in row) + "\n")
-        done.requests += 1
+    files: dict[date, tuple[TextIO, TextIO]] = {}
+    try:
+        for request in seeded_requests(policy=policy, **options):
+            day = to_row(request.events[0]).accepted_on  # the RequestAccepted's: every row's partition
+            assert day is not None
+            if day not in files:
+                events_path, inputs_path = (directory / f"{kind}-{day:%Y%m%d}.copy" for kind in ("events", "inputs"))
+                files[day] = (events_path.open("w"), inputs_path.open("w"))
+                done.days[day] = DayRows(day, events_path, inputs_path)
+            events_file, inputs_file = files[day]
+            for event in request.events:
+                events_file.write("\t".join(_copy_text(value) for value in to_row(event, day)) + "\n")
+            done.events += len(request.events)
+            kept = kept_input(request.body, policy)
+            if kept is not None:
+                # as the store writes it
+                row = (request.request_id, json.dumps(kept), MODEL_REVISION, request.seed, day)
+                inputs_file.write("\t".join(_copy_text(value) for value in row) + "\n")
+            done.requests += 1
+    finally:
+        for opened in files.values():
+            for file in opened:
+                file.close()
     done.seconds = time.perf_counter() - began
     return done
 
@@ -241,12 +256,10 @@ async def seed_database(
     returns what was generated, what the load took and what ``VACUUM ANALYZE`` took."""
     end = end or datetime.now(UTC).replace(microsecond=0)
     with tempfile.TemporaryDirectory(prefix="phasegate-seed-") as scratch:
-        events_path, inputs_path = Path(scratch) / "events.copy", Path(scratch) / "inputs.copy"
-        with events_path.open("w") as events_file, inputs_path.open("w") as inputs_file:
-            generated = generate(events_file, inputs_file, events=events, days=days, end=end, policy=policy, seed=seed)
+        generated = generate(Path(scratch), events=events, days=days, end=end, policy=policy, seed=seed)
         connection = await asyncpg.connect(asyncpg_dsn(url))
         try:
-            times = await load_events(connection, events_path, inputs=inputs_path, days=generated.days)
+            times = await load_events(connection, list(generated.days.values()))
             began = time.perf_counter()
             await connection.execute("VACUUM (ANALYZE) request_events, requests, request_attempts, request_inputs")
             analyzed = time.perf_counter() - began
@@ -269,14 +282,14 @@ async def fresh_database(url: str, name: str) -> str:
 
 
 def report(generated: Generated, times: LoadTimes, analyzed: float) -> None:
-    loading = times.copy_s + times.project_s + times.index_s
+    loading = times.total_s
     print(
         f"generated  {generated.requests:,} requests, {generated.events:,} events in {generated.seconds:.1f} s"
         f"   ({generated.events / generated.seconds:,.0f} events/s, Python: fold-built templates stamped)"
     )
     print(
         f"loaded     {times.events:,} events in {loading:.1f} s -> {times.events / loading:,.0f} events/s"
-        f"   (COPY {times.copy_s:.1f} s, read models {times.project_s:.1f} s, indexes {times.index_s:.1f} s;"
+        f"   (COPY {times.copy_s:.1f} s, read models {times.project_s:.1f} s, indexes and attach {times.index_s:.1f} s;"
         f" VACUUM ANALYZE afterwards {analyzed:.1f} s)"
     )
 

@@ -7,7 +7,9 @@ models are those aggregates over the request's whole stream taken as one batch (
 trigger over one batch and over one event at a time write the same rows: the
 trigger's own tests and ``tests/app/store/test_bulk.py`` hold that). Here each row is
 written once, by an ``INSERT ... SELECT`` of those aggregates over ``new_events`` (a
-temporary view of the loaded rows): no row is updated, nothing is inserted twice.
+temporary view of the loaded rows): no row is updated, nothing is inserted twice. The
+tables written are placeholders, ``{requests}`` and ``{request_attempts}`` (:func:`into`):
+the parents, or one day's tables before they are attached (:mod:`app.store.bulk`).
 
 The expressions are the trigger's, with the row's starting values (``attempts = 0``,
 ``replicas_tried = '{}'``, ...) folded in, and each row's partition key ``accepted_on``
@@ -16,11 +18,18 @@ change them too: ``tests/app/store/test_bulk.py`` compares the two builds row fo
 
 The stream guard is the trigger's too: each request's versions must run 1, 2, ... with
 one ``RequestAccepted``, or the load fails with ``PG409`` (``refuse``, called only for a
-broken stream). Duplicate versions are caught by ``(request_id, version)``'s
-unique constraint, in place or built again at the end of the load.
+broken stream). Duplicate versions are caught by the stream's unique constraint, in
+place or built at the end of the load.
 """
 
 from __future__ import annotations
+
+
+def into(statement: str, *, requests: str = "requests", request_attempts: str = "request_attempts") -> str:
+    """``statement`` (:data:`PROJECT_REQUESTS`, :data:`PROJECT_ATTEMPTS`) writing the
+    tables named (ours, never a user's text: they are spliced into the SQL)."""
+    return statement.replace("{requests}", requests).replace("{request_attempts}", request_attempts)
+
 
 # Raises the error the trigger would have raised; returns only to sit in a WHERE.
 REFUSE = """
@@ -93,7 +102,7 @@ WITH stream AS (
                 ELSE pg_temp.refuse(format('request %s : version %s does not follow the stream''s last version 0',
                                            request_id, first_version), 'PG409') END
 )
-INSERT INTO requests (request_id, tenant, model, model_revision, endpoint, stream, prompt_tokens, n,
+INSERT INTO {requests} (request_id, tenant, model, model_revision, endpoint, stream, prompt_tokens, n,
                       guided, tools, max_attempts, idempotency_key, seed, gateway, phase, outcome,
                       error_code, error_message, retryable, finish_reason, usage, attempts,
                       replicas_tried, first_delta_attempt, delivered_deltas, delivered_output_tokens,
@@ -144,7 +153,7 @@ WITH attempt AS (
                     'CancelAcked', 'LeaseExpired', 'AttemptReleased')
      GROUP BY request_id, accepted_on, attempt
 )
-INSERT INTO request_attempts (request_id, attempt, lease_epoch, replica_id, started_at, lease_expires_at,
+INSERT INTO {request_attempts} (request_id, attempt, lease_epoch, replica_id, started_at, lease_expires_at,
                               first_token_at, failure_kind, failure_detail, failure_deadline,
                               upstream_status, upstream_code, failed_at, fenced_at, waiting_for,
                               cancel_sent_at, cancel_acked_at, generated_tokens, lease_expired_at,
@@ -157,7 +166,7 @@ SELECT a.request_id, a.attempt, a.lease_epoch, a.started->>'replica_id', a.start
        a.released_at, a.released_because,
        CASE WHEN r.outcome = 'completed' AND r.attempts = a.attempt THEN r.finished_at END,
        milliseconds(a.released_at - a.fenced_at), a.accepted_on
-  FROM attempt a JOIN requests r USING (request_id, accepted_on)
+  FROM attempt a JOIN {requests} r USING (request_id, accepted_on)
  -- an attempt's news without its AttemptStarted make no row (the trigger's UPDATE finds
  -- none); two starts of one attempt fail as the trigger's INSERT does, on the primary key
  WHERE CASE WHEN a.starts <= 1 THEN a.starts = 1

@@ -24,11 +24,13 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from app.store.embedded import EmbeddedPostgres
 from ops.audit_queries import bind, bounded_queries, doc_queries, index_name
 from ops.seed import LOAD_SETTINGS, fresh_database, report, seed_database
 
+_PARTITION = re.compile(r"_p\d{8}")
 LIVE_VIEWS = {12, 19}  # open requests gone quiet; the last hour's failures
 LIVE_TARGET_MS, TARGET_MS = 10.0, 50.0
 DATABASE = "phasegate_audit_bench"
@@ -49,20 +52,20 @@ STORAGE_TABLES = ("request_events", "requests", "request_attempts", "request_inp
 
 
 def plan_summary(plan: dict[str, Any]) -> str:
-    """The plan's scans (with their index), and what the top does, in one line."""
-    scans: list[str] = []
+    """The plan's scans (with their index), and what the top does, in one line. A day
+    partition's scans are counted under its table's pattern (``requests_p*``)."""
+    scans: Counter[str] = Counter()
 
     def walk(node: dict[str, Any]) -> None:
         kind = node["Node Type"]
         if "Scan" in kind and "Relation Name" in node:
-            scans.append(
-                f"{kind} on {node['Relation Name']}" + (f" ({node['Index Name']})" if "Index Name" in node else "")
-            )
+            scan = f"{kind} on {node['Relation Name']}" + (f" ({node['Index Name']})" if "Index Name" in node else "")
+            scans[_PARTITION.sub("_p*", scan)] += 1
         for child in node.get("Plans", []):
             walk(child)
 
     walk(plan)
-    return f"{plan['Node Type']}: " + ", ".join(dict.fromkeys(scans))
+    return f"{plan['Node Type']}: " + ", ".join(f"{n} x {scan}" if n > 1 else scan for scan, n in scans.items())
 
 
 async def time_query(connection: asyncpg.Connection, sql: str, parameters: list[Any], runs: int) -> tuple[float, int]:
@@ -145,7 +148,12 @@ async def storage_per_million(url: str, events: int) -> None:
         connection = await asyncpg.connect(asyncpg_dsn(scratch))
         try:
             sizes = {
-                table: int(await connection.fetchval("SELECT pg_total_relation_size($1::regclass)", table))
+                # a partitioned table holds nothing itself: its partitions (and their indexes) do
+                table: int(
+                    await connection.fetchval(
+                        "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree($1::regclass)", table
+                    )
+                )
                 for table in STORAGE_TABLES
             }
         finally:

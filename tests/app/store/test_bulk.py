@@ -1,13 +1,13 @@
-"""A bulk load (COPY with the trigger off, the read models in one pass) builds exactly
-the read models that the per-append trigger builds, on real PostgreSQL."""
+"""A bulk load (COPY, the read models in one pass) builds exactly the read models that
+the per-append trigger builds, and the partitions that maintenance makes, on real
+PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import random
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -17,6 +17,7 @@ from app.store import PostgresEventStore
 from app.store.audit import fold_disagreements
 from app.store.bulk import load_events
 from app.store.database import asyncpg_dsn
+from app.store.partitions import PARTITIONED, ensure_days, partitions
 from ops.seed import MODEL_REVISION, generate, seeded_requests, templates
 from statemachine import events as ev
 
@@ -38,6 +39,28 @@ CONSTRAINTS = (
     "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid), convalidated FROM pg_constraint"
     " WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2"
 )
+# the legacy partition's bound moves (a fresh log's is empty): compared apart
+BOUNDS = (
+    "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_class c"
+    " WHERE c.relispartition AND c.relnamespace = 'public'::regnamespace ORDER BY 1"
+)
+
+
+def day_of(name: str) -> str | None:
+    """The day a partition's table, index or constraint name is of (``_pYYYYMMDD``)."""
+    for table in PARTITIONED:
+        if name.startswith(f"{table}_p") and name[len(table) + 2 : len(table) + 10].isdigit():
+            return name[len(table) + 2 : len(table) + 10]
+    return None
+
+
+def of_day(rows: list[asyncpg.Record], day: str) -> list[tuple[str, ...]]:
+    """The rows of day ``day``'s partitions (by their table), with the day written as ``D``."""
+    return sorted(tuple(str(value).replace(day, "D") for value in row) for row in rows if day_of(row[0]) == day)
+
+
+def not_of(rows: list[asyncpg.Record], days: set[str]) -> list[asyncpg.Record]:
+    return [row for row in rows if day_of(row[0]) not in days]
 
 
 async def snapshot(connection: asyncpg.Connection) -> dict[str, list[asyncpg.Record]]:
@@ -93,21 +116,34 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
         constraints = await connection.fetch(CONSTRAINTS)
         await connection.execute("TRUNCATE request_events, request_attempts, requests, request_inputs")
 
-        # in bulk: the same requests as COPY text, loaded with the trigger off
-        events_text, inputs_text = io.StringIO(), io.StringIO()
-        generated = generate(events_text, inputs_text, **SEED)
-        (tmp_path / "events.copy").write_text(events_text.getvalue())
-        (tmp_path / "inputs.copy").write_text(inputs_text.getvalue())
-        times = await load_events(connection, tmp_path / "events.copy", inputs=tmp_path / "inputs.copy")
+        # in bulk: the same requests as COPY text, each day loaded into tables of its own
+        generated = generate(tmp_path, **SEED)  # type: ignore[arg-type]
+        times = await load_events(connection, list(generated.days.values()))
         assert times.events == generated.events == sum(kinds.values())
         in_bulk = await snapshot(connection)
-        assert await connection.fetch(INDEXES) == indexes  # dropped for the load, built again
-        assert await connection.fetch(CONSTRAINTS) == constraints  # the foreign key too
+        loaded = {f"{day:%Y%m%d}" for day in generated.days}
+        # a day of maintenance's making, far from the loaded ones, to compare a loaded day with
+        made = date(2030, 1, 1)
+        await ensure_days(connection, [made])
+        bulk_indexes, bulk_constraints = await connection.fetch(INDEXES), await connection.fetch(CONSTRAINTS)
+        bounds = {row[0]: row[1] for row in await connection.fetch(BOUNDS)}
+        legacy_end = {p.end for table in PARTITIONED for p in await partitions(connection, table) if not p.first_day}
         trigger_enabled = await connection.fetchval(
             "SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'request_events_project'"
         )
     finally:
         await connection.close()
+    # every other table, index and constraint as it was; each loaded day's as maintenance makes a day
+    assert not_of(bulk_indexes, loaded | {f"{made:%Y%m%d}"}) == not_of(indexes, loaded)
+    assert not_of(bulk_constraints, loaded | {f"{made:%Y%m%d}"}) == not_of(constraints, loaded)
+    for day in loaded:
+        assert of_day(bulk_indexes, day) == of_day(bulk_indexes, f"{made:%Y%m%d}")
+        assert of_day(bulk_constraints, day) == of_day(bulk_constraints, f"{made:%Y%m%d}")
+        for table in PARTITIONED:
+            low = datetime.strptime(day, "%Y%m%d").date()
+            assert bounds[f"{table}_p{day}"] == f"FOR VALUES FROM ('{low}') TO ('{low + timedelta(days=1)}')"
+    # the legacy partition (empty in a fresh log) now ends where the loaded days begin
+    assert legacy_end == {min(generated.days)}
     assert trigger_enabled == "O"  # on again for the appends that follow
     for table in TABLES:
         assert len(in_bulk[table]) == len(by_triggers[table]) > 0, table
@@ -118,12 +154,10 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
 
 
 async def test_a_loaded_log_agrees_with_the_fold(database_url: str, tmp_path: Path) -> None:
-    events_path, inputs_path = tmp_path / "events.copy", tmp_path / "inputs.copy"
-    with events_path.open("w") as events_file, inputs_path.open("w") as inputs_file:
-        generate(events_file, inputs_file, **{**SEED, "policy": "digest"})
+    generated = generate(tmp_path, **{**SEED, "policy": "digest"})  # type: ignore[arg-type]
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        await load_events(connection, events_path, inputs=inputs_path)
+        await load_events(connection, list(generated.days.values()))
         texts = await connection.fetchval(
             "SELECT count(*) FROM request_events WHERE type = 'DeltasDelivered' AND body->>'text' IS NOT NULL"
         )
@@ -141,18 +175,50 @@ async def test_a_loaded_log_agrees_with_the_fold(database_url: str, tmp_path: Pa
 
 
 async def test_a_load_that_breaks_a_stream_leaves_nothing(database_url: str, tmp_path: Path) -> None:
-    events_text, inputs_text = io.StringIO(), io.StringIO()
-    generate(events_text, inputs_text, **{**SEED, "events": 200})
-    lines = events_text.getvalue().splitlines(keepends=True)
-    (tmp_path / "events.copy").write_text("".join(lines[:3] + lines[4:]))  # a version skipped
+    generated = generate(tmp_path, **{**SEED, "events": 200})  # type: ignore[arg-type]
+    (rows,) = generated.days.values()
+    assert isinstance(rows.events, Path)
+    lines = rows.events.read_text().splitlines(keepends=True)
+    rows.events.write_text("".join(lines[:3] + lines[4:]))  # a version skipped
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
+        partitions_before = await connection.fetch(BOUNDS)
         with pytest.raises(asyncpg.PostgresError, match="does not follow the stream"):
-            await load_events(connection, tmp_path / "events.copy")
+            await load_events(connection, [rows])
         assert await connection.fetchval("SELECT count(*) FROM request_events") == 0
+        assert await connection.fetch(BOUNDS) == partitions_before
         assert (
             await connection.fetchval("SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'request_events_project'")
             == "O"
         )
     finally:
         await connection.close()
+
+
+async def test_a_load_into_a_log_with_rows_goes_through_the_parents(database_url: str, tmp_path: Path) -> None:
+    first = generate(tmp_path / "first", **SEED)  # type: ignore[arg-type]
+    # other requests (another seed), two days later: a day of their own among the first load's
+    later = {**SEED, "seed": 8, "end": END + timedelta(days=2)}
+    second = generate(tmp_path / "second", **later)  # type: ignore[arg-type]
+    connection = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        await load_events(connection, list(first.days.values()))  # into the empty log: apart
+        times = await load_events(connection, list(second.days.values()))  # through the parents
+        assert times.events == second.events
+        assert await connection.fetchval("SELECT count(*) FROM request_events") == first.events + second.events
+        assert await connection.fetchval("SELECT count(*) FROM requests") == first.requests + second.requests
+        assert await connection.fetchval("SELECT count(*) FROM request_inputs") == first.requests + second.requests
+        assert (
+            await connection.fetchval("SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'request_events_project'")
+            == "O"
+        )
+    finally:
+        await connection.close()
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.connect() as db:
+            assert await fold_disagreements(db) == []
+    finally:
+        await engine.dispose()

@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 import asyncpg
@@ -15,6 +16,7 @@ from alembic.script import ScriptDirectory
 from app import cli
 from app.store import PostgresEventStore, migrate
 from app.store.database import asyncpg_dsn
+from app.store.partitions import ensure_days, partitions
 from ops import traces
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -118,8 +120,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0007",
-        "0007",
+        "schema at revision 0008",
+        "0008",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -130,7 +132,7 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0007 (head)" in current.stdout.decode()
+    assert "0008 (head)" in current.stdout.decode()
 
 
 async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:
@@ -149,3 +151,98 @@ async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(
         await connection.close()
     assert content == "a\N{REPLACEMENT CHARACTER}b"
     await migrate.upgrade_async(database_url)
+
+
+# Each of 0008's indexes on request_events, and each partition's index attached to it
+# (valid or not): (parent index, partition, its index, valid)
+AUDIT_INDEXES = """
+SELECT parent.indexrelid::regclass::text, child.indrelid::regclass::text, child.indexrelid::regclass::text,
+       child.indisvalid AND parent.indisvalid
+  FROM pg_index parent
+  JOIN pg_inherits i ON i.inhparent = parent.indexrelid
+  JOIN pg_index child ON child.indexrelid = i.inhrelid
+ WHERE parent.indexrelid = ANY($1::regclass[])
+ ORDER BY 1, 2
+"""
+
+
+async def test_the_audit_indexes_reach_every_partition_even_after_an_interruption(empty_database_url: str) -> None:
+    """0008 on a partitioned log with rows and several days: each index on every day's
+    partition and the legacy one, valid; run again after a stop half-way (one parent
+    made, a partition's build left invalid), it completes; a day made later has them."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, "0007")
+    await populate(url)
+    script = ScriptDirectory.from_config(migrate.alembic_config()).get_revision("0008")
+    assert script is not None and script.module is not None
+    names = list(script.module.INDEXES)
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await ensure_days(connection, [date(2030, 1, 1)])
+        days = sorted(p.name for p in await partitions(connection, "request_events"))
+        assert len(days) >= 5  # the legacy partition, the migration's three days, 2030-01-01
+        # stopped half-way: the first parent made, one partition's build cancelled (invalid)
+        trace_idx, (_, definition) = next(iter(script.module.INDEXES.items()))
+        await connection.execute(f"CREATE INDEX {trace_idx} ON ONLY request_events {definition}")
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await connection.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY request_events_legacy_trace_idx ON request_events_legacy (type)"
+            )
+        await migrate.upgrade_async(url)
+        built = await connection.fetch(AUDIT_INDEXES, names)
+        assert {(row[0], row[1]) for row in built} == {(name, day) for name in names for day in days}
+        assert all(row[3] for row in built)
+        assert await populate(url) is None  # appends go on with the indexes
+        await ensure_days(connection, [date(2030, 1, 2)])
+        made_later = [row for row in await connection.fetch(AUDIT_INDEXES, names) if row[1].endswith("20300102")]
+        assert len(made_later) == len(names) and all(row[3] for row in made_later)
+        await migrate.downgrade_async(url, "0007")
+        assert (
+            await connection.fetchval(
+                "SELECT count(*) FROM pg_class WHERE relname LIKE ANY($1::text[])",
+                [f"request_events%{name.removeprefix('request_events')}" for name in names],
+            )
+            == 0
+        )
+    finally:
+        await connection.close()
+
+
+async def test_appends_go_on_while_the_audit_indexes_are_built(empty_database_url: str) -> None:
+    """0008 on a live log: a store appending whole requests one event at a time while the
+    indexes are built loses nothing, and no append waits for the whole build."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, "0007")
+    store = await PostgresEventStore.connect(url)
+    built = asyncio.Event()
+    done: list[traces.Trace] = []
+    waits: list[float] = []
+
+    async def appender(lane: int) -> None:
+        number = 0
+        while not built.is_set() or number < 3:
+            trace = traces.completed(f"req_{lane}_{number}")
+            for seq, event in enumerate(trace.events):
+                began = asyncio.get_running_loop().time()
+                await store.append(trace.request_id, seq, [event], durable=True)
+                waits.append(asyncio.get_running_loop().time() - began)
+            done.append(trace)
+            number += 1
+
+    try:
+        for number in range(200):  # rows for the builds to read
+            trace = traces.completed(f"req_before_{number}")
+            await store.append(trace.request_id, 0, trace.events)
+        appenders = asyncio.gather(*(appender(lane) for lane in range(4)))
+        await asyncio.sleep(0.2)
+        began = asyncio.get_running_loop().time()
+        await migrate.upgrade_async(url)
+        took = asyncio.get_running_loop().time() - began
+        built.set()
+        await appenders
+        for trace in done:
+            assert await store.read(trace.request_id) == trace.events
+    finally:
+        await store.close()
+    assert await migrate.current_revision_async(url) == "0008"
+    assert len(done) > 12 and max(waits) < took

@@ -220,7 +220,7 @@ async def test_a_conversion_stopped_half_way_runs_again(empty_database_url: str)
             await connection.execute(
                 "CREATE UNIQUE INDEX CONCURRENTLY request_events_stream_part_key_legacy ON request_events (type)"
             )
-        await migrate.upgrade_async(url)
+        await migrate.upgrade_async(url, "0007")
         assert await migrate.current_revision_async(url) == "0007"
         assert await count(connection, "request_events_legacy") == sum(len(scenario(n).events) for n in range(20))
     finally:
