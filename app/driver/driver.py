@@ -203,8 +203,12 @@ class RequestDriver(RequestLoop):
             self.poke()
 
     def _unattended(self, output: Output) -> Awaitable[None] | None:
-        if self.state.resume_grace_s == 0:
-            return None  # nobody may come back: the cancel is being decided
+        if self.state.resume_grace_s == 0:  # nobody may come back: the cancel is being decided
+            if isinstance(output, Finished):
+                # the loop yielded its end and stopped, and the client left before the feed took
+                # it (client_gone saw no end): the loop decides nothing more, so decide here
+                self.ctx.spawn(self._decide_and_act(), name=f"client gone {self.request_id}")
+            return None
         if type(output) is Delta:
             self._produced(output)
         elif isinstance(output, Finished):
