@@ -25,6 +25,11 @@ once, with the client's bytes unread, so the kernel reset the connection and the
 never read the answer (a 1 MB header got a reset). Here the answer is written, the write
 side shut, and what the client still sends is read and dropped until it closes or
 ``LINGER_S`` passes (a lingering close, as Apache and nginx do).
+
+Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
+is lost before the response completed, for an application that must notice a client
+leaving while it sends nothing (a stream waiting for its next token) without a task of
+its own blocked on ``receive()``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import h11
 import uvicorn
@@ -44,6 +49,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("phasegate.http")
 
 LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped before closing
+# The scope's key for a future that the server resolves when the client leaves before the
+# response is complete: an application waits on it, or calls back from it, where it would
+# otherwise keep a task awaiting ``receive()`` for ``http.disconnect`` (one a request).
+CLIENT_GONE = "phasegate.client_gone"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -157,7 +166,18 @@ class LimitedH11Protocol(H11Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            gone: asyncio.Future[None] | None = cast(dict[str, Any], cycle.scope).get(CLIENT_GONE)
+            if gone is not None and not gone.done():
+                gone.set_result(None)
         super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle  # a request read now has a cycle whose task has not run yet
+        if cycle is not None and CLIENT_GONE not in cycle.scope:
+            cast(dict[str, Any], cycle.scope)[CLIENT_GONE] = self.loop.create_future()
 
     # --- uvicorn's hooks -------------------------------------------------------------------
 

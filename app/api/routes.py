@@ -192,10 +192,7 @@ class _Api:
         return TokenStreamResponse(
             stream_body(driver, shape, first, connection, charge),
             headers=headers,
-            ping=15,
-            send_timeout=30,
-            sep="\n",
-            client_close_handler_callable=connection.closed,
+            on_client_gone=connection.closed,
         )
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
