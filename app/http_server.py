@@ -29,7 +29,8 @@ side shut, and what the client still sends is read and dropped until it closes o
 Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
 is lost before the response completed, for an application that must notice a client
 leaving while it sends nothing (a stream waiting for its next token) without a task of
-its own blocked on ``receive()``.
+its own blocked on ``receive()``; and ``CHUNK_WRITER``, which writes a streamed response's
+body chunks straight to the socket (``ChunkWriter``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped b
 # response is complete: an application waits on it, or calls back from it, where it would
 # otherwise keep a task awaiting ``receive()`` for ``http.disconnect`` (one a request).
 CLIENT_GONE = "phasegate.client_gone"
+# The scope's key for the request's ``ChunkWriter``: a streamed body's chunks written
+# without an ASGI message each, framed here rather than by h11.
+CHUNK_WRITER = "phasegate.chunk_writer"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -75,6 +79,34 @@ class HttpLimits:
         if type(self.max_header_bytes) is not int or self.max_header_bytes < 1024:
             found.append("max_header_bytes must be a whole number, at least 1024")
         return found
+
+
+class ChunkWriter:
+    """Writes the body chunks of one response that has no ``Content-Length`` (a stream)
+    as uvicorn's ``send`` of an ``http.response.body`` message would, less its per-chunk
+    cost: no message dict, and the chunk framed here, not by h11 (whose state a chunk of
+    data does not change: it only frames it). The response's start and its end still go
+    through the ASGI ``send``, and so does every chunk h11 would not frame as chunked
+    (an HTTP/1.0 client's body is delimited by the connection's close)."""
+
+    __slots__ = ("chunked", "cycle")
+
+    def __init__(self, cycle: Any, *, chunked: bool) -> None:
+        self.cycle = cycle
+        self.chunked = chunked  # HTTP/1.1 without Content-Length: h11's chunked framing
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` as one chunk, after the socket's buffer drained if it was full;
+        nothing once the client is gone (as uvicorn's ``send``)."""
+        cycle = self.cycle
+        if not self.chunked or not cycle.response_started or cycle.response_complete:
+            await cycle.send({"type": "http.response.body", "body": data, "more_body": True})
+            return
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected or not data:  # an empty chunk would end the body
+            return
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
 class Phase(enum.Enum):
@@ -177,7 +209,10 @@ class LimitedH11Protocol(H11Protocol):
         super().handle_events()
         cycle = self.cycle  # a request read now has a cycle whose task has not run yet
         if cycle is not None and CLIENT_GONE not in cycle.scope:
-            cast(dict[str, Any], cycle.scope)[CLIENT_GONE] = self.loop.create_future()
+            scope = cast(dict[str, Any], cycle.scope)
+            scope[CLIENT_GONE] = self.loop.create_future()
+            chunked = self.conn.their_http_version == b"1.1" and scope["method"] != "HEAD"
+            scope[CHUNK_WRITER] = ChunkWriter(cycle, chunked=chunked)
 
     # --- uvicorn's hooks -------------------------------------------------------------------
 

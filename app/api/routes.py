@@ -53,7 +53,7 @@ from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
-from app.api.token_stream import ServerSendApp, TokenStreamResponse
+from app.api.token_stream import TokenStreamResponse
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -105,7 +105,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 max_age=600,
             )
         )
-    return ServerSendApp(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
 
 
 def _attempt_of(ctx: GatewayContext) -> Any:

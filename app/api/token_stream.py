@@ -12,8 +12,9 @@ sse-starlette's headers and its ``SendTimeoutError`` but runs the stream in the
 request's own task:
 
 - the response's start and end go through Starlette's ``send``, so its wrappers see the
-  response start and end as they would; every body event goes through the server's own
-  ``send``, which the application stashed in the scope (``SERVER_SEND``);
+  response start and end as they would; every body event goes to the server's
+  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_server.py``): no ASGI message, no
+  wrapper, no h11 per event (under another server, through Starlette's ``send``);
 - the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
   awaiting ``receive()`` only under a server without it): it marks the connection closed
   and cancels the stream, which runs the body's cleanup, as sse-starlette's task group did;
@@ -31,29 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Callable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
-from starlette.applications import Starlette
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from app.http_server import CLIENT_GONE
+from app.http_server import CHUNK_WRITER, CLIENT_GONE
 
 log = logging.getLogger("phasegate.api")
 
-SERVER_SEND = "phasegate.server_send"  # the scope's key for the ASGI server's own send
 CLEANUP_S = 5.0  # how long a cancelled stream's body gets to run its cleanup
-
-
-class ServerSendApp(Starlette):
-    """Starlette, which keeps the server's ``send`` in each HTTP scope (``SERVER_SEND``)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
 
 
 def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
@@ -119,20 +109,22 @@ class TokenStreamResponse(EventSourceResponse):
     ) -> None:
         super().__init__(body, headers=headers, ping=ping, send_timeout=send_timeout, sep="\n")
         self.on_client_gone = on_client_gone
+        self.events = body  # as sse-starlette's body_iterator, typed: each item one write
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "HEAD":
             await super().__call__(scope, receive, send)
             return
-        body_send: Send = scope.get(SERVER_SEND) or send
+        writer = scope.get(CHUNK_WRITER)
+        write: Callable[[bytes], Awaitable[None]] = writer.write if writer is not None else _sender(send)
         leaving = Leaving(client_gone(scope, receive), self.on_client_gone)
         deadline = _SendDeadline(self.send_timeout)
-        pings = _Pings(self._ping_interval, body_send, deadline)
+        pings = _Pings(self._ping_interval, write, deadline)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for data in self.body_iterator:
+            async for data in self.events:
                 deadline.sending()
-                await body_send({"type": "http.response.body", "body": data, "more_body": True})
+                await write(data)
                 deadline.sent()
         except BaseException as exc:
             timed_out, left = deadline.stop(), leaving.stop()
@@ -159,6 +151,13 @@ class TokenStreamResponse(EventSourceResponse):
                 await asyncio.shield(aclose())
         except Exception:
             log.exception("closing a stream's body after a failed send")
+
+
+def _sender(send: Send) -> Callable[[bytes], Awaitable[None]]:
+    async def write(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write
 
 
 def _still_cancelled() -> bool:
@@ -212,9 +211,9 @@ class _Pings:
     """A comment every ``interval`` seconds (0: none), sent only while no event is: a
     proxy that closes a connection quiet for too long keeps a slow answer's open."""
 
-    def __init__(self, interval: float, send: Send, deadline: _SendDeadline) -> None:
+    def __init__(self, interval: float, write: Callable[[bytes], Awaitable[None]], deadline: _SendDeadline) -> None:
         self.interval = interval
-        self.send = send
+        self.write = write
         self.deadline = deadline
         self.loop = asyncio.get_running_loop()
         self.sending: asyncio.Task[None] | None = None
@@ -226,10 +225,8 @@ class _Pings:
         self.timer = self.loop.call_later(self.interval, self._due)
 
     async def _ping(self) -> None:
-        comment = f": ping - {datetime.now(UTC)}\n\n".encode()
-        message: Message = {"type": "http.response.body", "body": comment, "more_body": True}
         try:
-            await self.send(message)
+            await self.write(f": ping - {datetime.now(UTC)}\n\n".encode())
         except Exception as exc:  # the stream's own send meets the same failure and ends it
             log.debug("a ping was not sent: %r", exc)
 

@@ -1,5 +1,5 @@
 """The streamed answer's response (``app/api/token_stream.py``): the body through the
-server's own send, the deadline of a send that does not return, a client that leaves
+server's chunk writer, the deadline of a send that does not return, a client that leaves
 while the stream waits, and pings while it waits."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from sse_starlette.sse import SendTimeoutError
 
-from app.api.token_stream import SERVER_SEND, TokenStreamResponse
-from app.http_server import CLIENT_GONE
+from app.api.token_stream import TokenStreamResponse
+from app.http_server import CHUNK_WRITER, CLIENT_GONE
 
 
 class Server:
@@ -28,10 +28,10 @@ class Server:
     async def send(self, message: Any) -> None:
         self.wrapped.append(message)
 
-    async def server_send(self, message: Any) -> None:
+    async def write(self, data: bytes) -> None:  # the server's chunk writer
         if len(self.direct) == self.block_on:
             await asyncio.Event().wait()
-        self.direct.append(message["body"])
+        self.direct.append(data)
 
     async def receive(self) -> Any:
         await self.leaves.wait()
@@ -39,12 +39,10 @@ class Server:
 
 
 async def serve(response: TokenStreamResponse, server: Server, **scope: Any) -> None:
-    await response(
-        {"type": "http", "method": "POST", SERVER_SEND: server.server_send, **scope}, server.receive, server.send
-    )
+    await response({"type": "http", "method": "POST", CHUNK_WRITER: server, **scope}, server.receive, server.send)
 
 
-async def test_events_go_through_the_servers_send_and_the_start_and_end_through_starlettes() -> None:
+async def test_events_go_through_the_servers_writer_and_the_start_and_end_through_starlettes() -> None:
     async def body() -> AsyncIterator[bytes]:
         yield b"data: 1\n\n"
         await asyncio.sleep(0.15)  # a pause longer than the send deadline: no send is waiting
