@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +66,7 @@ from ops.bench.measure import (  # noqa: E402
     row,
     rss_mib,
 )
-from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
+from ops.processes import free_port, phasegate, running, start, stop, wait_http  # noqa: E402
 
 MODEL = "sim"
 HOLD_MODEL = "sim-hold"  # a second worker, slow, for the streams held open
@@ -164,6 +167,8 @@ async def hold(gateway_url: str, streams: int, seconds: float, ramp_per_s: float
         await asyncio.sleep(streams / ramp_per_s + seconds)
         cutoff = time.monotonic() - quiet_s
         held.alive = sum(1 for at, task in zip(receiving, tasks, strict=True) if at > cutoff and not task.done())
+        held.silent = sum(1 for at, task in zip(receiving, tasks, strict=True) if 0 < at <= cutoff and not task.done())
+        held.unanswered = sum(1 for at, task in zip(receiving, tasks, strict=True) if at == 0 and not task.done())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -197,6 +202,8 @@ async def upstream_failures(url: str, after: int) -> list[tuple[str, str, int]]:
 class Held:
     streams: int
     alive: int = 0  # open and receiving at the end
+    silent: int = 0  # open, but nothing received in the last quiet_s
+    unanswered: int = 0  # open, and nothing received yet
     completed: int = 0  # answered in full before the end
     failed: dict[str, int] = field(default_factory=dict)  # why -> how many
 
@@ -214,6 +221,15 @@ def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
     return [*command, "--sim-decode-ms-per-token", str(decode_ms), "--sim-prefill-ms-per-token", "0"]
 
 
+@contextlib.contextmanager
+def gateway_running(command: list[str], env: dict[str, str], log: Path | None) -> Iterator[subprocess.Popen[bytes]]:
+    process = start(command, env, log)
+    try:
+        yield process
+    finally:
+        stop(process)
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -229,7 +245,11 @@ def main() -> None:
     parser.add_argument(
         "--hold-stall-s", type=float, default=10.0, help="the gateway's stall timeout (tokens come 1 s apart)"
     )
+    parser.add_argument(
+        "--connect-s", type=float, default=10.0, help="the gateway's connect timeout (a busy sim worker accepts late)"
+    )
     parser.add_argument("--ramp-per-s", type=float, default=100.0, help="held streams opened per second")
+    parser.add_argument("--gateway-log", type=Path, help="append the gateway's output (warnings and up) here")
     options = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-bench-"))
@@ -247,7 +267,7 @@ def main() -> None:
         f'[models]\n"{MODEL}" = "bench"\n"{HOLD_MODEL}" = "bench"\n'
         f'[[replicas]]\nid = "w1"\nurl = "{worker_url}"\nmodels = ["{MODEL}"]\n'
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
-        f"[timeouts]\nstall_s = {options.hold_stall_s}\n"
+        f"[timeouts]\nstall_s = {options.hold_stall_s}\nconnect_s = {options.connect_s}\n"
     )
     gateway_cmd = phasegate("serve", "--processes", "1", "--port", str(gateway_port), "--log-level", "warning")
     gateway_cmd += ["--config", str(config)]
@@ -255,7 +275,7 @@ def main() -> None:
         with (
             running(worker_cmd) as _,
             running(hold_cmd) as hold_worker,
-            running(gateway_cmd, {"DATABASE_URL": url}) as gateway,
+            gateway_running(gateway_cmd, {"DATABASE_URL": url}, options.gateway_log) as gateway,
         ):
             wait_http(worker_url + "/v1/ready")
             wait_http(hold_url + "/v1/ready")
@@ -289,7 +309,7 @@ def main() -> None:
                     f"{options.ramp_per_s:g} new streams/s, then {options.hold_s:g} s held; "
                     f"stall_s = {options.hold_stall_s:g}"
                 )
-                heads = ["streams", "alive", "completed", "failed", "gateway RSS"]
+                heads = ["streams", "alive", "silent", "unanswered", "completed", "failed", "gateway RSS"]
                 print(row(*heads, "gateway cpu", "worker cpu", "clients cpu"))
                 processes = (gateway.pid, hold_worker.pid, os.getpid())
                 for streams in levels:
@@ -302,7 +322,7 @@ def main() -> None:
                     shares = [f"{seconds / elapsed:.2f}" for seconds in used]
                     failed = sum(held.failed.values())
                     rss = f"{rss_mib(gateway.pid):.0f} MiB"
-                    print(row(streams, held.alive, held.completed, failed, rss, *shares))
+                    print(row(streams, held.alive, held.silent, held.unanswered, held.completed, failed, rss, *shares))
                     for why, count in sorted(held.failed.items(), key=lambda item: -item[1])[:5]:
                         print(f"{'':>12}{count} failed: {why}")
                     for kind, detail, count in asyncio.run(upstream_failures(url, log_before)):
