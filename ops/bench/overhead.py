@@ -309,7 +309,9 @@ def main() -> None:
                     f"{options.ramp_per_s:g} new streams/s, then {options.hold_s:g} s held; "
                     f"stall_s = {options.hold_stall_s:g}"
                 )
-                heads = ["streams", "alive", "silent", "unanswered", "completed", "failed", "gateway RSS"]
+                idle_mib = rss_mib(gateway.pid)
+                print(f"gateway RSS before the first level: {idle_mib:.0f} MiB")
+                heads = ["streams", "alive", "silent", "unanswered", "completed", "failed", "gateway RSS", "KiB/stream"]
                 print(row(*heads, "gateway cpu", "worker cpu", "clients cpu"))
                 processes = (gateway.pid, hold_worker.pid, os.getpid())
                 for streams in levels:
@@ -321,8 +323,10 @@ def main() -> None:
                     used = [cpu_seconds(pid) - before for pid, before in zip(processes, cpu_before, strict=True)]
                     shares = [f"{seconds / elapsed:.2f}" for seconds in used]
                     failed = sum(held.failed.values())
-                    rss = f"{rss_mib(gateway.pid):.0f} MiB"
-                    print(row(streams, held.alive, held.silent, held.unanswered, held.completed, failed, rss, *shares))
+                    rss = rss_mib(gateway.pid)
+                    per_stream = f"{(rss - idle_mib) * 1024 / streams:.0f}"
+                    counts = (held.alive, held.silent, held.unanswered, held.completed, failed)
+                    print(row(streams, *counts, f"{rss:.0f} MiB", per_stream, *shares))
                     for why, count in sorted(held.failed.items(), key=lambda item: -item[1])[:5]:
                         print(f"{'':>12}{count} failed: {why}")
                     for kind, detail, count in asyncio.run(upstream_failures(url, log_before)):
