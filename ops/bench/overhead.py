@@ -70,6 +70,7 @@ from ops.processes import free_port, phasegate, running, start, stop, wait_http 
 
 MODEL = "sim"
 HOLD_MODEL = "sim-hold"  # a second worker, slow, for the streams held open
+API_KEY = ""  # --api-key: configured in the gateway and sent with every request
 
 
 # --- the two paths ---------------------------------------------------------------------------
@@ -101,9 +102,14 @@ async def direct(worker_url: str, streams: int, tokens: int, seconds: float, sam
     await client.aclose()
 
 
-async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: float, sample: Sample) -> None:
+def gateway_client(gateway_url: str, streams: int, timeout: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=60.0, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else None
+    return httpx.AsyncClient(base_url=gateway_url, timeout=timeout, limits=limits, headers=headers)
+
+
+async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: float, sample: Sample) -> None:
+    async with gateway_client(gateway_url, streams, 60.0) as http:
 
         async def one(n: int, keep: bool) -> None:
             body = {
@@ -133,8 +139,7 @@ async def hold(gateway_url: str, streams: int, seconds: float, ramp_per_s: float
     ``seconds``; a stream is alive at the end if it received a chunk in the last ``quiet_s``."""
     held = Held(streams)
     receiving = [0.0] * streams
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=120.0, limits=limits) as http:
+    async with gateway_client(gateway_url, streams, 120.0) as http:
 
         async def one(n: int) -> None:
             await asyncio.sleep(n / ramp_per_s)
@@ -248,9 +253,20 @@ def main() -> None:
     parser.add_argument(
         "--connect-s", type=float, default=10.0, help="the gateway's connect timeout (a busy sim worker accepts late)"
     )
+    parser.add_argument(
+        "--lease-ttl-s", type=float, default=5.0, help="the attempts' lease (renewed in one round per worker)"
+    )
     parser.add_argument("--ramp-per-s", type=float, default=100.0, help="held streams opened per second")
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="a key configured in the gateway and sent by the clients (none: the gateway is open, and checks"
+        " PostgreSQL's key table every api_key_cache_s)",
+    )
     parser.add_argument("--gateway-log", type=Path, help="append the gateway's output (warnings and up) here")
     options = parser.parse_args()
+    global API_KEY
+    API_KEY = options.api_key
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-bench-"))
     workdir.chmod(0o755)  # the embedded server's own user must enter it
@@ -268,6 +284,8 @@ def main() -> None:
         f'[[replicas]]\nid = "w1"\nurl = "{worker_url}"\nmodels = ["{MODEL}"]\n'
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
         f"[timeouts]\nstall_s = {options.hold_stall_s}\nconnect_s = {options.connect_s}\n"
+        f"lease_ttl_s = {options.lease_ttl_s}\n"
+        + (f'[api_keys]\n"{options.api_key}" = "bench"\n' if options.api_key else "")
     )
     gateway_cmd = phasegate("serve", "--processes", "1", "--port", str(gateway_port), "--log-level", "warning")
     gateway_cmd += ["--config", str(config)]
