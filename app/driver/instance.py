@@ -12,13 +12,13 @@ instance knows it is fenced before anyone may sweep it. Fenced, it refuses new
 requests, ends its streams with the final error ``gateway_lost`` (the code the
 sweeper records) and registers again under a new id. A sweeper runs every
 ``sweep_interval_s``: it claims lapsed instances and closes their open requests
-from the log (``gateway_lost``), cancelling their attempts. It marks a lapsed instance swept only once none of its requests is
-left open; until then it goes back to it each sweep. ``drain`` is SIGTERM's path:
-refuse new requests, let open streams run up to ``drain_s``, then end them with
-``gateway_draining``, recorded. Every ``maintain_interval_s`` (and once at start) it
-maintains the log's day partitions (:mod:`app.store.partitions`: ahead, retention);
-the instances take turns on an advisory lock, and a run another instance holds is
-skipped.
+from the log (``gateway_lost``), cancelling their attempts. It marks a lapsed
+instance swept only once none of its requests is left open; until then it goes
+back to it each sweep. ``drain`` is SIGTERM's path: refuse new requests, let open
+streams run up to ``drain_s``, then end them with ``gateway_draining``, recorded.
+Every ``maintain_interval_s`` (and once at start) it maintains the log's day
+partitions (:mod:`app.store.partitions`: ahead, retention); the instances take
+turns on an advisory lock, and a run another instance holds is skipped.
 """
 
 from __future__ import annotations

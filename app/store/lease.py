@@ -58,11 +58,11 @@ class LeaseKeeper:
         self.dsn = dsn
         self.ttl_s = ttl_s
         self.alive_within_s = ttl_s / 2 if alive_within_s is None else alive_within_s
-        self.clock = clock
+        self.clock = clock  # stamps the renewals' send times, as the instance judges its lease
         self.last: Renewal | None = None  # the latest answered renewal (written by the thread)
         self._on_answer = on_answer
         self._instance_id: str | None = None
-        self._beat = clock()  # when the gateway's loop last ran a beat
+        self._beat = time.monotonic()  # when the gateway's loop last ran a beat (paces the thread too)
         self._gateway_loop: asyncio.AbstractEventLoop | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -72,7 +72,7 @@ class LeaseKeeper:
     def start(self) -> None:
         """Start the thread; call it on the gateway's loop."""
         self._gateway_loop = asyncio.get_running_loop()
-        self._beat = self.clock()
+        self._beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="instance lease", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -102,18 +102,18 @@ class LeaseKeeper:
         self._started.set()
         interval, tick = self.ttl_s / 3, min(0.25, self.ttl_s / 20)
         connection: asyncpg.Connection | None = None
-        next_renewal = self.clock() + interval
+        next_renewal = time.monotonic() + interval
         stalled = False
         try:
             while not self._stopping.is_set():
                 self._post_beat()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), max(min(tick, next_renewal - self.clock()), 0))
+                    await asyncio.wait_for(self._stopping.wait(), max(min(tick, next_renewal - time.monotonic()), 0))
                 instance_id = self._instance_id
-                if self._stopping.is_set() or self.clock() < next_renewal or instance_id is None:
+                if self._stopping.is_set() or time.monotonic() < next_renewal or instance_id is None:
                     continue
-                next_renewal = self.clock() + interval
-                silent = self.clock() - self._beat
+                next_renewal = time.monotonic() + interval
+                silent = time.monotonic() - self._beat
                 if silent > self.alive_within_s:
                     if not stalled:
                         log.error(
@@ -155,7 +155,7 @@ class LeaseKeeper:
         self._call_gateway(self._beat_now)
 
     def _beat_now(self) -> None:
-        self._beat = self.clock()
+        self._beat = time.monotonic()
 
     def _call_gateway(self, callback: Callable[..., None], *args: object) -> None:
         assert self._gateway_loop is not None
