@@ -20,7 +20,9 @@ the figures are set side by side:
   of the gateway, the worker behind the held streams, and this process (the clients). Held streams
   go to a second sim worker that decodes slowly (1 token/s by default: an open stream,
   not a flood of tokens), opened 100 a second; a stream that failed says why (one whose answer simply ended
-  counts as completed).
+  counts as completed). Open streams that received nothing in the last three token times are
+  "silent", and those that received nothing at all "unanswered". Resident memory is given per
+  held stream over the gateway's before the first level.
 
 "timed" counts the requests whose time to first token was measured (each client's
 first request is a warm-up): where it is small, the level saturated the machine.
