@@ -22,7 +22,10 @@ the figures are set side by side:
   not a flood of tokens), opened 100 a second; a stream that failed says why (one whose answer simply ended
   counts as completed). Open streams that received nothing in the last three token times are
   "silent", and those that received nothing at all "unanswered". Resident memory is given per
-  held stream over the gateway's before the first level.
+  held stream over the gateway's before the first level. With ``--hold-upstream openai``
+  the held streams go to a fake vLLM upstream instead (``ops/bench/fake_vllm.py``, an
+  ``openai`` replica at the same token rate), which costs less per stream than a sim
+  worker, so the gateway, not the worker behind it, is what a level measures.
 
 "timed" counts the requests whose time to first token was measured (each client's
 first request is a warm-up): where it is small, the level saturated the machine.
@@ -222,6 +225,22 @@ class Held:
 # --- processes ---------------------------------------------------------------------------------
 
 
+def fake_vllm(port: int, model: str, token_ms: float) -> list[str]:
+    """An OpenAI-compatible upstream in vLLM's chunk format (``ops/bench/fake_vllm.py``):
+    cheaper per stream than a sim worker, so more streams can be held on this machine."""
+    return [
+        sys.executable,
+        "-m",
+        "ops.bench.fake_vllm",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--token-ms",
+        str(token_ms),
+    ]
+
+
 def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
     command = phasegate("worker", "--port", str(port), "--engine", "sim", "--model", model)
     command += ["--max-running", "8000", "--max-queued", "8000"]
@@ -260,6 +279,12 @@ def main() -> None:
     )
     parser.add_argument("--ramp-per-s", type=float, default=100.0, help="held streams opened per second")
     parser.add_argument(
+        "--hold-upstream",
+        choices=("sim", "openai"),
+        default="sim",
+        help="the held streams' replica: a sim worker, or a fake vLLM upstream (an openai replica)",
+    )
+    parser.add_argument(
         "--api-key",
         default="",
         help="a key configured in the gateway and sent by the clients (none: the gateway is open, and checks"
@@ -279,13 +304,15 @@ def main() -> None:
     worker_url, hold_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{hold_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     worker_cmd = sim_worker(worker_port, MODEL, options.decode_ms)
-    hold_cmd = sim_worker(hold_port, HOLD_MODEL, options.hold_decode_ms)
+    hold_openai = options.hold_upstream == "openai"
+    hold_cmd = (fake_vllm if hold_openai else sim_worker)(hold_port, HOLD_MODEL, options.hold_decode_ms)
     config = workdir / "gateway.toml"
     config.write_text(
         f'[models]\n"{MODEL}" = "bench"\n"{HOLD_MODEL}" = "bench"\n'
         f'[[replicas]]\nid = "w1"\nurl = "{worker_url}"\nmodels = ["{MODEL}"]\n'
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
-        f"[timeouts]\nstall_s = {options.hold_stall_s}\nconnect_s = {options.connect_s}\n"
+        + ('kind = "openai"\n' if hold_openai else "")
+        + f"[timeouts]\nstall_s = {options.hold_stall_s}\nconnect_s = {options.connect_s}\n"
         f"lease_ttl_s = {options.lease_ttl_s}\n"
         + (f'[api_keys]\n"{options.api_key}" = "bench"\n' if options.api_key else "")
     )
@@ -298,7 +325,7 @@ def main() -> None:
             gateway_running(gateway_cmd, {"DATABASE_URL": url}, options.gateway_log) as gateway,
         ):
             wait_http(worker_url + "/v1/ready")
-            wait_http(hold_url + "/v1/ready")
+            wait_http(hold_url + ("/health" if hold_openai else "/v1/ready"))
             wait_http(gateway_url + "/readyz")
             print(f"sim worker: {options.decode_ms:g} ms/token, {options.tokens} tokens a stream; commit point durable")
             print(row("streams", "path", "timed", "ttft p50", "ttft p99", "gap p50", "gap p99", "tokens", "fail"))
