@@ -26,15 +26,15 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import AttemptRequest, Done, Frame, ProbeAnswer, Token, ToolCall, UpstreamFailure
-from app.replicas.upstream_http import lean_connections
-from app.tracing import inject_traceparent
+from app.replicas.upstream_http import Answer, lean_connections
+from app.tracing import inject_traceparent, trace_headers
 from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
@@ -68,6 +68,7 @@ class OpenAIUpstream:
         self._connections = lean_connections(self.base_url, connect_timeout_s=connect_timeout_s)
         self._chat_url = httpx.URL(f"{self.base_url}/v1/chat/completions")
         self._completions_url = httpx.URL(f"{self.base_url}/v1/completions")
+        self._chat_target, self._completions_target = self._chat_url.raw_path, self._completions_url.raw_path
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -76,31 +77,28 @@ class OpenAIUpstream:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
         )
+        # what the lean connections send on every request, encoded once: the client's own
+        # headers, but an answer never compressed (its body is read as it comes)
+        fixed = {**self._client.headers, "accept-encoding": "identity", "content-type": "application/json"}
+        self._header_lines = b"".join(_header_line(name, value) for name, value in fixed.items() if name != "host")
 
     async def start(self, request: AttemptRequest) -> _OpenAIStream:
-        body: dict[str, Any] = {
-            "model": request.model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **request.sampling,
-        }
-        if request.endpoint == "chat.completions":
-            body["messages"] = list(request.messages or ())
-            url = self._chat_url
-        else:
-            body["prompt"] = request.prompt
-            url = self._completions_url
+        chat = request.endpoint == "chat.completions"
+        content = _request_body(request, chat)
         # vLLM names its own request after this header: its logs then say which attempt it is
-        headers = {"x-request-id": f"{request.request_id}.{request.attempt}", "content-type": "application/json"}
-        # the body as httpx's json= writes it, by orjson (a third of build_request's time,
-        # with the URL joined once: ~17 against ~54 µs a request)
+        request_name = f"{request.request_id}.{request.attempt}"
         try:
-            content = orjson.dumps(body)
-        except TypeError:  # what orjson cannot write (an integer over 64 bits)
-            content = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        http_request = self._client.build_request("POST", url, content=content, headers=headers)
-        try:
-            response = await self._send(http_request)
+            async with asyncio.timeout(self.response_timeout_s):
+                if self._connections is not None:
+                    lines = self._header_lines + _header_line("x-request-id", request_name)
+                    for name, value in trace_headers().items():
+                        lines += _header_line(name, value)
+                    target = self._chat_target if chat else self._completions_target
+                    lean = await self._connections.post(target, lines, content)
+                    answer: Answer | httpx.Response = lean
+                    body: _BodyReads = lean.body
+                else:
+                    answer, body = await self._send_by_httpx(chat, request_name, content)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
         except TimeoutError:
@@ -109,17 +107,26 @@ class OpenAIUpstream:
             ) from None
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"connection failed: {exc!r}") from None
-        if response.status_code != 200:
-            raise await _refusal(response)
-        return _OpenAIStream(response, choices=int(request.sampling.get("n", 1)))
+        if answer.status_code != 200:
+            try:
+                whole = await _read_all(body)
+            except httpx.HTTPError:
+                whole = b""
+            finally:
+                await body.aclose()
+            raise _refusal(answer.status_code, answer.reason_phrase, answer.headers.get("retry-after"), whole)
+        encoding = answer.headers.get("content-encoding", "identity")
+        if encoding != "identity" and self._connections is not None:  # asked for none: a broken answer
+            await body.aclose()
+            raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
+        return _OpenAIStream(body, choices=int(request.sampling.get("n", 1)))
 
-    async def _send(self, http_request: httpx.Request) -> httpx.Response:
-        async with asyncio.timeout(self.response_timeout_s):
-            if self._connections is None:
-                return await self._client.send(http_request, stream=True)
-            for hook in self._client.event_hooks["request"]:
-                await hook(http_request)
-            return await self._connections.send(http_request)
+    async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, _BodyReads]:
+        headers = {"x-request-id": request_name, "content-type": "application/json"}
+        url = self._chat_url if chat else self._completions_url
+        http_request = self._client.build_request("POST", url, content=content, headers=headers)
+        response = await self._client.send(http_request, stream=True)
+        return response, _HttpxBody(response)
 
     async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
         return [True] * len(requests)  # no lease upstream; the gateway's lease is the bound a fence waits for
@@ -162,26 +169,83 @@ class OpenAIUpstream:
 _VLLM_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
-async def _refusal(response: httpx.Response) -> UpstreamFailure:
+def _request_body(request: AttemptRequest, chat: bool) -> bytes:
+    """The completion's JSON body, by orjson (httpx's ``json=`` took three times as long)."""
+    body: dict[str, Any] = {
+        "model": request.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **request.sampling,
+    }
+    if chat:
+        body["messages"] = list(request.messages or ())
+    else:
+        body["prompt"] = request.prompt
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # what orjson cannot write (an integer over 64 bits)
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _header_line(name: str, value: str) -> bytes:
+    line = f"{name}: {value}\r\n".encode()
+    if line.count(b"\n") != 1 or line.count(b"\r") != 1:  # a field must never end the head early
+        raise ValueError(f"a line break in the header {name}")
+    return line
+
+
+class _BodyReads(Protocol):
+    """An answer's body as :class:`_OpenAIStream` reads it: ``b""`` once it ended."""
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _HttpxBody:
+    """An ``httpx.Response``'s body read as the lean connections' (TLS, a proxy)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        self._reads = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
+
+    async def read(self) -> bytes:
+        try:
+            return await anext(self._reads)  # never empty before the end
+        except StopAsyncIteration:
+            return b""
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+async def _read_all(body: _BodyReads) -> bytes:
+    parts = []
+    while part := await body.read():
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _refusal(status: int, reason: str, retry_after: str | None, body: bytes) -> UpstreamFailure:
     """The failure an upstream's non-200 answer means, with its reason passed on."""
     try:
-        await response.aread()
-        payload = response.json()
-    except (httpx.HTTPError, ValueError):
+        payload = orjson.loads(body)
+    except ValueError:
         payload = {}
-    finally:
-        await response.aclose()
     error = payload.get("error", payload) if isinstance(payload, dict) else {}
     if not isinstance(error, dict):
         error = {"message": str(error)}
-    message = str(error.get("message") or response.reason_phrase or "upstream error")
+    message = str(error.get("message") or reason or "upstream error")
     code = error.get("code") if isinstance(error.get("code"), str) else None
     param = error.get("param") if isinstance(error.get("param"), str) else None
-    status = response.status_code
     if status == 429 or status >= 500:
-        retry_after = _retry_after(response.headers.get("retry-after"))
         return UpstreamFailure(
-            FailureKind.REJECTED, f"{status}: {message}", status=status, code=code, retry_after_s=retry_after
+            FailureKind.REJECTED,
+            f"{status}: {message}",
+            status=status,
+            code=code,
+            retry_after_s=_retry_after(retry_after),
         )
     return UpstreamFailure(
         FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message), param=param
@@ -204,8 +268,8 @@ def _code_for(status: int, message: str) -> str:
 
 
 class _OpenAIStream:
-    def __init__(self, response: httpx.Response, choices: int) -> None:
-        self._response = response
+    def __init__(self, body: _BodyReads, choices: int) -> None:
+        self._body = body
         self._choices = choices
 
     async def frames(self) -> AsyncIterator[Frame]:
@@ -216,9 +280,7 @@ class _OpenAIStream:
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
-        response = self._response
-        encoded = response.headers.get("content-encoding", "identity") != "identity"
-        reads = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
+        body = self._body
         lines: list[bytes] = []  # complete lines not looked at yet, the next one last
         rest: bytes | None = b""  # a line whose end is not read yet; None once the body ended
         try:
@@ -232,12 +294,12 @@ class _OpenAIStream:
                     try:
                         if finished:  # only the usage chunk may still come
                             async with asyncio.timeout(USAGE_GRACE_S):
-                                read = await anext(reads)
+                                read = await body.read()
                         else:
-                            read = await anext(reads)
+                            read = await body.read()
                     except TimeoutError:
                         break
-                    except StopAsyncIteration:  # a last line without its line break
+                    if not read:  # the body ended; a last line without its line break
                         lines, rest = [rest.rstrip(b"\r")], None
                         continue
                     lines, rest = _split_lines(rest + read)
@@ -284,7 +346,7 @@ class _OpenAIStream:
         yield Done(reasons[0], reasons, usage or {})
 
     async def close(self) -> None:
-        await self._response.aclose()
+        await self._body.aclose()
 
 
 def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
