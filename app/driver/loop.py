@@ -30,6 +30,7 @@ from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
+from app.driver.shielded import shielded
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
 from statemachine import events as ev
@@ -201,12 +202,12 @@ class RequestLoop(LoopActions):
     async def _end(self, outcome: str) -> None:
         """After the terminal event: make it durable, release, count, forget. Shielded:
         a client leaving at this moment must not leave the request half ended."""
-        await asyncio.shield(self._ending(outcome))
+        await shielded(self._ending(outcome))
 
     async def _ending(self, outcome: str) -> None:
         run, self.run = self.run, None
         try:
-            await self.recorder.flush(durable=True)
+            await self.recorder.flush_shielded_already()
         finally:
             if run is not None:
                 await run.release()
