@@ -40,7 +40,7 @@ from statemachine.actions import (
 )
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import decide, ended_by_gateway, needs_pool
+from statemachine.policy import PolicyConfig, decide, ended_by_gateway, needs_pool
 from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
@@ -69,6 +69,7 @@ class RequestLoop(LoopActions):
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
         self._poked = False  # an event recorded from outside the loop wants a decision now
         self._disconnects = 0  # clients that left: a grace timer acts only for the latest
+        self._undecided: tuple[RequestState | None, PolicyConfig | None] = (None, None)  # decided nothing on these
         # the loop runs in the feed's task; a client that leaves only detaches (DESIGN.md §12)
         self.feed = Feed(
             self._drive,
@@ -161,10 +162,14 @@ class RequestLoop(LoopActions):
     async def _decide_and_act(self) -> Output | None:
         """Decide and carry out until the policy has nothing to add."""
         while True:
-            state = self.state
+            state, policy = self.state, self.ctx.config.policy
+            if state is self._undecided[0] and policy is self._undecided[1]:
+                return None  # nothing was recorded since: decide() is pure and took no pool then
             pool = self.ctx.pool.snapshot(self._models) if needs_pool(state) else None
-            actions = decide(state, self.ctx.config.policy, pool)
+            actions = decide(state, policy, pool)
             if not actions:
+                if pool is None:
+                    self._undecided = (state, policy)  # most tokens record nothing: no decision to ask for
                 return None
             await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
