@@ -383,6 +383,9 @@ def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:
     return lines, rest + held
 
 
+_NO_CHOICES: list[Any] = []  # never changed: what a chunk without choices is checked as
+
+
 def _parse_chunk(data: bytes | str) -> dict[str, Any]:
     try:
         # orjson, not json: it refuses what is not Unicode text (a lone UTF-16 surrogate
@@ -392,7 +395,7 @@ def _parse_chunk(data: bytes | str) -> dict[str, Any]:
         if isinstance(data, bytes):  # as text, as it was read before: bytes not UTF-8 replaced
             return _parse_chunk(data.decode("utf-8", "replace"))
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk ({exc}): {data[:80]!r}") from None
-    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices", []), list):
+    if type(chunk) is not dict or type(chunk.get("choices", _NO_CHOICES)) is not list:  # orjson's own types
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
     if "error" in chunk:
         error = chunk["error"]

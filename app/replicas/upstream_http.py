@@ -196,6 +196,21 @@ class _Chunks:
     def decode(self) -> list[bytes]:
         """The data of every chunk the buffer holds (a chunk split across reads: its part)."""
         buffer, parts = self.buffer, []
+        if not self.left and not self.crlf and not self.trailers:
+            # whole chunks first, each in one step (a read mostly brings whole ones)
+            at, size = 0, len(buffer)
+            while (end := buffer.find(b"\r\n", at)) > at:
+                try:
+                    length = int(buffer[at:end], 16)  # a size line with no extension
+                except ValueError:
+                    break  # an extension, or malformed: the step by step way tells
+                start = end + 2
+                stop = start + length
+                if length <= 0 or size < stop + 2 or buffer[stop : stop + 2] != b"\r\n":
+                    break
+                parts.append(bytes(buffer[start:stop]))
+                at = stop + 2
+            del buffer[:at]
         while buffer and not self.done:
             if self.left:
                 taken = bytes(buffer[: self.left])
