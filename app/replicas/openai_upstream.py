@@ -302,7 +302,7 @@ class _OpenAIStream:
                     if not read:  # the body ended; a last line without its line break
                         lines, rest = [rest.rstrip(b"\r")], None
                         continue
-                    lines, rest = _split_lines(rest + read)
+                    lines, rest = _split_lines(rest + read if rest else read)
                     continue
                 line = lines.pop()
                 if not line.startswith(b"data:"):
@@ -320,7 +320,7 @@ class _OpenAIStream:
                     text = delta.get("content") if "delta" in choice else choice.get("text")
                     if text:
                         logprobs = _logprobs(choice.get("logprobs"))
-                        yield Token(number, index, text, [], logprobs)
+                        yield Token(number, index, text, (), logprobs)
                         index += 1
                     for call in delta.get("tool_calls") or ():
                         slot = pending_calls.setdefault(
