@@ -98,7 +98,7 @@ class RequestLoop(LoopActions):
     async def _drive(self) -> AsyncGenerator[Output, None]:
         reader = asyncio.current_task()  # the feed's task runs the whole generator
         while True:
-            ended = await self._decide_and_act()
+            ended = None if self._decided_nothing_since() else await self._decide_and_act()
             if self._restarted:
                 self._restarted = False
                 yield Restarted()
@@ -159,17 +159,23 @@ class RequestLoop(LoopActions):
                 yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
                 return
 
+    def _decided_nothing_since(self) -> bool:
+        """The policy decided nothing, with no pool snapshot, on the very state and policy
+        there are now: ``decide()`` is pure, so it would decide nothing again (most tokens
+        record nothing)."""
+        return self.state is self._undecided[0] and self.ctx.config.policy is self._undecided[1]
+
     async def _decide_and_act(self) -> Output | None:
         """Decide and carry out until the policy has nothing to add."""
         while True:
+            if self._decided_nothing_since():
+                return None
             state, policy = self.state, self.ctx.config.policy
-            if state is self._undecided[0] and policy is self._undecided[1]:
-                return None  # nothing was recorded since: decide() is pure and took no pool then
             pool = self.ctx.pool.snapshot(self._models) if needs_pool(state) else None
             actions = decide(state, policy, pool)
             if not actions:
                 if pool is None:
-                    self._undecided = (state, policy)  # most tokens record nothing: no decision to ask for
+                    self._undecided = (state, policy)
                 return None
             await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
