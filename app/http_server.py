@@ -25,6 +25,12 @@ once, with the client's bytes unread, so the kernel reset the connection and the
 never read the answer (a 1 MB header got a reset). Here the answer is written, the write
 side shut, and what the client still sends is read and dropped until it closes or
 ``LINGER_S`` passes (a lingering close, as Apache and nginx do).
+
+Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
+is lost before the response completed, for an application that must notice a client
+leaving while it sends nothing (a stream waiting for its next token) without a task of
+its own blocked on ``receive()``; and ``CHUNK_WRITER``, which writes a streamed response's
+body chunks straight to the socket (``ChunkWriter``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import h11
 import uvicorn
@@ -44,6 +50,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("phasegate.http")
 
 LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped before closing
+# The scope's key for a future that the server resolves when the client leaves before the
+# response is complete: an application waits on it, or calls back from it, where it would
+# otherwise keep a task awaiting ``receive()`` for ``http.disconnect`` (one a request).
+CLIENT_GONE = "phasegate.client_gone"
+# The scope's key for the request's ``ChunkWriter``: a streamed body's chunks written
+# without an ASGI message each, framed here rather than by h11.
+CHUNK_WRITER = "phasegate.chunk_writer"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -66,6 +79,34 @@ class HttpLimits:
         if type(self.max_header_bytes) is not int or self.max_header_bytes < 1024:
             found.append("max_header_bytes must be a whole number, at least 1024")
         return found
+
+
+class ChunkWriter:
+    """Writes the body chunks of one response that has no ``Content-Length`` (a stream)
+    as uvicorn's ``send`` of an ``http.response.body`` message would, less its per-chunk
+    cost: no message dict, and the chunk framed here, not by h11 (whose state a chunk of
+    data does not change: it only frames it). The response's start and its end still go
+    through the ASGI ``send``, and so does every chunk h11 would not frame as chunked
+    (an HTTP/1.0 client's body is delimited by the connection's close)."""
+
+    __slots__ = ("chunked", "cycle")
+
+    def __init__(self, cycle: Any, *, chunked: bool) -> None:
+        self.cycle = cycle
+        self.chunked = chunked  # HTTP/1.1 without Content-Length: h11's chunked framing
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` as one chunk, after the socket's buffer drained if it was full;
+        nothing once the client is gone (as uvicorn's ``send``)."""
+        cycle = self.cycle
+        if not self.chunked or not cycle.response_started or cycle.response_complete:
+            await cycle.send({"type": "http.response.body", "body": data, "more_body": True})
+            return
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected or not data:  # an empty chunk would end the body
+            return
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
 class Phase(enum.Enum):
@@ -157,7 +198,21 @@ class LimitedH11Protocol(H11Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            gone: asyncio.Future[None] | None = cast(dict[str, Any], cycle.scope).get(CLIENT_GONE)
+            if gone is not None and not gone.done():
+                gone.set_result(None)
         super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle  # a request read now has a cycle whose task has not run yet
+        if cycle is not None and CLIENT_GONE not in cycle.scope:
+            scope = cast(dict[str, Any], cycle.scope)
+            scope[CLIENT_GONE] = self.loop.create_future()
+            chunked = self.conn.their_http_version == b"1.1" and scope["method"] != "HEAD"
+            scope[CHUNK_WRITER] = ChunkWriter(cycle, chunked=chunked)
 
     # --- uvicorn's hooks -------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.token_stream import Leaving, client_gone
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
@@ -69,7 +70,7 @@ class Connection:
 
     open = True
 
-    async def closed(self, message: Any) -> None:
+    def closed(self) -> None:
         self.open = False
 
 
@@ -157,24 +158,17 @@ async def stream_body(
 
 
 async def unless_client_leaves(request: Request, driver: RequestDriver, work: Awaitable[T]) -> T | None:
-    """Run ``work``; if the client disconnects first, cancel it and tell the driver."""
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    """Run ``work`` in this task; if the client disconnects first, cancel it and tell the driver."""
+    leaving = Leaving(client_gone(request.scope, request.receive))
     try:
-        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if work_task.done():
-        return work_task.result()
-    work_task.cancel()
-    await asyncio.gather(work_task, return_exceptions=True)
-    driver.client_gone()
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        result = await work
+    except asyncio.CancelledError:
+        if not leaving.stop() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise
+        driver.client_gone()
+        return None
+    leaving.stop()  # a client gone now finds the response's own watch resolved at its start
+    return result
 
 
 def failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:

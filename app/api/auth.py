@@ -6,7 +6,10 @@ already, for deployments that keep keys in a secret store); an offered key's dig
 is compared with each of them in constant time. A digest found in none is looked up
 in the ``api_keys`` table (``phasegate keys``), and the answer, found or not, is
 cached for ``api_key_cache_s``, so the hot path does not query PostgreSQL per
-request; a revoked key keeps working on a gateway for at most that long. The table
+request; a revoked key keeps working on a gateway for at most that long. When an answer
+is due again, one query asks for every request that needs it meanwhile: at 100 streams,
+a query each had every request of the round trip check out a connection of its own
+(the pool's overflow opened and closed for it), about 4 % of the gateway's CPU. The table
 is looked up by digest: an attacker chooses the key, not its digest, so the lookup's
 timing tells nothing about stored keys.
 
@@ -17,13 +20,14 @@ key is revoked.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from app.api.errors import ServiceUnavailable, Unauthorized
 from app.config import SHA256_PREFIX, GatewayConfig
@@ -33,6 +37,7 @@ from app.store.errors import StoreError
 log = logging.getLogger("phasegate.api")
 
 OPEN_TENANT = "default"
+T = TypeVar("T")
 MAX_CACHED = 10_000  # digests cached at most; unknown keys are cached too, so bound them
 
 
@@ -62,6 +67,7 @@ class Authenticator:
         self._cache: dict[str, _Cached] = {}
         self._table_has_keys = False  # once true, stays true
         self._table_checked_until = float("-inf")
+        self._asking: dict[str | None, asyncio.Future[Any]] = {}  # queries in flight: a digest, or None for any key
 
     async def required(self) -> bool:
         """Whether requests need a key: one is configured, or one was ever created."""
@@ -69,8 +75,7 @@ class Authenticator:
             return bool(self._configured or self._table_has_keys)
         now = self._clock()
         if now >= self._table_checked_until:
-            async with self._reading_keys() as connection:
-                self._table_has_keys = await keys.any_keys(connection)
+            self._table_has_keys = await self._ask(None, keys.any_keys)
             self._table_checked_until = now + self._ttl_s
         return self._table_has_keys
 
@@ -99,10 +104,24 @@ class Authenticator:
         now = self._clock()
         cached = self._cache.get(digest)
         if cached is None or now >= cached.until:
-            async with self._reading_keys() as connection:
-                cached = _Cached(await keys.tenant_of(connection, digest), now + self._ttl_s)
+            cached = _Cached(
+                await self._ask(digest, lambda connection: keys.tenant_of(connection, digest)), now + self._ttl_s
+            )
             self._remember(digest, cached, now)
         return cached.tenant
+
+    async def _ask(self, key: str | None, query: Callable[[Any], Awaitable[T]]) -> T:
+        """``query``'s answer, on a connection of the pool: the answer of the query in
+        flight for ``key`` if there is one (its error too), else of a new one."""
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.ensure_future(self._query(query))
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        return cast(T, await asyncio.shield(asking))  # a client that leaves does not cancel the others' query
+
+    async def _query(self, query: Callable[[Any], Awaitable[T]]) -> T:
+        async with self._reading_keys() as connection:
+            return await query(connection)
 
     def _remember(self, digest: str, cached: _Cached, now: float) -> None:
         if len(self._cache) >= MAX_CACHED:

@@ -293,10 +293,7 @@ async def attach_live(
     return TokenStreamResponse(
         body,
         headers=headers,
-        ping=15,
-        send_timeout=30,
-        sep="\n",
-        client_close_handler_callable=connection.closed,
+        on_client_gone=connection.closed,
     )
 
 

@@ -53,7 +53,7 @@ from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
-from app.api.token_stream import ServerSendApp, TokenStreamResponse
+from app.api.token_stream import TokenStreamResponse
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -105,7 +105,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 max_age=600,
             )
         )
-    return ServerSendApp(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, **starlette_options)
 
 
 def _attempt_of(ctx: GatewayContext) -> Any:
@@ -192,10 +192,7 @@ class _Api:
         return TokenStreamResponse(
             stream_body(driver, shape, first, connection, charge),
             headers=headers,
-            ping=15,
-            send_timeout=30,
-            sep="\n",
-            client_close_handler_callable=connection.closed,
+            on_client_gone=connection.closed,
         )
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:

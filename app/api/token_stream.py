@@ -1,76 +1,169 @@
-"""sse-starlette's response for a streamed answer, with a per-token path that costs less.
+"""The response of a streamed answer: sse-starlette's headers and framing, and a way
+through the ASGI server's own ``send`` that costs less per request and per token.
 
-How this works: sse-starlette sends each event through ``send`` under its own
-``anyio.move_on_after(send_timeout)`` (a cancel scope, and sniffio asking which
-library runs, per event), and that ``send`` is Starlette's, wrapped twice (the error
-middleware and the route's exception handler each check for the response start). Here
-the response start, the end, the pings and every refusal go the way they went, but
-each body event goes through the server's own ``send``, which the application stashed
-in the scope (``SERVER_SEND``): the wrappers only note that a response started, and it
-did. The send deadline is one timer per stream, not a scope per event: it looks at the
-send in progress when it fires and moves to that send's deadline, so a client that
-stops reading still ends the stream ``send_timeout`` after the send it blocked began.
+How this works. sse-starlette's ``EventSourceResponse`` runs each response as an anyio
+task group of four tasks (the stream, pings, a watch on the server's exit, a watch on
+``receive()`` for the client leaving), sends each event under its own
+``anyio.move_on_after`` (a cancel scope, and sniffio asking which library runs), and
+through Starlette's ``send``, wrapped twice (the error middleware and the route's
+exception handler each check for the response start). On the per-token path that was
+about a quarter of the gateway's CPU (``docs/performance.md``), so this response keeps
+sse-starlette's headers and its ``SendTimeoutError`` but runs the stream in the
+request's own task:
+
+- the response's start and end go through Starlette's ``send``, so its wrappers see the
+  response start and end as they would; every body event goes to the server's
+  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_server.py``): no ASGI message, no
+  wrapper, no h11 per event (under another server, through Starlette's ``send``);
+- the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
+  awaiting ``receive()`` only under a server without it): it marks the connection closed
+  and cancels the stream, which runs the body's cleanup, as sse-starlette's task group did;
+- the send deadline is one timer a stream, not a scope an event: it looks at the send in
+  progress when it fires and moves to that send's deadline, so a client that stops
+  reading still ends the stream ``send_timeout`` after the send it blocked began;
+- pings are a timer too, which sends a comment only while no event is being sent;
+- the server's exit needs no watch: the gateway drains its streams before it tells
+  uvicorn to stop (``app/gateway_process.py``).
+
+A HEAD request gets sse-starlette's own answer (the head, no body).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 
-import anyio
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
-from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
+
+from app.http_server import CHUNK_WRITER, CLIENT_GONE
 
 log = logging.getLogger("phasegate.api")
 
-SERVER_SEND = "phasegate.server_send"  # the scope's key for the ASGI server's own send
+CLEANUP_S = 5.0  # how long a cancelled stream's body gets to run its cleanup
 
 
-class ServerSendApp(Starlette):
-    """Starlette, which keeps the server's ``send`` in each HTTP scope (``SERVER_SEND``)."""
+def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
+    """A future resolved once the client left: the server's (``CLIENT_GONE``), or, under
+    a server that has none, one that a task resolves when ``receive()`` says so."""
+    gone: asyncio.Future[None] | None = scope.get(CLIENT_GONE)
+    if gone is None:
+        gone = scope[CLIENT_GONE] = asyncio.get_running_loop().create_future()
+        watch = asyncio.ensure_future(_watch_receive(receive, gone))
+        gone.add_done_callback(lambda _: watch.cancel())
+    return gone
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
+
+async def _watch_receive(receive: Receive, gone: asyncio.Future[None]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not gone.done():
+        gone.set_result(None)
+
+
+class Leaving:
+    """Cancels the task that made it when ``gone`` resolves, until ``stop``; ``stop``
+    says whether it did, and takes that cancellation back."""
+
+    def __init__(self, gone: asyncio.Future[None], on_leave: Callable[[], None] | None = None) -> None:
+        self.gone = gone
+        self.on_leave = on_leave
+        self.task = asyncio.current_task()
+        self.fired = False
+        self.active = True
+        gone.add_done_callback(self._left)
+
+    def _left(self, _: object) -> None:
+        if not self.active:  # scheduled before stop(), run after it
+            return
+        self.fired = True
+        if self.on_leave is not None:
+            self.on_leave()
+        if self.task is not None:
+            self.task.cancel()
+
+    def stop(self) -> bool:
+        self.active = False
+        self.gone.remove_done_callback(self._left)
+        if self.fired and self.task is not None:
+            self.task.uncancel()
+        return self.fired
 
 
 class TokenStreamResponse(EventSourceResponse):
-    """An :class:`EventSourceResponse` whose body events go out as the module's docstring
-    says. The body yields bytes: each item is one write (one event, or several ready at once)."""
+    """The SSE response of a streamed answer, run as the module's docstring says. The
+    body yields bytes: each item is one write (one event, or several ready at once).
+    ``on_client_gone`` is called when the client leaves, before the stream is cancelled."""
+
+    def __init__(
+        self,
+        body: AsyncIterable[bytes],
+        *,
+        headers: Mapping[str, str] | None = None,
+        ping: int = 15,
+        send_timeout: float = 30,
+        on_client_gone: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(body, headers=headers, ping=ping, send_timeout=send_timeout, sep="\n")
+        self.on_client_gone = on_client_gone
+        self.events = body  # as sse-starlette's body_iterator, typed: each item one write
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._server_send: Send | None = scope.get(SERVER_SEND) if scope["method"] != "HEAD" else None
-        await super().__call__(scope, receive, send)
-
-    async def _stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body_send = self._server_send or send
+        if scope["method"] == "HEAD":
+            await super().__call__(scope, receive, send)
+            return
+        writer = scope.get(CHUNK_WRITER)
+        write: Callable[[bytes], Awaitable[None]] = writer.write if writer is not None else _sender(send)
+        leaving = Leaving(client_gone(scope, receive), self.on_client_gone)
         deadline = _SendDeadline(self.send_timeout)
+        pings = _Pings(self._ping_interval, write, deadline)
         try:
-            async for data in self.body_iterator:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.events:
                 deadline.sending()
-                await body_send({"type": "http.response.body", "body": data, "more_body": True})
+                await write(data)
                 deadline.sent()
         except BaseException as exc:
-            timed_out = deadline.stop()
-            # as sse-starlette does: the iterator, suspended at its yield, runs its cleanup
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.move_on_after(self._cleanup_timeout, shield=True):
-                    try:
-                        await aclose()
-                    except Exception:
-                        log.exception("closing a stream's body after a failed send")
-            if timed_out and isinstance(exc, asyncio.CancelledError):
-                raise SendTimeoutError() from None
+            timed_out, left = deadline.stop(), leaving.stop()
+            pings.stop()
+            await self._close_body()
+            if isinstance(exc, asyncio.CancelledError) and not _still_cancelled():
+                if timed_out:
+                    raise SendTimeoutError() from None
+                if left:
+                    return  # the client left: nothing more to send, the body cleaned up
             raise
         deadline.stop()
-        async with self._send_lock:
-            self.active = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        leaving.stop()
+        await pings.finish()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _close_body(self) -> None:
+        """As sse-starlette does: the iterator, suspended at its yield, runs its cleanup."""
+        aclose = getattr(self.body_iterator, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            async with asyncio.timeout(CLEANUP_S):
+                await asyncio.shield(aclose())
+        except Exception:
+            log.exception("closing a stream's body after a failed send")
+
+
+def _sender(send: Send) -> Callable[[bytes], Awaitable[None]]:
+    async def write(data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write
+
+
+def _still_cancelled() -> bool:
+    """Whether the task is cancelled from outside too (then the cancellation goes on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class _SendDeadline:
@@ -109,4 +202,45 @@ class _SendDeadline:
             self.timer = None
         if self.fired and self.task is not None:
             self.task.uncancel()
-        return self.fired
+            self.fired = False  # taken back once
+            return True
+        return False
+
+
+class _Pings:
+    """A comment every ``interval`` seconds (0: none), sent only while no event is: a
+    proxy that closes a connection quiet for too long keeps a slow answer's open."""
+
+    def __init__(self, interval: float, write: Callable[[bytes], Awaitable[None]], deadline: _SendDeadline) -> None:
+        self.interval = interval
+        self.write = write
+        self.deadline = deadline
+        self.loop = asyncio.get_running_loop()
+        self.sending: asyncio.Task[None] | None = None
+        self.timer = self.loop.call_later(interval, self._due) if interval > 0 else None
+
+    def _due(self) -> None:
+        if self.deadline.began is None and (self.sending is None or self.sending.done()):
+            self.sending = self.loop.create_task(self._ping())
+        self.timer = self.loop.call_later(self.interval, self._due)
+
+    async def _ping(self) -> None:
+        try:
+            await self.write(f": ping - {datetime.now(UTC)}\n\n".encode())
+        except Exception as exc:  # the stream's own send meets the same failure and ends it
+            log.debug("a ping was not sent: %r", exc)
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.sending is not None:
+            self.sending.cancel()
+
+    async def finish(self) -> None:
+        """Stop; a ping on its way goes out before the response's end."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.sending is not None and not self.sending.done():
+            await asyncio.gather(self.sending, return_exceptions=True)

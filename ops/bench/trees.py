@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -64,6 +66,19 @@ async def paired(ports: list[int], pairs: int, tokens: int) -> list[Sample]:
     return samples
 
 
+def durable_append_ms(port: int) -> str:
+    """The mean of the durable appends a gateway waited for so far, from its /metrics."""
+    text = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f'phasegate_eventlog_append_seconds_{part}{{durable="true"}}'):
+                values[part] = float(line.split()[-1])
+    if not values.get("count"):
+        return "-"
+    return f"{values['sum'] / values['count'] * 1000:.2f}ms over {values['count']:.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trees", nargs="+", help="name=path of a source tree")
@@ -100,6 +115,8 @@ def main() -> None:
             cells = [f"{g.name} +{ms(pct(s.ttft, 0.5) - base_ttft)}" for g, s in zip(gateways, through, strict=True)]
             gaps = [f"{g.name} +{ms(pct(s.gaps, 0.5) - base_gap)}" for g, s in zip(gateways, through, strict=True)]
             print(f"1 stream: direct TTFT p50 {ms(base_ttft)}; added: {', '.join(cells)}; gap: {', '.join(gaps)}")
+            appends = [f"{g.name} {durable_append_ms(g.port)}" for g in gateways]
+            print(f"1 stream: durable appends (the commit point's, the end's), mean: {', '.join(appends)}")
         figures: dict[str, list[tuple[float, float, float]]] = {g.name: [] for g in gateways}
         for round_ in range(options.rounds):
             sample, elapsed = asyncio.run(loaded(upstream_port, options.streams, options.seconds, options.tokens))
@@ -116,7 +133,7 @@ def main() -> None:
                     f" {cpu:.3f} s/1k tok, {sample.failures} failed"
                 )
             print(f"round {round_ + 1} at {options.streams} streams: " + " | ".join(cells), flush=True)
-        for g in gateways:
+        for g in gateways if options.rounds else ():
             rates, shares, cpus = (sorted(column) for column in zip(*figures[g.name], strict=True))
             middle = len(rates) // 2
             print(

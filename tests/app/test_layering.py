@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
-        | {"app.logs", "app.tracing"}
+        | {"app.logs", "app.tracing", "app.http_server"}  # the server's key for a client gone
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(

@@ -4,11 +4,13 @@ PostgreSQL, with the real ``openai`` client."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -19,7 +21,9 @@ from app import cli
 from app.api.auth import Authenticator
 from app.api.errors import Unauthorized
 from app.config import load_config
+from app.store import keys
 from app.store.database import asyncpg_dsn
+from app.store.postgres import PostgresEventStore
 from ops.processes import free_port, phasegate, start, stop, wait_http
 from statemachine import events as ev
 from tests.conftest import run_sync
@@ -223,3 +227,32 @@ async def test_configured_digests_in_either_case_and_a_placeholder_that_matches_
     with pytest.raises(Unauthorized):
         await authenticator.tenant("Bearer sha256:CHANGE-ME")
     assert "'team-p'" in caplog.text and "CHANGE-ME" not in caplog.text  # the tenant named, not the entry
+
+
+async def test_requests_that_need_one_answer_meanwhile_share_one_query(event_store: PostgresEventStore) -> None:
+    """When the cached answer is due, one query answers every request that asks
+    meanwhile (each had taken a pooled connection of its own: at 100 streams the pool's
+    overflow was opened and closed for them); a new query only once it is due again."""
+    queries = []
+
+    class CountedStore:  # the real store, its read connections counted
+        def reading(self) -> Any:
+            queries.append(True)
+            return event_store.reading()
+
+    now = [0.0]
+    config = load_config(None)
+    authenticator = Authenticator(config, CountedStore(), clock=lambda: now[0])
+    assert await asyncio.gather(*(authenticator.tenant("") for _ in range(50))) == ["default"] * 50
+    assert len(queries) == 1
+    assert await authenticator.tenant("") == "default" and len(queries) == 1  # cached
+    async with event_store.reading() as connection:
+        _, key = await keys.create_key(connection, "team-s")
+        await connection.commit()
+    now[0] += config.api_key_cache_s  # due: the table has a key now, so one is required
+    offered = [authenticator.tenant(f"Bearer {key}") for _ in range(30)]
+    offered += [authenticator.tenant("Bearer pgk-not-a-key") for _ in range(30)]
+    answers = await asyncio.gather(*offered, return_exceptions=True)
+    assert answers[:30] == ["team-s"] * 30
+    assert all(isinstance(answer, Unauthorized) for answer in answers[30:])
+    assert len(queries) == 1 + 1 + 2  # any key; then each digest once

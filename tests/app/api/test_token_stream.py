@@ -1,5 +1,6 @@
 """The streamed answer's response (``app/api/token_stream.py``): the body through the
-server's own send, and the deadline of a send that does not return."""
+server's chunk writer, the deadline of a send that does not return, a client that leaves
+while the stream waits, and pings while it waits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import pytest
 from sse_starlette.sse import SendTimeoutError
 
-from app.api.token_stream import SERVER_SEND, TokenStreamResponse
+from app.api.token_stream import TokenStreamResponse
+from app.http_server import CHUNK_WRITER, CLIENT_GONE
 
 
 class Server:
@@ -21,25 +23,26 @@ class Server:
         self.wrapped: list[Any] = []
         self.direct: list[bytes] = []
         self.block_on = block_on  # the body send that never returns (a client that stopped reading)
+        self.leaves = asyncio.Event()  # set: receive() says the client left
 
     async def send(self, message: Any) -> None:
         self.wrapped.append(message)
 
-    async def server_send(self, message: Any) -> None:
+    async def write(self, data: bytes) -> None:  # the server's chunk writer
         if len(self.direct) == self.block_on:
             await asyncio.Event().wait()
-        self.direct.append(message["body"])
+        self.direct.append(data)
 
     async def receive(self) -> Any:
-        await asyncio.Event().wait()  # the client never leaves
+        await self.leaves.wait()
+        return {"type": "http.disconnect"}
 
 
-async def serve(response: TokenStreamResponse, server: Server) -> None:
-    scope = {"type": "http", "method": "GET", SERVER_SEND: server.server_send}
-    await response(scope, server.receive, server.send)
+async def serve(response: TokenStreamResponse, server: Server, **scope: Any) -> None:
+    await response({"type": "http", "method": "POST", CHUNK_WRITER: server, **scope}, server.receive, server.send)
 
 
-async def test_events_go_through_the_servers_send_and_the_start_and_end_through_starlettes() -> None:
+async def test_events_go_through_the_servers_writer_and_the_start_and_end_through_starlettes() -> None:
     async def body() -> AsyncIterator[bytes]:
         yield b"data: 1\n\n"
         await asyncio.sleep(0.15)  # a pause longer than the send deadline: no send is waiting
@@ -69,3 +72,66 @@ async def test_a_send_that_does_not_return_ends_the_stream_after_the_deadline_an
     assert 0.09 < time.monotonic() - began < 1.0
     assert server.direct == [b"data: 0\n\n", b"data: 1\n\n"] and closed == [True]
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+def waiting_body(cleanup: list[str]) -> AsyncIterator[bytes]:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()  # the next token never comes
+            yield b"data: 2\n\n"
+        except asyncio.CancelledError:
+            cleanup.append("cancelled")
+            raise
+        finally:
+            cleanup.append("closed")
+
+    return body()
+
+
+@pytest.mark.parametrize("how", ["server's future", "receive()"])
+async def test_a_client_that_leaves_while_the_stream_waits_ends_it_at_once(how: str) -> None:
+    """Told by the server's ``CLIENT_GONE`` future, or, under a server without one, by
+    ``receive()``: the connection is marked closed, the body cleans up, nothing more is
+    sent (not even the end), and the response returns without a cancellation left over."""
+    server, cleanup, told = Server(), [], []
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    scope = {CLIENT_GONE: gone} if how == "server's future" else {}
+    response = TokenStreamResponse(waiting_body(cleanup), ping=0, on_client_gone=lambda: told.append(True))
+    serving = asyncio.ensure_future(serve(response, server, **scope))
+    await asyncio.sleep(0.05)
+    assert server.direct == [b"data: 1\n\n"] and not serving.done()
+    if how == "server's future":
+        gone.set_result(None)
+    else:
+        server.leaves.set()
+    await asyncio.wait_for(serving, 1.0)
+    assert told == [True] and cleanup == ["cancelled", "closed"]
+    assert [m["type"] for m in server.wrapped] == ["http.response.start"]  # no end to a client gone
+    assert serving.cancelling() == 0
+
+
+async def test_a_stream_cancelled_from_outside_stays_cancelled() -> None:
+    server, cleanup = Server(), []
+    serving = asyncio.ensure_future(serve(TokenStreamResponse(waiting_body(cleanup), ping=0), server))
+    await asyncio.sleep(0.05)
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    assert cleanup == ["cancelled", "closed"]
+
+
+async def test_pings_go_out_while_the_stream_waits_and_stop_with_it() -> None:
+    server, cleanup = Server(), []
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    response = TokenStreamResponse(waiting_body(cleanup), ping=0.05)  # type: ignore[arg-type]
+    serving = asyncio.ensure_future(serve(response, server, **{CLIENT_GONE: gone}))
+    await asyncio.sleep(0.28)
+    pings = [data for data in server.direct if data.startswith(b": ping - ")]
+    assert server.direct[0] == b"data: 1\n\n" and 4 <= len(pings) <= 6
+    assert all(data.endswith(b"\n\n") for data in pings)
+    gone.set_result(None)
+    await asyncio.wait_for(serving, 1.0)
+    sent = len(server.direct)
+    await asyncio.sleep(0.12)
+    assert len(server.direct) == sent  # no ping after the stream ended

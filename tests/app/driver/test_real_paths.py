@@ -94,10 +94,16 @@ def die_on_first_attempt(workers: list[WorkerProcess], prompt: str, point: str, 
 
 
 def clear_faults(workers: list[WorkerProcess]) -> None:
-    """Forget the faults still scripted on the workers alive, so a reference request runs clean."""
+    """Forget the faults still scripted on the workers alive, so a reference request runs clean.
+    A worker that a fault killed may still be exiting when the client has its answer (its
+    sockets closed, the process not yet gone): refused, it is waited for and skipped."""
     for worker in workers:
-        if worker.alive():
+        if not worker.alive():
+            continue
+        try:
             httpx.delete(worker.base_url + "/admin/faults", timeout=5).raise_for_status()
+        except httpx.ConnectError:
+            worker.proc.wait(timeout=5)  # dying, or the refusal was a bug: then this raises
 
 
 def reject_every_first_attempt(workers: list[WorkerProcess], marker: str) -> None:

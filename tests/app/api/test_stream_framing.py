@@ -1,0 +1,136 @@
+"""A streamed answer's response on the real server (``app/http_server.py``'s protocol, a
+real socket): its chunks framed by the server's ``ChunkWriter`` as HTTP/1.1 chunks, an
+HTTP/1.0 client's body delimited by the close instead, a HEAD answered without a body,
+and a client that leaves mid-stream noticed through ``CLIENT_GONE`` while the stream
+waits for its next event."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import h11
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.api.token_stream import TokenStreamResponse
+from app.http_server import CLIENT_GONE, HttpLimits, server_config
+from ops.processes import free_port
+
+EVENTS = [b'id: 0\ndata: {"n":0}\n\n', b'id: 1\ndata: {"n":1}\n\n', b"data: [DONE]\n\n"]
+
+
+class Stream:
+    """The app's side: what it sent, whether the client left, and the body's cleanup."""
+
+    def __init__(self) -> None:
+        self.hold = asyncio.Event()  # unset: the stream waits after its first event
+        self.hold.set()
+        self.gone = asyncio.Event()
+        self.cleaned = asyncio.Event()
+        self.server_gone: asyncio.Future[None] | None = None  # the server's CLIENT_GONE of the request
+
+    async def body(self) -> AsyncIterator[bytes]:
+        try:
+            yield EVENTS[0]
+            await self.hold.wait()
+            for event in EVENTS[1:]:
+                yield event
+        finally:
+            self.cleaned.set()
+
+    async def endpoint(self, request: Request) -> Response:
+        self.server_gone = request.scope[CLIENT_GONE]
+        return TokenStreamResponse(self.body(), ping=0, on_client_gone=self.gone.set)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[int, Stream]]:
+    stream = Stream()
+    app = Starlette(routes=[Route("/stream", stream.endpoint, methods=["GET", "POST"])])
+    port = free_port()
+    server = uvicorn.Server(server_config(app, HttpLimits(), host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port, stream
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+
+
+def exchange(port: int, request: bytes) -> bytes:
+    """Send ``request`` and read until the server closes or the response ends."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            received += data
+        return received
+
+
+def parsed(received: bytes) -> tuple[h11.Response, bytes, bool]:
+    """The response, its body and whether it ended, as h11's client reads them."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/stream", headers=[("host", "x")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(received)
+    head, body, ended = None, b"", False
+    for event in iter(client.next_event, h11.NEED_DATA):
+        if isinstance(event, h11.Response):
+            head = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            ended = True
+            break
+    assert head is not None
+    return head, body, ended
+
+
+async def test_http11_chunks_are_framed_by_the_servers_writer(served: tuple[int, Stream]) -> None:
+    port, _ = served
+    received = await asyncio.to_thread(exchange, port, b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+    head, body, ended = parsed(received)
+    assert head.status_code == 200 and dict(head.headers)[b"transfer-encoding"] == b"chunked"
+    assert body == b"".join(EVENTS) and ended
+    # one chunk an event, as written: the size line, the event, CRLF
+    assert b"%x\r\n%b\r\n" % (len(EVENTS[1]), EVENTS[1]) in received
+
+
+async def test_an_http10_body_is_delimited_by_the_close(served: tuple[int, Stream]) -> None:
+    port, _ = served
+    received = await asyncio.to_thread(exchange, port, b"GET /stream HTTP/1.0\r\n\r\n")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert body == b"".join(EVENTS)
+
+
+async def test_a_head_request_gets_the_head_alone(served: tuple[int, Stream]) -> None:
+    port, _ = served
+    received = await asyncio.to_thread(exchange, port, b"HEAD /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"\r\n\r\n")
+    assert b"data:" not in received
+
+
+async def test_a_client_that_leaves_while_the_stream_waits_is_noticed_at_once(served: tuple[int, Stream]) -> None:
+    port, stream = served
+    stream.hold.clear()  # the stream waits after its first event, sending nothing
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with contextlib.closing(sock):
+        sock.sendall(b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        first = await asyncio.to_thread(sock.recv, 65536)
+        assert EVENTS[0] in first
+    await asyncio.wait_for(stream.gone.wait(), 5)  # told by the server's CLIENT_GONE, not by a send
+    await asyncio.wait_for(stream.cleaned.wait(), 5)
+    assert stream.server_gone is not None and stream.server_gone.done()
