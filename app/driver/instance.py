@@ -3,20 +3,22 @@
 How this works: ``start`` registers the instance under a new id and binds the
 store's writer to it, whose appends PostgreSQL refuses once the lease lapsed. A
 heartbeat renews the lease every third of its TTL and learns how many instances
-are live (the retry budget's share). The lease is judged on this process's own
-monotonic clock too: it is valid until the send time of the last answered renewal
-plus the TTL, earlier than PostgreSQL's view, so the instance knows it is fenced
-before anyone may sweep it. Fenced, it refuses new requests, ends its streams with
-the final error ``gateway_lost`` (the code the sweeper records) and registers again
-under a new id. A sweeper runs every ``sweep_interval_s``: it claims lapsed
-instances and closes their open requests from the log (``gateway_lost``), cancelling
-their attempts. It marks a lapsed instance swept only once none of its requests is
-left open; until then it goes back to it each sweep. ``drain`` is SIGTERM's path:
-refuse new requests, let open streams run up to ``drain_s``, then end them with
-``gateway_draining``, recorded. Every ``maintain_interval_s`` (and once at start) it
-maintains the log's day partitions (:mod:`app.store.partitions`: ahead, retention);
-the instances take turns on an advisory lock, and a run another instance holds is
-skipped.
+are live (the retry budget's share); it runs on a thread and a connection of its
+own (:class:`app.store.lease.LeaseKeeper`), so neither a busy event loop nor a busy
+pool delays it, and only while this process's event loop still runs. The lease is
+judged on this process's own monotonic clock too: it is valid until the send time
+of the last answered renewal plus the TTL, earlier than PostgreSQL's view, so the
+instance knows it is fenced before anyone may sweep it. Fenced, it refuses new
+requests, ends its streams with the final error ``gateway_lost`` (the code the
+sweeper records) and registers again under a new id. A sweeper runs every
+``sweep_interval_s``: it claims lapsed instances and closes their open requests
+from the log (``gateway_lost``), cancelling their attempts. It marks a lapsed
+instance swept only once none of its requests is left open; until then it goes
+back to it each sweep. ``drain`` is SIGTERM's path: refuse new requests, let open
+streams run up to ``drain_s``, then end them with ``gateway_draining``, recorded.
+Every ``maintain_interval_s`` (and once at start) it maintains the log's day
+partitions (:mod:`app.store.partitions`: ahead, retention); the instances take
+turns on an advisory lock, and a run another instance holds is skipped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from importlib import metadata
 
 from app.driver.context import GatewayContext
 from app.driver.recovery import close_from_log
+from app.store.database import asyncpg_dsn
 from app.store.instances import InstanceInfo, InstanceRegistry
+from app.store.lease import LeaseKeeper, Renewal
 from app.store.postgres import PostgresEventStore
 from statemachine.phases import Phase
 
@@ -65,6 +69,7 @@ class GatewayInstance:
         self._expiry: asyncio.TimerHandle | None = None
         self._fencing: asyncio.Task[None] | None = None
         self._unswept: set[str] = set()  # lapsed instances claimed with requests left open
+        self._keeper: LeaseKeeper | None = None
 
     @property
     def instance_id(self) -> str:
@@ -80,11 +85,11 @@ class GatewayInstance:
         await self._register()
         if self.ctx.config.maintain_interval_s > 0:
             await self.maintain(wait=False)  # skipped: another instance is making them
+        self._keeper = LeaseKeeper(asyncpg_dsn(self.store.url), self.ttl_s, self._renewed, clock=self.ctx.clock)
+        self._keeper.bind(self.instance_id)
+        self._keeper.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._heartbeats(), name="instance heartbeat"),
-            loop.create_task(self._sweeps(), name="instance sweeps"),
-        ]
+        self._tasks = [loop.create_task(self._sweeps(), name="instance sweeps")]
         if self.ctx.config.maintain_interval_s > 0:
             self._tasks.append(loop.create_task(self._maintenance(), name="partition maintenance"))
 
@@ -105,6 +110,8 @@ class GatewayInstance:
         self._unswept = set()  # claims of the old id: others take them over once it lapsed
         self.store.writer.bind_instance(instance_id)
         self._lease_until(sent_at + self.ttl_s)
+        if self._keeper is not None:
+            self._keeper.bind(instance_id)
         self.ctx.refusal = None
         log.info("gateway instance %s (%s) registered", instance_id, info.name)
 
@@ -117,30 +124,31 @@ class GatewayInstance:
 
     # --- the lease ---------------------------------------------------------------------
 
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            if self._fencing is not None:
-                continue
-            instance_id, sent_at = self.instance_id, self.ctx.clock()
-            try:
-                async with asyncio.timeout(self.ttl_s / 3):
-                    live = await self.registry.renew(instance_id, self.ttl_s)
-            except Exception as exc:  # PostgreSQL away or slow: the lease runs on
-                log.warning("gateway instance %s: renewal failed: %r", instance_id, exc)
-                continue
-            if instance_id != self.instance_id or self._fencing is not None:
-                continue
-            if live is None:
-                log.error("gateway instance %s: PostgreSQL says its lease is lost", instance_id)
-                self._lapsed()
-                continue
-            self._lease_until(sent_at + self.ttl_s)
-            self.ctx.budget.share_among(live)
-            self.ctx.metrics.gateway_instances.set(live)
+    def _renewed(self, renewal: Renewal) -> None:
+        """An answer of the keeper's, on this loop: the lease runs from its send time."""
+        if renewal.instance_id != self.instance_id or self._fencing is not None:
+            return
+        if renewal.live is None:
+            log.error("gateway instance %s: PostgreSQL says its lease is lost", renewal.instance_id)
+            self._lapsed()
+            return
+        self._lease_until(renewal.sent_at + self.ttl_s)
+        self.ctx.budget.share_among(renewal.live)
+        self.ctx.metrics.gateway_instances.set(renewal.live)
 
     def _lapsed(self) -> None:
+        last = self._keeper.last if self._keeper is not None else None
+        if (
+            last is not None
+            and last.live is not None
+            and last.instance_id == self.instance_id
+            and last.sent_at + self.ttl_s > self.ctx.clock()
+        ):  # answered on the keeper's thread, not yet told here: the lease runs on
+            self._lease_until(last.sent_at + self.ttl_s)
+            return
         if self._fencing is None:
+            if self._keeper is not None:
+                self._keeper.bind(None)  # the old id is renewed no more
             self._fencing = asyncio.get_running_loop().create_task(self._fenced(), name="instance fenced")
 
     async def _fenced(self) -> None:
@@ -261,6 +269,8 @@ class GatewayInstance:
                 await task
         if self._expiry is not None:
             self._expiry.cancel()
+        if self._keeper is not None:
+            await self._keeper.stop()
         try:
             await self.registry.release(self.instance_id)
         except Exception as exc:

@@ -28,16 +28,21 @@ _REGISTER = text(
             now() + CAST(:ttl_ms AS integer) * interval '1 millisecond')
     """
 )
-_RENEW = text(
-    f"""
+
+
+def _renew_sql(instance_id: str, ttl_ms: str) -> str:
+    return f"""
     WITH renewed AS (
-        UPDATE gateway_instances SET lease_expires_at = now() + CAST(:ttl_ms AS integer) * interval '1 millisecond'
-         WHERE instance_id = :instance_id AND {_LIVE}
+        UPDATE gateway_instances SET lease_expires_at = now() + CAST({ttl_ms} AS integer) * interval '1 millisecond'
+         WHERE instance_id = {instance_id} AND {_LIVE}
         RETURNING instance_id)
     SELECT (SELECT count(*) FROM renewed) AS renewed,
            (SELECT count(*) FROM gateway_instances WHERE {_LIVE}) AS live
     """
-)
+
+
+_RENEW = text(_renew_sql(":instance_id", ":ttl_ms"))
+RENEW_SQL = _renew_sql("$1::text", "$2")  # raw asyncpg: the renewals of app/store/lease.py
 _RELEASE = text("UPDATE gateway_instances SET released_at = now() WHERE instance_id = :instance_id")
 _CLAIM = text(
     """

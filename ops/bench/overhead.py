@@ -20,7 +20,9 @@ the figures are set side by side:
   of the gateway, the worker behind the held streams, and this process (the clients). Held streams
   go to a second sim worker that decodes slowly (1 token/s by default: an open stream,
   not a flood of tokens), opened 100 a second; a stream that failed says why (one whose answer simply ended
-  counts as completed).
+  counts as completed). Open streams that received nothing in the last three token times are
+  "silent", and those that received nothing at all "unanswered". Resident memory is given per
+  held stream over the gateway's before the first level.
 
 "timed" counts the requests whose time to first token was measured (each client's
 first request is a warm-up): where it is small, the level saturated the machine.
@@ -33,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,10 +68,11 @@ from ops.bench.measure import (  # noqa: E402
     row,
     rss_mib,
 )
-from ops.processes import free_port, phasegate, running, wait_http  # noqa: E402
+from ops.processes import free_port, phasegate, running, start, stop, wait_http  # noqa: E402
 
 MODEL = "sim"
 HOLD_MODEL = "sim-hold"  # a second worker, slow, for the streams held open
+API_KEY = ""  # --api-key: configured in the gateway and sent with every request
 
 
 # --- the two paths ---------------------------------------------------------------------------
@@ -98,9 +104,14 @@ async def direct(worker_url: str, streams: int, tokens: int, seconds: float, sam
     await client.aclose()
 
 
-async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: float, sample: Sample) -> None:
+def gateway_client(gateway_url: str, streams: int, timeout: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=60.0, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else None
+    return httpx.AsyncClient(base_url=gateway_url, timeout=timeout, limits=limits, headers=headers)
+
+
+async def through_gateway(gateway_url: str, streams: int, tokens: int, seconds: float, sample: Sample) -> None:
+    async with gateway_client(gateway_url, streams, 60.0) as http:
 
         async def one(n: int, keep: bool) -> None:
             body = {
@@ -130,8 +141,7 @@ async def hold(gateway_url: str, streams: int, seconds: float, ramp_per_s: float
     ``seconds``; a stream is alive at the end if it received a chunk in the last ``quiet_s``."""
     held = Held(streams)
     receiving = [0.0] * streams
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=120.0, limits=limits) as http:
+    async with gateway_client(gateway_url, streams, 120.0) as http:
 
         async def one(n: int) -> None:
             await asyncio.sleep(n / ramp_per_s)
@@ -164,6 +174,8 @@ async def hold(gateway_url: str, streams: int, seconds: float, ramp_per_s: float
         await asyncio.sleep(streams / ramp_per_s + seconds)
         cutoff = time.monotonic() - quiet_s
         held.alive = sum(1 for at, task in zip(receiving, tasks, strict=True) if at > cutoff and not task.done())
+        held.silent = sum(1 for at, task in zip(receiving, tasks, strict=True) if 0 < at <= cutoff and not task.done())
+        held.unanswered = sum(1 for at, task in zip(receiving, tasks, strict=True) if at == 0 and not task.done())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -197,6 +209,8 @@ async def upstream_failures(url: str, after: int) -> list[tuple[str, str, int]]:
 class Held:
     streams: int
     alive: int = 0  # open and receiving at the end
+    silent: int = 0  # open, but nothing received in the last quiet_s
+    unanswered: int = 0  # open, and nothing received yet
     completed: int = 0  # answered in full before the end
     failed: dict[str, int] = field(default_factory=dict)  # why -> how many
 
@@ -214,6 +228,15 @@ def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
     return [*command, "--sim-decode-ms-per-token", str(decode_ms), "--sim-prefill-ms-per-token", "0"]
 
 
+@contextlib.contextmanager
+def gateway_running(command: list[str], env: dict[str, str], log: Path | None) -> Iterator[subprocess.Popen[bytes]]:
+    process = start(command, env, log)
+    try:
+        yield process
+    finally:
+        stop(process)
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -229,8 +252,23 @@ def main() -> None:
     parser.add_argument(
         "--hold-stall-s", type=float, default=10.0, help="the gateway's stall timeout (tokens come 1 s apart)"
     )
+    parser.add_argument(
+        "--connect-s", type=float, default=10.0, help="the gateway's connect timeout (a busy sim worker accepts late)"
+    )
+    parser.add_argument(
+        "--lease-ttl-s", type=float, default=5.0, help="the attempts' lease (renewed in one round per worker)"
+    )
     parser.add_argument("--ramp-per-s", type=float, default=100.0, help="held streams opened per second")
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="a key configured in the gateway and sent by the clients (none: the gateway is open, and checks"
+        " PostgreSQL's key table every api_key_cache_s)",
+    )
+    parser.add_argument("--gateway-log", type=Path, help="append the gateway's output (warnings and up) here")
     options = parser.parse_args()
+    global API_KEY
+    API_KEY = options.api_key
 
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-bench-"))
     workdir.chmod(0o755)  # the embedded server's own user must enter it
@@ -247,7 +285,9 @@ def main() -> None:
         f'[models]\n"{MODEL}" = "bench"\n"{HOLD_MODEL}" = "bench"\n'
         f'[[replicas]]\nid = "w1"\nurl = "{worker_url}"\nmodels = ["{MODEL}"]\n'
         f'[[replicas]]\nid = "w2"\nurl = "{hold_url}"\nmodels = ["{HOLD_MODEL}"]\n'
-        f"[timeouts]\nstall_s = {options.hold_stall_s}\n"
+        f"[timeouts]\nstall_s = {options.hold_stall_s}\nconnect_s = {options.connect_s}\n"
+        f"lease_ttl_s = {options.lease_ttl_s}\n"
+        + (f'[api_keys]\n"{options.api_key}" = "bench"\n' if options.api_key else "")
     )
     gateway_cmd = phasegate("serve", "--processes", "1", "--port", str(gateway_port), "--log-level", "warning")
     gateway_cmd += ["--config", str(config)]
@@ -255,7 +295,7 @@ def main() -> None:
         with (
             running(worker_cmd) as _,
             running(hold_cmd) as hold_worker,
-            running(gateway_cmd, {"DATABASE_URL": url}) as gateway,
+            gateway_running(gateway_cmd, {"DATABASE_URL": url}, options.gateway_log) as gateway,
         ):
             wait_http(worker_url + "/v1/ready")
             wait_http(hold_url + "/v1/ready")
@@ -289,7 +329,9 @@ def main() -> None:
                     f"{options.ramp_per_s:g} new streams/s, then {options.hold_s:g} s held; "
                     f"stall_s = {options.hold_stall_s:g}"
                 )
-                heads = ["streams", "alive", "completed", "failed", "gateway RSS"]
+                idle_mib = rss_mib(gateway.pid)
+                print(f"gateway RSS before the first level: {idle_mib:.0f} MiB")
+                heads = ["streams", "alive", "silent", "unanswered", "completed", "failed", "gateway RSS", "KiB/stream"]
                 print(row(*heads, "gateway cpu", "worker cpu", "clients cpu"))
                 processes = (gateway.pid, hold_worker.pid, os.getpid())
                 for streams in levels:
@@ -301,8 +343,10 @@ def main() -> None:
                     used = [cpu_seconds(pid) - before for pid, before in zip(processes, cpu_before, strict=True)]
                     shares = [f"{seconds / elapsed:.2f}" for seconds in used]
                     failed = sum(held.failed.values())
-                    rss = f"{rss_mib(gateway.pid):.0f} MiB"
-                    print(row(streams, held.alive, held.completed, failed, rss, *shares))
+                    rss = rss_mib(gateway.pid)
+                    per_stream = f"{(rss - idle_mib) * 1024 / streams:.0f}"
+                    counts = (held.alive, held.silent, held.unanswered, held.completed, failed)
+                    print(row(streams, *counts, f"{rss:.0f} MiB", per_stream, *shares))
                     for why, count in sorted(held.failed.items(), key=lambda item: -item[1])[:5]:
                         print(f"{'':>12}{count} failed: {why}")
                     for kind, detail, count in asyncio.run(upstream_failures(url, log_before)):

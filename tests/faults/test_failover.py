@@ -179,7 +179,7 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
     ends: dict[str, int] = {"finished": 0, "partial": 0, "nothing delivered": 0}
     for transcript in transcripts:
         logged = events[transcript.request_id]
-        assert logged, f"{transcript.request_id}: the client was answered, the log lost the request"
+        assert logged, f"{transcript.request_id}: the client was answered ({transcript}), the log lost the request"
         state = check_request(logged, transcript)  # the log's deliveries are exactly the client's
         committed = any(isinstance(e, ev.FirstDeltaCommitted) for e in logged)
         assert committed is bool(transcript.contents), "a delta without its durable commit point"
