@@ -87,11 +87,18 @@ def without_span(context: contextvars.Context) -> contextvars.Context:
 
 async def inject_traceparent(request: httpx.Request) -> None:
     """httpx request hook: the current span's W3C ``traceparent`` on a call to a replica."""
-    if _tracer is None:
-        return
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    request.headers.update(trace_headers())
 
-    TraceContextTextMapPropagator().inject(request.headers)
+
+def trace_headers() -> dict[str, str]:
+    """The current span's W3C ``traceparent`` as headers for a call to a replica (none
+    while tracing is off): for a request written without httpx (app/replicas/upstream_http.py)."""
+    carrier: dict[str, str] = {}
+    if _tracer is not None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        TraceContextTextMapPropagator().inject(carrier)
+    return carrier
 
 
 Scope = MutableMapping[str, Any]

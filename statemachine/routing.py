@@ -30,7 +30,7 @@ import enum
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -60,6 +60,9 @@ class ReplicaView:
         return self.outstanding + self.others_load
 
 
+_VIEW_DEFAULTS = tuple((f.name, f.default) for f in fields(ReplicaView) if f.name != "id")
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
     replicas: tuple[ReplicaView, ...] = ()
@@ -70,18 +73,15 @@ class PoolSnapshot:
 
     def to_params(self) -> dict[str, Any]:
         """As JSON values, for the ``Decided`` event (defaults left out: it is on every start)."""
-        defaults = ReplicaView("")
-        return {
-            "placements": self.placements,
-            "replicas": [
-                {
-                    name: list(value) if isinstance(value, tuple) else value
-                    for name, value in asdict(view).items()
-                    if name == "id" or value != getattr(defaults, name)
-                }
-                for view in self.replicas
-            ],
-        }
+        replicas = []
+        for view in self.replicas:
+            entry: dict[str, Any] = {"id": view.id}
+            for name, default in _VIEW_DEFAULTS:  # field by field: asdict() copies deeply, per start
+                value = getattr(view, name)
+                if value != default:
+                    entry[name] = list(value) if isinstance(value, tuple) else value
+            replicas.append(entry)
+        return {"placements": self.placements, "replicas": replicas}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> PoolSnapshot:
@@ -117,7 +117,15 @@ class RoutingConfig:
 
     def to_params(self, *, compact: bool = False) -> dict[str, Any]:
         """As JSON values; ``compact``: the strategy and the fields off their defaults only
-        (what each ``RequestAccepted`` records)."""
+        (what each ``RequestAccepted`` records: computed once a configuration)."""
+        if compact:
+            known = _COMPACT_PARAMS.get(self)
+            if known is None:
+                known = _COMPACT_PARAMS[self] = self._params(compact=True)
+            return dict(known)  # its lists are never changed: an event holds them as they are
+        return self._params(compact=False)
+
+    def _params(self, *, compact: bool) -> dict[str, Any]:
         return {
             name: list(value) if isinstance(value, tuple) else (value.value if isinstance(value, enum.Enum) else value)
             for name, value, default in ((f.name, getattr(self, f.name), f.default) for f in fields(self))
@@ -126,6 +134,24 @@ class RoutingConfig:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> RoutingConfig:
+        """From ``to_params``' values (each request's ``RequestAccepted``: the few
+        configurations seen are built once each)."""
+        key = tuple(
+            (name, type(value), tuple(value) if isinstance(value, list) else value) for name, value in params.items()
+        )
+        try:
+            built = _FROM_PARAMS.get(key)
+        except TypeError:  # a value that is not hashable: invalid, as building it says
+            return cls._from_params(params)
+        if built is None:
+            built = cls._from_params(params)
+            if len(_FROM_PARAMS) >= _KEPT_CONFIGS:
+                _FROM_PARAMS.clear()
+            _FROM_PARAMS[key] = built
+        return built
+
+    @classmethod
+    def _from_params(cls, params: Mapping[str, Any]) -> RoutingConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -141,6 +167,9 @@ class RoutingConfig:
 
 
 DEFAULT_ROUTING = RoutingConfig()
+_KEPT_CONFIGS = 64
+_COMPACT_PARAMS: dict[RoutingConfig, dict[str, Any]] = {}
+_FROM_PARAMS: dict[tuple[tuple[str, type, Any], ...], RoutingConfig] = {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,7 +158,10 @@ class Feed:
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # closed here, even when stopped
                 async for output in outputs:
-                    await self._take(output)
+                    unattended = self._take(output)
+                    if unattended is not None:
+                        await unattended
+                    self._wake()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the log lost, or a bug: whoever reads answers it
@@ -170,7 +173,9 @@ class Feed:
             self.over = True
             self._wake()
 
-    async def _take(self, output: Output) -> None:
+    def _take(self, output: Output) -> Awaitable[None] | None:
+        """Keep ``output`` for the client; what is left to await of handling it with no
+        client attached. (Not a coroutine: a plain call per delta.)"""
         if type(output) is Delta:
             self.deltas.append(output)
         elif type(output) is Restarted:
@@ -179,7 +184,5 @@ class Feed:
         else:
             self.end = output
         if self.client is None and type(output) is not Restarted:
-            result = self._on_unattended(output)
-            if result is not None:
-                await result
-        self._wake()
+            return self._on_unattended(output)
+        return None

@@ -30,6 +30,7 @@ from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
 from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
+from app.driver.shielded import shielded
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
 from statemachine import events as ev
@@ -39,7 +40,7 @@ from statemachine.actions import (
 )
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import decide, ended_by_gateway, needs_pool
+from statemachine.policy import PolicyConfig, decide, ended_by_gateway, needs_pool
 from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")
@@ -68,6 +69,7 @@ class RequestLoop(LoopActions):
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
         self._poked = False  # an event recorded from outside the loop wants a decision now
         self._disconnects = 0  # clients that left: a grace timer acts only for the latest
+        self._undecided: tuple[RequestState | None, PolicyConfig | None] = (None, None)  # decided nothing on these
         # the loop runs in the feed's task; a client that leaves only detaches (DESIGN.md §12)
         self.feed = Feed(
             self._drive,
@@ -96,7 +98,7 @@ class RequestLoop(LoopActions):
     async def _drive(self) -> AsyncGenerator[Output, None]:
         reader = asyncio.current_task()  # the feed's task runs the whole generator
         while True:
-            ended = await self._decide_and_act()
+            ended = None if self._decided_nothing_since() else await self._decide_and_act()
             if self._restarted:
                 self._restarted = False
                 yield Restarted()
@@ -157,13 +159,23 @@ class RequestLoop(LoopActions):
                 yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
                 return
 
+    def _decided_nothing_since(self) -> bool:
+        """The policy decided nothing, with no pool snapshot, on the very state and policy
+        there are now: ``decide()`` is pure, so it would decide nothing again (most tokens
+        record nothing)."""
+        return self.state is self._undecided[0] and self.ctx.config.policy is self._undecided[1]
+
     async def _decide_and_act(self) -> Output | None:
         """Decide and carry out until the policy has nothing to add."""
         while True:
-            state = self.state
+            if self._decided_nothing_since():
+                return None
+            state, policy = self.state, self.ctx.config.policy
             pool = self.ctx.pool.snapshot(self._models) if needs_pool(state) else None
-            actions = decide(state, self.ctx.config.policy, pool)
+            actions = decide(state, policy, pool)
             if not actions:
+                if pool is None:
+                    self._undecided = (state, policy)
                 return None
             await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
@@ -201,12 +213,12 @@ class RequestLoop(LoopActions):
     async def _end(self, outcome: str) -> None:
         """After the terminal event: make it durable, release, count, forget. Shielded:
         a client leaving at this moment must not leave the request half ended."""
-        await asyncio.shield(self._ending(outcome))
+        await shielded(self._ending(outcome))
 
     async def _ending(self, outcome: str) -> None:
         run, self.run = self.run, None
         try:
-            await self.recorder.flush(durable=True)
+            await self.recorder.flush_shielded_already()
         finally:
             if run is not None:
                 await run.release()

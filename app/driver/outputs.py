@@ -13,7 +13,7 @@ from app.contract.logprobs import TokenLogprob
 from statemachine.actions import FailRequest
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one a token, and frozen fields are set one slow call each
 class Delta:
     text: str
     choice: int = 0

@@ -17,8 +17,8 @@ waiting, the HTTP layer sends nothing more (``behind``, ``until_the_log_moves``)
 the log is behind what the client received by at most two batches and never ahead of
 it, however slow the commits get under load.
 
-Appends run shielded: a client that disconnects mid-append cancels the HTTP task,
-not the append. While PostgreSQL is down, a durable flush retries for
+Appends run shielded (:mod:`app.driver.shielded`): a client that disconnects
+mid-append cancels the HTTP task, not the append. While PostgreSQL is down, a durable flush retries for
 ``store_outage_grace_s`` before it gives up; the events stay queued either way and
 the next flush retries them, so nothing recorded is dropped. A group-committed
 flush that meets an outage leaves its events queued and returns.
@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from app.driver.context import GatewayContext
+from app.driver.shielded import shielded
 from app.store.content import kept_text
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
@@ -349,9 +350,14 @@ class Recorder:
         """Append everything queued; with ``durable`` wait for the commit."""
         if close_batch:
             self.close_batch()
-        if not self._queued:
-            return
-        await asyncio.shield(self._append(durable))
+        if self._queued:
+            await shielded(self._append(durable))
+
+    async def flush_shielded_already(self) -> None:
+        """``flush(durable=True)`` for a caller that runs shielded itself (the request's end)."""
+        self.close_batch()
+        if self._queued:
+            await self._append(True)
 
     async def _append(self, durable: bool) -> None:
         async with self._lock:

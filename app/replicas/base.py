@@ -46,7 +46,7 @@ class Token:
     choice: int
     index: int
     text: str
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: Sequence[int] = ()  # an OpenAI upstream names none: one token a chunk
     logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
 
 

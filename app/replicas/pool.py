@@ -89,34 +89,38 @@ class ReplicaPool:
         self.clock = clock
         self.on_health_change: Callable[[Replica], None] = lambda replica: None
         self._choices = 0
+        self._serving: dict[tuple[str, ...], tuple[Replica, ...]] = {}  # by the models asked for: found once
 
     def available(self, replica: Replica, model: str | None = None) -> bool:
         """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
-        now = self.clock()
-        return (
-            replica.healthy is not False
-            and (model is None or replica.config.serves(model))
-            and replica.ejected_until <= now
-            and replica.cooldown_until <= now
-        )
+        return (model is None or replica.config.serves(model)) and self._available_at(replica, self.clock())
+
+    @staticmethod
+    def _available_at(replica: Replica, now: float) -> bool:
+        return replica.healthy is not False and replica.ejected_until <= now and replica.cooldown_until <= now
 
     def snapshot(self, models: Iterable[str]) -> PoolSnapshot:
         """The replicas that serve any of ``models``, as the policy places attempts over them."""
         now = self.clock()
         wanted = tuple(models)
+        serving = self._serving.get(wanted)
+        if serving is None:  # the replicas are the configuration's: which serve a model never changes
+            serving = tuple(r for r in self.replicas.values() if any(r.config.serves(model) for model in wanted))
+            if len(self._serving) >= 256:  # model names no configuration knows: keep few
+                self._serving.clear()
+            self._serving[wanted] = serving
         return PoolSnapshot(
             tuple(
                 ReplicaView(
                     id=replica.id,
                     models=replica.config.models,
-                    available=self.available(replica),
+                    available=self._available_at(replica, now),
                     outstanding=replica.outstanding,
                     others_load=replica.others_load,
                     cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
                     last_chosen=replica.last_chosen,
                 )
-                for replica in self.replicas.values()
-                if any(replica.config.serves(model) for model in wanted)
+                for replica in serving
             ),
             self._choices,
         )

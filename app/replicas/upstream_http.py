@@ -1,13 +1,15 @@
 """HTTP/1.1 for the hot request of an OpenAI upstream (a streamed completion), lean.
 
-How this works: httpx builds the request (the client's headers, its hooks) and reads
-the answer as an ``httpx.Response``, as before; in between, this module sends it on
-a kept-alive connection of its own and hands the body over as it is read. httpx's
-own transport put five async generators, an anyio cancel scope and h11 between each
-chunk of the body and the gateway, and its pool closed every connection whose body
-ended unread, so each attempt paid for a new TCP connection too. Here one socket read
-is one body read, however many chunks it holds (the tokens that piled up while the
-gateway was busy come together), framed by h11.
+How this works: the caller gives the request as bytes (its target, its header lines,
+its body: the fixed headers encoded once per upstream), this module writes them in one
+write on a kept-alive connection of its own, reads the answer's head and hands the
+body over as it is read: one socket read is one body read (:meth:`Body.read`), however
+many chunks it holds (the tokens that piled up while the gateway was busy come
+together). httpx's own transport put five async generators, an anyio cancel scope and
+h11 between each chunk of the body and the gateway, and its pool closed every
+connection whose body ended unread, so each attempt paid for a new TCP connection too;
+building an ``httpx.Request`` and framing it through h11 cost more than the rest of
+starting an attempt.
 
 A connection goes back to the idle list only once its body was read to its end;
 closed before that (a cancel, a fence: closing is how vLLM aborts) it is closed. An
@@ -15,7 +17,7 @@ idle connection is used again only while it is younger than ``IDLE_S`` and its s
 has not closed it, so a request is never sent on a connection its server dropped
 (servers time idle connections out: uvicorn after 5 s). Errors are httpx's own
 (``ConnectError``, ``ConnectTimeout``, ``ReadError``, ``RemoteProtocolError``,
-``WriteError``), so a caller maps them as it mapped httpx's. Only ``http://`` without
+``WriteError``), so a caller maps them as it maps httpx's. Only ``http://`` without
 a proxy from the environment comes here; anything else stays with httpx
 (:func:`lean_connections`).
 """
@@ -25,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 
-import h11
 import httpx
 
 IDLE_S = 2.0  # an idle connection older than this is closed rather than used again
 READ_BYTES = 65536
+HEAD_MAX_BYTES = 65536  # an answer's head longer than this is refused
+_NO_BODY = frozenset({204, 304})
 
 
 class Connections:
@@ -40,23 +42,28 @@ class Connections:
     def __init__(self, host: str, port: int, *, connect_timeout_s: float) -> None:
         self.host, self.port = host, port
         self.connect_timeout_s = connect_timeout_s
+        named = f"[{host}]" if ":" in host else host  # an IPv6 address
+        self._host_line = b"host: %s\r\n" % (named if port == 80 else f"{named}:{port}").encode("ascii")
         self._idle: list[tuple[float, _Connection]] = []
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        """Send ``request`` (its body already read) and return once the answer's head came."""
+    async def post(self, target: bytes, header_lines: bytes, body: bytes) -> Answer:
+        """POST ``body`` to ``target`` with ``header_lines`` (each ``name: value\\r\\n``;
+        the host and the content length are added here), and return once the answer's
+        head came."""
+        request = b"POST %s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n%s" % (
+            target,
+            self._host_line,
+            header_lines,
+            len(body),
+            body,
+        )
         connection = self._take_idle() or await self._connect()
         try:
-            head = await connection.exchange(request)
+            connection.write(request)
+            return await connection.answer(self)
         except BaseException:
             connection.close()
             raise
-        headers = [(name, value) for name, value in head.headers]
-        chunks = None
-        if any(name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in headers):
-            chunks = _Chunks(connection.h11.trailing_data[0])  # the body's bytes h11 read with the head
-        closes = any(name == b"connection" and b"close" in value.lower() for name, value in headers)
-        stream = _Body(connection, self, chunks, keep_alive=head.http_version == b"1.1" and not closes)
-        return httpx.Response(head.status_code, headers=headers, stream=stream, request=request)
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -86,55 +93,67 @@ class Connections:
         self._idle.clear()
 
 
+class Answer:
+    """An answer's status, head and body (read with :meth:`Body.read`)."""
+
+    __slots__ = ("body", "headers", "reason_phrase", "status_code")
+
+    def __init__(self, status_code: int, reason_phrase: str, headers: dict[str, str], body: Body) -> None:
+        self.status_code = status_code
+        self.reason_phrase = reason_phrase
+        self.headers = headers  # names in lower case; a repeated field's values joined by ", "
+        self.body = body
+
+
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.h11 = h11.Connection(h11.CLIENT)
 
     def reusable(self) -> bool:
-        return (
-            not self.writer.is_closing()
-            and not self.reader.at_eof()
-            and self.h11.our_state is h11.IDLE
-            and self.h11.their_state is h11.IDLE
-        )
+        return not self.writer.is_closing() and not self.reader.at_eof()
 
-    async def exchange(self, request: httpx.Request) -> h11.Response:
-        """Write ``request``, then read until the answer's head."""
-        target = request.url.raw_path
-        headers = [(name, value) for name, value in request.headers.raw if name.lower() != b"host"]
-        headers.insert(0, (b"host", request.url.netloc))
-        if request.method == "POST" and b"content-length" not in (name.lower() for name, _ in headers):
-            headers.append((b"content-length", str(len(request.content)).encode()))
-        data = self.h11.send(h11.Request(method=request.method, target=target, headers=headers))
-        assert data is not None
-        data += self.h11.send(h11.Data(data=request.content)) or b""
-        data += self.h11.send(h11.EndOfMessage()) or b""
+    def write(self, data: bytes) -> None:
         try:
-            self.writer.write(data)
-            await self.writer.drain()
+            self.writer.write(data)  # a request fits the transport's buffer: no drain to wait for
         except OSError as exc:
             raise httpx.WriteError(f"sending the request failed: {exc!r}") from None
-        while True:
-            event = await self.next_event()
-            if isinstance(event, h11.Response):
-                return event
-            if not isinstance(event, h11.InformationalResponse):
-                raise httpx.RemoteProtocolError(f"unexpected {type(event).__name__} before the answer's head")
 
-    async def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        """The next event, reading from the socket when h11 needs more."""
+    async def answer(self, connections: Connections) -> Answer:
+        """Read until the answer's head (informational answers skipped) and frame its body."""
+        received = b""
         while True:
+            end = received.find(b"\r\n\r\n")
+            if end < 0:
+                if len(received) > HEAD_MAX_BYTES:
+                    raise httpx.RemoteProtocolError("the answer's head is too long")
+                more = await self.read()
+                if not more:
+                    raise httpx.RemoteProtocolError("the server closed the connection before answering")
+                received += more
+                continue
+            head, received = received[:end], received[end + 4 :]
+            status, reason, version, headers = _parse_head(head)
+            if 100 <= status < 200:
+                if status == 101:
+                    raise httpx.RemoteProtocolError("the server switched protocols")
+                continue  # 100 Continue, 103 Early Hints: the answer follows
+            break
+        keep_alive = version == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        if status in _NO_BODY:
+            framing: _Chunks | int | None = 0
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            framing = _Chunks(received)
+            received = b""
+        elif "content-length" in headers:
             try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise httpx.RemoteProtocolError(str(exc)) from None
-            if event is not h11.NEED_DATA:
-                return event
-            await self.receive()
-
-    async def receive(self) -> None:
-        self.h11.receive_data(await self.read())  # b"": the server closed (h11 raises if mid-message)
+                framing = int(headers["content-length"])
+            except ValueError:
+                raise httpx.RemoteProtocolError("a malformed content-length") from None
+            if framing < 0:
+                raise httpx.RemoteProtocolError("a malformed content-length")
+        else:
+            framing, keep_alive = None, False  # until the server closes
+        return Answer(status, reason, headers, Body(self, connections, framing, received, keep_alive=keep_alive))
 
     async def read(self) -> bytes:
         try:
@@ -146,9 +165,26 @@ class _Connection:
         self.writer.close()
 
 
+def _parse_head(head: bytes) -> tuple[int, str, bytes, dict[str, str]]:
+    """Status, reason, HTTP version and fields of an answer's head (without its blank line)."""
+    status_line, *lines = head.split(b"\r\n")
+    version, _, rest = status_line.partition(b" ")
+    code, _, reason = rest.partition(b" ")
+    if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise httpx.RemoteProtocolError(f"a malformed status line: {status_line[:60]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise httpx.RemoteProtocolError(f"a malformed header line: {line[:60]!r}")
+        key, text = name.decode("latin-1").lower(), value.strip().decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return int(code), reason.decode("latin-1"), version, headers
+
+
 class _Chunks:
-    """A chunked body's framing, taken off here rather than by h11 (a third of the
-    gateway's time reading a stream went to h11's parsing, chunk by chunk)."""
+    """A chunked body's framing, taken off by ``bytes.find`` over what a read brought
+    (h11, event by event, took a third of the gateway's time reading a stream)."""
 
     def __init__(self, received: bytes) -> None:
         self.buffer = bytearray(received)
@@ -160,6 +196,21 @@ class _Chunks:
     def decode(self) -> list[bytes]:
         """The data of every chunk the buffer holds (a chunk split across reads: its part)."""
         buffer, parts = self.buffer, []
+        if not self.left and not self.crlf and not self.trailers:
+            # whole chunks first, each in one step (a read mostly brings whole ones)
+            at, size = 0, len(buffer)
+            while (end := buffer.find(b"\r\n", at)) > at:
+                try:
+                    length = int(buffer[at:end], 16)  # a size line with no extension
+                except ValueError:
+                    break  # an extension, or malformed: the step by step way tells
+                start = end + 2
+                stop = start + length
+                if length <= 0 or size < stop + 2 or buffer[stop : stop + 2] != b"\r\n":
+                    break
+                parts.append(bytes(buffer[start:stop]))
+                at = stop + 2
+            del buffer[:at]
         while buffer and not self.done:
             if self.left:
                 taken = bytes(buffer[: self.left])
@@ -196,67 +247,69 @@ class _Chunks:
         return parts
 
 
-class _Body(httpx.AsyncByteStream):
-    """An answer's body: all of it that one socket read brought, chunk framing removed."""
+class Body:
+    """An answer's body: all of it that one socket read brought, its framing removed."""
 
     def __init__(
-        self, connection: _Connection, connections: Connections, chunks: _Chunks | None, *, keep_alive: bool
+        self,
+        connection: _Connection,
+        connections: Connections,
+        framing: _Chunks | int | None,
+        received: bytes,
+        *,
+        keep_alive: bool,
     ) -> None:
         self.connection = connection
         self.connections = connections
-        self.chunks = chunks  # None: h11 frames the body (a length, or until the close)
+        self.framing = framing  # chunked; the bytes still to come (a length); None: until the close
+        self.received = received  # body bytes read with the head (not chunked)
         self.keep_alive = keep_alive
         self.ended = False
         self.closed = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        connection, chunks = self.connection, self.chunks
-        while chunks is not None and not self.ended:
-            parts = chunks.decode()
-            self.ended = chunks.done
-            if parts:
-                yield parts[0] if len(parts) == 1 else b"".join(parts)
-            elif not self.ended:
-                received = await connection.read()
-                if not received:
+    async def read(self) -> bytes:
+        """The body's next bytes, ``b""`` once it ended."""
+        framing = self.framing
+        if type(framing) is _Chunks:
+            while not self.ended:
+                parts = framing.decode()
+                self.ended = framing.done
+                if parts:
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+                if not self.ended:
+                    received = await self.connection.read()
+                    if not received:
+                        raise httpx.RemoteProtocolError("the server closed the connection mid-body")
+                    framing.buffer += received
+            return b""
+        if self.ended:
+            return b""
+        received, self.received = self.received, b""
+        if not received and framing != 0:
+            received = await self.connection.read()
+            if not received:
+                if framing is not None:
                     raise httpx.RemoteProtocolError("the server closed the connection mid-body")
-                chunks.buffer += received
-        while not self.ended:
-            parts = []
-            event: h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED] = await connection.next_event()
-            while True:
-                if isinstance(event, h11.Data):
-                    parts.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    self.ended = True
-                    break
-                elif event is h11.NEED_DATA or event is h11.PAUSED:
-                    break
-                else:
-                    raise httpx.RemoteProtocolError(f"unexpected {event!r} in an answer's body")
-                try:  # what the same read brought: h11 parses it without reading again
-                    event = connection.h11.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise httpx.RemoteProtocolError(str(exc)) from None
-            if parts:
-                yield parts[0] if len(parts) == 1 else b"".join(parts)
+                self.ended = True  # the body that lasts until the close
+                return b""
+        if type(framing) is int:
+            if len(received) > framing:
+                received, self.keep_alive = received[:framing], False  # more than it said: not reused
+            self.framing = framing = framing - len(received)
+            self.ended = framing == 0
+        return received
 
     async def aclose(self) -> None:
+        """Done with the body: its connection kept if it was read to its end, else closed."""
         if self.closed:
             return
         self.closed = True
-        connection, chunks = self.connection, self.chunks
-        if chunks is not None:
-            if self.ended and self.keep_alive and not chunks.buffer:
-                connection.h11 = h11.Connection(h11.CLIENT)  # its body framed here: h11 starts afresh
-                self.connections.give_back(connection)
-            else:
-                connection.close()
-        elif self.ended and connection.h11.our_state is h11.DONE and connection.h11.their_state is h11.DONE:
-            connection.h11.start_next_cycle()
-            self.connections.give_back(connection)
+        framing = self.framing
+        clean = type(framing) is not _Chunks or not framing.buffer  # nothing read past the body
+        if self.ended and self.keep_alive and clean:
+            self.connections.give_back(self.connection)
         else:
-            connection.close()
+            self.connection.close()
 
 
 def lean_connections(base_url: str, *, connect_timeout_s: float) -> Connections | None:
@@ -268,4 +321,4 @@ def lean_connections(base_url: str, *, connect_timeout_s: float) -> Connections 
     proxies = urllib.request.getproxies()
     if (proxies.get("http") or proxies.get("all")) and not urllib.request.proxy_bypass(url.host):
         return None
-    return Connections(url.host, url.port or 80, connect_timeout_s=connect_timeout_s)
+    return Connections(url.raw_host.decode("ascii"), url.port or 80, connect_timeout_s=connect_timeout_s)

@@ -97,6 +97,21 @@ def test_a_snapshot_and_a_routing_config_survive_their_json_form() -> None:
     assert DEFAULT_ROUTING.to_params(compact=True) == {"strategy": "prefix_affinity"}
 
 
+def test_routing_configs_built_from_params_are_kept_and_the_kept_ones_stay_few() -> None:
+    params = {"strategy": "round_robin", "fallbacks": ["x"]}
+    first = RoutingConfig.from_params(params)
+    assert RoutingConfig.from_params(dict(params)) is first  # built once
+    assert RoutingConfig.from_params({"strategy": "round_robin", "fallbacks": ("x",)}) == first
+    for factor in range(100):  # more configurations than are kept
+        assert RoutingConfig.from_params({"affinity_load_factor": 1 + factor}).affinity_load_factor == 1 + factor
+    assert RoutingConfig.from_params(params) == first
+    compact = first.to_params(compact=True)
+    compact["strategy"] = "changed"  # a copy: what the next request records is unchanged
+    assert first.to_params(compact=True) == {"strategy": "round_robin", "fallbacks": ["x"]}
+    with pytest.raises(ValueError, match="a list of model names"):
+        RoutingConfig.from_params({"fallbacks": [["x"]]})  # not hashable: built, refused, not kept
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [

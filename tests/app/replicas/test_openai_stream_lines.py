@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from app.replicas.base import Done, Frame, Token
-from app.replicas.openai_upstream import _OpenAIStream
+from app.replicas.openai_stream import HttpxBody, OpenAIStream
 
 
 def event(text: str | None = None, finish: str | None = None, usage: bool = False) -> bytes:
@@ -25,7 +25,7 @@ async def frames_of(reads: list[bytes]) -> list[Frame]:
         for read in reads:
             yield read
 
-    stream = _OpenAIStream(httpx.Response(200, content=body()), choices=1)
+    stream = OpenAIStream(HttpxBody(httpx.Response(200, content=body())), choices=1)
     return [frame async for frame in stream.frames()]
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from app.config import ReplicaConfig, Timeouts
 from app.replicas.base import ProbeAnswer
-from app.replicas.openai_upstream import OpenAIUpstream, _parse_chunk
+from app.replicas.openai_stream import parse_chunk
+from app.replicas.openai_upstream import OpenAIUpstream
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason
 from statemachine.replay import replay
@@ -233,7 +234,7 @@ def test_text_that_is_not_unicode_after_output_ends_the_stream_with_a_structured
 
 
 def test_escaped_surrogate_pairs_are_text() -> None:
-    chunk = _parse_chunk('{"choices": [{"index": 0, "delta": {"content": "\\ud83d\\ude00 ok"}}]}')
+    chunk = parse_chunk('{"choices": [{"index": 0, "delta": {"content": "\\ud83d\\ude00 ok"}}]}')
     assert chunk["choices"][0]["delta"]["content"] == "\N{GRINNING FACE} ok"  # an emoji as ASCII-only JSON writes it
 
 

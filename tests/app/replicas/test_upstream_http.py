@@ -9,7 +9,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.replicas.upstream_http import Connections, _Chunks, lean_connections
+from app.replicas.upstream_http import Answer, Body, Connections, _Chunks, lean_connections
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -59,13 +59,19 @@ class Server:
         await asyncio.sleep(0.01)  # the handlers see their connections closed and end
 
 
-def request(connections: Connections, body: bytes = b'{"n":1}') -> httpx.Request:
-    url = f"http://{connections.host}:{connections.port}/v1/chat/completions"
-    return httpx.Request("POST", url, content=body, headers={"content-type": "application/json"})
+async def post(connections: Connections, body: bytes = b'{"n":1}') -> Answer:
+    return await connections.post(b"/v1/chat/completions", b"content-type: application/json\r\n", body)
 
 
-async def body_of(response: httpx.Response) -> bytes:
-    return b"".join([part async for part in response.aiter_raw()])
+async def reads_of(body: Body) -> list[bytes]:
+    reads = []
+    while read := await body.read():
+        reads.append(read)
+    return reads
+
+
+async def body_of(answer: Answer) -> bytes:
+    return b"".join(await reads_of(answer.body))
 
 
 def whole(n: int) -> list[bytes]:
@@ -76,10 +82,10 @@ async def test_a_body_read_to_its_end_leaves_its_connection_for_the_next_request
     server = Server(whole)
     async with server as connections:
         for _ in range(3):
-            response = await connections.send(request(connections))
+            response = await post(connections)
             assert response.status_code == 200
             assert await body_of(response) == b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
-            await response.aclose()
+            await response.body.aclose()
         connections.close()
     assert server.connections == 1 and len(server.requests) == 3
     assert server.requests[0].endswith(b'\r\n\r\n{"n":1}') and b"content-length: 7" in server.requests[0].lower()
@@ -87,22 +93,21 @@ async def test_a_body_read_to_its_end_leaves_its_connection_for_the_next_request
 
 async def test_chunks_that_came_in_one_read_are_one_body_read() -> None:
     async with Server(lambda n: [HEAD + chunk(b"1") + chunk(b"2") + chunk(b"3") + b"0\r\n\r\n"]) as connections:
-        response = await connections.send(request(connections))
-        assert [part async for part in response.aiter_raw()] == [b"123"]
-        await response.aclose()
+        response = await post(connections)
+        assert await reads_of(response.body) == [b"123"]
+        await response.body.aclose()
         connections.close()
 
 
 async def test_a_body_closed_before_its_end_closes_its_connection() -> None:
     server = Server(lambda n: [HEAD + chunk(b"data: a\n\n")] if n == 1 else whole(n))
     async with server as connections:
-        response = await connections.send(request(connections))
-        reads = aiter(response.aiter_raw())
-        assert await anext(reads) == b"data: a\n\n"
-        await response.aclose()  # a cancel: closing is how the upstream learns of it
-        response = await connections.send(request(connections))
+        response = await post(connections)
+        assert await response.body.read() == b"data: a\n\n"
+        await response.body.aclose()  # a cancel: closing is how the upstream learns of it
+        response = await post(connections)
         assert await body_of(response) == b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
-        await response.aclose()
+        await response.body.aclose()
         connections.close()
     assert server.connections == 2
 
@@ -111,9 +116,9 @@ async def test_a_connection_its_server_closed_while_idle_is_not_used_again() -> 
     server = Server(whole, close_after=True)
     async with server as connections:
         for _ in range(2):
-            response = await connections.send(request(connections))
+            response = await post(connections)
             await body_of(response)
-            await response.aclose()
+            await response.body.aclose()
             await asyncio.sleep(0.05)  # the server's close arrives
         connections.close()
     assert server.connections == 2 and len(server.requests) == 2
@@ -121,10 +126,10 @@ async def test_a_connection_its_server_closed_while_idle_is_not_used_again() -> 
 
 async def test_a_body_cut_midway_is_a_transport_error() -> None:
     async with Server(lambda n: [HEAD + chunk(b"data: a\n\n")], close_after=True) as connections:
-        response = await connections.send(request(connections))
+        response = await post(connections)
         with pytest.raises(httpx.TransportError):
             await body_of(response)
-        await response.aclose()
+        await response.body.aclose()
         connections.close()
 
 
@@ -135,7 +140,7 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
     await server.wait_closed()
     connections = Connections("127.0.0.1", port, connect_timeout_s=1.0)
     with pytest.raises(httpx.ConnectError):
-        await connections.send(request(connections))
+        await post(connections)
 
 
 def test_only_plain_http_without_a_proxy_comes_here(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,9 +168,9 @@ async def test_chunk_framing_cut_anywhere_by_the_reads(size: int) -> None:
     server = Server(lambda n: parts)  # each part its own write
     async with server as connections:
         for _ in range(2):
-            response = await connections.send(request(connections))
+            response = await post(connections)
             assert await body_of(response) == BODY
-            await response.aclose()
+            await response.body.aclose()
         connections.close()
     assert server.connections == 1
 
@@ -175,9 +180,9 @@ async def test_an_answer_that_says_connection_close_is_not_kept() -> None:
     server = Server(lambda n: [head + FRAMED])
     async with server as connections:
         for _ in range(2):
-            response = await connections.send(request(connections))
+            response = await post(connections)
             assert await body_of(response) == BODY
-            await response.aclose()
+            await response.body.aclose()
         connections.close()
     assert server.connections == 2
 
@@ -196,3 +201,51 @@ def test_the_chunk_framing_taken_off_whatever_the_reads_bring(size: int) -> None
 def test_broken_chunk_framing_is_a_protocol_error(framed: bytes) -> None:
     with pytest.raises(httpx.RemoteProtocolError):
         _Chunks(framed).decode()
+
+
+async def test_a_request_is_one_write_with_its_host_and_length() -> None:
+    server = Server(whole)
+    async with server as connections:
+        response = await post(connections)
+        await body_of(response)
+        await response.body.aclose()
+        connections.close()
+    head = server.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert head[0] == b"POST /v1/chat/completions HTTP/1.1"
+    assert f"host: 127.0.0.1:{connections.port}".encode() in head and b"content-length: 7" in head
+
+
+async def test_a_body_of_a_given_length_keeps_its_connection() -> None:
+    answer = b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{"a": 1 }'
+    parts = [answer[:30], answer[30:90], answer[90:]]
+    server = Server(lambda n: parts)
+    async with server as connections:
+        for _ in range(2):
+            response = await post(connections)
+            assert (response.status_code, response.reason_phrase) == (400, "Bad Request")
+            assert response.headers["content-type"] == "application/json"
+            assert await body_of(response) == b'{"a": 1 }'
+            await response.body.aclose()
+        connections.close()
+    assert server.connections == 1
+
+
+async def test_a_body_without_length_or_chunks_lasts_until_the_close_and_informational_answers_are_skipped() -> None:
+    answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-A: 1\r\nx-a: 2\r\n\r\ndata: a\n\n"
+    server = Server(lambda n: [answer], close_after=True)
+    async with server as connections:
+        response = await post(connections)
+        assert response.status_code == 200 and response.headers["x-a"] == "1, 2"
+        assert await body_of(response) == b"data: a\n\n"
+        await response.body.aclose()
+        connections.close()
+
+
+@pytest.mark.parametrize(
+    "head", [b"HTTP/1.1 2000 OK\r\n\r\n", b"SPDY 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n"]
+)
+async def test_a_malformed_head_is_a_protocol_error(head: bytes) -> None:
+    async with Server(lambda n: [head], close_after=True) as connections:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await post(connections)
+        connections.close()

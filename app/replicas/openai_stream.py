@@ -1,0 +1,190 @@
+"""An OpenAI-compatible upstream's streamed answer, read as frames.
+
+How this works: the body comes as the bytes each socket read brought (``BodyReads``:
+the lean connections' ``Body``, or an ``httpx.Response`` through :class:`HttpxBody`);
+they are cut into SSE lines here (CR and LF only), each ``data:`` line parsed by orjson,
+and each choice's text becomes a :class:`~app.replicas.base.Token`. The stream
+completes once every choice finished and the usage came, without waiting for
+``[DONE]``; what is malformed fails the attempt as DESIGN.md §4 says (see
+:mod:`app.replicas.openai_upstream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+import orjson
+
+from app.contract.logprobs import TokenLogprob, from_wire
+from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure
+from statemachine.events import FINISH_REASONS, FailureKind
+
+# After every choice finished, how long to wait for the usage chunk before completing
+# without it: an upstream that never sends [DONE] must not hold the answer back.
+USAGE_GRACE_S = 0.5
+
+
+class BodyReads(Protocol):
+    """An answer's body as :class:`OpenAIStream` reads it: ``b""`` once it ended."""
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxBody:
+    """An ``httpx.Response``'s body read as the lean connections' (TLS, a proxy)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        encoded = response.headers.get("content-encoding", "identity") != "identity"
+        self._reads = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
+
+    async def read(self) -> bytes:
+        try:
+            return await anext(self._reads)  # never empty before the end
+        except StopAsyncIteration:
+            return b""
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class OpenAIStream:
+    def __init__(self, body: BodyReads, choices: int) -> None:
+        self._body = body
+        self._choices = choices
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        finish_reasons: dict[int, str] = {}
+        usage: dict[str, int] | None = None
+        pending_calls: dict[tuple[int, int], dict[str, str]] = {}
+        index = 0
+        # Lines split here from the body's bytes, not by httpx's aiter_lines (three
+        # generators a read, and str.splitlines, which also splits a JSON string at a raw
+        # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
+        body = self._body
+        lines: list[bytes] = []  # complete lines not looked at yet, the next one last
+        rest: bytes | None = b""  # a line whose end is not read yet; None once the body ended
+        try:
+            while True:
+                finished = len(finish_reasons) >= self._choices
+                if finished and usage is not None:
+                    break  # everything is here: do not wait for [DONE]
+                if not lines:
+                    if rest is None:
+                        break
+                    try:
+                        if finished:  # only the usage chunk may still come
+                            async with asyncio.timeout(USAGE_GRACE_S):
+                                read = await body.read()
+                        else:
+                            read = await body.read()
+                    except TimeoutError:
+                        break
+                    if not read:  # the body ended; a last line without its line break
+                        lines, rest = [rest.rstrip(b"\r")], None
+                        continue
+                    lines, rest = _split_lines(rest + read if rest else read)
+                    continue
+                line = lines.pop()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, event names
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = parse_chunk(data)
+                if isinstance(chunk.get("usage"), dict):
+                    # counts the log can hold (bigint); anything else is left out
+                    usage = {k: v for k, v in chunk["usage"].items() if type(v) is int and 0 <= v < 2**63}
+                for choice in chunk.get("choices") or ():
+                    number = choice.get("index", 0)
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if "delta" in choice else choice.get("text")
+                    if text:
+                        logprobs = _logprobs(choice.get("logprobs"))
+                        yield Token(number, index, text, (), logprobs)
+                        index += 1
+                    for call in delta.get("tool_calls") or ():
+                        slot = pending_calls.setdefault(
+                            (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+                        )
+                        slot["id"] = slot["id"] or call.get("id") or ""
+                        function = call.get("function") or {}
+                        slot["name"] += function.get("name") or ""
+                        slot["arguments"] += function.get("arguments") or ""
+                    if choice.get("finish_reason"):
+                        if choice["finish_reason"] not in FINISH_REASONS:  # the log could not hold it
+                            raise UpstreamFailure(
+                                FailureKind.LIVENESS_UNCERTAIN, f"unknown finish reason {choice['finish_reason']!r}"
+                            )
+                        finish_reasons[number] = choice["finish_reason"]
+        except httpx.TransportError as exc:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
+        if len(finish_reasons) < self._choices:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
+        for (number, call_index), call in sorted(pending_calls.items()):
+            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"])
+        reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
+        yield Done(reasons[0], reasons, usage or {})
+
+    async def close(self) -> None:
+        await self._body.aclose()
+
+
+def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
+    """A chunk's log probabilities (chat's ``content`` list, or the completions' columns)."""
+    if given is None:
+        return None
+    try:
+        if "content" in given:  # chat
+            entries = [
+                [e["token"], e["logprob"], [[t["token"], t["logprob"]] for t in e.get("top_logprobs") or ()]]
+                for e in given["content"] or ()
+            ]
+        else:  # completions: tokens, token_logprobs, top_logprobs (one {token: logprob} a token)
+            tops = given.get("top_logprobs") or [None] * len(given["tokens"])
+            entries = [
+                [token, logprob, [[t, lp] for t, lp in (top or {}).items()]]
+                for token, logprob, top in zip(given["tokens"], given["token_logprobs"], tops, strict=True)
+            ]
+        return from_wire(entries)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
+
+
+def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of ``received`` (CRLF, LF or CR ended), the next one last, and
+    the start of the line after them. A trailing CR is held back: it may be half a CRLF."""
+    held = b""
+    if received.endswith(b"\r"):
+        received, held = received[:-1], b"\r"
+    if b"\r" in received:
+        received = received.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    *lines, rest = received.split(b"\n")
+    lines.reverse()
+    return lines, rest + held
+
+
+_NO_CHOICES: list[Any] = []  # never changed: what a chunk without choices is checked as
+
+
+def parse_chunk(data: bytes | str) -> dict[str, Any]:
+    try:
+        # orjson, not json: it refuses what is not Unicode text (a lone UTF-16 surrogate
+        # escape), which could neither be sent on as UTF-8 nor recorded, and NaN
+        chunk = orjson.loads(data)
+    except ValueError as exc:
+        if isinstance(data, bytes):  # as text, as it was read before: bytes not UTF-8 replaced
+            return parse_chunk(data.decode("utf-8", "replace"))
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk ({exc}): {data[:80]!r}") from None
+    if type(chunk) is not dict or type(chunk.get("choices", _NO_CHOICES)) is not list:  # orjson's own types
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
+    if "error" in chunk:
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
+    return chunk
