@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -113,6 +114,12 @@ async def run_gateway(
     async def started() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
+        # The startup heap (the modules, the app, the configuration) is static from here
+        # on: frozen, the collector's full passes no longer walk it (as the worker does).
+        # A/B at 100 streams: 0.073 against 0.075 CPU s per 1k tokens, no more memory;
+        # raising the thresholds (10,000 or 50,000) bought 0.072 and 0.070 for +33 MiB.
+        gc.collect()
+        gc.freeze()
         on_started()
 
     watch = loop.create_task(started())
