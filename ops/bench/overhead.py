@@ -352,7 +352,8 @@ def main() -> None:
                 time.sleep(10)  # the gateway closes the last level's streams meanwhile
                 print()
                 print(
-                    f"held streams: a second sim worker at {options.hold_decode_ms:g} ms/token, "
+                    f"held streams: {'a fake vLLM upstream' if hold_openai else 'a second sim worker'}"
+                    f" at {options.hold_decode_ms:g} ms/token, "
                     f"{options.ramp_per_s:g} new streams/s, then {options.hold_s:g} s held; "
                     f"stall_s = {options.hold_stall_s:g}"
                 )
