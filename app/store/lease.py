@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -73,7 +74,9 @@ class LeaseKeeper:
         """Start the thread; call it on the gateway's loop."""
         self._gateway_loop = asyncio.get_running_loop()
         self._beat = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="instance lease", daemon=True)
+        # in a copy of the caller's context: the thread's log lines name the instance, as its loop's do
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="instance lease", daemon=True)
         self._thread.start()
         self._started.wait()
 
