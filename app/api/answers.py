@@ -65,20 +65,11 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     return JSONResponse(body)
 
 
-class Connection:
-    """Whether the client is still there, as far as the server has noticed."""
-
-    open = True
-
-    def closed(self) -> None:
-        self.open = False
-
-
 async def stream_body(
     driver: RequestDriver,
     shape: ResponseShape,
     output: Output,
-    connection: Connection,
+    gone: asyncio.Future[None],
     charge: Callable[[int], None],
     start: int = 0,
 ) -> AsyncIterator[bytes]:
@@ -108,7 +99,7 @@ async def stream_body(
                     for n, d in enumerate(deltas, start=event_id)
                 ]
                 yield events[0] if len(events) == 1 else b"".join(events)
-                if not connection.open:  # its send returned, but to a client already gone
+                if gone.done():  # its send returned, but the server had lost the client (``client_gone``)
                     driver.client_gone()
                     return
                 started = True

@@ -41,13 +41,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
+from app.api.answers import failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
-from app.api.token_stream import TokenStreamResponse
+from app.api.token_stream import TokenStreamResponse, client_gone
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
@@ -288,13 +288,10 @@ async def attach_live(
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
     shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created, driver.answered_by)
-    connection = Connection()
-    body = stream_body(driver, shape, first, connection, lambda tokens: None, start=start)
-    return TokenStreamResponse(
-        body,
-        headers=headers,
-        on_client_gone=connection.closed,
+    body = stream_body(
+        driver, shape, first, client_gone(request.scope, request.receive), lambda tokens: None, start=start
     )
+    return TokenStreamResponse(body, headers=headers)
 
 
 async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
-from app.api.answers import Connection, failure_response, stream_body, unless_client_leaves, whole_answer
+from app.api.answers import failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
@@ -53,7 +53,7 @@ from app.api.openapi import openapi_document
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
-from app.api.token_stream import TokenStreamResponse
+from app.api.token_stream import TokenStreamResponse, client_gone
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -187,13 +187,9 @@ class _Api:
             return first
         assert isinstance(first, Delta | Finished)
         shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
-        connection = Connection()
+        gone = client_gone(request.scope, request.receive)
         charge = functools.partial(self.limiter.charge, tenant)
-        return TokenStreamResponse(
-            stream_body(driver, shape, first, connection, charge),
-            headers=headers,
-            on_client_gone=connection.closed,
-        )
+        return TokenStreamResponse(stream_body(driver, shape, first, gone, charge), headers=headers)
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
         """Pull until the response can start: a failure, the first delta (committed), or

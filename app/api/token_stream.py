@@ -16,8 +16,9 @@ request's own task:
   ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_server.py``): no ASGI message, no
   wrapper, no h11 per event (under another server, through Starlette's ``send``);
 - the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
-  awaiting ``receive()`` only under a server without it): it marks the connection closed
-  and cancels the stream, which runs the body's cleanup, as sse-starlette's task group did;
+  awaiting ``receive()`` only under a server without it: ``client_gone``): it cancels the
+  stream, which runs the body's cleanup, as sse-starlette's task group did; the body asks
+  the same future whether a write that returned reached a client still there;
 - the send deadline is one timer a stream, not a scope an event: it looks at the send in
   progress when it fires and moves to that send's deadline, so a client that stops
   reading still ends the stream ``send_timeout`` after the send it blocked began;
@@ -68,9 +69,8 @@ class Leaving:
     """Cancels the task that made it when ``gone`` resolves, until ``stop``; ``stop``
     says whether it did, and takes that cancellation back."""
 
-    def __init__(self, gone: asyncio.Future[None], on_leave: Callable[[], None] | None = None) -> None:
+    def __init__(self, gone: asyncio.Future[None]) -> None:
         self.gone = gone
-        self.on_leave = on_leave
         self.task = asyncio.current_task()
         self.fired = False
         self.active = True
@@ -80,8 +80,6 @@ class Leaving:
         if not self.active:  # scheduled before stop(), run after it
             return
         self.fired = True
-        if self.on_leave is not None:
-            self.on_leave()
         if self.task is not None:
             self.task.cancel()
 
@@ -95,8 +93,7 @@ class Leaving:
 
 class TokenStreamResponse(EventSourceResponse):
     """The SSE response of a streamed answer, run as the module's docstring says. The
-    body yields bytes: each item is one write (one event, or several ready at once).
-    ``on_client_gone`` is called when the client leaves, before the stream is cancelled."""
+    body yields bytes: each item is one write (one event, or several ready at once)."""
 
     def __init__(
         self,
@@ -105,10 +102,8 @@ class TokenStreamResponse(EventSourceResponse):
         headers: Mapping[str, str] | None = None,
         ping: int = 15,
         send_timeout: float = 30,
-        on_client_gone: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(body, headers=headers, ping=ping, send_timeout=send_timeout, sep="\n")
-        self.on_client_gone = on_client_gone
         self.events = body  # as sse-starlette's body_iterator, typed: each item one write
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,7 +112,7 @@ class TokenStreamResponse(EventSourceResponse):
             return
         writer = scope.get(CHUNK_WRITER)
         write: Callable[[bytes], Awaitable[None]] = writer.write if writer is not None else _sender(send)
-        leaving = Leaving(client_gone(scope, receive), self.on_client_gone)
+        leaving = Leaving(client_gone(scope, receive))
         deadline = _SendDeadline(self.send_timeout)
         pings = _Pings(self._ping_interval, write, deadline)
         try:
@@ -143,7 +138,7 @@ class TokenStreamResponse(EventSourceResponse):
 
     async def _close_body(self) -> None:
         """As sse-starlette does: the iterator, suspended at its yield, runs its cleanup."""
-        aclose = getattr(self.body_iterator, "aclose", None)
+        aclose = getattr(self.events, "aclose", None)
         if aclose is None:
             return
         try:

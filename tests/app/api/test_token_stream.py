@@ -38,8 +38,10 @@ class Server:
         return {"type": "http.disconnect"}
 
 
-async def serve(response: TokenStreamResponse, server: Server, **scope: Any) -> None:
-    await response({"type": "http", "method": "POST", CHUNK_WRITER: server, **scope}, server.receive, server.send)
+async def serve(response: TokenStreamResponse, server: Server, scope: dict[str, Any] | None = None) -> None:
+    scope = {} if scope is None else scope  # the caller's, filled in: what the response kept there
+    scope.update({"type": "http", "method": "POST", CHUNK_WRITER: server})
+    await response(scope, server.receive, server.send)
 
 
 async def test_events_go_through_the_servers_writer_and_the_start_and_end_through_starlettes() -> None:
@@ -92,13 +94,14 @@ def waiting_body(cleanup: list[str]) -> AsyncIterator[bytes]:
 @pytest.mark.parametrize("how", ["server's future", "receive()"])
 async def test_a_client_that_leaves_while_the_stream_waits_ends_it_at_once(how: str) -> None:
     """Told by the server's ``CLIENT_GONE`` future, or, under a server without one, by
-    ``receive()``: the connection is marked closed, the body cleans up, nothing more is
-    sent (not even the end), and the response returns without a cancellation left over."""
-    server, cleanup, told = Server(), [], []
+    ``receive()``: the scope's future (which the body asks after each write) says the client
+    left, the body cleans up, nothing more is sent (not even the end), and the response
+    returns without a cancellation left over."""
+    server, cleanup = Server(), []
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    scope = {CLIENT_GONE: gone} if how == "server's future" else {}
-    response = TokenStreamResponse(waiting_body(cleanup), ping=0, on_client_gone=lambda: told.append(True))
-    serving = asyncio.ensure_future(serve(response, server, **scope))
+    scope: dict[str, Any] = {CLIENT_GONE: gone} if how == "server's future" else {}
+    response = TokenStreamResponse(waiting_body(cleanup), ping=0)
+    serving = asyncio.ensure_future(serve(response, server, scope))
     await asyncio.sleep(0.05)
     assert server.direct == [b"data: 1\n\n"] and not serving.done()
     if how == "server's future":
@@ -106,7 +109,7 @@ async def test_a_client_that_leaves_while_the_stream_waits_ends_it_at_once(how: 
     else:
         server.leaves.set()
     await asyncio.wait_for(serving, 1.0)
-    assert told == [True] and cleanup == ["cancelled", "closed"]
+    assert scope[CLIENT_GONE].done() and cleanup == ["cancelled", "closed"]
     assert [m["type"] for m in server.wrapped] == ["http.response.start"]  # no end to a client gone
     assert serving.cancelling() == 0
 
@@ -125,7 +128,7 @@ async def test_pings_go_out_while_the_stream_waits_and_stop_with_it() -> None:
     server, cleanup = Server(), []
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     response = TokenStreamResponse(waiting_body(cleanup), ping=0.05)  # type: ignore[arg-type]
-    serving = asyncio.ensure_future(serve(response, server, **{CLIENT_GONE: gone}))
+    serving = asyncio.ensure_future(serve(response, server, {CLIENT_GONE: gone}))
     await asyncio.sleep(0.28)
     pings = [data for data in server.direct if data.startswith(b": ping - ")]
     assert server.direct[0] == b"data: 1\n\n" and 4 <= len(pings) <= 6
