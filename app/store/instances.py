@@ -30,19 +30,24 @@ _REGISTER = text(
 )
 
 
-def _renew_sql(instance_id: str, ttl_ms: str) -> str:
-    return f"""
+_RENEW = f"""
     WITH renewed AS (
-        UPDATE gateway_instances SET lease_expires_at = now() + CAST({ttl_ms} AS integer) * interval '1 millisecond'
-         WHERE instance_id = {instance_id} AND {_LIVE}
+        UPDATE gateway_instances SET lease_expires_at = now() + CAST($2 AS integer) * interval '1 millisecond'
+         WHERE instance_id = $1::text AND {_LIVE}
         RETURNING instance_id)
     SELECT (SELECT count(*) FROM renewed) AS renewed,
            (SELECT count(*) FROM gateway_instances WHERE {_LIVE}) AS live
     """
 
 
-_RENEW = text(_renew_sql(":instance_id", ":ttl_ms"))
-RENEW_SQL = _renew_sql("$1::text", "$2")  # raw asyncpg: the renewals of app/store/lease.py
+async def renew_lease(connection: Any, instance_id: str, ttl_s: float) -> int | None:
+    """Extend ``instance_id``'s lease by ``ttl_s`` from now, on a raw asyncpg connection:
+    the number of live instances, or ``None`` when the lease is already lost (lapsed,
+    swept or released). The lease keeper's renewals (app/store/lease.py) run it."""
+    row = await connection.fetchrow(_RENEW, instance_id, round(ttl_s * 1000))
+    return int(row["live"]) if row["renewed"] else None
+
+
 _RELEASE = text("UPDATE gateway_instances SET released_at = now() WHERE instance_id = :instance_id")
 _CLAIM = text(
     """
@@ -105,13 +110,6 @@ class InstanceRegistry:
                     "ttl_ms": round(ttl_s * 1000),
                 },
             )
-
-    async def renew(self, instance_id: str, ttl_s: float) -> int | None:
-        """Extend the lease by ``ttl_s`` from now; the number of live instances, or
-        ``None`` when the lease is already lost (lapsed, swept or released)."""
-        async with self._store.writing() as connection:
-            row = (await connection.execute(_RENEW, {"instance_id": instance_id, "ttl_ms": round(ttl_s * 1000)})).one()
-        return int(row.live) if row.renewed else None
 
     async def release(self, instance_id: str) -> None:
         async with self._store.writing() as connection:

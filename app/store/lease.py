@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from app.store.instances import RENEW_SQL
+from app.store.instances import renew_lease
 
 log = logging.getLogger("phasegate.instance")
 
@@ -142,14 +142,13 @@ class LeaseKeeper:
                 if connection is None or connection.is_closed():
                     connection = await asyncpg.connect(self.dsn)
                     sent_at = self.clock()  # the lease counts from the statement, not the connect
-                row = await connection.fetchrow(RENEW_SQL, instance_id, round(self.ttl_s * 1000))
+                live = await renew_lease(connection, instance_id, self.ttl_s)
         except Exception as exc:  # PostgreSQL away or slow: the lease runs on, then lapses
             log.warning("gateway instance %s: renewal failed: %r", instance_id, exc)
             if connection is not None:
                 connection.terminate()  # its state is unknown after a timeout
             return None
-        assert row is not None
-        renewal = Renewal(instance_id, sent_at, int(row["live"]) if row["renewed"] else None)
+        renewal = Renewal(instance_id, sent_at, live)
         self.last = renewal
         self._call_gateway(self._on_answer, renewal)
         return connection

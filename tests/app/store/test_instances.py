@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import asyncio
 
+import asyncpg
 import pytest
 
+from app.store.database import asyncpg_dsn
 from app.store.errors import InstanceFenced
-from app.store.instances import InstanceInfo, InstanceRegistry
+from app.store.instances import InstanceInfo, InstanceRegistry, renew_lease
 from app.store.postgres import PostgresEventStore
 from ops import traces
 
 
 def info(instance_id: str) -> InstanceInfo:
     return InstanceInfo(instance_id, f"{instance_id}:8000", "host", 1, "test", None)
+
+
+async def renew(store: PostgresEventStore, instance_id: str, ttl_s: float) -> int | None:
+    """A renewal as the lease keeper makes it, on a connection of its own."""
+    connection = await asyncpg.connect(asyncpg_dsn(store.url))
+    try:
+        return await renew_lease(connection, instance_id, ttl_s)
+    finally:
+        await connection.close()
 
 
 async def test_a_lapsed_instance_appends_nothing_more(event_store: PostgresEventStore) -> None:
@@ -30,7 +41,7 @@ async def test_a_lapsed_instance_appends_nothing_more(event_store: PostgresEvent
     await asyncio.sleep(0.6)
     with pytest.raises(InstanceFenced, match="gw_short is fenced"):
         await event_store.append("req_guarded", 3, trace.events[3:4])
-    assert await registry.renew("gw_short", 10.0) is None  # a lapsed lease is not revived
+    assert await renew(event_store, "gw_short", 10.0) is None  # a lapsed lease is not revived
     assert await event_store.read("req_guarded") == trace.events[:3]
     event_store.writer.bind_instance(None)  # unguarded (the CLI, trace import)
     other = traces.completed("req_unguarded")
@@ -42,9 +53,9 @@ async def test_a_released_instance_is_refused_and_a_live_one_renews(event_store:
     registry = InstanceRegistry(event_store)
     await registry.register(info("gw_live"), ttl_s=30.0)
     await registry.register(info("gw_gone"), ttl_s=30.0)
-    assert await registry.renew("gw_live", 30.0) == 2  # and both are live
+    assert await renew(event_store, "gw_live", 30.0) == 2  # and both are live
     await registry.release("gw_gone")
-    assert await registry.renew("gw_live", 30.0) == 1
+    assert await renew(event_store, "gw_live", 30.0) == 1
     event_store.writer.bind_instance("gw_gone")
     trace = traces.completed("req_released")
     with pytest.raises(InstanceFenced):
