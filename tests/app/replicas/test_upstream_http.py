@@ -161,29 +161,31 @@ FRAMED = (  # a chunk extension, and a trailer
 )
 
 
+async def bodies_of_two_posts(server: Server) -> list[bytes]:
+    """Two requests one after the other, each body read to its end (so its connection may be kept)."""
+    bodies = []
+    async with server as connections:
+        for _ in range(2):
+            response = await post(connections)
+            bodies.append(await body_of(response))
+            await response.body.aclose()
+        connections.close()
+    return bodies
+
+
 @pytest.mark.parametrize("size", [1, 2, 5, 13, 1000])
 async def test_chunk_framing_cut_anywhere_by_the_reads(size: int) -> None:
     answer = HEAD + FRAMED
     parts = [answer[at : at + size] for at in range(0, len(answer), size)]
     server = Server(lambda n: parts)  # each part its own write
-    async with server as connections:
-        for _ in range(2):
-            response = await post(connections)
-            assert await body_of(response) == BODY
-            await response.body.aclose()
-        connections.close()
+    assert await bodies_of_two_posts(server) == [BODY, BODY]
     assert server.connections == 1
 
 
 async def test_an_answer_that_says_connection_close_is_not_kept() -> None:
     head = HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
     server = Server(lambda n: [head + FRAMED])
-    async with server as connections:
-        for _ in range(2):
-            response = await post(connections)
-            assert await body_of(response) == BODY
-            await response.body.aclose()
-        connections.close()
+    assert await bodies_of_two_posts(server) == [BODY, BODY]
     assert server.connections == 2
 
 
