@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
-from app.api.token_stream import Leaving, client_gone
+from app.api.token_stream import Leaving, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
@@ -154,7 +154,7 @@ async def unless_client_leaves(request: Request, driver: RequestDriver, work: Aw
     try:
         result = await work
     except asyncio.CancelledError:
-        if not leaving.stop() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        if not leaving.stop() or still_cancelled():
             raise
         driver.client_gone()
         return None

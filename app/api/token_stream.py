@@ -125,7 +125,7 @@ class TokenStreamResponse(EventSourceResponse):
             timed_out, left = deadline.stop(), leaving.stop()
             pings.stop()
             await self._close_body()
-            if isinstance(exc, asyncio.CancelledError) and not _still_cancelled():
+            if isinstance(exc, asyncio.CancelledError) and not still_cancelled():
                 if timed_out:
                     raise SendTimeoutError() from None
                 if left:
@@ -155,7 +155,7 @@ def _sender(send: Send) -> Callable[[bytes], Awaitable[None]]:
     return write
 
 
-def _still_cancelled() -> bool:
+def still_cancelled() -> bool:
     """Whether the task is cancelled from outside too (then the cancellation goes on)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
