@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import uuid
 from typing import Any
@@ -189,6 +190,23 @@ class FakeVllm(asyncio.Protocol):
             chunk = stream.last if index == tokens - 1 else stream.token
             self.transport.write(stream.first + chunk if index == 0 else chunk)
         self.transport.write(stream.usage + _chunk(b"[DONE]") + b"0\r\n\r\n")
+
+
+def command(port: int, model: str, *, ttft_ms: float = 20.0, token_ms: float = 5.0) -> list[str]:
+    """The command that runs this upstream on ``port`` (from the repository's root)."""
+    return [
+        sys.executable,
+        "-m",
+        "ops.bench.fake_vllm",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--ttft-ms",
+        str(ttft_ms),
+        "--token-ms",
+        str(token_ms),
+    ]
 
 
 def main() -> None:

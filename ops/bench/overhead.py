@@ -60,6 +60,7 @@ from app.replicas.worker_client import WorkerClient  # noqa: E402
 from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from ops.bench import fake_vllm  # noqa: E402
 from ops.bench.measure import (  # noqa: E402
     Sample,
     closed_loop,
@@ -225,22 +226,6 @@ class Held:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def fake_vllm(port: int, model: str, token_ms: float) -> list[str]:
-    """An OpenAI-compatible upstream in vLLM's chunk format (``ops/bench/fake_vllm.py``):
-    cheaper per stream than a sim worker, so more streams can be held on this machine."""
-    return [
-        sys.executable,
-        "-m",
-        "ops.bench.fake_vllm",
-        "--port",
-        str(port),
-        "--model",
-        model,
-        "--token-ms",
-        str(token_ms),
-    ]
-
-
 def sim_worker(port: int, model: str, decode_ms: float) -> list[str]:
     command = phasegate("worker", "--port", str(port), "--engine", "sim", "--model", model)
     command += ["--max-running", "8000", "--max-queued", "8000"]
@@ -305,7 +290,10 @@ def main() -> None:
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     worker_cmd = sim_worker(worker_port, MODEL, options.decode_ms)
     hold_openai = options.hold_upstream == "openai"
-    hold_cmd = (fake_vllm if hold_openai else sim_worker)(hold_port, HOLD_MODEL, options.hold_decode_ms)
+    if hold_openai:  # an OpenAI upstream in vLLM's chunks: cheaper per stream than a sim worker
+        hold_cmd = fake_vllm.command(hold_port, HOLD_MODEL, token_ms=options.hold_decode_ms)
+    else:
+        hold_cmd = sim_worker(hold_port, HOLD_MODEL, options.hold_decode_ms)
     config = workdir / "gateway.toml"
     config.write_text(
         f'[models]\n"{MODEL}" = "bench"\n"{HOLD_MODEL}" = "bench"\n'

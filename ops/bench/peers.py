@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from ops.bench import fake_vllm  # noqa: E402
 from ops.bench.gateways import (  # noqa: E402
     API_KEY,
     HOST,
@@ -288,8 +289,7 @@ def main() -> None:
     workdir.chmod(0o755)  # the embedded server's own user must enter it
     database = EmbeddedPostgres(workdir / "pg")
     upstream_port = free_port()
-    upstream_cmd = [sys.executable, "-m", "ops.bench.fake_vllm", "--port", str(upstream_port)]
-    upstream_cmd += ["--ttft-ms", str(options.ttft_ms), "--token-ms", str(options.token_ms), "--model", MODEL]
+    upstream_cmd = fake_vllm.command(upstream_port, MODEL, ttft_ms=options.ttft_ms, token_ms=options.token_ms)
     upstream = start(upstream_cmd, log=workdir / "upstream.log")
     try:
         upgrade(database.start())

@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from ops.bench import fake_vllm  # noqa: E402
 from ops.bench.gateways import API_KEY, HOST, MODEL, Peer, wait_serving  # noqa: E402
 from ops.bench.measure import Sample, ms, pct, rss_mib, tree_cpu_seconds  # noqa: E402
 from ops.bench.peers import loaded  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> None:
     workdir.chmod(0o755)  # the embedded server's own user must enter it
     database = EmbeddedPostgres(workdir / "pg")
     upstream_port = free_port()
-    upstream_cmd = [sys.executable, "-m", "ops.bench.fake_vllm", "--port", str(upstream_port), "--model", MODEL]
+    upstream_cmd = fake_vllm.command(upstream_port, MODEL)
     upstream = start(upstream_cmd, log=workdir / "upstream.log")
     gateways: list[Peer] = []
     try:
