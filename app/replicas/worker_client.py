@@ -8,6 +8,7 @@ typed frames; ``renew``, ``cancel`` and ``health`` are plain calls. Every failur
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ from app.replicas.worker_errors import (
     WorkerError,
     transport_error,
 )
+
+log = logging.getLogger(__name__)
+
+# What a connection closed or reset under a call raises (see WorkerClient._control)
+_BROKEN_UNDER_A_CALL = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 # --- answers to the control calls ---------------------------------------------------------
 
@@ -184,14 +190,18 @@ class WorkerClient:
         raise RequestRefused(message, status=status, code=code, field=field)
 
     async def _control(self, path: str, body: Mapping[str, Any], timeout: float | None) -> httpx.Response:
+        """POST a control call. One whose connection broke under it is sent once more, on
+        another connection: a kept-alive connection can be closed or reset under a request,
+        and every control call may be sent twice (a renew extends the same lease, a cancel
+        is answered as the first one was: docs/worker-protocol.md). Without this one broken
+        connection read as the replica's exit (:class:`StreamBroken`)."""
         limit = self.control_timeout if timeout is None else timeout
         try:
-            response = await self._http.post(
-                self.base_url + path,
-                json=body,
-                headers=self._headers,
-                timeout=httpx.Timeout(limit, connect=self.connect_timeout),
-            )
+            try:
+                response = await self._post(path, body, limit)
+            except _BROKEN_UNDER_A_CALL as exc:
+                log.info("%s to %s: the connection broke (%r); sending it once more", path, self.base_url, exc)
+                response = await self._post(path, body, limit)
         except httpx.ConnectError as exc:
             raise transport_error(exc) from exc
         except httpx.TimeoutException as exc:
@@ -205,6 +215,10 @@ class WorkerClient:
             code, message, _ = _error_body(response)
             raise TokenRefused(f"{path}: {message}", status=401, code=code)
         return response
+
+    async def _post(self, path: str, body: Mapping[str, Any], limit: float) -> httpx.Response:
+        timeout = httpx.Timeout(limit, connect=self.connect_timeout)
+        return await self._http.post(self.base_url + path, json=body, headers=self._headers, timeout=timeout)
 
     async def renew(
         self,

@@ -201,6 +201,7 @@ async def _cancel_mid_generation(engine: EngineUnderTest, client: WorkerClient) 
     assert len(before.tokens) + len(after.tokens) == state["published_tokens"]
     await asyncio.sleep(0.3)  # generation stays stopped after the acknowledgement
     assert (await attempt_state(engine.worker.base_url, rid))["generated_tokens"] == state["generated_tokens"]
+    assert await client.cancel(rid, 1, 1) == ack  # sent again (its connection broke): answered the same
     return True
 
 
