@@ -12,7 +12,8 @@ completes once every choice finished and the usage came, without waiting for
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import httpx
@@ -57,8 +58,15 @@ class OpenAIStream:
     def __init__(self, body: BodyReads, choices: int) -> None:
         self._body = body
         self._choices = choices
+        self._frames: AsyncGenerator[Frame, None] | None = None
 
-    async def frames(self) -> AsyncIterator[Frame]:
+    def frames(self) -> AsyncIterator[Frame]:
+        """The stream's frames (once); :meth:`close` ends them."""
+        assert self._frames is None, "one reader"
+        self._frames = self._frames_of_the_body()
+        return self._frames
+
+    async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
         finish_reasons: dict[int, str] = {}
         usage: dict[str, int] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
@@ -132,6 +140,13 @@ class OpenAIStream:
         yield Done(reasons[0], reasons, usage or {})
 
     async def close(self) -> None:
+        """Close the body, and the frames where no read of them is under way: an async
+        generator left unfinished is closed by asyncio's finalizer hook, a wake-up of the
+        loop from itself and a task each (one a request, the reader's last frame being
+        ``Done``). One being read ends with the body."""
+        if self._frames is not None:
+            with contextlib.suppress(RuntimeError):  # read by another task just now
+                await self._frames.aclose()
         await self._body.aclose()
 
 

@@ -7,7 +7,9 @@ to misbehave); the vLLM server itself is exercised in the vllm-marked tests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import gc
+import sys
+from collections.abc import AsyncGenerator, Iterator
 
 import openai
 import pytest
@@ -69,6 +71,29 @@ def script_first(upstreams: list[ScriptedUpstream], behaviour: dict[str, object]
 
 
 EXPECTED = "".join(answer(PROMPT, 6))
+
+
+def test_an_attempts_frames_are_closed_with_it_not_left_to_the_collector(gateway: RunningGateway) -> None:
+    """An async generator dropped unfinished is closed by asyncio's finalizer hook: a
+    wake-up of the loop from itself (a write to its self-pipe) and a task, per request."""
+    left: list[str] = []
+
+    async def watch_the_collector() -> None:  # on the gateway's loop: its thread's hooks
+        hooks = sys.get_asyncgen_hooks()
+
+        def finalizer(generator: AsyncGenerator[object, None]) -> None:
+            left.append(generator.__qualname__)
+            assert hooks.finalizer is not None
+            hooks.finalizer(generator)
+
+        sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
+
+    gateway.call(watch_the_collector())
+    for stream in (True, False):
+        assert chat(gateway, stream=stream)[1] == EXPECTED
+    gateway.settle()
+    gc.collect()
+    assert left == []
 
 
 @pytest.mark.parametrize("stream", [True, False])
