@@ -44,7 +44,7 @@ from ops.replication import ReplicaPair, replica_pair
 from ops.transcript import Transcript
 from statemachine import events as ev
 from statemachine.request_state import Outcome
-from tests.support.audit import fold_disagreements_in
+from tests.support.audit import fold_disagreements_in, request_ids_in
 from tests.support.gateway import MODEL
 from tests.support.transcript import check_request, stream_chat
 from tests.support.workers import running_worker
@@ -143,12 +143,18 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
         try:
             wait_http(url + "/readyz")
             # short answers may end before the kill; long ones (16 s) outlast any outage here
+            db, streams = sqlalchemy_url(pair.url()), 2 * (DELIVERING // 2) + HELD
+            in_the_log = len(request_ids_in(db))
             short, short_seen = launch(url, [f"short {n}" for n in range(DELIVERING // 2)], max_tokens=60)
             long, long_seen = launch(url, [f"long {n}" for n in range(DELIVERING // 2)], max_tokens=800)
             held, held_seen = launch(url, [f"{held_prompt} {n}" for n in range(HELD)], max_tokens=20)
             wait_for(
                 lambda: min(short_seen + long_seen) >= 3, 60, "the delivering streams to be past their commit point"
             )
+            # every stream in the log before the kill: a request that reaches the gateway in
+            # the dark is refused at the door (503, retryable, nothing logged: it never began),
+            # which a slow machine made of some held ones, sent last
+            wait_for(lambda: len(request_ids_in(db)) >= in_the_log + streams, 60, "every stream to be in the log")
             killed_at = time.monotonic()
             pair.kill_primary()
             held_before_their_commit_point = max(held_seen) == 0  # not so on a machine 8 s behind
@@ -160,7 +166,6 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
                 f"\nfailover: primary SIGKILLed, standby promoted {promoted_at - killed_at:.2f} s later; "
                 f"the gateway answered a new request {recovery_s:.2f} s after the promotion"
             )
-            streams = 2 * (DELIVERING // 2) + HELD
             wait_for(lambda: len(short) + len(long) + len(held) == streams, 90, "every stream to end")
             results = short + long + held
             transcripts = [r for r in results if isinstance(r, Transcript)]
