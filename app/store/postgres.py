@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import date
@@ -30,6 +29,7 @@ from app.store.content import kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, refused_as_read_only
 from app.store.follow import FollowCursor
+from app.store.inputs import InputBatches
 from app.store.writer import GroupCommitWriter
 from statemachine.events import Event
 
@@ -43,22 +43,6 @@ _ACCEPT_DAYS_KEPT = 200_000
 
 # The input's partition is its request's accept day: the store's, else the request's
 # row's (the input may be written first: then today, its RequestAccepted's day).
-_INSERT_INPUTS = """
-    INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
-    SELECT request_id, body, model_revision, seed,
-           coalesce(accepted_on, (SELECT r.accepted_on FROM requests r WHERE r.request_id = i.request_id LIMIT 1),
-                    (now() AT TIME ZONE 'UTC')::date)
-      FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
-           AS i(request_id, body, model_revision, seed, accepted_on)
-    ON CONFLICT (request_id, accepted_on) DO NOTHING
-"""
-_PREVIOUS_INSERT_INPUTS = """
-    INSERT INTO request_inputs (request_id, body, model_revision, seed)
-    SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[])
-    ON CONFLICT (request_id) DO NOTHING
-"""
-
-
 class PostgresEventStore(EventStore):
     """The log in PostgreSQL; open it with :meth:`connect`, end it with :meth:`close`.
 
@@ -96,12 +80,12 @@ class PostgresEventStore(EventStore):
             on_commit=self._committed,
         )
         self._commit_signal: asyncio.Future[None] | None = None
-        self._flush_delay = flush_delay
-        self._pending_inputs: list[tuple[str, str, str | None, int | None]] = []
-        self._inputs_written: asyncio.Task[None] | None = None
         self._closed = False
         self._outage = False
         self._accept_days: dict[str, date] = {}  # request -> partition key, of requests accepted here
+        self._inputs = InputBatches(
+            lambda: self._connection(commit=True), self.writer.schema, self._accept_days, flush_delay
+        )
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> PostgresEventStore:
@@ -224,9 +208,7 @@ class PostgresEventStore(EventStore):
     async def close(self) -> None:
         if self._closed:
             return
-        if self._inputs_written is not None:
-            with contextlib.suppress(StoreError):
-                await asyncio.shield(self._inputs_written)
+        await self._inputs.written()
         self._closed = True
         self._committed()  # wake followers so that they end
         try:
@@ -301,44 +283,14 @@ class PostgresEventStore(EventStore):
         model_revision: str | None = None,
         seed: int | None = None,
     ) -> None:
-        # Every request records its input, so the inserts are batched: one statement
-        # (through the pool's raw asyncpg connection) for all that arrive within the
-        # flush delay. A caller resumes once its input is written.
         if self._closed:
             raise StoreClosed("the event store is closed")
         kept = kept_input(body, self.content_policy)
-        if kept is None:
-            return
-        self._pending_inputs.append((request_id, json.dumps(kept), model_revision, seed))
-        if self._inputs_written is None:
-            self._inputs_written = asyncio.get_running_loop().create_task(self._write_inputs())
-        await asyncio.shield(self._inputs_written)
-
-    async def _write_inputs(self) -> None:
-        try:
-            await asyncio.sleep(self._flush_delay)
-        finally:
-            batch, self._pending_inputs, self._inputs_written = self._pending_inputs, [], None
-        columns = [list(column) for column in zip(*batch, strict=True)]
-        log = self.writer.schema
-        for last in (False, True):
-            try:
-                async with self._connection(commit=True) as connection:
-                    raw = (await connection.get_raw_connection()).driver_connection
-                    if not log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
-                        await log.learn(raw)
-                    if log.partitioned:
-                        await raw.execute(_INSERT_INPUTS, *columns, [self._accept_days.get(r) for r in columns[0]])
-                    else:
-                        await raw.execute(_PREVIOUS_INSERT_INPUTS, *columns)
-                return
-            except asyncpg.InvalidColumnReferenceError:  # the conversion's switch came between: again
-                if last:
-                    raise
+        if kept is not None:
+            await self._inputs.record(request_id, kept, model_revision, seed)
 
     async def read_input(self, request_id: str) -> RequestInput | None:
-        if self._inputs_written is not None:
-            await asyncio.shield(self._inputs_written)
+        await self._inputs.written()
         inputs = schema.request_inputs.c
         query = select(inputs.request_id, inputs.body, inputs.model_revision, inputs.seed).where(
             inputs.request_id == request_id

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 
 from app.store import EventStore, PostgresEventStore
+from app.store.database import asyncpg_dsn
 from ops import traces
 from statemachine.events import DeltasDelivered, RequestCompleted
 from tests.app.store.contract import EventStoreContract
@@ -36,3 +39,29 @@ async def test_tool_calls_and_results_holding_u0000_are_kept(event_store: Postgr
     assert kept is not None and kept.status == "succeeded"
     assert (kept.name, kept.arguments) == ("f\N{REPLACEMENT CHARACTER}", '{"a": "\N{REPLACEMENT CHARACTER}"}')
     assert kept.result == {"out": "x\N{REPLACEMENT CHARACTER}y"}
+
+
+async def test_recorded_inputs_hold_one_pooled_connection_at_a_time(event_store: PostgresEventStore) -> None:
+    """Input batches behind a slow write wait for it, and grow, instead of taking a pooled
+    connection each (every flush delay) while the one ahead still writes."""
+    locker = await asyncpg.connect(asyncpg_dsn(event_store.url))
+    try:
+        locked = locker.transaction()
+        await locked.start()
+        await locker.execute("LOCK TABLE request_inputs IN ACCESS EXCLUSIVE MODE")  # every write waits
+        recorded = []
+        for wave in range(8):  # 8 batches' worth, each past the flush delay (5 ms)
+            recorded += [
+                asyncio.create_task(event_store.record_input(f"req_{wave}_{n}", {"model": "m", "n": n}))
+                for n in range(3)
+            ]
+            await asyncio.sleep(0.03)
+        waiting = await locker.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%request_inputs%'"
+        )
+        assert waiting == 1
+        await locked.rollback()
+        await asyncio.wait_for(asyncio.gather(*recorded), 10)
+    finally:
+        await locker.close()
+    assert all([await event_store.read_input(f"req_{wave}_{n}") for wave in range(8) for n in range(3)])
