@@ -1,7 +1,7 @@
 """An OpenAI-compatible upstream's streamed answer, read as frames.
 
-How this works: the body comes as the bytes each socket read brought (``BodyReads``:
-the lean connections' ``Body``, or an ``httpx.Response`` through :class:`HttpxBody`);
+How this works: the body comes as the bytes each socket read brought (``BodyReads``,
+app/replicas/body_reads.py: the lean connections' ``Body``, or an ``httpx.Response``);
 they are cut into SSE lines here (CR and LF only), each ``data:`` line parsed by orjson,
 and each choice's text becomes a :class:`~app.replicas.base.Token`. The stream
 completes once every choice finished and the usage came, without waiting for
@@ -14,44 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure
+from app.replicas.body_reads import BodyReads
 from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
 USAGE_GRACE_S = 0.5
-
-
-class BodyReads(Protocol):
-    """An answer's body as :class:`OpenAIStream` reads it: ``b""`` once it ended."""
-
-    async def read(self) -> bytes: ...
-
-    async def aclose(self) -> None: ...
-
-
-class HttpxBody:
-    """An ``httpx.Response``'s body read as the lean connections' (TLS, a proxy)."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-        encoded = response.headers.get("content-encoding", "identity") != "identity"
-        self._reads = aiter(response.aiter_bytes() if encoded else response.aiter_raw())
-
-    async def read(self) -> bytes:
-        try:
-            return await anext(self._reads)  # never empty before the end
-        except StopAsyncIteration:
-            return b""
-
-    async def aclose(self) -> None:
-        await self._response.aclose()
 
 
 class OpenAIStream:

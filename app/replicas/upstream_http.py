@@ -25,10 +25,13 @@ a proxy from the environment comes here; anything else stays with httpx
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
+from typing import Any
 
 import httpx
+import orjson
 
 IDLE_S = 2.0  # an idle connection older than this is closed rather than used again
 READ_BYTES = 65536
@@ -45,11 +48,15 @@ class Connections:
         named = f"[{host}]" if ":" in host else host  # an IPv6 address
         self._host_line = b"host: %s\r\n" % (named if port == 80 else f"{named}:{port}").encode("ascii")
         self._idle: list[tuple[float, _Connection]] = []
+        self._open: set[_Connection] = set()  # idle or carrying a body: all closed by close()
 
-    async def post(self, target: bytes, header_lines: bytes, body: bytes) -> Answer:
-        """POST ``body`` to ``target`` with ``header_lines`` (each ``name: value\\r\\n``;
-        the host and the content length are added here), and return once the answer's
-        head came."""
+    async def post(
+        self, target: bytes, header_lines: bytes, body: bytes, *, head_timeout_s: float | None = None
+    ) -> Answer:
+        """POST ``body`` to ``target`` with ``header_lines`` (each ``name: value\\r\\n``,
+        :func:`header_line`; the host and the content length are added here), and return
+        once the answer's head came: within ``head_timeout_s`` of the request's write, or
+        ``ReadTimeout`` (as httpx's read timeout; the connect has its own)."""
         request = b"POST %s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n%s" % (
             target,
             self._host_line,
@@ -60,9 +67,13 @@ class Connections:
         connection = self._take_idle() or await self._connect()
         try:
             connection.write(request)
-            return await connection.answer(self)
+            async with asyncio.timeout(head_timeout_s):
+                return await connection.answer(self)
+        except TimeoutError:
+            self.discard(connection)
+            raise httpx.ReadTimeout(f"no answer from {self.host}:{self.port} within {head_timeout_s:g} s") from None
         except BaseException:
-            connection.close()
+            self.discard(connection)
             raise
 
     def _take_idle(self) -> _Connection | None:
@@ -71,11 +82,15 @@ class Connections:
             since, connection = self._idle.pop()
             if now - since < IDLE_S and connection.reusable():
                 return connection
-            connection.close()
+            self.discard(connection)
         return None
 
     def give_back(self, connection: _Connection) -> None:
         self._idle.append((time.monotonic(), connection))
+
+    def discard(self, connection: _Connection) -> None:
+        self._open.discard(connection)
+        connection.close()
 
     async def _connect(self) -> _Connection:
         try:
@@ -85,11 +100,16 @@ class Connections:
             raise httpx.ConnectTimeout(f"no connection to {self.host}:{self.port} in time") from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-        return _Connection(reader, writer)
+        connection = _Connection(reader, writer)
+        self._open.add(connection)
+        return connection
 
     def close(self) -> None:
-        for _, connection in self._idle:
+        """Close every connection, the idle ones and those whose body is still being read
+        (as closing an ``httpx.AsyncClient`` does)."""
+        for connection in self._open:
             connection.close()
+        self._open.clear()
         self._idle.clear()
 
 
@@ -106,6 +126,8 @@ class Answer:
 
 
 class _Connection:
+    __slots__ = ("reader", "writer")
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
@@ -309,7 +331,23 @@ class Body:
         if self.ended and self.keep_alive and clean:
             self.connections.give_back(self.connection)
         else:
-            self.connection.close()
+            self.connections.discard(self.connection)
+
+
+def header_line(name: str, value: str) -> bytes:
+    """One header field as :meth:`Connections.post` takes it."""
+    line = f"{name}: {value}\r\n".encode()
+    if line.count(b"\n") != 1 or line.count(b"\r") != 1:  # a field must never end the head early
+        raise ValueError(f"a line break in the header {name}")
+    return line
+
+
+def json_body(value: Any) -> bytes:
+    """A request's JSON body, by orjson (httpx's ``json=`` took three times as long)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # what orjson cannot write (an integer over 64 bits)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def lean_connections(base_url: str, *, connect_timeout_s: float) -> Connections | None:

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from app.replicas.base import Done, Frame, Token
-from app.replicas.openai_stream import HttpxBody, OpenAIStream
+from app.replicas.body_reads import HttpxBody
+from app.replicas.openai_stream import OpenAIStream
 
 
 def event(text: str | None = None, finish: str | None = None, usage: bool = False) -> bytes:
