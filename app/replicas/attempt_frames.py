@@ -1,9 +1,11 @@
 """The frames of one started attempt, parsed from the worker's response body.
 
 The body is one JSON object per line (docs/worker-protocol.md). :class:`AttemptFrames`
-splits the raw chunks into lines and builds the driver's own frames (app/replicas/base.py)
-straight from each: the per-frame path is one ``json.loads`` and one small object per line.
-An ``error`` frame or a broken transport ends iteration with a :class:`WorkerError`.
+reads it as :class:`BodyReads` (app/replicas/body_reads.py: the lean connections' body or
+httpx's, whichever carried the start), splits what each read brought into lines and
+builds the driver's own frames (app/replicas/base.py) straight from each: the per-frame
+path is one ``json.loads`` and one small object per line. An ``error`` frame or a broken
+transport ends iteration with a :class:`WorkerError`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import httpx
 
 from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.body_reads import BodyReads
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 from statemachine.events import FINISH_REASONS
 
@@ -29,14 +32,15 @@ class AttemptFrames:
     """The frames of one started attempt; iterate it, then it closes itself.
 
     Iteration ends after :class:`Done`; an ``error`` frame or a transport failure raises a
-    :class:`WorkerError`. Use ``async with`` (or ``aclose``) if you stop reading early.
+    :class:`WorkerError`. Use ``async with`` (or ``aclose``) if you stop reading early:
+    closing mid-body closes the connection, which is how a cancel or a fence aborts.
+    ``worker_id`` is the answer's ``x-phasegate-worker``.
     """
 
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self.worker_id = response.headers.get("x-phasegate-worker")
+    def __init__(self, body: BodyReads, worker_id: str | None) -> None:
+        self.worker_id = worker_id
         self.done = False
-        self._raw = response.aiter_raw()
+        self._body = body
         self._lines: deque[bytes] = deque()
         self._tail = b""
         self._until_yield = _YIELD_EVERY
@@ -48,7 +52,7 @@ class AttemptFrames:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.response.aclose()
+        await self._body.aclose()
 
     def __aiter__(self) -> AttemptFrames:
         return self
@@ -66,15 +70,15 @@ class AttemptFrames:
             raise StopAsyncIteration
         while True:
             try:
-                chunk = await self._raw.__anext__()
-            except StopAsyncIteration:
-                await self.aclose()
-                if self._tail:
-                    raise MalformedFrame("the stream ended inside a frame", line=self._tail) from None
-                raise StreamBroken("the stream ended without a done or error frame") from None
+                chunk = await self._body.read()
             except httpx.HTTPError as exc:
                 await self.aclose()
                 raise transport_error(exc) from exc
+            if not chunk:
+                await self.aclose()
+                if self._tail:
+                    raise MalformedFrame("the stream ended inside a frame", line=self._tail)
+                raise StreamBroken("the stream ended without a done or error frame")
             if not self._tail and chunk.find(b"\n") == len(chunk) - 1:
                 return await self._frame(chunk)  # the usual case: one whole frame per chunk
             lines = (self._tail + chunk).split(b"\n")
@@ -84,11 +88,11 @@ class AttemptFrames:
                 return await self._frame(self._lines.popleft())
 
     async def _finish(self) -> None:
-        """Read the body's end after ``done``, so the connection goes back to the pool
-        (closing a response mid-body discards its connection), then close."""
+        """Read the body's end after ``done``, so the connection is kept for the next
+        attempt (closing a body mid-way closes its connection), then close."""
         with contextlib.suppress(httpx.HTTPError, TimeoutError):
             async with asyncio.timeout(_DRAIN_S):
-                async for _ in self._raw:
+                while await self._body.read():
                     pass
         await self.aclose()
 

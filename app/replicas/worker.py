@@ -37,7 +37,7 @@ class WorkerReplica:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
         )
-        # Reads are bounded by the driver's own stall timer, not by httpx.
+        # Reads are bounded by the driver's own stall timer, not by the client.
         self.client = WorkerClient(
             base_url,
             http=self._http,
@@ -100,6 +100,7 @@ class WorkerReplica:
         return ProbeAnswer.HEALTHY if health.healthy else ProbeAnswer.UNHEALTHY
 
     async def close(self) -> None:
+        await self.client.aclose()  # its own connections, for the attempts' streams
         await self._http.aclose()
 
 

@@ -1,7 +1,8 @@
-"""The gateway's client for the worker protocol (docs/worker-protocol.md), on httpx.
+"""The gateway's client for the worker protocol (docs/worker-protocol.md).
 
 ``WorkerClient.start`` returns :class:`AttemptFrames` (attempt_frames.py), the attempt's
-typed frames; ``renew``, ``cancel`` and ``health`` are plain calls. Every failure is a
+typed frames, from a request sent as attempt_start.py says (on connections of our own to
+a plain ``http://`` worker); ``renew``, ``cancel`` and ``health`` are plain calls on httpx. Every failure is a
 :class:`WorkerError`; the tree of them, each with the failure kind it maps onto, opens
 ``worker_errors.py``.
 """
@@ -17,15 +18,16 @@ from typing import Any
 import httpx
 
 from app.replicas.attempt_frames import AttemptFrames
+from app.replicas.attempt_start import AttemptStarts
 from app.replicas.worker_errors import (
     ControlUnanswered,
     LeaseLost,
-    Rejected,
     ReplicaExiting,
     RequestRefused,
     StreamBroken,
     TokenRefused,
     WorkerError,
+    error_fields,
     transport_error,
 )
 
@@ -68,21 +70,6 @@ class Health:
 # --- the client --------------------------------------------------------------------------
 
 
-def _error_body(response: httpx.Response) -> tuple[str | None, str, str | None]:
-    try:
-        error = response.json()["error"]
-        return error.get("code"), error.get("message", ""), error.get("field")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None, response.text[:200], None
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None
-
-
 _ssl_context: ssl.SSLContext | None = None
 
 
@@ -99,7 +86,8 @@ def http_client(**kwargs: Any) -> httpx.AsyncClient:
 
 
 class WorkerClient:
-    """Talks to one worker at ``base_url``; share one ``httpx.AsyncClient`` across workers."""
+    """Talks to one worker at ``base_url``; share one ``httpx.AsyncClient`` across workers
+    (the starts to a plain ``http://`` worker go on connections of this client's own)."""
 
     def __init__(
         self,
@@ -119,8 +107,21 @@ class WorkerClient:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.control_timeout = control_timeout
+        self._starts = AttemptStarts(
+            self.base_url,
+            self._http,
+            headers=self._headers,
+            connect_timeout=connect_timeout,
+            write_timeout=control_timeout,
+        )
+
+    @property
+    def lean_starts(self) -> bool:
+        """Whether attempts start on the lean connections (app/replicas/attempt_start.py), not httpx."""
+        return self._starts.lean
 
     async def aclose(self) -> None:
+        self._starts.close()
         if self._own_http:
             await self._http.aclose()
 
@@ -159,35 +160,7 @@ class WorkerClient:
             body["params"] = dict(params)
         if heartbeat_s is not None:
             body["heartbeat_ms"] = round(heartbeat_s * 1000)
-        timeout = httpx.Timeout(
-            self.control_timeout,
-            connect=self.connect_timeout,
-            read=self.read_timeout if read_timeout is None else read_timeout,
-        )
-        request = self._http.build_request(
-            "POST", self.base_url + "/v1/attempts", json=body, timeout=timeout, headers=self._headers
-        )
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc) from exc
-        if response.status_code == 200:
-            return AttemptFrames(response)
-        try:
-            await response.aread()
-        except httpx.HTTPError as exc:
-            raise transport_error(exc) from exc
-        finally:
-            await response.aclose()
-        status = response.status_code
-        code, message, field = _error_body(response)
-        if status == 401:
-            raise TokenRefused(message, status=status, code=code)
-        if code == "replica_exiting":
-            raise ReplicaExiting(message, status=status, code=code)
-        if status == 429 or status >= 500:
-            raise Rejected(message, status=status, code=code, retry_after=_retry_after(response))
-        raise RequestRefused(message, status=status, code=code, field=field)
+        return await self._starts.start(body, self.read_timeout if read_timeout is None else read_timeout)
 
     async def _control(self, path: str, body: Mapping[str, Any], timeout: float | None) -> httpx.Response:
         """POST a control call. One whose connection broke under it is sent once more, on
@@ -212,7 +185,7 @@ class WorkerClient:
             raise StreamBroken(f"{path}: the connection broke: {exc!r}") from exc
         if response.status_code == 401:
             # the worker read nothing of the call: not a lost lease, not an acknowledgement
-            code, message, _ = _error_body(response)
+            code, message, _ = error_fields(response.content)
             raise TokenRefused(f"{path}: {message}", status=401, code=code)
         return response
 
@@ -240,7 +213,7 @@ class WorkerClient:
         if response.status_code == 200:
             data = response.json()
             return LeaseRenewed(data["lease_epoch"], data["lease_ttl_ms"], data["phase"])
-        code, message, _ = _error_body(response)
+        code, message, _ = error_fields(response.content)
         if code == "replica_exiting":
             raise ReplicaExiting(message, status=response.status_code, code=code)
         raise LeaseLost(message, code=code or "unknown", status=response.status_code)
@@ -258,7 +231,7 @@ class WorkerClient:
         }
         response = await self._control("/v1/leases/renew", body, timeout)
         if response.status_code != 200:
-            code, message, field = _error_body(response)
+            code, message, field = error_fields(response.content)
             raise RequestRefused(message, status=response.status_code, code=code, field=field)
         answers: list[LeaseRenewed | WorkerError] = []
         for data in response.json()["leases"]:
@@ -280,7 +253,7 @@ class WorkerClient:
         if response.status_code == 200:
             data = response.json()
             return CancelAck(data["state"], data["generated_tokens"], data["stop"])
-        code, message, field = _error_body(response)
+        code, message, field = error_fields(response.content)
         if response.status_code >= 500:  # 504 abort_unconfirmed above all: the outcome is unknown
             raise ControlUnanswered(message, status=response.status_code, code=code)
         raise RequestRefused(message, status=response.status_code, code=code, field=field)
@@ -316,7 +289,7 @@ class WorkerClient:
     async def info(self) -> dict[str, Any]:
         response = await self._http.get(self.base_url + "/v1/info", headers=self._headers, timeout=self.control_timeout)
         if response.status_code == 401:
-            code, message, _ = _error_body(response)
+            code, message, _ = error_fields(response.content)
             raise TokenRefused(message, status=401, code=code)
         result: dict[str, Any] = response.json()
         return result

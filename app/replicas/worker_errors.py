@@ -21,11 +21,14 @@ attempt will publish nothing more (so the driver need not fence it)::
         └── LeaseLost            renew refused (unknown_attempt, lease_expired, …); a stale
                                  epoch is the one case that is not released
 
-:func:`transport_error` says which of them an httpx failure is. ``overloaded`` is not
-here: it is the driver's reading of heartbeats over time, not something one call observes.
+:func:`transport_error` says which of them an httpx failure is, and :func:`error_fields`
+reads a worker's error answer. ``overloaded`` is not here: it is the driver's reading of
+heartbeats over time, not something one call observes.
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 
@@ -154,3 +157,13 @@ def transport_error(exc: httpx.HTTPError) -> WorkerError:
     if isinstance(exc, httpx.TimeoutException):
         return ReadStalled(f"no data within the read timeout: {exc!r}")
     return StreamBroken(f"the connection broke: {exc!r}")
+
+
+def error_fields(content: bytes) -> tuple[str | None, str, str | None]:
+    """The code, message and field of a worker's error answer (``{"error": {...}}``);
+    an answer that is not one gives its first characters as the message."""
+    try:
+        error = json.loads(content)["error"]
+        return error.get("code"), error.get("message", ""), error.get("field")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, content.decode("utf-8", "replace")[:200], None

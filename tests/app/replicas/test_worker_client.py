@@ -2,7 +2,9 @@
 
 What a real worker does is covered in tests/app/worker; here a few raw socket peers
 produce what a worker never should (a frame split across reads, a reset, a cut frame)
-so that each lands on the right typed error.
+so that each lands on the right typed error, on both ways a start goes: the lean
+connections (a plain ``http://`` worker) and httpx (here through a proxy from the
+environment, which the raw peer plays too: it answers whatever comes).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -29,6 +32,7 @@ from app.replicas.worker_errors import (
     ReplicaExiting,
     RequestRefused,
     StreamBroken,
+    TokenRefused,
     WorkerError,
 )
 from statemachine.events import FailureKind
@@ -38,30 +42,62 @@ from tests.support.workers import free_port
 START = {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_s": 5.0, "model": "sim", "prompt": "x"}
 
 
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class Peer:
+    """What a scripted peer saw: its connections and the heads of the requests it read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.connections = 0
+        self.heads: list[bytes] = []
+
+
 @contextlib.asynccontextmanager
-async def scripted_peer(pieces: Sequence[bytes], *, reset: bool = False, gap_s: float = 0.01) -> AsyncIterator[str]:
-    """An HTTP/1.1 peer that answers any request with 200, a chunked body made of ``pieces``
-    (one chunk each, ``gap_s`` apart) and then closes, or resets the connection."""
+async def scripted_peer(
+    pieces: Sequence[bytes],
+    *,
+    reset: bool = False,
+    gap_s: float = 0.01,
+    head: bytes | None = STREAM_HEAD,
+    keep_alive: bool = False,
+) -> AsyncIterator[Peer]:
+    """An HTTP/1.1 peer that answers any request with ``head`` (none: it never answers) and
+    a chunked body made of ``pieces`` (one chunk each, ``gap_s`` apart), and then closes,
+    resets the connection, or (``keep_alive``) reads the connection's next request."""
 
     handlers: list[asyncio.Task[None]] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        peer.connections += 1
         try:
-            await answer(reader, writer)
+            while await answer(reader, writer) and keep_alive:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed the connection
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        request_head = await reader.readuntil(b"\r\n\r\n")
+        peer.heads.append(request_head)
         length = next(
-            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+            (
+                int(line.split(b":")[1])
+                for line in request_head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
             0,
         )
         await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n")
+        if head is None:
+            await reader.read()  # until the client gives up
+            return False
+        writer.write(head)
         for piece in pieces:
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
@@ -69,22 +105,49 @@ async def scripted_peer(pieces: Sequence[bytes], *, reset: bool = False, gap_s: 
         if reset:
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        else:
-            writer.write(b"0\r\n\r\n")
+            return False
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    peer = Peer(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield peer
     finally:
         server.close()
+        for handler in handlers:
+            handler.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
         await server.wait_closed()
 
 
-async def run(pieces: Sequence[bytes], *, reset: bool = False) -> tuple[list[Frame], WorkerError | None]:
-    async with scripted_peer(pieces, reset=reset) as url:
-        client = WorkerClient(url)
+Connect = Callable[..., WorkerClient]
+
+
+@pytest.fixture(params=["lean", "httpx"])
+def connect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Connect:
+    """A client of a peer at ``url``: on the lean connections, or on httpx with the peer as its proxy."""
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def client_of(url: str, **options: Any) -> WorkerClient:
+        if request.param == "lean":
+            client = WorkerClient(url, **options)
+        else:
+            monkeypatch.setenv("HTTP_PROXY", url)
+            client = WorkerClient("http://worker.invalid:8000", **options)
+        assert client.lean_starts is (request.param == "lean")
+        return client
+
+    return client_of
+
+
+async def run(
+    connect: Connect, pieces: Sequence[bytes], *, reset: bool = False
+) -> tuple[list[Frame], WorkerError | None]:
+    async with scripted_peer(pieces, reset=reset) as peer:
+        client = connect(peer.url)
         try:
             got = await collect(await client.start(**START))  # type: ignore[arg-type]
         finally:
@@ -96,27 +159,27 @@ TOKEN = b'{"type":"token","choice":0,"index":%d,"text":" w%d","token_ids":[%d]}\
 DONE = b'{"type":"done","finish_reason":"stop","finish_reasons":["stop"],"usage":{"completion_tokens":2}}\n'
 
 
-async def test_frames_split_across_reads_and_packed_into_one():
+async def test_frames_split_across_reads_and_packed_into_one(connect: Connect) -> None:
     body = TOKEN % (0, 0, 0) + TOKEN % (1, 1, 1) + DONE
-    frames, error = await run([body[:10], body[10:50], body[50:51], body[51:]])
+    frames, error = await run(connect, [body[:10], body[10:50], body[50:51], body[51:]])
     assert error is None
     assert [type(f) for f in frames] == [Token, Token, Done]
     assert [f.text for f in frames if isinstance(f, Token)] == [" w0", " w1"]
 
 
-async def test_an_end_without_done_is_a_broken_stream():
-    frames, error = await run([TOKEN % (0, 0, 0)])
+async def test_an_end_without_done_is_a_broken_stream(connect: Connect) -> None:
+    frames, error = await run(connect, [TOKEN % (0, 0, 0)])
     assert len(frames) == 1 and isinstance(error, StreamBroken)
     assert error.kind is FailureKind.REPLICA_EXITED and error.released
 
 
-async def test_a_reset_is_a_broken_stream():
-    _, error = await run([TOKEN % (0, 0, 0)], reset=True)
+async def test_a_reset_is_a_broken_stream(connect: Connect) -> None:
+    _, error = await run(connect, [TOKEN % (0, 0, 0)], reset=True)
     assert isinstance(error, StreamBroken) and error.kind is FailureKind.REPLICA_EXITED
 
 
-async def test_an_end_inside_a_frame_is_malformed():
-    frames, error = await run([TOKEN % (0, 0, 0), b'{"type":"tok'])
+async def test_an_end_inside_a_frame_is_malformed(connect: Connect) -> None:
+    frames, error = await run(connect, [TOKEN % (0, 0, 0), b'{"type":"tok'])
     assert len(frames) == 1 and isinstance(error, MalformedFrame)
     assert error.kind is FailureKind.LIVENESS_UNCERTAIN and not error.released
 
@@ -126,22 +189,22 @@ async def test_an_end_inside_a_frame_is_malformed():
     [b"not json\n", b'{"type":"token","index":0}\n', b'{"type":"wormhole"}\n', b"[1]\n", b"\n"],
     ids=["not-json", "missing-keys", "unknown-type", "not-an-object", "empty-line"],
 )
-async def test_a_line_that_is_not_a_frame_is_malformed(line: bytes):
-    frames, error = await run([TOKEN % (0, 0, 0), line, DONE])
+async def test_a_line_that_is_not_a_frame_is_malformed(connect: Connect, line: bytes) -> None:
+    frames, error = await run(connect, [TOKEN % (0, 0, 0), line, DONE])
     assert len(frames) == 1 and isinstance(error, MalformedFrame) and error.line == line.rstrip(b"\n")
 
 
-async def test_error_frames_end_the_attempt():
+async def test_error_frames_end_the_attempt(connect: Connect) -> None:
     frame = b'{"type":"error","code":"engine_error","message":"boom","generated_tokens":4}\n'
-    _, error = await run([TOKEN % (0, 0, 0), frame])
+    _, error = await run(connect, [TOKEN % (0, 0, 0), frame])
     assert isinstance(error, AttemptEnded) and (error.code, error.generated_tokens) == ("engine_error", 4)
     assert error.kind is FailureKind.REPLICA_EXITED and error.released
-    _, error = await run([b'{"type":"error","code":"replica_exiting","message":"bye"}\n'])
+    _, error = await run(connect, [b'{"type":"error","code":"replica_exiting","message":"bye"}\n'])
     assert isinstance(error, ReplicaExiting) and error.kind is FailureKind.REPLICA_EXITED
 
 
-async def test_connection_refused():
-    client = WorkerClient(f"http://127.0.0.1:{free_port()}")
+async def test_connection_refused(connect: Connect) -> None:
+    client = connect(f"http://127.0.0.1:{free_port()}")
     try:
         with pytest.raises(ConnectFailed) as failed:
             await client.start(**START)  # type: ignore[arg-type]
@@ -153,7 +216,7 @@ async def test_connection_refused():
         await client.aclose()
 
 
-async def test_a_connect_that_hangs_is_a_timeout_not_a_death():
+async def test_a_connect_that_hangs_is_a_timeout_not_a_death(connect: Connect) -> None:
     # a listener whose accept queue is full drops new SYNs: the connect hangs, as in a partition
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -168,7 +231,7 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death():
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
         await asyncio.sleep(0.1)
-        client = WorkerClient(f"http://127.0.0.1:{port}", connect_timeout=0.3)
+        client = connect(f"http://127.0.0.1:{port}", connect_timeout=0.3)
         try:
             with pytest.raises(ConnectTimedOut) as timed_out:
                 await client.start(**START)  # type: ignore[arg-type]
@@ -179,6 +242,130 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death():
         for filler in fillers:
             filler.close()
         listener.close()
+
+
+async def test_an_answer_or_a_frame_that_does_not_come_within_the_read_timeout_is_a_stall(connect: Connect) -> None:
+    async with scripted_peer([], head=None) as peer:  # reads the start, never answers
+        client = connect(peer.url, read_timeout=0.3)
+        try:
+            with pytest.raises(ReadStalled) as stalled:
+                await client.start(**START)  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+    assert stalled.value.kind is FailureKind.LIVENESS_UNCERTAIN and not stalled.value.released
+    async with scripted_peer([TOKEN % (0, 0, 0)], gap_s=5.0) as peer:  # one frame, then silence
+        client = connect(peer.url, read_timeout=0.3)
+        try:
+            got = await collect(await client.start(**START))  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+    assert len(got.tokens) == 1 and isinstance(got.error, ReadStalled)
+
+
+def refusal_head(status: bytes, *fields: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%stransfer-encoding: chunked\r\n\r\n" % (
+        status,
+        b"".join(field + b"\r\n" for field in fields),
+    )
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "expected", "fields"),
+    [
+        (
+            refusal_head(b"429 Too Many Requests", b"retry-after: 2"),
+            b'{"error":{"code":"queue_full","message":"full"}}',
+            Rejected,
+            {"status": 429, "code": "queue_full", "retry_after": 2.0, "message": "full"},
+        ),
+        (
+            refusal_head(b"503 Service Unavailable"),
+            b'{"error":{"code":"replica_exiting","message":"bye"}}',
+            ReplicaExiting,
+            {"status": 503, "code": "replica_exiting"},
+        ),
+        (
+            refusal_head(b"401 Unauthorized"),
+            b'{"error":{"code":"invalid_worker_token","message":"no"}}',
+            TokenRefused,
+            {"status": 401, "code": "invalid_worker_token"},
+        ),
+        (
+            refusal_head(b"400 Bad Request"),
+            b'{"error":{"code":"invalid_field","message":"params.top_k: too big","field":"params.top_k"}}',
+            RequestRefused,
+            {"status": 400, "param": "top_k", "message": "top_k: too big"},
+        ),
+        (
+            refusal_head(b"502 Bad Gateway"),
+            b"upstream gone",
+            Rejected,
+            {"status": 502, "code": None, "retry_after": None, "message": "upstream gone"},
+        ),
+    ],
+    ids=["429", "503-exiting", "401", "400", "502-not-json"],
+)
+async def test_a_refusal_before_any_frame_is_its_typed_error(
+    connect: Connect, head: bytes, body: bytes, expected: type[WorkerError], fields: dict[str, Any]
+) -> None:
+    async with scripted_peer([body], head=head) as peer:
+        client = connect(peer.url)
+        try:
+            with pytest.raises(expected) as refused:
+                await client.start(**START)  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+    assert type(refused.value) is expected
+    assert {name: getattr(refused.value, name) for name in fields} == fields
+
+
+async def test_a_start_carries_the_token_and_its_answer_names_the_worker(connect: Connect) -> None:
+    head = STREAM_HEAD.replace(b"\r\n\r\n", b"\r\nx-phasegate-worker: w-7\r\n\r\n")
+    async with scripted_peer([DONE], head=head) as peer:
+        client = connect(peer.url, token="s3cret")
+        try:
+            stream = await client.start(**START)  # type: ignore[arg-type]
+            got = await collect(stream)
+        finally:
+            await client.aclose()
+    assert stream.worker_id == "w-7" and got.done is not None
+    (request,) = peer.heads
+    assert b"\r\nauthorization: Bearer s3cret\r\n" in request and b"content-type: application/json" in request
+    # the lean connections write the request themselves: no httpx in between
+    assert (b"python-httpx" in request) is (not client.lean_starts)
+
+
+async def test_only_a_plain_http_worker_without_a_proxy_starts_on_the_lean_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def lean(url: str) -> bool:
+        client = WorkerClient(url)
+        await client.aclose()
+        return client.lean_starts
+
+    assert await lean("http://worker:8000")
+    assert not await lean("https://worker:8000")  # TLS: httpx, with the worker client's TLS context
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
+    assert not await lean("http://worker:8000")
+
+
+async def test_a_stream_read_to_its_end_leaves_its_connection_for_the_next_start(connect: Connect) -> None:
+    async with scripted_peer([TOKEN % (0, 0, 0), DONE], keep_alive=True) as peer:
+        client = connect(peer.url)
+        try:
+            for _ in range(2):
+                assert (await collect(await client.start(**START))).done is not None  # type: ignore[arg-type]
+            assert peer.connections == 1
+            stream = await client.start(**START)  # type: ignore[arg-type]
+            assert isinstance(await anext(stream), Token)
+            await stream.aclose()  # mid-body, as a cancel or a fence aborts: the connection goes
+            assert (await collect(await client.start(**START))).done is not None  # type: ignore[arg-type]
+            assert peer.connections == 2
+        finally:
+            await client.aclose()
 
 
 def test_the_error_tree_maps_every_error_onto_a_failure_kind():
