@@ -2,9 +2,9 @@
 
 ``WorkerClient.start`` returns :class:`AttemptFrames` (attempt_frames.py), the attempt's
 typed frames, from a request sent as attempt_start.py says (on connections of our own to
-a plain ``http://`` worker); ``renew``, ``cancel`` and ``health`` are plain calls on httpx. Every failure is a
-:class:`WorkerError`; the tree of them, each with the failure kind it maps onto, opens
-``worker_errors.py``.
+a plain ``http://`` worker); ``renew``, ``cancel`` and ``health`` are plain calls on
+httpx. Every failure is a :class:`WorkerError`; the tree of them, each with the failure
+kind it maps onto, opens ``worker_errors.py``.
 """
 
 from __future__ import annotations
