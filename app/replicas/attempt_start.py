@@ -67,8 +67,9 @@ class AttemptStarts:
         if self._connections is not None:
             self._connections.close()
 
-    async def start(self, body: Mapping[str, Any], read_timeout: float) -> AttemptFrames:
-        """Send the start; return its frames once the worker accepted it, or raise its refusal."""
+    async def start(self, body: Mapping[str, Any], read_timeout: float | None) -> AttemptFrames:
+        """Send the start; return its frames once the worker accepted it, or raise its
+        refusal. ``read_timeout`` bounds each read (``None``: the caller bounds them)."""
         content = json_body(body)
         try:
             if self._connections is not None:
@@ -77,7 +78,7 @@ class AttemptStarts:
                     lines += header_line(name, value)
                 lean = await self._connections.post(self._target, lines, content, head_timeout_s=read_timeout)
                 answer: Answer | httpx.Response = lean
-                reads: BodyReads = ReadsWithin(lean.body, read_timeout)
+                reads: BodyReads = lean.body if read_timeout is None else ReadsWithin(lean.body, read_timeout)
             else:
                 answer, reads = await self._send_by_httpx(content, read_timeout)
         except httpx.HTTPError as exc:
@@ -92,7 +93,7 @@ class AttemptStarts:
             await reads.aclose()
         raise _refused(answer.status_code, answer.headers.get("retry-after"), refusal)
 
-    async def _send_by_httpx(self, content: bytes, read_timeout: float) -> tuple[httpx.Response, BodyReads]:
+    async def _send_by_httpx(self, content: bytes, read_timeout: float | None) -> tuple[httpx.Response, BodyReads]:
         timeout = httpx.Timeout(self._write_timeout, connect=self._connect_timeout, read=read_timeout)
         headers = {**self._headers, "content-type": "application/json"}
         request = self._http.build_request("POST", self._url, content=content, timeout=timeout, headers=headers)

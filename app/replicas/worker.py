@@ -37,12 +37,13 @@ class WorkerReplica:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
         )
-        # Reads are bounded by the driver's own stall timer, not by the client.
+        # Reads are bounded by the driver's own stall timer (one timer an attempt, moved
+        # only when it fires), not by the client (a timeout a read).
         self.client = WorkerClient(
             base_url,
             http=self._http,
             connect_timeout=connect_timeout_s,
-            read_timeout=3600.0,
+            read_timeout=None,
             control_timeout=10.0,
             token=token,
         )

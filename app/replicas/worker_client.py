@@ -95,7 +95,7 @@ class WorkerClient:
         *,
         http: httpx.AsyncClient | None = None,
         connect_timeout: float = 2.0,
-        read_timeout: float = 5.0,
+        read_timeout: float | None = 5.0,
         control_timeout: float = 10.0,
         token: str | None = None,
     ) -> None:
@@ -143,7 +143,9 @@ class WorkerClient:
 
         A refusal raises before any frame: :class:`Rejected`, :class:`ReplicaExiting` or
         :class:`RequestRefused`. ``read_timeout`` bounds each wait for the next frame
-        (heartbeats come every ``heartbeat_s`` while queued or in prefill).
+        (heartbeats come every ``heartbeat_s`` while queued or in prefill); the client's
+        own ``read_timeout`` when not given, and no bound here where that is ``None``
+        (a caller that times its reads itself, as the gateway's stall timer does).
         """
         body: dict[str, Any] = {
             "request_id": request_id,

@@ -262,6 +262,19 @@ async def test_an_answer_or_a_frame_that_does_not_come_within_the_read_timeout_i
     assert len(got.tokens) == 1 and isinstance(got.error, ReadStalled)
 
 
+async def test_a_client_without_a_read_timeout_leaves_the_reads_to_its_caller(connect: Connect) -> None:
+    # the gateway's: its stall timer bounds the reads, one timer an attempt, not one a read
+    async with scripted_peer([TOKEN % (0, 0, 0), TOKEN % (1, 1, 1), DONE], gap_s=0.4, keep_alive=True) as peer:
+        client = connect(peer.url, read_timeout=None)
+        try:
+            got = await collect(await client.start(**START))  # type: ignore[arg-type]
+            stalled = await collect(await client.start(**START, read_timeout=0.1))  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+    assert got.error is None and len(got.tokens) == 2 and got.done is not None
+    assert isinstance(stalled.error, ReadStalled)  # a bound given with the start still holds
+
+
 def refusal_head(status: bytes, *fields: bytes) -> bytes:
     return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%stransfer-encoding: chunked\r\n\r\n" % (
         status,
