@@ -79,6 +79,14 @@ class AttemptRun:
         self._frames = aiter(self._stream.frames())
         self._watch = _StallWatch()
         self.replica.renewer.hold(self)
+        request = self.request
+        log.debug(
+            "request %s: attempt %d started on %s",
+            request.request_id,
+            request.attempt,
+            self.replica.id,
+            extra={"attempt": request.attempt},
+        )
 
     def lease_renewed(self) -> None:
         """The replica extended the lease (the renewer's round was answered just now)."""
