@@ -160,7 +160,7 @@ class Listening(socket.socket):
 
 def _own_socket(host: str) -> Listening:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = Listening(family, socket.SOCK_STREAM)
+    sock = Listening(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see app/serve.py, _bind
     sock.bind((host, 0))
     socket.socket.listen(sock, 128)
     return sock
