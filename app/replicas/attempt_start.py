@@ -22,7 +22,7 @@ import httpx
 
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.body_reads import BodyReads, HttpxBody, ReadsWithin, read_all
-from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections
+from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
 from app.replicas.worker_errors import (
     Rejected,
     ReplicaExiting,
@@ -109,12 +109,5 @@ def _refused(status: int, retry_after: str | None, content: bytes) -> WorkerErro
     if code == "replica_exiting":
         return ReplicaExiting(message, status=status, code=code)
     if status == 429 or status >= 500:
-        return Rejected(message, status=status, code=code, retry_after=_seconds(retry_after))
+        return Rejected(message, status=status, code=code, retry_after=retry_after_seconds(retry_after))
     return RequestRefused(message, status=status, code=code, field=field)
-
-
-def _seconds(retry_after: str | None) -> float | None:
-    try:
-        return float(retry_after) if retry_after is not None else None
-    except ValueError:
-        return None

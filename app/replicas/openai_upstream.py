@@ -33,7 +33,7 @@ import orjson
 from app.replicas.base import AttemptRequest, ProbeAnswer, UpstreamFailure
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.openai_stream import OpenAIStream
-from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections
+from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
 from app.tracing import inject_traceparent, trace_headers
 from statemachine.events import FailureKind
 
@@ -198,18 +198,11 @@ def _refusal(status: int, reason: str, retry_after: str | None, body: bytes) -> 
             f"{status}: {message}",
             status=status,
             code=code,
-            retry_after_s=_retry_after(retry_after),
+            retry_after_s=retry_after_seconds(retry_after),
         )
     return UpstreamFailure(
         FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message), param=param
     )
-
-
-def _retry_after(value: str | None) -> float | None:
-    try:
-        return max(float(value), 0.0) if value else None
-    except ValueError:
-        return None
 
 
 def _code_for(status: int, message: str) -> str:

@@ -350,6 +350,14 @@ def json_body(value: Any) -> bytes:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
+def retry_after_seconds(value: str | None) -> float | None:
+    """An answer's ``Retry-After`` in seconds (the delay form; none, or not a number: ``None``)."""
+    try:
+        return max(float(value), 0.0) if value else None
+    except ValueError:
+        return None
+
+
 def lean_connections(base_url: str, *, connect_timeout_s: float) -> Connections | None:
     """Connections of this module for ``base_url``, or ``None`` where httpx must go (TLS,
     a proxy from the environment, no port it can tell)."""
