@@ -14,7 +14,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -36,6 +36,8 @@ from app.replicas.worker_errors import (
 from statemachine.events import FailureKind
 from tests.support.streams import collect
 from tests.support.workers import free_port
+
+E = TypeVar("E", bound=WorkerError)
 
 START = {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_s": 5.0, "model": "sim", "prompt": "x"}
 
@@ -153,6 +155,16 @@ async def run(
     return got.frames, got.error
 
 
+async def failed_start(client: WorkerClient, expected: type[E]) -> E:
+    """The ``expected`` error ``client``'s start raised; the client closed."""
+    try:
+        with pytest.raises(expected) as raised:
+            await client.start(**START)  # type: ignore[arg-type]
+    finally:
+        await client.aclose()
+    return raised.value
+
+
 TOKEN = b'{"type":"token","choice":0,"index":%d,"text":" w%d","token_ids":[%d]}\n'
 DONE = b'{"type":"done","finish_reason":"stop","finish_reasons":["stop"],"usage":{"completion_tokens":2}}\n'
 
@@ -229,13 +241,8 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death(connect: Connect) -
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
         await asyncio.sleep(0.1)
-        client = connect(f"http://127.0.0.1:{port}", connect_timeout=0.3)
-        try:
-            with pytest.raises(ConnectTimedOut) as timed_out:
-                await client.start(**START)  # type: ignore[arg-type]
-        finally:
-            await client.aclose()
-        assert timed_out.value.kind is FailureKind.LIVENESS_UNCERTAIN and not timed_out.value.released
+        timed_out = await failed_start(connect(f"http://127.0.0.1:{port}", connect_timeout=0.3), ConnectTimedOut)
+        assert timed_out.kind is FailureKind.LIVENESS_UNCERTAIN and not timed_out.released
     finally:
         for filler in fillers:
             filler.close()
@@ -244,13 +251,8 @@ async def test_a_connect_that_hangs_is_a_timeout_not_a_death(connect: Connect) -
 
 async def test_an_answer_or_a_frame_that_does_not_come_within_the_read_timeout_is_a_stall(connect: Connect) -> None:
     async with scripted_peer([], head=None) as peer:  # reads the start, never answers
-        client = connect(peer.url, read_timeout=0.3)
-        try:
-            with pytest.raises(ReadStalled) as stalled:
-                await client.start(**START)  # type: ignore[arg-type]
-        finally:
-            await client.aclose()
-    assert stalled.value.kind is FailureKind.LIVENESS_UNCERTAIN and not stalled.value.released
+        stalled = await failed_start(connect(peer.url, read_timeout=0.3), ReadStalled)
+    assert stalled.kind is FailureKind.LIVENESS_UNCERTAIN and not stalled.released
     async with scripted_peer([TOKEN % (0, 0, 0)], gap_s=5.0) as peer:  # one frame, then silence
         client = connect(peer.url, read_timeout=0.3)
         try:
@@ -320,14 +322,9 @@ async def test_a_refusal_before_any_frame_is_its_typed_error(
     connect: Connect, head: bytes, body: bytes, expected: type[WorkerError], fields: dict[str, Any]
 ) -> None:
     async with scripted_peer([body], head=head) as peer:
-        client = connect(peer.url)
-        try:
-            with pytest.raises(expected) as refused:
-                await client.start(**START)  # type: ignore[arg-type]
-        finally:
-            await client.aclose()
-    assert type(refused.value) is expected
-    assert {name: getattr(refused.value, name) for name in fields} == fields
+        refused = await failed_start(connect(peer.url), expected)
+    assert type(refused) is expected
+    assert {name: getattr(refused, name) for name in fields} == fields
 
 
 async def test_a_start_carries_the_token_and_its_answer_names_the_worker(connect: Connect) -> None:
