@@ -125,5 +125,10 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}ms"
 
 
+def added_ms(seconds: float) -> str:
+    """A difference in milliseconds, signed: what a gateway added (or took off)."""
+    return f"{seconds * 1e3:+.3f}ms"
+
+
 def row(*cells: object, width: int = 11) -> str:
     return " ".join(f"{cell!s:>{width}}" for cell in cells)
