@@ -95,9 +95,28 @@ class ChunkWriter:
         self.cycle = cycle
         self.chunked = chunked  # HTTP/1.1 without Content-Length: h11's chunked framing
 
+    def write_now(self, data: bytes) -> bool:
+        """Write ``data`` as one chunk if that asks for no wait: the response started and
+        is chunked, the client is there and the socket's buffer is not full; whether it
+        was written (if not, ``write`` does what is left to do)."""
+        cycle = self.cycle
+        if (
+            not data  # an empty chunk would end the body
+            or not self.chunked
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.flow.write_paused
+            or cycle.disconnected
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
     async def write(self, data: bytes) -> None:
         """Write ``data`` as one chunk, after the socket's buffer drained if it was full;
         nothing once the client is gone (as uvicorn's ``send``)."""
+        if self.write_now(data):
+            return
         cycle = self.cycle
         if not self.chunked or not cycle.response_started or cycle.response_complete:
             await cycle.send({"type": "http.response.body", "body": data, "more_body": True})

@@ -25,6 +25,7 @@ from app.driver import log_loss
 from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
+from app.http_server import ChunkWriter
 from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
@@ -65,6 +66,60 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     return JSONResponse(body)
 
 
+class _Stream:
+    """What a streamed answer sent so far, shared by its body (``stream_body``) and the
+    loop's task, which writes a delta itself while the body waits caught up (``push``)."""
+
+    def __init__(
+        self,
+        driver: RequestDriver,
+        shape: ResponseShape,
+        gone: asyncio.Future[None],
+        start: int,
+        writer: ChunkWriter | None,
+    ) -> None:
+        self.driver = driver
+        self.shape = shape
+        self.gone = gone
+        self.event_id = start  # the next event's id: its delta's index
+        self.started = start > 0  # a content event went out (the first carries the role)
+        self.delivered_tokens = 0
+        self.write_now = None if writer is None else writer.write_now
+
+    def events(self, deltas: list[Delta]) -> bytes:
+        """The content events of ``deltas``, in one write."""
+        shape, first = self.shape, self.event_id if not self.started else -1
+        events = [
+            shape.content_event(n, d.text, d.choice, first=n == first, logprobs=d.logprobs)
+            for n, d in enumerate(deltas, start=self.event_id)
+        ]
+        return events[0] if len(events) == 1 else b"".join(events)
+
+    def sent(self, deltas: list[Delta]) -> None:
+        """``deltas`` were written to the client, which is still there: recorded delivered."""
+        self.started = True
+        for delta in deltas:
+            self.driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, index=self.event_id)
+            self.event_id += 1
+            self.delivered_tokens += delta.tokens
+
+    def push(self, delta: Delta) -> bool:
+        """``delta`` written and recorded delivered now, in the loop's task, if nothing
+        asks the body's own path: the log behind (it waits), the client gone or the
+        instance's lease lapsed (it ends), a socket that would block (it waits for it)."""
+        write_now, driver = self.write_now, self.driver
+        if (
+            write_now is None
+            or driver.recorder.behind
+            or self.gone.done()
+            or driver.ctx.lease_lapsed()
+            or not write_now(self.events([delta]))
+        ):
+            return False
+        self.sent([delta])
+        return True
+
+
 async def stream_body(
     driver: RequestDriver,
     shape: ResponseShape,
@@ -72,14 +127,14 @@ async def stream_body(
     gone: asyncio.Future[None],
     charge: Callable[[int], None],
     start: int = 0,
+    writer: ChunkWriter | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed answer, from delta ``start`` (a resumed client's);
     ``charge`` takes the tokens the client was sent (the tenant's tokens per minute) when
-    it ends, however it ends."""
+    it ends, however it ends. With the server's ``writer`` (``CHUNK_WRITER``) the loop's
+    task writes each delta that comes while this body waits caught up (``_Stream.push``)."""
     client = driver.outputs  # this client's reading end; a resumed client gets another
-    event_id = start
-    started = start > 0
-    delivered_tokens = 0
+    stream = _Stream(driver, shape, gone, start, writer)
     try:
         while True:
             if type(output) is Delta:
@@ -89,29 +144,23 @@ async def stream_body(
                 # with the deltas the loop already has, in one write (up to the one that may
                 # close a batch of the log, after which ``behind`` is asked again)
                 deltas = [output, *client.ready_deltas(recorder.deliveries_before_a_batch_closes() - 1)]
-                if driver.ctx.clock() >= driver.ctx.lease_valid_until:
+                if driver.ctx.lease_lapsed():
                     # this instance's lease lapsed after the loop read them: they never go
                     # out, and the end that follows counts them undelivered (DESIGN.md §11)
                     output = await anext(client)
                     continue
-                events = [
-                    shape.content_event(n, d.text, d.choice, first=not started and n == event_id, logprobs=d.logprobs)
-                    for n, d in enumerate(deltas, start=event_id)
-                ]
-                yield events[0] if len(events) == 1 else b"".join(events)
+                yield stream.events(deltas)
                 if gone.done():  # its send returned, but the server had lost the client (``client_gone``)
                     driver.client_gone()
                     return
-                started = True
-                for delta in deltas:
-                    driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, index=event_id)
-                    event_id += 1
-                    delivered_tokens += delta.tokens
+                stream.sent(deltas)
+                client.direct = stream.push  # the response has started: the loop may write
             elif isinstance(output, Finished):
+                event_id = stream.event_id
                 for choice, calls in sorted(output.tool_calls.items()):
-                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not started))
+                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not stream.started))
                     driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id)
-                    event_id += 1
+                    event_id = stream.event_id = event_id + 1
                 await driver.complete(output)
                 ending = []  # the last events go out in one write
                 for choice, reason in enumerate(output.finish_reasons):
@@ -122,14 +171,19 @@ async def stream_body(
                 yield b"".join([*ending, DONE])
                 return
             elif isinstance(output, Failed):
-                yield sse_event(event_id, json.dumps(failure_body(driver.request_id, output))) + DONE
+                yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, output))) + DONE
                 return
             elif isinstance(output, Cancelled):
                 if output.reason == CANCELLED_BY_CLIENT:  # a stop button: whoever still reads is told
                     cancelled = Failed(
-                        "request_cancelled", "the client cancelled the request", started, delivered_tokens, False, 499
+                        "request_cancelled",
+                        "the client cancelled the request",
+                        stream.started,
+                        stream.delivered_tokens,
+                        False,
+                        499,
                     )
-                    yield sse_event(event_id, json.dumps(failure_body(driver.request_id, cancelled))) + DONE
+                    yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, cancelled))) + DONE
                 return
             output = await anext(client)
     except StopAsyncIteration:  # another client attached in its place
@@ -138,14 +192,15 @@ async def stream_body(
         # Nothing more of this request can be recorded, so nothing more is sent: the
         # final error of DESIGN.md §6; the request is closed in the log when it is back.
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
-        driver.log_lost(output_delivered=delivered_tokens > 0 or started)
-        failed = log_loss.failure(delivered_tokens)
-        yield sse_event(event_id, json.dumps(failure_body(driver.request_id, failed))) + DONE
+        driver.log_lost(output_delivered=stream.delivered_tokens > 0 or stream.started)
+        failed = log_loss.failure(stream.delivered_tokens)
+        yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, failed))) + DONE
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise
     finally:
-        charge(delivered_tokens)
+        client.direct = None
+        charge(stream.delivered_tokens)
 
 
 async def unless_client_leaves(request: Request, driver: RequestDriver, work: Awaitable[T]) -> T | None:

@@ -53,6 +53,7 @@ from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
 from app.driver.outputs import Delta, Failed, Output, Restarted
 from app.driver.request import GenerationRequest
+from app.http_server import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
@@ -288,9 +289,8 @@ async def attach_live(
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
     shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created, driver.answered_by)
-    body = stream_body(
-        driver, shape, first, client_gone(request.scope, request.receive), lambda tokens: None, start=start
-    )
+    gone = client_gone(request.scope, request.receive)
+    body = stream_body(driver, shape, first, gone, lambda tokens: None, start, request.scope.get(CHUNK_WRITER))
     return TokenStreamResponse(body, headers=headers)
 
 

@@ -59,6 +59,7 @@ from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
+from app.http_server import CHUNK_WRITER
 from app.logs import LogContext, bind_request
 from app.store.errors import StoreError
 from app.tracing import RequestSpans
@@ -189,7 +190,8 @@ class _Api:
         shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
         gone = client_gone(request.scope, request.receive)
         charge = functools.partial(self.limiter.charge, tenant)
-        return TokenStreamResponse(stream_body(driver, shape, first, gone, charge), headers=headers)
+        body = stream_body(driver, shape, first, gone, charge, writer=request.scope.get(CHUNK_WRITER))
+        return TokenStreamResponse(body, headers=headers)
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
         """Pull until the response can start: a failure, the first delta (committed), or

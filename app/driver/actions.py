@@ -9,6 +9,7 @@ the loop itself reads the frames, observes and ends the request.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ from app.driver.outputs import Cancelled, Failed, Output
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
-from app.replicas.base import UpstreamFailure
+from app.replicas.base import Token, UpstreamFailure
 from statemachine import events as ev
 from statemachine.actions import (
     Action,
@@ -118,6 +119,7 @@ class LoopActions:
                 await self._observe_failure(run, failure)
                 return None
             self._restarted = action.attempt > 1
+            run.offer_tokens(functools.partial(self._tokens_now, run))
             return None
 
         return open_attempt
@@ -214,6 +216,9 @@ class LoopActions:
         raise NotImplementedError
 
     async def _end(self, outcome: str) -> None:
+        raise NotImplementedError
+
+    def _tokens_now(self, run: AttemptRun, tokens: list[Token]) -> bool:
         raise NotImplementedError
 
     def _maybe_forget(self) -> None:

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from app.config import Timeouts
-from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, UpstreamFailure
+from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, Token, UpstreamFailure
 from app.replicas.pool import Replica
 from statemachine.events import Deadline, FailureKind
 
@@ -87,6 +87,26 @@ class AttemptRun:
             self.replica.id,
             extra={"attempt": request.attempt},
         )
+
+    def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
+        """Have the stream offer ``take`` the tokens of each read as it arrives, in the
+        connection's own callback, while the next frame is awaited (a stream that can:
+        an OpenAI upstream's over the lean connections, ``OpenAIStream.offer_tokens``).
+        Tokens taken count as frames read: the stall deadline starts again."""
+        offer = getattr(self._stream, "offer_tokens", None)
+        if offer is None:
+            return
+
+        def taken(tokens: list[Token]) -> bool:
+            watch = self._watch
+            assert watch is not None
+            if watch.fired or not take(tokens):  # (the stall deadline cancelled the read: too late)
+                return False
+            self.replica.frames_read += len(tokens)
+            watch.reading(self.timeouts.stall_s)  # the read waiting now began now
+            return True
+
+        offer(taken)
 
     def lease_renewed(self) -> None:
         """The replica extended the lease (the renewer's round was answered just now)."""

@@ -94,6 +94,11 @@ class GatewayContext:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done
 
+    def lease_lapsed(self) -> bool:
+        """This instance's lease lapsed (a pause, a partition): nothing more goes out to
+        clients, even before the lease's own timer runs (DESIGN.md §11)."""
+        return self.clock() >= self.lease_valid_until
+
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run bookkeeping that must outlive the HTTP exchange (fences after the end,
         cancels after a disconnect); the gateway awaits these on shutdown."""

@@ -8,7 +8,12 @@ client that attaches again (a resume on this instance) starts at any delta it na
 
 While a client is attached the loop reads on as tokens come, and the client takes every
 delta there is when it comes back for more (``ready_deltas``: one write for all of them
-when it fell behind). Before the loop observes anything but a token (a failure, the
+when it fell behind). A client that is caught up (it took every delta and waits for the
+next) may take a new delta in the loop's own task, as it comes (``AttachedClient.direct``:
+the HTTP layer's write that needs no wait, and its record of the delivery): no hand-off
+to the client's task a token, which was most of what a token cost on its way between
+the two; a delta it cannot take so (a full socket buffer, the log behind) waits for its
+task as any other. Before the loop observes anything but a token (a failure, the
 end, a drain, a decision) it waits until the client has taken every delta and come back
 for more (``client_caught_up``), as when the client pulled the loop itself: what it then
 decides is decided on deliveries that are all recorded, so the final error's counts are
@@ -42,6 +47,9 @@ class AttachedClient:
         self.cursor = cursor  # the next delta index this client gets
         self.restarts = feed.restarts
         self.got_end = False
+        # while it waits caught up: writes a delta to the client and records it delivered,
+        # in the loop's task, if that needs no wait; whether it did (if not, it is queued)
+        self.direct: Callable[[Delta], bool] | None = None
 
     def __aiter__(self) -> AttachedClient:
         return self
@@ -158,6 +166,8 @@ class Feed:
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # closed here, even when stopped
                 async for output in outputs:
+                    if type(output) is Delta and self._taken_directly(output):
+                        continue  # the client is still caught up and waiting: nothing to wake
                     unattended = self._take(output)
                     if unattended is not None:
                         await unattended
@@ -172,6 +182,32 @@ class Feed:
         finally:
             self.over = True
             self._wake()
+
+    def offer(self, delta: Delta) -> None:
+        """A delta the loop produced outside this feed's task, in the upstream connection's
+        callback (``RequestLoop._tokens_now``), with a client attached: kept and handed
+        over as if the loop had yielded it."""
+        assert self.client is not None, "offered with no client attached"
+        if not self._taken_directly(delta):
+            self._take(delta)
+            self._wake()
+
+    def _taken_directly(self, delta: Delta) -> bool:
+        """Whether the attached client, caught up and waiting, took ``delta`` in this task
+        (``AttachedClient.direct``); kept like any delta, for a client attaching later."""
+        client = self.client
+        if (
+            client is None
+            or client.direct is None
+            or not self._client_waiting
+            or client.cursor != len(self.deltas)
+            or client.restarts != self.restarts
+            or not client.direct(delta)
+        ):
+            return False
+        self.deltas.append(delta)
+        client.cursor += 1
+        return True
 
     def _take(self, output: Output) -> Awaitable[None] | None:
         """Keep ``output`` for the client; what is left to await of handling it with no

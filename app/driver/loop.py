@@ -9,6 +9,10 @@ records what it observed; it yields what the client should receive next
 The HTTP layer reads them as the attached client (``outputs``) and calls back through
 :class:`app.driver.driver.RequestDriver`, this loop plus its edges.
 
+While the loop waits for an OpenAI upstream's next frame, the plain tokens of a read
+that arrives may be taken in the connection's callback instead (``_tokens_now``: the same
+per-token step, without a wake-up of the loop's task), when they are all there is to do.
+
 Every action's events are recorded synchronously, before any await, so a cancellation
 (the frame awaited abandoned by ``interrupt`` or ``poke``) never finds a decision half
 carried out; the awaited parts (appends, opening a stream, waiting for a fence) come after.
@@ -126,9 +130,7 @@ class RequestLoop(LoopActions):
                 continue
             finally:
                 self._pulling = None
-            if self.ctx.clock() >= self.ctx.lease_valid_until:
-                # this instance's lease lapsed (a pause, a partition): nothing more goes out,
-                # even before the lease's own timer runs (DESIGN.md §11)
+            if self.ctx.lease_lapsed():
                 self.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
                 continue
             if type(frame) is not Token:  # observed once the client has every delta (app/driver/feed.py)
@@ -158,6 +160,45 @@ class RequestLoop(LoopActions):
             elif type(frame) is Done:
                 yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
                 return
+
+    def _tokens_now(self, run: AttemptRun, tokens: list[Token]) -> bool:
+        """Tokens that arrived in one read while this loop waits for its attempt's next
+        frame, taken in the upstream connection's callback when they are all there is to
+        do: what ``_drive`` does for each (count it, hand its delta to the client) without
+        a wake-up of the loop's task. Only when the loop awaits this attempt's next frame
+        with nothing else pending (a poke, an interruption, a restart to tell), the first
+        token (and with it the commit point) is behind, the instance's lease holds, a
+        client is attached, and the policy decides nothing on the state as it is;
+        otherwise the task reads them as any frames. (The deltas the client is handed may
+        close a delivery batch: the policy then looks at the state before the loop's next
+        frame, as when the client's own task delivers them while the loop reads on.)"""
+        if (
+            self._pulling is None
+            or self._poked
+            or self._interrupted is not None
+            or self._restarted
+            or run is not self.run
+            or run.generated_tokens == 0
+            or self.feed.client is None
+            or self.ctx.lease_lapsed()
+            or not self._nothing_to_decide()
+        ):
+            return False
+        run.generated_tokens += len(tokens)
+        for token in tokens:
+            self.feed.offer(Delta(token.text, token.choice, len(token.token_ids) or 1, token.logprobs))
+        return True
+
+    def _nothing_to_decide(self) -> bool:
+        """The policy decides nothing on the state as it is, asked without a pool snapshot
+        (a state that needs one: not known here, so ``False``)."""
+        if self._decided_nothing_since():
+            return True
+        state, policy = self.state, self.ctx.config.policy
+        if needs_pool(state) or decide(state, policy, None):
+            return False
+        self._undecided = (state, policy)
+        return True
 
     def _decided_nothing_since(self) -> bool:
         """The policy decided nothing, with no pool snapshot, on the very state and policy

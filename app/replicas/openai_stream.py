@@ -7,13 +7,19 @@ and each choice's text becomes a :class:`~app.replicas.base.Token`. The stream
 completes once every choice finished and the usage came, without waiting for
 ``[DONE]``; what is malformed fails the attempt as DESIGN.md §4 says (see
 :mod:`app.replicas.openai_upstream`).
+
+While the frames wait for the body's next read, a taker (``offer_tokens``: the request
+loop's) may take plain tokens as their read arrives, in the connection's own callback
+(``Body.tap``), so the loop's task is not woken for them: only a read of whole SSE events
+that are each one choice's text and nothing else is offered (``_plain_token``), and what
+the taker declines is read and yielded here as any read, in order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -34,6 +40,17 @@ class OpenAIStream:
         self._body = body
         self._choices = choices
         self._frames: AsyncGenerator[Frame, None] | None = None
+        self._index = 0  # the next token's index
+        self._take: Callable[[list[Token]], bool] | None = None  # takes tokens as they arrive (``offer_tokens``)
+
+    def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
+        """Offer ``take`` the tokens of each read as it arrives, in the connection's own
+        callback, while the frames wait for the body's next read; those it takes are not
+        yielded. Only a read of whole SSE events, each carrying one choice's text and
+        nothing else (no finish, usage, tool call, log probabilities or error), is
+        offered: anything else, and tokens ``take`` declines, are read and yielded as
+        before. Over the lean connections only (``Body.tap``); over httpx a no-op."""
+        self._take = take
 
     def frames(self) -> AsyncIterator[Frame]:
         """The stream's frames (once); :meth:`close` ends them."""
@@ -45,7 +62,7 @@ class OpenAIStream:
         finish_reasons: dict[int, str] = {}
         usage: dict[str, int] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
-        index = 0
+        tap = getattr(self._body, "tap", None)  # the lean connections' body can be tapped
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -64,6 +81,12 @@ class OpenAIStream:
                         if finished:  # only the usage chunk may still come
                             async with asyncio.timeout(USAGE_GRACE_S):
                                 read = await body.read()
+                        elif tap is not None and not rest and self._take is not None:
+                            tap(self._tapped)  # tokens may be taken as they arrive, until this read ends
+                            try:
+                                read = await body.read()
+                            finally:
+                                tap(None)
                         else:
                             read = await body.read()
                     except TimeoutError:
@@ -89,8 +112,8 @@ class OpenAIStream:
                     text = delta.get("content") if "delta" in choice else choice.get("text")
                     if text:
                         logprobs = _logprobs(choice.get("logprobs"))
+                        index, self._index = self._index, self._index + 1
                         yield Token(number, index, text, (), logprobs)
-                        index += 1
                     for call in delta.get("tool_calls") or ():
                         slot = pending_calls.setdefault(
                             (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
@@ -113,6 +136,25 @@ class OpenAIStream:
             yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"])
         reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
         yield Done(reasons[0], reasons, usage or {})
+
+    def _tapped(self, received: bytes) -> bool:
+        """A read offered by the body's tap: taken if it is plain tokens' events only
+        (``_plain_token``), all of which ``take`` takes; otherwise nothing of it is used
+        here (the frames read it, as any read)."""
+        take = self._take
+        events = received.split(b"\n\n")
+        if take is None or events.pop() or b"\r" in received:  # not whole events, or CR line ends
+            return False
+        tokens: list[Token] = []
+        for event in events:
+            token = _plain_token(event, self._index + len(tokens))
+            if token is None:
+                return False
+            tokens.append(token)
+        if not tokens or not take(tokens):
+            return False
+        self._index += len(tokens)
+        return True
 
     async def close(self) -> None:
         """Close the body, and the frames where no read of them is under way: an async
@@ -144,6 +186,35 @@ def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
         return from_wire(entries)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
+
+
+def _plain_token(event: bytes, index: int) -> Token | None:
+    """The token of an SSE event that is one ``data:`` line of one choice's text and
+    nothing else (no finish, usage, tool call, log probabilities or error): the token
+    the frames would yield for it, and all they would do. ``None`` for anything else."""
+    if not event.startswith(b"data:") or b"\n" in event:
+        return None
+    try:
+        chunk = orjson.loads(event[5:])
+    except ValueError:
+        return None
+    choices = chunk.get("choices") if type(chunk) is dict else None
+    if type(choices) is not list or len(choices) != 1 or "error" in chunk or chunk.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("finish_reason") or choice.get("logprobs") is not None:
+        return None
+    if "delta" in choice:
+        delta = choice["delta"]
+        if type(delta) is not dict or delta.get("tool_calls"):
+            return None
+        text = delta.get("content")
+    else:
+        text = choice.get("text")
+    number = choice.get("index", 0)
+    if type(text) is not str or not text or type(number) is not int:
+        return None
+    return Token(number, index, text, (), None)
 
 
 def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:

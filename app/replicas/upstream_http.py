@@ -28,10 +28,13 @@ import asyncio
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import orjson
+
+from app.replicas.chunked import Chunks, whole_chunks
 
 IDLE_S = 2.0  # an idle connection older than this is closed rather than used again
 READ_BYTES = 65536
@@ -95,12 +98,17 @@ class Connections:
     async def _connect(self) -> _Connection:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                # as asyncio.open_connection does, with a protocol that can be tapped
+                loop = asyncio.get_running_loop()
+                reader = asyncio.StreamReader(loop=loop)
+                protocol = _Protocol(reader, loop=loop)
+                transport, _ = await loop.create_connection(lambda: protocol, self.host, self.port)
+                writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {self.host}:{self.port} in time") from None
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-        connection = _Connection(reader, writer)
+        connection = _Connection(reader, writer, protocol)
         self._open.add(connection)
         return connection
 
@@ -125,11 +133,27 @@ class Answer:
         self.body = body
 
 
-class _Connection:
-    __slots__ = ("reader", "writer")
+class _Protocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, whose arrivals go first to a tap while one is set
+    (:meth:`Body.tap`). A tap that declines an arrival is removed with it: nothing it
+    takes later may overtake what went to the reader."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    tap: Callable[[bytes], bool] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        tap = self.tap
+        if tap is not None:
+            if tap(data):
+                return
+            self.tap = None
+        super().data_received(data)
+
+
+class _Connection:
+    __slots__ = ("protocol", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol: _Protocol) -> None:
+        self.reader, self.writer, self.protocol = reader, writer, protocol
 
     def reusable(self) -> bool:
         return not self.writer.is_closing() and not self.reader.at_eof()
@@ -162,9 +186,9 @@ class _Connection:
             break
         keep_alive = version == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
         if status in _NO_BODY:
-            framing: _Chunks | int | None = 0
+            framing: Chunks | int | None = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
-            framing = _Chunks(received)
+            framing = Chunks(received)
             received = b""
         elif "content-length" in headers:
             try:
@@ -204,71 +228,6 @@ def _parse_head(head: bytes) -> tuple[int, str, bytes, dict[str, str]]:
     return int(code), reason.decode("latin-1"), version, headers
 
 
-class _Chunks:
-    """A chunked body's framing, taken off by ``bytes.find`` over what a read brought
-    (h11, event by event, took a third of the gateway's time reading a stream)."""
-
-    def __init__(self, received: bytes) -> None:
-        self.buffer = bytearray(received)
-        self.left = 0  # bytes of the current chunk's data still to come
-        self.crlf = False  # the current chunk's data ended: its CRLF comes next
-        self.trailers = False  # the last chunk came: trailer lines, then an empty line
-        self.done = False
-
-    def decode(self) -> list[bytes]:
-        """The data of every chunk the buffer holds (a chunk split across reads: its part)."""
-        buffer, parts = self.buffer, []
-        if not self.left and not self.crlf and not self.trailers:
-            # whole chunks first, each in one step (a read mostly brings whole ones)
-            at, size = 0, len(buffer)
-            while (end := buffer.find(b"\r\n", at)) > at:
-                try:
-                    length = int(buffer[at:end], 16)  # a size line with no extension
-                except ValueError:
-                    break  # an extension, or malformed: the step by step way tells
-                start = end + 2
-                stop = start + length
-                if length <= 0 or size < stop + 2 or buffer[stop : stop + 2] != b"\r\n":
-                    break
-                parts.append(bytes(buffer[start:stop]))
-                at = stop + 2
-            del buffer[:at]
-        while buffer and not self.done:
-            if self.left:
-                taken = bytes(buffer[: self.left])
-                del buffer[: len(taken)]
-                self.left -= len(taken)
-                self.crlf = not self.left
-                parts.append(taken)
-                continue
-            if self.crlf:
-                if len(buffer) < 2:
-                    break
-                if buffer[:2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("a chunk's data is not followed by CRLF")
-                del buffer[:2]
-                self.crlf = False
-                continue
-            end = buffer.find(b"\r\n")
-            if end < 0:
-                if len(buffer) > 4096:
-                    raise httpx.RemoteProtocolError("a chunk's size line is too long")
-                break
-            line = bytes(buffer[:end])
-            del buffer[: end + 2]
-            if self.trailers:
-                self.done = not line  # trailer fields are dropped, as httpx drops them
-                continue
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError(f"a malformed chunk size line: {line[:40]!r}") from None
-            if size < 0:
-                raise httpx.RemoteProtocolError(f"a malformed chunk size line: {line[:40]!r}")
-            self.left, self.trailers = size, size == 0
-        return parts
-
-
 class Body:
     """An answer's body: all of it that one socket read brought, its framing removed."""
 
@@ -276,7 +235,7 @@ class Body:
         self,
         connection: _Connection,
         connections: Connections,
-        framing: _Chunks | int | None,
+        framing: Chunks | int | None,
         received: bytes,
         *,
         keep_alive: bool,
@@ -288,11 +247,12 @@ class Body:
         self.keep_alive = keep_alive
         self.ended = False
         self.closed = False
+        self._take: Callable[[bytes], bool] | None = None  # a tap's taker (``tap``)
 
     async def read(self) -> bytes:
         """The body's next bytes, ``b""`` once it ended."""
         framing = self.framing
-        if type(framing) is _Chunks:
+        if type(framing) is Chunks:
             while not self.ended:
                 parts = framing.decode()
                 self.ended = framing.done
@@ -321,13 +281,34 @@ class Body:
             self.ended = framing == 0
         return received
 
+    def tap(self, take: Callable[[bytes], bool] | None) -> None:
+        """Offer the body's next socket reads to ``take`` first, in the connection's own
+        callback, while nothing of them is read yet (``None``: no more). Only a read of
+        whole chunks (none the last) that comes between chunks is offered, as their data:
+        what ``take`` takes leaves the framing as it was and never reaches :meth:`read`;
+        the first read it declines, and all after it, go to :meth:`read` as before."""
+        protocol = self.connection.protocol
+        framing = self.framing
+        if take is None or type(framing) is not Chunks or not framing.between_chunks:
+            protocol.tap = None
+            return
+        self._take = take
+        protocol.tap = self._offered
+
+    def _offered(self, received: bytes) -> bool:
+        take = self._take
+        parts, taken = whole_chunks(received)
+        if take is None or taken != len(received) or not parts:
+            return False
+        return take(parts[0] if len(parts) == 1 else b"".join(parts))
+
     async def aclose(self) -> None:
         """Done with the body: its connection kept if it was read to its end, else closed."""
         if self.closed:
             return
         self.closed = True
         framing = self.framing
-        clean = type(framing) is not _Chunks or not framing.buffer  # nothing read past the body
+        clean = type(framing) is not Chunks or not framing.buffer  # nothing read past the body
         if self.ended and self.keep_alive and clean:
             self.connections.give_back(self.connection)
         else:

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.replicas.upstream_http import Answer, Body, Connections, _Chunks, lean_connections
+from app.replicas.chunked import Chunks
+from app.replicas.upstream_http import Answer, Body, Connections, lean_connections
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -191,7 +192,7 @@ async def test_an_answer_that_says_connection_close_is_not_kept() -> None:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 11])
 def test_the_chunk_framing_taken_off_whatever_the_reads_bring(size: int) -> None:
-    chunks, data = _Chunks(b""), b""
+    chunks, data = Chunks(b""), b""
     for at in range(0, len(FRAMED), size):
         assert not chunks.done
         chunks.buffer += FRAMED[at : at + size]
@@ -202,7 +203,7 @@ def test_the_chunk_framing_taken_off_whatever_the_reads_bring(size: int) -> None
 @pytest.mark.parametrize("framed", [b"zz\r\n", b"3\r\nabcXY", b"-1\r\n"])
 def test_broken_chunk_framing_is_a_protocol_error(framed: bytes) -> None:
     with pytest.raises(httpx.RemoteProtocolError):
-        _Chunks(framed).decode()
+        Chunks(framed).decode()
 
 
 async def test_a_request_is_one_write_with_its_host_and_length() -> None:

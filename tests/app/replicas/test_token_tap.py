@@ -1,0 +1,160 @@
+"""Tokens taken as their reads arrive (``OpenAIStream.offer_tokens`` over the lean
+connections' ``Body.tap``): which reads are offered, that what is taken is never
+yielded and what is not is yielded in order, over a real socket whose server sends
+each part of its answer as a read of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from app.replicas.base import Done, Frame, Token
+from app.replicas.openai_stream import OpenAIStream
+from app.replicas.upstream_http import Connections
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def event(text: str | None = None, *, finish: str | None = None, **extra: object) -> bytes:
+    choice: dict[str, object] = {"index": 0, "delta": {} if text is None else {"content": text}}
+    choice["finish_reason"] = finish
+    choice.update(extra)
+    return b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "choices": [choice]}) + b"\n\n"
+
+
+END = chunk(event(finish="stop")) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+class Stepped:
+    """A server that answers one request, one part a step: ``send`` each part when the
+    test says, so that each arrives at the gateway as a read of its own."""
+
+    def __init__(self) -> None:
+        self.parts: asyncio.Queue[bytes] = asyncio.Queue()
+        self.server: asyncio.Server | None = None
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        while part := await self.parts.get():
+            writer.write(part)
+            await writer.drain()
+        writer.close()
+
+    async def __aenter__(self) -> Connections:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.connections = Connections("127.0.0.1", self.server.sockets[0].getsockname()[1], connect_timeout_s=1.0)
+        return self.connections
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.parts.put_nowait(b"")
+        self.connections.close()
+        self.server.close()
+        await asyncio.sleep(0.01)  # the transports close
+
+
+class Reading:
+    """The stream's frames read by a task of their own (as the request loop reads them),
+    and the tokens offered to ``take``."""
+
+    def __init__(self, stream: OpenAIStream, accept: bool | list[bool] = True) -> None:
+        self.yielded: list[Frame] = []
+        self.offered: list[list[str]] = []
+        self.taken: list[Token] = []
+        self.accept = accept
+        stream.offer_tokens(self.take)
+        self.task = asyncio.ensure_future(self.read(stream.frames()))
+
+    def take(self, tokens: list[Token]) -> bool:
+        self.offered.append([token.text for token in tokens])
+        accept = self.accept if isinstance(self.accept, bool) else self.accept.pop(0)
+        if accept:
+            self.taken.extend(tokens)
+        return accept
+
+    async def read(self, frames: AsyncIterator[Frame]) -> None:
+        async for frame in frames:
+            self.yielded.append(frame)
+
+    def yielded_texts(self) -> list[str]:
+        return [frame.text for frame in self.yielded if isinstance(frame, Token)]
+
+
+async def send(server: Stepped, part: bytes) -> None:
+    server.parts.put_nowait(part)
+    for _ in range(20):  # the write, the read, the callback: a few turns of the loop
+        await asyncio.sleep(0.005)
+
+
+async def answered(server: Stepped, connections: Connections) -> OpenAIStream:
+    server.parts.put_nowait(HEAD + chunk(event("a")))
+    answer = await connections.post(b"/v1/chat/completions", b"", b"{}")
+    return OpenAIStream(answer.body, choices=1)
+
+
+async def test_tokens_that_come_while_the_frames_wait_are_taken_in_the_read_and_not_yielded() -> None:
+    server = Stepped()
+    async with server as connections:
+        stream = await answered(server, connections)
+        reading = Reading(stream)
+        for text in ("b", "c"):
+            await send(server, chunk(event(text)))
+        await send(server, chunk(event("d")) + chunk(event("e")))  # two events in one read
+        await send(server, END)
+        await asyncio.wait_for(reading.task, 5)
+        await stream.close()
+    assert reading.yielded_texts() == ["a"]  # read by the frames before anything was offered
+    assert reading.offered == [["b"], ["c"], ["d", "e"]]
+    assert [(t.text, t.index) for t in reading.taken] == [("b", 1), ("c", 2), ("d", 3), ("e", 4)]
+    assert isinstance(reading.yielded[-1], Done) and reading.yielded[-1].finish_reasons == ["stop"]
+
+
+async def test_tokens_declined_are_yielded_in_order_and_the_next_read_is_offered_again() -> None:
+    server = Stepped()
+    async with server as connections:
+        stream = await answered(server, connections)
+        reading = Reading(stream, accept=[False, True])
+        for text in ("b", "c"):
+            await send(server, chunk(event(text)))
+        await send(server, END)
+        await asyncio.wait_for(reading.task, 5)
+        await stream.close()
+    assert reading.offered == [["b"], ["c"]]
+    assert reading.yielded_texts() == ["a", "b"] and [t.text for t in reading.taken] == ["c"]
+    assert [frame.index for frame in reading.yielded if isinstance(frame, Token)] == [0, 1]
+    assert reading.taken[0].index == 2
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        chunk(event("b", finish="length")),  # a finish
+        chunk(event("b", logprobs={"content": []})),  # log probabilities
+        chunk(event(None).replace(b'"delta":{}', b'"delta":{"tool_calls":[{"index":0}]}')),
+        chunk(event("b")) + chunk(b'data: {"id":"x","choices":[],"usage":{"total_tokens":3}}\n\n'),  # usage
+        chunk(b'data: {"error":{"message":"boom"}}\n\n'),  # an error
+        chunk(event("b").replace(b"\n\n", b"\r\n\r\n")),  # CR line ends
+        chunk(b": a comment\n\n") + chunk(event("b")),  # a comment
+        chunk(event("b")[:20]),  # half an event
+        chunk(event("b"))[:15],  # half a chunk
+    ],
+    ids=["finish", "logprobs", "tool-call", "usage", "error", "crlf", "comment", "half-event", "half-chunk"],
+)
+async def test_a_read_that_is_not_plain_tokens_only_is_never_offered(read: bytes) -> None:
+    server = Stepped()
+    async with server as connections:
+        stream = await answered(server, connections)
+        reading = Reading(stream)
+        await send(server, read)
+        await send(server, b"0\r\n\r\n")  # whatever the read left, the body ends
+        await asyncio.wait_for(asyncio.gather(reading.task, return_exceptions=True), 5)
+        await stream.close()
+    assert reading.offered == []
