@@ -68,7 +68,8 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
 
 class _Stream:
     """What a streamed answer sent so far, shared by its body (``stream_body``) and the
-    loop's task, which writes a delta itself while the body waits caught up (``push``)."""
+    request loop, which writes a delta itself while the body waits caught up (``push``,
+    from the loop's task or from an upstream connection's callback: app/driver/feed.py)."""
 
     def __init__(
         self,
@@ -104,8 +105,8 @@ class _Stream:
             self.delivered_tokens += delta.tokens
 
     def push(self, delta: Delta) -> bool:
-        """``delta`` written and recorded delivered now, in the loop's task, if nothing
-        asks the body's own path: the log behind (it waits), the client gone or the
+        """``delta`` written and recorded delivered now, in the loop's step, if nothing
+        asks for the body's own path: the log behind (it waits), the client gone or the
         instance's lease lapsed (it ends), a socket that would block (it waits for it)."""
         write_now, driver = self.write_now, self.driver
         if (

@@ -91,7 +91,8 @@ class AttemptRun:
     def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
         """Have the stream offer ``take`` the tokens of each read as it arrives, in the
         connection's own callback, while the next frame is awaited (a stream that can:
-        an OpenAI upstream's over the lean connections, ``OpenAIStream.offer_tokens``).
+        one over the lean connections, ``OpenAIStream.offer_tokens``,
+        ``AttemptFrames.offer_tokens``).
         Tokens taken count as frames read: the stall deadline starts again."""
         offer = getattr(self._stream, "offer_tokens", None)
         if offer is None:

@@ -9,9 +9,10 @@ records what it observed; it yields what the client should receive next
 The HTTP layer reads them as the attached client (``outputs``) and calls back through
 :class:`app.driver.driver.RequestDriver`, this loop plus its edges.
 
-While the loop waits for an OpenAI upstream's next frame, the plain tokens of a read
-that arrives may be taken in the connection's callback instead (``_tokens_now``: the same
-per-token step, without a wake-up of the loop's task), when they are all there is to do.
+While the loop waits for its attempt's next frame over the lean connections (an OpenAI
+upstream's SSE, a worker's frames), the plain tokens of a read that arrives may be taken in
+the connection's callback instead (``_tokens_now``: the same per-token step, without a
+wake-up of the loop's task), when they are all there is to do.
 
 Every action's events are recorded synchronously, before any await, so a cancellation
 (the frame awaited abandoned by ``interrupt`` or ``poke``) never finds a decision half

@@ -6,6 +6,12 @@ httpx's, whichever carried the start), splits what each read brought into lines 
 builds the driver's own frames (app/replicas/base.py) straight from each: the per-frame
 path is one ``json.loads`` and one small object per line. An ``error`` frame or a broken
 transport ends iteration with a :class:`WorkerError`.
+
+While the frames wait for the body's next read, a taker (``offer_tokens``: the request
+loop's) may take token frames as their read arrives, in the connection's own callback
+(``Body.tap``): only a read of whole lines that are all token frames without log
+probabilities is offered, and what the taker declines is read and returned here as any
+read, in order.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import json
 from collections import deque
+from collections.abc import Callable
 
 import httpx
 
@@ -44,6 +51,16 @@ class AttemptFrames:
         self._lines: deque[bytes] = deque()
         self._tail = b""
         self._until_yield = _YIELD_EVERY
+        self._take: Callable[[list[Token]], bool] | None = None  # takes tokens as they arrive (``offer_tokens``)
+
+    def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
+        """Offer ``take`` the tokens of each read as it arrives, in the connection's own
+        callback, while the frames wait for the body's next read; those it takes are not
+        returned. Only a read of whole lines, each a token frame without log
+        probabilities, is offered (``_plain_token``): anything else (a heartbeat, a tool
+        call, the end, an error), and tokens ``take`` declines, are read and returned as
+        before. Over the lean connections only (``Body.tap``); over httpx a no-op."""
+        self._take = take
 
     async def __aenter__(self) -> AttemptFrames:
         return self
@@ -68,9 +85,17 @@ class AttemptFrames:
             return await self._frame(self._lines.popleft())
         if self.done:
             raise StopAsyncIteration
+        tap = getattr(self._body, "tap", None) if self._take is not None and not self._tail else None
         while True:
             try:
-                chunk = await self._body.read()
+                if tap is not None:
+                    tap(self._tapped)  # tokens may be taken as they arrive, until this read ends
+                    try:
+                        chunk = await self._body.read()
+                    finally:
+                        tap(None)
+                else:
+                    chunk = await self._body.read()
             except httpx.HTTPError as exc:
                 await self.aclose()
                 raise transport_error(exc) from exc
@@ -86,6 +111,22 @@ class AttemptFrames:
             if lines:
                 self._lines.extend(lines)
                 return await self._frame(self._lines.popleft())
+            tap = None  # part of a line came: the rest is read here
+
+    def _tapped(self, received: bytes) -> bool:
+        """A read offered by the body's tap: taken if it is plain token frames only, all of
+        which ``take`` takes; otherwise nothing of it is used here (``__anext__`` reads it)."""
+        take = self._take
+        lines = received.split(b"\n")
+        if take is None or lines.pop():  # not whole lines
+            return False
+        tokens: list[Token] = []
+        for line in lines:
+            token = _plain_token(line)
+            if token is None:
+                return False
+            tokens.append(token)
+        return bool(tokens) and take(tokens)
 
     async def _finish(self) -> None:
         """Read the body's end after ``done``, so the connection is kept for the next
@@ -130,3 +171,18 @@ class AttemptFrames:
         if code == "replica_exiting":
             raise ReplicaExiting(message, code=code)
         raise AttemptEnded(message, code=code, generated_tokens=generated)
+
+
+def _plain_token(line: bytes) -> Token | None:
+    """The token of a token frame without log probabilities, as ``_frame`` builds it;
+    ``None`` for any other line (which ``_frame`` then reads, and judges)."""
+    try:
+        obj = _loads(line)
+    except ValueError:
+        return None
+    if type(obj) is not dict or obj.get("type") != "token" or obj.get("logprobs") is not None:
+        return None
+    choice, index, text, token_ids = obj.get("choice"), obj.get("index"), obj.get("text"), obj.get("token_ids")
+    if type(choice) is not int or type(index) is not int or type(text) is not str or type(token_ids) is not list:
+        return None
+    return Token(choice, index, text, token_ids, None)

@@ -10,12 +10,12 @@ recorded as ``rejected`` and a retry elsewhere counts as a new-request migration
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from app.replicas.attempt_frames import AttemptFrames
-from app.replicas.base import AttemptRequest, ProbeAnswer, UpstreamFailure
+from app.replicas.base import AttemptRequest, ProbeAnswer, Token, UpstreamFailure
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
 from app.tracing import inject_traceparent
@@ -111,6 +111,9 @@ class _WorkerStream:
 
     def frames(self) -> AttemptFrames:
         return self._stream  # an async iterator of the driver's frames, raising UpstreamFailures
+
+    def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
+        self._stream.offer_tokens(take)
 
     async def close(self) -> None:
         await self._stream.aclose()

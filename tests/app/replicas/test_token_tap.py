@@ -1,7 +1,7 @@
-"""Tokens taken as their reads arrive (``OpenAIStream.offer_tokens`` over the lean
-connections' ``Body.tap``): which reads are offered, that what is taken is never
-yielded and what is not is yielded in order, over a real socket whose server sends
-each part of its answer as a read of its own."""
+"""Tokens taken as their reads arrive (``OpenAIStream.offer_tokens`` and
+``AttemptFrames.offer_tokens`` over the lean connections' ``Body.tap``): which reads are
+offered, that what is taken is never yielded and what is not is yielded in order, over
+a real socket whose server sends each part of its answer as a read of its own."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
+from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import Done, Frame, Token
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.upstream_http import Connections
@@ -65,13 +66,14 @@ class Reading:
     """The stream's frames read by a task of their own (as the request loop reads them),
     and the tokens offered to ``take``."""
 
-    def __init__(self, stream: OpenAIStream, accept: bool | list[bool] = True) -> None:
+    def __init__(self, stream: OpenAIStream | AttemptFrames, accept: bool | list[bool] = True) -> None:
         self.yielded: list[Frame] = []
         self.offered: list[list[str]] = []
         self.taken: list[Token] = []
         self.accept = accept
         stream.offer_tokens(self.take)
-        self.task = asyncio.ensure_future(self.read(stream.frames()))
+        frames = stream.frames() if isinstance(stream, OpenAIStream) else stream
+        self.task = asyncio.ensure_future(self.read(frames))
 
     def take(self, tokens: list[Token]) -> bool:
         self.offered.append([token.text for token in tokens])
@@ -158,3 +160,57 @@ async def test_a_read_that_is_not_plain_tokens_only_is_never_offered(read: bytes
         await asyncio.wait_for(asyncio.gather(reading.task, return_exceptions=True), 5)
         await stream.close()
     assert reading.offered == []
+
+
+# --- a worker's frames (``AttemptFrames``) ---------------------------------------------------
+
+WORKER_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def frame(**fields: object) -> bytes:
+    return orjson.dumps(fields) + b"\n"
+
+
+def token_frame(text: str, index: int) -> bytes:
+    return frame(type="token", choice=0, index=index, text=text, token_ids=[index])
+
+
+WORKER_END = chunk(frame(type="done", finish_reason="stop", finish_reasons=["stop"], usage={})) + b"0\r\n\r\n"
+
+
+async def worker_frames(server: Stepped, connections: Connections) -> AttemptFrames:
+    server.parts.put_nowait(WORKER_HEAD + chunk(token_frame("a", 0)))
+    answer = await connections.post(b"/v1/attempts", b"", b"{}")
+    return AttemptFrames(answer.body, "w1")
+
+
+async def test_a_workers_token_frames_that_come_while_the_frames_wait_are_taken_in_the_read() -> None:
+    server = Stepped()
+    async with server as connections:
+        frames = await worker_frames(server, connections)
+        reading = Reading(frames)
+        await send(server, chunk(token_frame("b", 1)))
+        await send(server, chunk(frame(type="heartbeat", phase="decode", queue_position=0)))  # not a token
+        await send(server, chunk(token_frame("c", 2) + token_frame("d", 3)))
+        call = frame(type="tool_call", choice=0, index=0, id="t", name="f", arguments="")
+        await send(server, chunk(token_frame("e", 4) + call))
+        await send(server, WORKER_END)
+        await asyncio.wait_for(reading.task, 5)
+    assert reading.offered == [["b"], ["c", "d"]]
+    assert [(t.text, t.index, t.token_ids) for t in reading.taken] == [("b", 1, [1]), ("c", 2, [2]), ("d", 3, [3])]
+    assert reading.yielded_texts() == ["a", "e"]  # the first, and the one read with a tool call
+    assert [type(f).__name__ for f in reading.yielded] == ["Token", "Heartbeat", "Token", "ToolCall", "Done"]
+
+
+async def test_a_workers_token_frames_declined_are_returned_in_order() -> None:
+    server = Stepped()
+    async with server as connections:
+        frames = await worker_frames(server, connections)
+        reading = Reading(frames, accept=[False, True])
+        await send(server, chunk(token_frame("b", 1)))
+        await send(server, chunk(token_frame("c", 2)))
+        await send(server, chunk(token_frame("d", 3))[:9])  # part of a line: read by the frames
+        await send(server, chunk(token_frame("d", 3))[9:] + WORKER_END)
+        await asyncio.wait_for(reading.task, 5)
+    assert reading.offered == [["b"], ["c"]]
+    assert reading.yielded_texts() == ["a", "b", "d"] and [t.text for t in reading.taken] == ["c"]
