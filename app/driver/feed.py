@@ -11,10 +11,11 @@ delta there is when it comes back for more (``ready_deltas``: one write for all 
 when it fell behind). A client that is caught up (it took every delta and waits for the
 next) may take a new delta in the loop's own task, as it comes (``AttachedClient.direct``:
 the HTTP layer's write that needs no wait, and its record of the delivery): no hand-off
-to the client's task a token, which was most of what a token cost on its way between
-the two; a delta it cannot take so (a full socket buffer, the log behind) waits for its
-task as any other. Before the loop observes anything but a token (a failure, the
-end, a drain, a decision) it waits until the client has taken every delta and come back
+to the client's task a token (with the tokens taken in an upstream connection's callback,
+``offer``, neither task is woken for one); a delta it cannot take so (a full socket
+buffer, the log behind) waits for its task as any other. Before the loop observes
+anything but a token (a failure, the end, a drain, a decision) it waits until the
+client has taken every delta and come back
 for more (``client_caught_up``), as when the client pulled the loop itself: what it then
 decides is decided on deliveries that are all recorded, so the final error's counts are
 what the client got, and the log's order is the order things happened. While no client

@@ -141,7 +141,7 @@ class RequestLoop(LoopActions):
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
                     self.charges.settle(poison=False)  # an attempt produced output: not poison
                 run.generated_tokens += 1
-                yield Delta(frame.text, frame.choice, len(frame.token_ids) or 1, frame.logprobs)
+                yield delta_of(frame)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 if frame.queue_position:
                     self.ctx.pool.queued_at(run.replica, frame.queue_position)
@@ -187,7 +187,7 @@ class RequestLoop(LoopActions):
             return False
         run.generated_tokens += len(tokens)
         for token in tokens:
-            self.feed.offer(Delta(token.text, token.choice, len(token.token_ids) or 1, token.logprobs))
+            self.feed.offer(delta_of(token))
         return True
 
     def _nothing_to_decide(self) -> bool:
@@ -333,6 +333,11 @@ class RequestLoop(LoopActions):
         self.ctx.drivers.pop(self.request_id, None)
         partial = delivered > 0 or self.state.first_delta_sent
         return Failed(code, message, partial, delivered, retryable=not partial, http_status=503)
+
+
+def delta_of(token: Token) -> Delta:
+    """The client's delta of a token (one token when it names no token ids)."""
+    return Delta(token.text, token.choice, len(token.token_ids) or 1, token.logprobs)
 
 
 class Interruption(NamedTuple):
