@@ -26,7 +26,7 @@ import httpx
 
 from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
-from app.replicas.body_reads import BodyReads
+from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 from statemachine.events import FINISH_REASONS
 
@@ -85,17 +85,11 @@ class AttemptFrames:
             return await self._frame(self._lines.popleft())
         if self.done:
             raise StopAsyncIteration
-        tap = getattr(self._body, "tap", None) if self._take is not None and not self._tail else None
+        # tokens may be taken as they arrive, between whole lines
+        offer = self._tapped if self._take is not None and not self._tail else None
         while True:
             try:
-                if tap is not None:
-                    tap(self._tapped)  # tokens may be taken as they arrive, until this read ends
-                    try:
-                        chunk = await self._body.read()
-                    finally:
-                        tap(None)
-                else:
-                    chunk = await self._body.read()
+                chunk = await read_offering(self._body, offer)
             except httpx.HTTPError as exc:
                 await self.aclose()
                 raise transport_error(exc) from exc
@@ -111,7 +105,7 @@ class AttemptFrames:
             if lines:
                 self._lines.extend(lines)
                 return await self._frame(self._lines.popleft())
-            tap = None  # part of a line came: the rest is read here
+            offer = None  # part of a line came: the rest is read here
 
     def _tapped(self, received: bytes) -> bool:
         """A read offered by the body's tap: taken if it is plain token frames only, all of

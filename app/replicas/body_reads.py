@@ -10,6 +10,7 @@ is written once, over either.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -60,6 +61,20 @@ class ReadsWithin:
 
     async def aclose(self) -> None:
         await self._body.aclose()
+
+
+async def read_offering(body: BodyReads, offer: Callable[[bytes], bool] | None) -> bytes:
+    """``body``'s next read; while it is awaited, each read that arrives is first offered
+    to ``offer`` in the connection's own callback, and one it takes is not returned
+    (``Body.tap``: the lean connections only; over httpx, or without ``offer``, a plain read)."""
+    tap = getattr(body, "tap", None) if offer is not None else None
+    if tap is None:
+        return await body.read()
+    tap(offer)
+    try:
+        return await body.read()
+    finally:
+        tap(None)
 
 
 async def read_all(body: BodyReads) -> bytes:

@@ -27,7 +27,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure
-from app.replicas.body_reads import BodyReads
+from app.replicas.body_reads import BodyReads, read_offering
 from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
@@ -62,7 +62,6 @@ class OpenAIStream:
         finish_reasons: dict[int, str] = {}
         usage: dict[str, int] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
-        tap = getattr(self._body, "tap", None)  # the lean connections' body can be tapped
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -81,14 +80,8 @@ class OpenAIStream:
                         if finished:  # only the usage chunk may still come
                             async with asyncio.timeout(USAGE_GRACE_S):
                                 read = await body.read()
-                        elif tap is not None and not rest and self._take is not None:
-                            tap(self._tapped)  # tokens may be taken as they arrive, until this read ends
-                            try:
-                                read = await body.read()
-                            finally:
-                                tap(None)
-                        else:
-                            read = await body.read()
+                        else:  # tokens may be taken as they arrive, between whole lines
+                            read = await read_offering(body, None if rest or self._take is None else self._tapped)
                     except TimeoutError:
                         break
                     if not read:  # the body ended; a last line without its line break
