@@ -1,5 +1,9 @@
-"""The HTTP server of both processes (gateway and worker): uvicorn's h11 protocol, with limits
-on how long a client may hold a connection and how large its headers may be.
+"""The HTTP server of both processes (gateway and worker): uvicorn's httptools protocol, with
+limits on how long a client may hold a connection and how large its headers may be.
+
+httptools, not uvicorn's other protocol (h11, pure Python): a request parsed and its
+response started and ended cost about half the CPU (``ops/bench/http_limits.py``;
+figures: docs/performance.md), and every request to the gateway pays it.
 
 uvicorn times out only a kept-alive connection that went idle after a response, and the
 next byte disarms that timer: a connection that never sends a byte, or sends its headers
@@ -12,19 +16,25 @@ one deadline that a trickle of bytes does not move:
 - ``BODY``: from the end of the headers to the end of the body: ``body_timeout_s``;
 - ``IDLE``: from the end of an exchange to the next byte: ``keep_alive_s`` (this replaces
   uvicorn's own keep-alive timer, which the protocol cancels);
-- none while the application answers a request it has read whole.
+- none while the application answers a request it has read whole (a pipelined request's
+  head waits for it too).
 
 A passing deadline closes the connection: with 408 when part of a request's headers came,
 silently otherwise (the application reading a body sees the client leave).
 
 Headers over ``max_header_bytes`` get 431, other malformed HTTP 400, both in the OpenAI
-error shape. h11 limits only an *incomplete* head (its buffer while it waits for the end of
-the headers): a larger head that arrives whole in one read passed, so the connection also
-measures every complete one. uvicorn answered malformed requests and closed the socket at
-once, with the client's bytes unread, so the kernel reset the connection and the client
-never read the answer (a 1 MB header got a reset). Here the answer is written, the write
-side shut, and what the client still sends is read and dropped until it closes or
-``LINGER_S`` passes (a lingering close, as Apache and nginx do).
+error shape. A complete head is measured as parsed (its line and header fields); one still
+incomplete by the bytes read since the previous request's headers ended, since the parser
+holds a header field until it is whole (a read that brought the end of a pipelined body
+counts whole). uvicorn answered malformed requests and closed the socket at once, with
+the client's bytes unread, so the kernel reset the connection and the client never read
+the answer (a 1 MB header got a reset). Here the answer is written, the write side shut,
+and what the client still sends is read and dropped until it closes or ``LINGER_S``
+passes (a lingering close, as Apache and nginx do).
+
+A response without ``Content-Length`` is chunked for an HTTP/1.1 client; uvicorn's
+httptools protocol chunks it for an HTTP/1.0 client too, which cannot read that, so
+here that body is delimited by the connection's close (``_Cycle``).
 
 Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
 is lost before the response completed, for an application that must notice a client
@@ -40,12 +50,12 @@ import enum
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 log = logging.getLogger("phasegate.http")
 
@@ -55,9 +65,10 @@ LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped b
 # otherwise keep a task awaiting ``receive()`` for ``http.disconnect`` (one a request).
 CLIENT_GONE = "phasegate.client_gone"
 # The scope's key for the request's ``ChunkWriter``: a streamed body's chunks written
-# without an ASGI message each, framed here rather than by h11.
+# without an ASGI message each, framed here rather than by uvicorn's ``send``.
 CHUNK_WRITER = "phasegate.chunk_writer"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REQUEST_LINE = len(b"  HTTP/1.1\r\n")  # a request line's bytes beside its method and target
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,16 +95,14 @@ class HttpLimits:
 class ChunkWriter:
     """Writes the body chunks of one response that has no ``Content-Length`` (a stream)
     as uvicorn's ``send`` of an ``http.response.body`` message would, less its per-chunk
-    cost: no message dict, and the chunk framed here, not by h11 (whose state a chunk of
-    data does not change: it only frames it). The response's start and its end still go
-    through the ASGI ``send``, and so does every chunk h11 would not frame as chunked
-    (an HTTP/1.0 client's body is delimited by the connection's close)."""
+    cost: no message dict, and the chunk framed here. The response's start and its end
+    still go through the ASGI ``send``, and so does every chunk of a body that is not
+    chunked (an HTTP/1.0 client's, delimited by the connection's close)."""
 
-    __slots__ = ("chunked", "cycle")
+    __slots__ = ("cycle",)
 
-    def __init__(self, cycle: Any, *, chunked: bool) -> None:
+    def __init__(self, cycle: RequestResponseCycle) -> None:
         self.cycle = cycle
-        self.chunked = chunked  # HTTP/1.1 without Content-Length: h11's chunked framing
 
     def write_now(self, data: bytes) -> bool:
         """Write ``data`` as one chunk if that asks for no wait: the response started and
@@ -102,8 +111,7 @@ class ChunkWriter:
         cycle = self.cycle
         if (
             not data  # an empty chunk would end the body
-            or not self.chunked
-            or not cycle.response_started
+            or not cycle.chunked_encoding  # set by the response's start
             or cycle.response_complete
             or cycle.flow.write_paused
             or cycle.disconnected
@@ -118,7 +126,7 @@ class ChunkWriter:
         if self.write_now(data):
             return
         cycle = self.cycle
-        if not self.chunked or not cycle.response_started or cycle.response_complete:
+        if not cycle.chunked_encoding or cycle.response_complete:
             await cycle.send({"type": "http.response.body", "body": data, "more_body": True})
             return
         if cycle.flow.write_paused and not cycle.disconnected:
@@ -128,6 +136,28 @@ class ChunkWriter:
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request-response cycle, but a body without ``Content-Length`` sent to an
+    HTTP/1.0 client delimited by the connection's close (which the cycle does for 1.0),
+    not chunked: told as a content length that no body reaches, until its last part."""
+
+    close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", ())
+            if (
+                self.scope["http_version"] == "1.0"
+                and self.chunked_encoding is None
+                and not any(name.lower() == b"content-length" for name, _ in headers)
+            ):
+                self.chunked_encoding, self.close_delimited = False, True
+                self.expected_content_length = sys.maxsize
+        elif self.close_delimited and not message.get("more_body", False):
+            self.expected_content_length = len(message.get("body", b""))  # the end: nothing is missing
+        await super().send(message)
+
+
 class Phase(enum.Enum):
     HEADERS = "headers"
     BODY = "body"
@@ -135,62 +165,42 @@ class Phase(enum.Enum):
 
 
 def server_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
-    """uvicorn's configuration for ``app``, on the h11 protocol held to ``limits``.
+    """uvicorn's configuration for ``app``, on the httptools protocol held to ``limits``.
 
-    The protocol is named, not left to uvicorn's choice (httptools when it is installed),
-    so that every deployment gets these limits. ``keep_alive_s`` should be longer than
-    clients' idle keep-alive (httpx, the openai SDK: 5 s) and load balancers' (often 60 s),
-    so that they close idle connections first: at uvicorn's 5 s default a request sent on a
-    connection being closed got a reset.
+    The protocol is named, not left to uvicorn's choice, so that every deployment gets
+    these limits. ``keep_alive_s`` should be longer than clients' idle keep-alive (httpx,
+    the openai SDK: 5 s) and load balancers' (often 60 s), so that they close idle
+    connections first: at uvicorn's 5 s default a request sent on a connection being
+    closed got a reset.
     """
 
-    class Protocol(LimitedH11Protocol):
+    class Protocol(LimitedProtocol):
         pass
 
     Protocol.limits = limits
-    return uvicorn.Config(app, http=Protocol, h11_max_incomplete_event_size=limits.max_header_bytes, **options)
+    return uvicorn.Config(app, http=Protocol, **options)
 
 
-class MeasuredConnection(h11.Connection):
-    """h11's server side, which refuses a complete request head over ``max_header_bytes``
-    as it refuses an incomplete one, and keeps the refusal for the answer."""
-
-    def __init__(self, max_header_bytes: int) -> None:
-        super().__init__(h11.SERVER, max_incomplete_event_size=max_header_bytes)
-        self.max_header_bytes = max_header_bytes
-        self.refusal: h11.RemoteProtocolError | None = None
-
-    def next_event(self) -> Any:
-        try:
-            event = super().next_event()
-        except h11.RemoteProtocolError as exc:
-            self.refusal = exc
-            raise
-        if isinstance(event, h11.Request) and head_bytes(event) > self.max_header_bytes:
-            self.refusal = h11.RemoteProtocolError("request header fields too large", error_status_hint=431)
-            raise self.refusal
-        return event
+class _HeadTooLarge(Exception):
+    """Raised in the parser's callback: the parser stops, and the request gets 431."""
 
 
-def head_bytes(request: h11.Request) -> int:
-    """The size of ``request``'s line and headers as sent (h11 dropped the optional spaces)."""
-    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
-    return line + sum(len(name) + len(value) + len(b": \r\n") for name, value in request.headers)
-
-
-class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the deadlines and answers of the module's docstring."""
+class LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines and answers of the module's docstring."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn: MeasuredConnection = MeasuredConnection(self.limits.max_header_bytes)
         self.phase: Phase | None = None
+        self.reading: Phase | None = None  # the part of a request the parser is in; None between requests
         self.expires_at = 0.0  # the phase's deadline, on the loop's clock
         self.timer: asyncio.TimerHandle | None = None  # due at or before expires_at
         self.received_in_phase = False
         self.lingering = False
+        self.head_read = 0  # bytes read since the last request's headers ended (an incomplete head's size)
+        self.head_size = 0  # the head being parsed: its target's and header fields' bytes
+        self.too_large = False
         self.timeouts = {
             Phase.HEADERS: self.limits.header_timeout_s,
             Phase.BODY: self.limits.body_timeout_s,
@@ -209,7 +219,12 @@ class LimitedH11Protocol(H11Protocol):
         if self.phase is Phase.IDLE:
             self._enter(Phase.HEADERS)  # the first byte of the next request
         self.received_in_phase = True
+        if self.reading is not Phase.BODY:
+            self.head_read += len(data)
         super().data_received(data)
+        if self.reading is Phase.HEADERS and self.head_read > self.limits.max_header_bytes and not self.lingering:
+            self.too_large = True  # an incomplete head already over the limit
+            self.send_400_response("request header fields too large")
         self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -224,14 +239,38 @@ class LimitedH11Protocol(H11Protocol):
                 gone.set_result(None)
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
-        super().handle_events()
+    # --- the parser's callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.reading = Phase.HEADERS
+        self.head_size = _REQUEST_LINE
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self.head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self.head_size += len(name) + len(value) + len(b": \r\n")
+
+    def on_headers_complete(self) -> None:
+        self.head_read = 0
+        if self.head_size + len(self.parser.get_method()) > self.limits.max_header_bytes:
+            self.too_large = True
+            raise _HeadTooLarge  # the parser fails: uvicorn calls send_400_response
+        self.reading = Phase.BODY
+        super().on_headers_complete()
         cycle = self.cycle  # a request read now has a cycle whose task has not run yet
         if cycle is not None and CLIENT_GONE not in cycle.scope:
+            cycle.__class__ = _Cycle  # its send looked up when the task runs
             scope = cast(dict[str, Any], cycle.scope)
             scope[CLIENT_GONE] = self.loop.create_future()
-            chunked = self.conn.their_http_version == b"1.1" and scope["method"] != "HEAD"
-            scope[CHUNK_WRITER] = ChunkWriter(cycle, chunked=chunked)
+            scope[CHUNK_WRITER] = ChunkWriter(cycle)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.reading = None
 
     # --- uvicorn's hooks -------------------------------------------------------------------
 
@@ -241,8 +280,8 @@ class LimitedH11Protocol(H11Protocol):
         self._follow()
 
     def send_400_response(self, msg: str) -> None:
-        """A request h11 cannot parse: 431 when its headers outgrew the limit, else 400."""
-        if self.conn.refusal is not None and self.conn.refusal.error_status_hint == 431:
+        """A request the parser refused: 431 when its headers outgrew the limit, else 400."""
+        if self.too_large:
             self._refuse(
                 431,
                 "request_header_fields_too_large",
@@ -254,19 +293,18 @@ class LimitedH11Protocol(H11Protocol):
     # --- the phases ------------------------------------------------------------------------
 
     def _follow(self) -> None:
-        """Move to the phase the connection's h11 states say it is in."""
+        """Move to the phase the parser and the request in hand say the connection is in."""
+        cycle = self.cycle
         if self.transport.is_closing() or self.lingering:
             self._disarm()
-            return
-        their, ours = self.conn.their_state, self.conn.our_state
-        if their is h11.SEND_BODY:
+        elif self.reading is Phase.BODY:
             self._enter(Phase.BODY)
-        elif their is h11.IDLE and (self.conn.trailing_data[0] or self.phase is Phase.HEADERS):
+        elif cycle is not None and not cycle.response_complete:
+            self._disarm()  # the application has the request (a pipelined head waits for it)
+        elif self.reading is Phase.HEADERS or self.phase is Phase.HEADERS:
             self._enter(Phase.HEADERS)  # part of the next request came (perhaps pipelined)
-        elif their is h11.IDLE and ours is h11.IDLE:
+        else:
             self._enter(Phase.IDLE)
-        else:  # the request is read whole: the application has it
-            self._disarm()
 
     def _enter(self, phase: Phase) -> None:
         if phase is self.phase:

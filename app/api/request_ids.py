@@ -21,6 +21,6 @@ def check_request_id(request_id: str) -> None:
 def id_header(request_id: str) -> dict[str, str]:
     """``x-request-id`` naming ``request_id`` if a header can hold it: printable ASCII, no space
     at either end (the gateway's own ids always are; a client's ``é`` made the answer a 500, and
-    `` a`` a closed connection, as h11 refused the header after the response had begun)."""
+    `` a`` a closed connection, as the server refused the header after the response had begun)."""
     fits = request_id.isascii() and request_id.isprintable() and request_id.strip() == request_id
     return {"x-request-id": request_id} if fits else {}

@@ -14,7 +14,7 @@ request's own task:
 - the response's start and end go through Starlette's ``send``, so its wrappers see the
   response start and end as they would; every body event goes to the server's
   ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_server.py``): no ASGI message, no
-  wrapper, no h11 per event (under another server, through Starlette's ``send``);
+  wrapper, no framing by the server's ``send`` per event (under another server, through Starlette's ``send``);
 - the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
   awaiting ``receive()`` only under a server without it: ``client_gone``): it cancels the
   stream, which runs the body's cleanup, as sse-starlette's task group did; the body asks

@@ -1,16 +1,18 @@
-"""What the HTTP limits cost (app/http_server.py): uvicorn's h11 protocol against the limited one.
+"""What the HTTP server costs a request (app/http_server.py): uvicorn's two protocols, h11
+and httptools, against the limited one that phasegate serves on (httptools held to the limits).
 
     python ops/bench/http_limits.py [--requests 1000] [--rounds 20]
 
-Two uvicorn servers in this process serve the same tiny ASGI app (a JSON ``200``), one on
-uvicorn's own ``H11Protocol`` and one built by ``server_config`` (deadlines per phase, the
-measured request head). A client on raw sockets sends ``--requests`` small POSTs with a body,
-back to back, on one kept-alive connection (the per-request cost: two phases armed and
-disarmed, the head measured) and then each on a new connection (the per-connection cost
-too), alternating between the servers round by round. It prints the time per request of
-each, in its best round and its median round, and the differences. Client and servers share
-one event loop, and the machine's cores with whatever else runs: the best round is the one
-least disturbed, and the difference is what matters, not the absolute figures.
+Three uvicorn servers in this process serve the same tiny ASGI app (a JSON ``200``): uvicorn's
+own ``H11Protocol`` and ``HttpToolsProtocol``, and the one built by ``server_config``
+(deadlines per phase, the measured request head). A client on raw sockets sends
+``--requests`` small POSTs with a body, back to back, on one kept-alive connection (the
+per-request cost) and then each on a new connection (the per-connection cost too),
+alternating between the servers round by round. It prints the time per request of each, in
+its best round and its median round, and the limited server's difference from each of
+uvicorn's. Client and servers share one event loop, and the machine's cores with whatever
+else runs: the best round is the one least disturbed, and the differences are what matter,
+not the absolute figures.
 """
 
 from __future__ import annotations
@@ -86,17 +88,17 @@ async def new_connections(port: int, count: int) -> float:
 
 
 async def main(requests: int, rounds: int) -> None:
-    plain_sock, limited_sock = free_socket(), free_socket()
     options: dict[str, Any] = {"log_level": "warning", "lifespan": "off", "access_log": False}
-    plain = uvicorn.Server(uvicorn.Config(app, http="h11", timeout_keep_alive=75, **options))
-    limited = uvicorn.Server(server_config(app, HttpLimits(), **options))
-    tasks = [
-        asyncio.create_task(plain.serve(sockets=[plain_sock])),
-        asyncio.create_task(limited.serve(sockets=[limited_sock])),
-    ]
-    while not (plain.started and limited.started):
+    servers = {
+        "uvicorn h11": uvicorn.Server(uvicorn.Config(app, http="h11", timeout_keep_alive=75, **options)),
+        "uvicorn httptools": uvicorn.Server(uvicorn.Config(app, http="httptools", timeout_keep_alive=75, **options)),
+        "limited": uvicorn.Server(server_config(app, HttpLimits(), **options)),
+    }
+    sockets = {name: free_socket() for name in servers}
+    tasks = [asyncio.create_task(server.serve(sockets=[sockets[name]])) for name, server in servers.items()]
+    while not all(server.started for server in servers.values()):
         await asyncio.sleep(0.01)
-    ports = {"uvicorn h11": plain_sock.getsockname()[1], "limited h11": limited_sock.getsockname()[1]}
+    ports = {name: sock.getsockname()[1] for name, sock in sockets.items()}
     for mode, run, count in (
         ("kept alive", kept_alive, requests),
         ("a connection each", new_connections, requests // 4),
@@ -111,10 +113,12 @@ async def main(requests: int, rounds: int) -> None:
         medians = {name: statistics.median(values) * 1e6 for name, values in figures.items()}
         print(f"{mode}: {count} requests x {rounds} rounds, us per request (best round, median round)")
         for name in ports:
-            print(f"  {name:12} {best[name]:8.1f} {medians[name]:8.1f}")
-        gaps = [best["limited h11"] - best["uvicorn h11"], medians["limited h11"] - medians["uvicorn h11"]]
-        print(f"  difference   {gaps[0]:+8.1f} {gaps[1]:+8.1f}")
-    plain.should_exit = limited.should_exit = True
+            print(f"  {name:20} {best[name]:8.1f} {medians[name]:8.1f}")
+        for peer in ("uvicorn h11", "uvicorn httptools"):
+            gaps = [best["limited"] - best[peer], medians["limited"] - medians[peer]]
+            print(f"  {'limited - ' + peer.split()[1]:20} {gaps[0]:+8.1f} {gaps[1]:+8.1f}")
+    for server in servers.values():
+        server.should_exit = True
     await asyncio.gather(*tasks)
 
 
