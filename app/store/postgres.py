@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from datetime import date
 from typing import Any
@@ -37,7 +38,9 @@ logger = logging.getLogger("phasegate.store")
 
 # Accept days remembered, of the requests most recently accepted here: one for each
 # request still live, with room to spare. A forgotten one costs its appends a lookup
-# inside their INSERT, not a round trip.
+# inside their INSERT, not a round trip. Kept in an OrderedDict, whose oldest entry is
+# dropped in O(1): a plain dict's ``next(iter(...))`` walks past every entry deleted
+# before it, ~45 us a request once the map is full (a timeit at 200,000 entries).
 _ACCEPT_DAYS_KEPT = 200_000
 
 
@@ -82,7 +85,7 @@ class PostgresEventStore(EventStore):
         self._commit_signal: asyncio.Future[None] | None = None
         self._closed = False
         self._outage = False
-        self._accept_days: dict[str, date] = {}  # request -> partition key, of requests accepted here
+        self._accept_days: OrderedDict[str, date] = OrderedDict()  # request -> partition key, accepted here
         self._inputs = InputBatches(
             lambda: self._connection(commit=True), self.writer.schema, self._accept_days, flush_delay
         )
@@ -126,7 +129,7 @@ class PostgresEventStore(EventStore):
             if not self.writer.schema.partitioned:  # 0006 records no day: remember none
                 return [first, *(to_row(event, day) for event in events[1:])]
             if len(self._accept_days) >= _ACCEPT_DAYS_KEPT:
-                del self._accept_days[next(iter(self._accept_days))]  # the oldest accepted
+                self._accept_days.popitem(last=False)  # the oldest accepted
             self._accept_days[request_id] = day
             return [first, *(to_row(event, day) for event in events[1:])]
         return [to_row(event, day) for event in events]

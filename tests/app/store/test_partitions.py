@@ -218,3 +218,29 @@ def test_phasegate_db_maintain(
     assert cli.main(["db", "maintain", "--days-ahead", "4"]) == 0
     assert capsys.readouterr().out.startswith(f"{2 * len(partitions.PARTITIONED)} partitions created, 0 archived")
     assert cli.main(["db", "maintain", "--retention-days", "0"]) == 2
+
+
+async def test_a_store_past_its_bound_of_accept_days_forgets_the_oldest_and_still_lands_its_rows(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.store.postgres._ACCEPT_DAYS_KEPT", 2)
+    connection = await connect(database_url)
+    try:
+        day = await conversion_day(connection) + timedelta(days=1)
+        trace_of = {n: traces.fenced_then_retried(f"req_bound_{n}", at=noon(day)) for n in range(3)}
+        store = await PostgresEventStore.connect(database_url)
+        try:
+            for trace in trace_of.values():
+                await store.append(trace.request_id, 0, trace.events[:3])
+            # the first accepted is forgotten, in the order accepted; the two latest are kept
+            assert list(store._accept_days) == ["req_bound_1", "req_bound_2"]
+            for trace in trace_of.values():  # the first's rows: its day looked up in the INSERT
+                await store.append(trace.request_id, 3, trace.events[3:])
+                assert await store.read(trace.request_id) == trace.events
+        finally:
+            await store.close()
+        for trace in trace_of.values():
+            rows = await where_rows_are(connection, trace.request_id)
+            assert rows["request_events"] == {f"request_events_p{day:%Y%m%d}"}
+    finally:
+        await connection.close()
