@@ -263,7 +263,9 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle  # a request read now has a cycle whose task has not run yet
         if cycle is not None and CLIENT_GONE not in cycle.scope:
-            cycle.__class__ = _Cycle  # its send looked up when the task runs
+            # uvicorn makes the cycle itself; its task has not run yet, and looks up
+            # ``cycle.send`` when it does: from here on that is _Cycle's
+            cycle.__class__ = _Cycle
             scope = cast(dict[str, Any], cycle.scope)
             scope[CLIENT_GONE] = self.loop.create_future()
             scope[CHUNK_WRITER] = ChunkWriter(cycle)

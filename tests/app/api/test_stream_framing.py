@@ -1,8 +1,9 @@
 """A streamed answer's response on the real server (``app/http_server.py``'s protocol, a
 real socket): its chunks framed by the server's ``ChunkWriter`` as HTTP/1.1 chunks, an
 HTTP/1.0 client's body delimited by the close instead, a HEAD answered without a body,
-and a client that leaves mid-stream noticed through ``CLIENT_GONE`` while the stream
-waits for its next event."""
+a client that leaves mid-stream noticed through ``CLIENT_GONE`` while the stream waits
+for its next event, and a pipelined request's head not cut by the header timeout while the
+answer before it streams."""
 
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ class Stream:
         return TokenStreamResponse(self.body(), ping=0)
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[int, Stream]]:
+@contextlib.asynccontextmanager
+async def serving(limits: HttpLimits) -> AsyncIterator[tuple[int, Stream]]:
     stream = Stream()
     app = Starlette(routes=[Route("/stream", stream.endpoint, methods=["GET", "POST"])])
     port = free_port()
-    server = uvicorn.Server(server_config(app, HttpLimits(), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, limits, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -63,6 +64,12 @@ async def served() -> AsyncIterator[tuple[int, Stream]]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[int, Stream]]:
+    async with serving(HttpLimits()) as served:
+        yield served
 
 
 def exchange(port: int, request: bytes) -> bytes:
@@ -148,3 +155,25 @@ async def test_a_client_that_leaves_while_the_stream_waits_is_noticed_at_once(se
     await asyncio.wait_for(asyncio.shield(stream.server_gone), 5)  # told by the server's CLIENT_GONE, not by a send
     await asyncio.wait_for(stream.cleaned.wait(), 5)
     assert stream.server_gone is not None and stream.server_gone.done()
+
+
+async def test_a_pipelined_head_does_not_time_out_while_the_response_before_it_streams() -> None:
+    """The header deadline waits while the application answers: the next request's head,
+    sent early and in part, is not cut by the header timeout before that answer ends."""
+    header_s = 0.3
+    async with serving(HttpLimits(header_timeout_s=header_s)) as (port, stream):
+        stream.hold.clear()  # the stream waits after its first event
+        request = b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        with contextlib.closing(sock):
+            sock.sendall(request)
+            assert EVENTS[0] in await asyncio.to_thread(received_until, sock, EVENTS[0])
+            sock.sendall(request[:20])  # part of the next request's head
+            await asyncio.sleep(header_s * 4)
+            stream.hold.set()
+            first = await asyncio.to_thread(received_until, sock, b"0\r\n\r\n")
+            assert first.endswith(EVENTS[-1] + b"\r\n0\r\n\r\n")  # the whole first answer
+            stream.hold.clear()
+            sock.sendall(request[20:])
+            second = await asyncio.to_thread(received_until, sock, EVENTS[0])
+        assert second.startswith(b"HTTP/1.1 200 ") and EVENTS[0] in second
