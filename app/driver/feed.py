@@ -15,12 +15,11 @@ to the client's task a token (with the tokens taken in an upstream connection's 
 ``offer``, neither task is woken for one); a delta it cannot take so (a full socket
 buffer, the log behind) waits for its task as any other. Before the loop observes
 anything but a token (a failure, the end, a drain, a decision) it waits until the
-client has taken every delta and come back
-for more (``client_caught_up``), as when the client pulled the loop itself: what it then
-decides is decided on deliveries that are all recorded, so the final error's counts are
-what the client got, and the log's order is the order things happened. While no client
-is attached the loop runs free: each new
-delta is recorded as produced (the driver's ``on_unattended``), and the final output
+client has taken every delta and come back for more (``client_caught_up``), as when
+the client pulled the loop itself: what it then decides is decided on deliveries that
+are all recorded, so the final error's counts are what the client got, and the log's
+order is the order things happened. While no client is attached the loop runs free:
+each new delta is recorded as produced (the driver's ``on_unattended``), and the final output
 (finished, failed, cancelled) is kept for whoever reads next.
 
 An exception of the loop (the log lost) reaches the attached client, which answers it;

@@ -227,19 +227,19 @@ async def test_a_store_past_its_bound_of_accept_days_forgets_the_oldest_and_stil
     connection = await connect(database_url)
     try:
         day = await conversion_day(connection) + timedelta(days=1)
-        trace_of = {n: traces.fenced_then_retried(f"req_bound_{n}", at=noon(day)) for n in range(3)}
+        accepted = [traces.fenced_then_retried(f"req_bound_{n}", at=noon(day)) for n in range(3)]
         store = await PostgresEventStore.connect(database_url)
         try:
-            for trace in trace_of.values():
+            for trace in accepted:
                 await store.append(trace.request_id, 0, trace.events[:3])
             # the first accepted is forgotten, in the order accepted; the two latest are kept
             assert list(store._accept_days) == ["req_bound_1", "req_bound_2"]
-            for trace in trace_of.values():  # the first's rows: its day looked up in the INSERT
+            for trace in accepted:  # the first's rows: its day looked up in the INSERT
                 await store.append(trace.request_id, 3, trace.events[3:])
                 assert await store.read(trace.request_id) == trace.events
         finally:
             await store.close()
-        for trace in trace_of.values():
+        for trace in accepted:
             rows = await where_rows_are(connection, trace.request_id)
             assert rows["request_events"] == {f"request_events_p{day:%Y%m%d}"}
     finally:
