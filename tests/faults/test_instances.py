@@ -42,7 +42,11 @@ from statemachine.state import fold
 from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
-LEASE_TTL_S = 4.0  # long enough that a loaded CI machine never lapses a live one
+# The product's default. An instance that misses its renewals for two thirds of it takes
+# itself for fenced (DESIGN.md 11), rightly: and this machine can stop running every
+# process for seconds at a time (tests/support/workers.py). At 4 s a CI run lost a live
+# instance's lease while a second `phasegate serve` started beside it.
+LEASE_TTL_S = 10.0
 SWEEP_S = 0.5
 BATCH = 4  # deltas per DeltasDelivered at most; the log may lag the client by two batches
 SETTINGS = f"""
