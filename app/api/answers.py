@@ -104,21 +104,25 @@ class _Stream:
             self.event_id += 1
             self.delivered_tokens += delta.tokens
 
-    def push(self, delta: Delta) -> bool:
-        """``delta`` written and recorded delivered now, in the loop's step, if nothing
-        asks for the body's own path: the log behind (it waits), the client gone or the
-        instance's lease lapsed (it ends), a socket that would block (it waits for it)."""
+    def push(self, deltas: list[Delta]) -> int:
+        """``deltas`` written and recorded delivered now, in the loop's step (or the
+        upstream connection's callback), as far as nothing asks for the body's own path:
+        the log behind (it waits), the client gone or the instance's lease lapsed (it
+        ends), a socket that would block (it waits for it). How many, from the first: in
+        one write, or one a delivery batch, as the body writes them (``behind`` is asked
+        again after each write that may close a batch)."""
         write_now, driver = self.write_now, self.driver
-        if (
-            write_now is None
-            or driver.recorder.behind
-            or self.gone.done()
-            or driver.ctx.lease_lapsed()
-            or not write_now(self.events([delta]))
-        ):
-            return False
-        self.sent([delta])
-        return True
+        if write_now is None or self.gone.done() or driver.ctx.lease_lapsed():
+            return 0
+        recorder, pushed, count = driver.recorder, 0, len(deltas)
+        while pushed < count and not recorder.behind:
+            most = 1 if count - pushed == 1 else recorder.deliveries_before_a_batch_closes()
+            batch = deltas if pushed == 0 and most >= count else deltas[pushed : pushed + most]
+            if not write_now(self.events(batch)):
+                break
+            self.sent(batch)
+            pushed += len(batch)
+        return pushed
 
 
 async def stream_body(

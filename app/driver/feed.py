@@ -12,15 +12,16 @@ when it fell behind). A client that is caught up (it took every delta and waits 
 next) may take a new delta in the loop's own task, as it comes (``AttachedClient.direct``:
 the HTTP layer's write that needs no wait, and its record of the delivery): no hand-off
 to the client's task a token (with the tokens taken in an upstream connection's callback,
-``offer``, neither task is woken for one); a delta it cannot take so (a full socket
-buffer, the log behind) waits for its task as any other. Before the loop observes
-anything but a token (a failure, the end, a drain, a decision) it waits until the
-client has taken every delta and come back for more (``client_caught_up``), as when
-the client pulled the loop itself: what it then decides is decided on deliveries that
-are all recorded, so the final error's counts are what the client got, and the log's
-order is the order things happened. While no client is attached the loop runs free:
-each new delta is recorded as produced (the driver's ``on_unattended``), and the final output
-(finished, failed, cancelled) is kept for whoever reads next.
+``offer``, neither task is woken for one, and the deltas of one read go out in one write);
+a delta it cannot take so (a full socket buffer, the log behind) waits for its task as
+any other, and so do those after it. Before the loop observes anything but a token (a
+failure, the end, a drain, a decision) it waits until the client has taken every delta
+and come back for more (``client_caught_up``), as when the client pulled the loop
+itself: what it then decides is decided on deliveries that are all recorded, so the final
+error's counts are what the client got, and the log's order is the order things
+happened. While no client is attached the loop runs free: each new delta is recorded as
+produced (the driver's ``on_unattended``), and the final output (finished, failed,
+cancelled) is kept for whoever reads next.
 
 An exception of the loop (the log lost) reaches the attached client, which answers it;
 with no client attached, the driver's ``on_unattended_error`` does.
@@ -47,9 +48,10 @@ class AttachedClient:
         self.cursor = cursor  # the next delta index this client gets
         self.restarts = feed.restarts
         self.got_end = False
-        # while it waits caught up: writes a delta to the client and records it delivered,
-        # in the loop's task, if that needs no wait; whether it did (if not, it is queued)
-        self.direct: Callable[[Delta], bool] | None = None
+        # while it waits caught up: writes deltas to the client and records them delivered,
+        # in the loop's task, as far as that needs no wait; how many, from the first (those
+        # it did not take are queued)
+        self.direct: Callable[[list[Delta]], int] | None = None
 
     def __aiter__(self) -> AttachedClient:
         return self
@@ -166,7 +168,7 @@ class Feed:
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # closed here, even when stopped
                 async for output in outputs:
-                    if type(output) is Delta and self._taken_directly(output):
+                    if type(output) is Delta and self._taken_directly([output]):
                         continue  # the client is still caught up and waiting: nothing to wake
                     unattended = self._take(output)
                     if unattended is not None:
@@ -183,18 +185,21 @@ class Feed:
             self.over = True
             self._wake()
 
-    def offer(self, delta: Delta) -> None:
-        """A delta the loop produced outside this feed's task, in the upstream connection's
-        callback (``RequestLoop._tokens_now``), with a client attached: kept and handed
-        over as if the loop had yielded it."""
+    def offer(self, deltas: list[Delta]) -> None:
+        """Deltas the loop produced outside this feed's task, in the upstream connection's
+        callback (``RequestLoop._tokens_now``: the tokens of one read), with a client
+        attached: kept and handed over as if the loop had yielded them, one by one."""
         assert self.client is not None, "offered with no client attached"
-        if not self._taken_directly(delta):
-            self._take(delta)
+        taken = self._taken_directly(deltas)
+        if taken < len(deltas):
+            for delta in deltas[taken:]:
+                self._take(delta)
             self._wake()
 
-    def _taken_directly(self, delta: Delta) -> bool:
-        """Whether the attached client, caught up and waiting, took ``delta`` in this task
-        (``AttachedClient.direct``); kept like any delta, for a client attaching later."""
+    def _taken_directly(self, deltas: list[Delta]) -> int:
+        """How many of ``deltas``, from the first, the attached client took in this task,
+        caught up and waiting (``AttachedClient.direct``: all of them in one write where
+        it can); kept like any delta, for a client attaching later."""
         client = self.client
         if (
             client is None
@@ -202,12 +207,13 @@ class Feed:
             or not self._client_waiting
             or client.cursor != len(self.deltas)
             or client.restarts != self.restarts
-            or not client.direct(delta)
         ):
-            return False
-        self.deltas.append(delta)
-        client.cursor += 1
-        return True
+            return 0
+        taken = client.direct(deltas)
+        if taken:
+            self.deltas.extend(deltas if taken == len(deltas) else deltas[:taken])
+            client.cursor += taken
+        return taken
 
     def _take(self, output: Output) -> Awaitable[None] | None:
         """Keep ``output`` for the client; what is left to await of handling it with no

@@ -186,8 +186,7 @@ class RequestLoop(LoopActions):
         ):
             return False
         run.generated_tokens += len(tokens)
-        for token in tokens:
-            self.feed.offer(delta_of(token))
+        self.feed.offer([delta_of(token) for token in tokens])
         return True
 
     def _nothing_to_decide(self) -> bool:

@@ -17,7 +17,8 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
 ``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
-ends with). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
+ends with), ``{"burst": n}`` (the tokens' chunks written n at a time, so that a gateway
+reads several at once). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
 runs per ``Idempotency-Key`` (``GET /admin/tools``).
 """
@@ -157,6 +158,7 @@ class Upstream:
             async for chunk in self._tool_call(head, behaviour):
                 yield chunk
             return
+        burst, written = int(behaviour.get("burst", 1)), []
         for index, word in enumerate(words):
             if behaviour.get("die_at") == index and behaviour.get("point", "before_frame") == "before_frame":
                 os._exit(1)  # the token was "computed", its chunk never sent
@@ -174,7 +176,11 @@ class Upstream:
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
             if behaviour.get("logprobs"):
                 choice["logprobs"] = _logprobs(word, chat)
-            yield _sse({**head, "choices": [{**choice, "finish_reason": None}]})
+            written.append(_sse({**head, "choices": [{**choice, "finish_reason": None}]}))
+            if len(written) < burst and index < len(words) - 1:
+                continue
+            yield b"".join(written)
+            written.clear()
             if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":
                 await asyncio.sleep(0.05)  # let the chunk leave, then die
                 os._exit(1)

@@ -65,9 +65,9 @@ async def test_a_client_waiting_caught_up_takes_each_delta_in_the_loops_task() -
     client = feed.attach(0)
     taken: list[tuple[str, asyncio.Task[Any] | None]] = []
 
-    def direct(d: Delta) -> bool:
-        taken.append((d.text, asyncio.current_task()))
-        return True
+    def direct(ds: list[Delta]) -> int:
+        taken.extend((d.text, asyncio.current_task()) for d in ds)
+        return len(ds)
 
     client.direct = direct
     reading = asyncio.ensure_future(anext(client))  # the client's task, waiting for an output
@@ -88,9 +88,10 @@ async def test_a_delta_the_client_cannot_take_now_waits_for_its_task_and_so_do_l
     client = feed.attach(0)
     offered: list[str] = []
 
-    def direct(d: Delta) -> bool:
+    def direct(ds: list[Delta]) -> int:
+        (d,) = ds  # the loop's task offers each delta as it comes
         offered.append(d.text)
-        return d.text != "b"  # "b" would block (a full socket buffer)
+        return int(d.text != "b")  # "b" would block (a full socket buffer)
 
     client.direct = direct
     reading = asyncio.ensure_future(anext(client))
@@ -121,9 +122,9 @@ async def test_no_delta_goes_to_a_client_without_a_direct_way_or_one_detached() 
     assert reading.result() == delta("a")  # no direct way: its task is woken, as before
     offered: list[str] = []
 
-    def direct(d: Delta) -> bool:
-        offered.append(d.text)
-        return True
+    def direct(ds: list[Delta]) -> int:
+        offered.extend(d.text for d in ds)
+        return len(ds)
 
     client.direct = direct
     later = feed.attach(1)  # a resumed client takes its place; the one before is detached
@@ -140,19 +141,41 @@ async def test_a_delta_offered_from_outside_the_loops_task_is_handed_over_in_ord
     client = feed.attach(0)
     written: list[str] = []
 
-    def direct(d: Delta) -> bool:
-        written.append(d.text)
-        return True
+    def direct(ds: list[Delta]) -> int:
+        written.append("".join(d.text for d in ds))
+        return len(ds)
 
     client.direct = direct
     reading = asyncio.ensure_future(anext(client))
     await loop.outputs.put(delta("a"))
     await settle(loop, 1)
-    feed.offer(delta("b"))  # as the upstream connection's callback does, the loop waiting
-    assert written == ["a", "b"] and not reading.done()
+    feed.offer([delta("b"), delta("c")])  # as the upstream connection's callback does, the loop waiting
+    assert written == ["a", "bc"] and not reading.done()  # one read's deltas, in one write
     client.direct = None  # a client that cannot take it now: it is woken with it
-    feed.offer(delta("c"))
+    feed.offer([delta("d")])
     await asyncio.sleep(0)
-    assert reading.done() and reading.result() == delta("c")
+    assert reading.done() and reading.result() == delta("d")
+    assert [d.text for d in feed.deltas] == ["a", "b", "c", "d"] and client.cursor == 4
+    await feed.stop()
+
+
+async def test_deltas_offered_that_the_client_takes_in_part_wait_for_its_task_in_order() -> None:
+    loop = Loop()
+    feed = feed_of(loop)
+    client = feed.attach(0)
+    written: list[str] = []
+
+    def direct(ds: list[Delta]) -> int:
+        written.extend(d.text for d in ds[:1])  # the socket's buffer fills after the first
+        return 1
+
+    client.direct = direct
+    reading = asyncio.ensure_future(anext(client))
+    await asyncio.sleep(0)  # the client waits, caught up
+    feed.offer([delta("a"), delta("b"), delta("c")])
+    assert written == ["a"] and client.cursor == 1
+    await asyncio.sleep(0)
+    assert reading.done() and reading.result() == delta("b")  # woken with the first it did not take
+    assert client.ready_deltas(10) == [delta("c")]
     assert [d.text for d in feed.deltas] == ["a", "b", "c"] and client.cursor == 3
     await feed.stop()

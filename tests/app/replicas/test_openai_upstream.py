@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import sys
 from collections.abc import AsyncGenerator, Iterator
 
@@ -101,6 +102,36 @@ def test_an_openai_upstream_serves_streamed_and_whole_answers(gateway: RunningGa
     request_id, text = chat(gateway, stream=stream)
     assert text == EXPECTED
     assert fold(gateway.events(request_id)).outcome is Outcome.COMPLETED
+
+
+@pytest.mark.parametrize("batch", [16, 2])
+def test_the_tokens_of_one_read_go_out_in_one_write_and_to_the_log_in_batches(
+    database_url: str, upstreams: list[ScriptedUpstream], batch: int
+) -> None:
+    """Tokens that arrive in one read are written to a client that is caught up in one
+    write (one HTTP chunk), except where a delivery batch closes among them: no write
+    carries more deltas than a batch holds, and the log records each batch as sent."""
+    upstream = upstreams[0]
+    upstream.script({"burst": 5})  # tokens 0-4 in one write, 5-9 in the next, ...
+    replicas = [ReplicaConfig(id="u1", url=upstream.base_url, kind="openai")]
+    overrides = {"timeouts": TIMEOUTS, "delivery_batch_tokens": batch, "delivery_batch_ms": 60_000.0}
+    with running_gateway(database_url, replicas, **overrides) as gateway, gateway.http() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 20}
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            request_id = response.headers["x-request-id"]
+            pieces = list(response.iter_raw())  # one a chunk at most: a chunk is one write
+        events = gateway.events(request_id)
+    writes = [[int(n) for n in re.findall(rb'id: (\d+)\ndata: [^\n]*"content"', piece)] for piece in pieces]
+    writes = [ids for ids in writes if ids]
+    assert [n for ids in writes for n in ids] == list(range(20))
+    if batch == 16:  # each read's deltas in one write (with more, where the client was behind)
+        for burst in ({5, 6, 7, 8, 9}, {10, 11, 12, 13, 14}):
+            assert any(burst <= set(ids) for ids in writes), writes
+    assert max(map(len, writes)) <= batch
+    delivered = [e for e in events if isinstance(e, ev.DeltasDelivered)]
+    assert [(e.from_index, e.to_index) for e in delivered] == [(n, min(n + batch, 20)) for n in range(0, 20, batch)]
+    assert "".join(e.text or "" for e in delivered) == "".join(answer(PROMPT, 20))
+    assert fold(events).outcome is Outcome.COMPLETED
 
 
 def test_429_honours_retry_after_and_never_hammers(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
