@@ -12,7 +12,11 @@ While the frames wait for the body's next read, a taker (``offer_tokens``: the r
 loop's) may take plain tokens as their read arrives, in the connection's own callback
 (``Body.tap``), so the loop's task is not woken for them: only a read of whole SSE events
 that are each one choice's text and nothing else is offered (``_plain_token``), and what
-the taker declines is read and yielded here as any read, in order.
+the taker declines is read and yielded here as any read, in order. An upstream sends the
+same bytes around the text of every plain token of a stream (vLLM: the same id, created,
+model and fields), so once one such event was parsed, a later one with those bytes around
+one JSON string is read as that string's token without parsing the chunk
+(:class:`_Template`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class OpenAIStream:
         self._frames: AsyncGenerator[Frame, None] | None = None
         self._index = 0  # the next token's index
         self._take: Callable[[list[Token]], bool] | None = None  # takes tokens as they arrive (``offer_tokens``)
+        self._template: _Template | None = None  # the bytes around a plain token's text, once learned
+        self._learning = _LEARNING_TRIES  # events parsed in full that may still teach it
 
     def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
         """Offer ``take`` the tokens of each read as it arrives, in the connection's own
@@ -139,10 +145,17 @@ class OpenAIStream:
         if take is None or events.pop() or b"\r" in received:  # not whole events, or CR line ends
             return False
         tokens: list[Token] = []
+        template = self._template
         for event in events:
-            token = _plain_token(event, self._index + len(tokens))
+            index = self._index + len(tokens)
+            token = None if template is None else template.token(event, index)
             if token is None:
-                return False
+                token = _plain_token(event, index)
+                if token is None:
+                    return False
+                if template is None and self._learning:
+                    self._learning -= 1
+                    template = self._template = _Template.learned(event, token)
             tokens.append(token)
         if not tokens or not take(tokens):
             return False
@@ -208,6 +221,50 @@ def _plain_token(event: bytes, index: int) -> Token | None:
     if type(text) is not str or not text or type(number) is not int:
         return None
     return Token(number, index, text, (), None)
+
+
+_LEARNING_TRIES = 3  # an upstream whose plain events teach no template is parsed in full
+
+
+class _Template:
+    """The bytes before and after the text of an upstream's plain-token SSE event (one
+    ``data:`` line of one choice's text and nothing else: ``_plain_token``). An event
+    that is those bytes around one JSON string is the same chunk with that text: its
+    token, read without parsing the chunk. Learned only where it holds (``learned``)."""
+
+    __slots__ = ("after", "before", "choice")
+
+    def __init__(self, before: bytes, after: bytes, choice: int) -> None:
+        self.before, self.after, self.choice = before, after, choice
+
+    @classmethod
+    def learned(cls, event: bytes, token: Token) -> _Template | None:
+        """The template of ``event``, a plain token's (``token``): where the text's JSON, as
+        orjson writes it, follows the one ``"content":`` (chat) or ``"text":``. ``None``
+        where that is not found once, or where another text put there would not be read as
+        that text's token by ``_plain_token`` (so no template ever reads what it would not)."""
+        text = orjson.dumps(token.text)
+        for key in (b'"content":', b'"text":'):
+            if event.count(key + text) == 1:
+                split = event.index(key + text) + len(key)
+                template = cls(event[:split], event[split + len(text) :], token.choice)
+                probe = _plain_token(template.before + b'"\\u0001"' + template.after, 0)
+                if probe is not None and probe.text == "\x01" and probe.choice == token.choice:
+                    return template
+        return None
+
+    def token(self, event: bytes, index: int) -> Token | None:
+        """The token of ``event`` if it is this template around one non-empty JSON string."""
+        before, after = self.before, self.after
+        if len(event) <= len(before) + len(after) or not event.startswith(before) or not event.endswith(after):
+            return None
+        try:
+            text = orjson.loads(event[len(before) : len(event) - len(after)])
+        except ValueError:
+            return None
+        if type(text) is not str or not text:
+            return None
+        return Token(self.choice, index, text, (), None)
 
 
 def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:

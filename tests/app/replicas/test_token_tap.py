@@ -6,6 +6,7 @@ a real socket whose server sends each part of its answer as a read of its own.""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import orjson
@@ -13,7 +14,7 @@ import pytest
 
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import Done, Frame, Token
-from app.replicas.openai_stream import OpenAIStream
+from app.replicas.openai_stream import OpenAIStream, _Template
 from app.replicas.upstream_http import Connections
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -155,11 +156,57 @@ async def test_a_read_that_is_not_plain_tokens_only_is_never_offered(read: bytes
     async with server as connections:
         stream = await answered(server, connections)
         reading = Reading(stream)
+        await send(server, chunk(event("b")))  # a plain token first: its bytes teach the template
         await send(server, read)
         await send(server, b"0\r\n\r\n")  # whatever the read left, the body ends
         await asyncio.wait_for(asyncio.gather(reading.task, return_exceptions=True), 5)
         await stream.close()
-    assert reading.offered == []
+    assert reading.offered == [["b"]]
+
+
+TEXTS = ["c", 'a "quoted" word', "back\\slash", "line\nbreak", "é中文🙂", "\u2028", "\x00", "{}"]
+
+
+async def test_plain_tokens_after_the_first_are_read_by_the_streams_template_as_parsed() -> None:
+    server = Stepped()
+    async with server as connections:
+        stream = await answered(server, connections)
+        reading = Reading(stream)
+        await send(server, chunk(event("b")))
+        for text in TEXTS:
+            await send(server, chunk(event(text)))
+        await send(server, END)
+        await asyncio.wait_for(reading.task, 5)
+        await stream.close()
+    assert [t.text for t in reading.taken] == ["b", *TEXTS]
+    assert [t.index for t in reading.taken] == list(range(1, len(TEXTS) + 2))
+    assert stream._template is not None  # learned from "b"; the later ones were read by it
+
+
+def sse(text: str | None = None, **extra: object) -> bytes:
+    """An event as the tap sees it: split off from the ones after it."""
+    return event(text, **extra).removesuffix(b"\n\n")
+
+
+def test_a_template_reads_only_the_events_that_parsing_would_read_as_its_tokens() -> None:
+    template = _Template.learned(sse("b"), Token(0, 0, "b", (), None))
+    assert template is not None
+    token = template.token(sse("new text"), 7)
+    assert token is not None and (token.choice, token.index, token.text) == (0, 7, "new text")
+    for other in [
+        sse(""),  # empty text: no token
+        sse("b", finish="length"),
+        sse("b", logprobs={"content": []}),
+        sse("b").replace(b'"id":"x"', b'"id":"y"'),  # another chunk's bytes: parsed in full
+        sse("b").replace(b'"b"', b'"b","role":"assistant"'),  # more than one string
+        sse("b").replace(b'"b"', b'"\\ud800"'),  # a lone surrogate: not text
+        sse("b").replace(b'"b"', b"7"),  # not a string
+    ]:
+        assert template.token(other, 0) is None, other
+    second = sse("b").replace(b'"index":0', b'"index":1')
+    assert (_Template.learned(second, Token(1, 0, "b", (), None)) or template).choice == 1
+    ascii_escaped = b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "é"}}]}).encode()
+    assert _Template.learned(ascii_escaped, Token(0, 0, "é", (), None)) is None  # not orjson's bytes
 
 
 # --- a worker's frames (``AttemptFrames``) ---------------------------------------------------
