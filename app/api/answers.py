@@ -116,8 +116,8 @@ class _Stream:
             return 0
         recorder, pushed, count = driver.recorder, 0, len(deltas)
         while pushed < count and not recorder.behind:
-            most = 1 if count - pushed == 1 else recorder.deliveries_before_a_batch_closes()
-            batch = deltas if pushed == 0 and most >= count else deltas[pushed : pushed + most]
+            most = 1 if count - pushed == 1 else recorder.deliveries_before_a_batch_closes()  # (always >= 1)
+            batch = deltas[pushed : pushed + most]
             if not write_now(self.events(batch)):
                 break
             self.sent(batch)

@@ -211,7 +211,7 @@ class Feed:
             return 0
         taken = client.direct(deltas)
         if taken:
-            self.deltas.extend(deltas if taken == len(deltas) else deltas[:taken])
+            self.deltas.extend(deltas[:taken])
             client.cursor += taken
         return taken
 

@@ -115,12 +115,12 @@ class WorkerProcess(ManagedProcess):
     token: str | None = field(default=None, repr=False)  # the worker protocol's secret, if it has one
 
     def client(self, **kwargs: Any) -> WorkerClient:
-        # While a vLLM engine decodes, this machine can stop running every other process
-        # for seconds at a time, the CPU idle meanwhile (a sleep(0.05) loop beside a vLLM
-        # worker woke up to 7 s late; with no engine running, never 0.4 s late). A timer
-        # then fires at the same wakeup as the connect or answer it guards, and wins: CI
-        # saw a loopback connect "time out" after 15 s. The protocol tests are not about
-        # these deadlines (test_worker_client.py is), so they get a minute of room.
+        # This machine can at times stop running every process for seconds, the CPU idle
+        # meanwhile (a sleep(0.05) loop beside a decoding vLLM engine woke up to 7 s late,
+        # 14 times in 2 minutes; in later runs of the same, and beside two busy loops,
+        # never). A timer then fires at the same wakeup as the connect or answer it
+        # guards, and wins: CI saw a loopback connect "time out" after 15 s. The protocol
+        # tests are not about these deadlines (test_worker_client.py is): a minute of room.
         kwargs.setdefault("connect_timeout", 60.0)
         kwargs.setdefault("control_timeout", 60.0)
         kwargs.setdefault("token", self.token)
