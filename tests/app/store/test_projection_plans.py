@@ -1,0 +1,102 @@
+"""The projection trigger finds the read-model rows it updates by key, whatever the
+tables held when its plans were made (migration 0009).
+
+The trigger's plans are generic and kept per connection (0007), made at a
+connection's first append. A connection that makes them on an empty log, with a first
+batch of many events (a gateway's writer at its first group commit), must still look
+rows up by key once the day holds many: a plan that reads the whole partition costs
+each batch more as the day grows. auto_explain, sent to this client, shows the plan
+each statement of the trigger ran.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import asyncpg
+import pytest
+
+from app.store.codec import EventRow, to_row
+from app.store.database import asyncpg_dsn
+from app.store.insert import LogSchema, insert_rows
+from ops import traces
+
+# a read model's partition, read whole
+WHOLE_READ = re.compile(r"Seq Scan on (requests|request_attempts)\w*")
+BY_KEY = re.compile(r"Index (Only )?Scan using \w+ on (requests|request_attempts)\w*")
+
+
+def rows(trace: traces.Trace) -> list[EventRow]:
+    day = to_row(trace.events[0]).accepted_on
+    return [to_row(event, day) for event in trace.events]
+
+
+def scenario(prefix: str, requests: int) -> Iterable[traces.Trace]:
+    """Requests of every kind the projection's attempt statements see: first tokens,
+    failures, fences, cancels, releases and completions."""
+    kinds: list[Callable[[str], traces.Trace]] = [traces.completed, traces.retried_before_first_delta]
+    kinds += [traces.fenced_then_retried, traces.cancelled_by_client]
+    return (kinds[number % len(kinds)](f"{prefix}_{number}") for number in range(requests))
+
+
+@pytest.fixture
+async def connection(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        try:
+            await conn.execute("LOAD 'auto_explain'")
+        except asyncpg.PostgresError as exc:
+            pytest.skip(f"auto_explain is not available on this server: {exc}")
+        await conn.execute("SET auto_explain.log_min_duration = 0; SET auto_explain.log_nested_statements = on")
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def plans_of(conn: asyncpg.Connection, batch: list[EventRow], schema: LogSchema) -> list[str]:
+    """The plans of the statements one append ran, the trigger's included."""
+    messages: list[str] = []
+
+    def listen(_: object, message: asyncpg.PostgresLogMessage) -> None:
+        messages.append(str(message))
+
+    conn.add_log_listener(listen)
+    await conn.execute("SET client_min_messages = log")
+    try:
+        await insert_rows(conn, batch, copy=len(batch) > 1, schema=schema)
+    finally:
+        await conn.execute("SET client_min_messages = notice")
+        conn.remove_log_listener(listen)
+    return messages
+
+
+async def test_the_projection_looks_rows_up_by_key_on_plans_made_on_an_empty_log(
+    connection: asyncpg.Connection,
+) -> None:
+    schema = LogSchema()
+    await schema.learn(connection)
+    # the plans are made now: on empty tables, for a first batch of 40 requests' events
+    first = [row for trace in scenario("req_first", 40) for row in rows(trace)]
+    await insert_rows(connection, first, copy=True, schema=schema)
+    for start in range(0, 400, 20):  # the day grows
+        grown = [row for trace in scenario(f"req_grown_{start}", 20) for row in rows(trace)]
+        await insert_rows(connection, grown, copy=True, schema=schema)
+
+    batch = [row for trace in scenario("req_last", 8) for row in rows(trace)]
+    plans = "\n".join(await plans_of(connection, batch, schema))
+    # the statements ran, and were explained
+    assert "UPDATE request_attempts a SET completed_at = finished.occurred_at" in plans
+    assert "UPDATE request_attempts a SET\n" in plans and "UPDATE requests r SET" in plans
+    assert not WHOLE_READ.findall(plans), plans
+    assert {match.group(2) for match in BY_KEY.finditer(plans)} == {"requests", "request_attempts"}
+
+    # a batch of deliveries only: the narrow update of requests
+    trace = traces.completed("req_deliveries", texts=("a", "b", "c", "d"))
+    await insert_rows(connection, rows(trace)[:-3], copy=False, schema=schema)
+    deliveries = rows(trace)[-3:-1]
+    assert {row.type for row in deliveries} == {"DeltasDelivered"}
+    plans = "\n".join(await plans_of(connection, deliveries, schema))
+    assert "UPDATE requests r SET" in plans
+    assert not WHOLE_READ.findall(plans), plans
+    assert BY_KEY.search(plans), plans
