@@ -12,7 +12,10 @@ order things happened.
 Deliveries reach the log while the stream runs (DESIGN.md §11): a batch that closes
 (full, or aged by a timer) is appended at once, group-committed and never awaited on
 the per-token path, and while one append of the request is on its way to the commit
-the next batch waits for it. While one batch commits and the next is closed and
+the next batch waits for it. Where the store can take it without a wait, a closed
+batch is queued in the step that closed it and its commit observed by a callback; a
+task does it only where it must wait (a flush of the request under way, the writer's
+queue full, a store that cannot queue in one step). While one batch commits and the next is closed and
 waiting, the HTTP layer sends nothing more (``behind``, ``until_the_log_moves``), so
 the log is behind what the client received by at most two batches and never ahead of
 it, however slow the commits get under load.
@@ -28,20 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from app.driver.batches import OpenBatch
 from app.driver.context import GatewayContext
 from app.driver.shielded import shielded
-from app.store.content import kept_text
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
 from statemachine.events import (
     TERMINAL_EVENT_TYPES,
     DeltasDelivered,
-    DeltasProduced,
     Event,
     FirstDeltaCommitted,
     ReleaseReason,
@@ -56,23 +57,6 @@ log = logging.getLogger("phasegate.driver")
 STORE_OUTAGE_GRACE_S = 10.0
 
 
-@dataclass(slots=True)
-class _OpenBatch:
-    """Deltas written to the client and not yet recorded (one ``DeltasDelivered``), or
-    produced while no client was attached (one ``DeltasProduced``)."""
-
-    attempt: int
-    lease_epoch: int
-    from_index: int
-    opened_at: float  # monotonic: the batch's age closes it
-    first_at: datetime  # wall clock: the event's time
-    tokens: int = 0
-    texts: list[str] = field(default_factory=list)
-    shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
-    produced: bool = False  # recorded as produced, not delivered (no client attached)
-    logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
-
-
 class Recorder:
     def __init__(self, ctx: GatewayContext, state: RequestState) -> None:
         """Record onward from ``state``: a new request's, or what the log already holds."""
@@ -81,8 +65,8 @@ class Recorder:
         self.appended_version = state.seq
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
-        self._batch: _OpenBatch | None = None  # deliveries not yet recorded as one event
-        self._appending: asyncio.Task[None] | None = None  # closed batches on their way to the log
+        self._batch: OpenBatch | None = None  # deliveries not yet recorded as one event
+        self._appending: asyncio.Future[None] | None = None  # closed batches on their way to the log
         self._batches_waiting = 0  # closed delivery batches queued behind the one on its way
         self._log_moved = asyncio.Event()  # an append of this request committed
         self._sealed = False  # the log was lost: nothing more is recorded (seal())
@@ -182,24 +166,18 @@ class Recorder:
         if batch is None:
             state = self.state
             start = state.produced_deltas if produced else state.delivered_deltas
-            batch = self._batch = _OpenBatch(
+            batch = self._batch = OpenBatch(
                 attempt, lease_epoch, start, self.ctx.clock(), self.ctx.wall_clock(), produced=produced
             )
             asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
-        batch.tokens += tokens
-        batch.texts.append(text)
-        batch.shapes.append((choice, len(text), tokens))
-        if logprobs is not None and batch.logprobs is None:  # deltas before it carried none
-            batch.logprobs = [()] * (len(batch.shapes) - 1)
-        if batch.logprobs is not None:
-            batch.logprobs.append(logprobs or ())
-        if len(batch.texts) >= config.delivery_batch_tokens or (
+        batch.add(tokens, text, choice, logprobs)
+        if batch.deltas >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):
             self.close_batch()
             self._append_deliveries(produced)
 
-    def _batch_aged(self, batch: _OpenBatch) -> None:
+    def _batch_aged(self, batch: OpenBatch) -> None:
         """The batch's timer: a stream that pauses still gets its deliveries recorded."""
         if self._batch is batch:
             self.close_batch()
@@ -210,7 +188,38 @@ class Recorder:
         request is still on its way, it takes what queued meanwhile once it committed.
         Produced output goes to the log as it is recorded, before any commit point too."""
         if self._appending is None and (self.appending_deliveries or produced):
-            self._appending = self.ctx.spawn(self._append_grouped(), name=f"deliveries {self.request_id}")
+            self._append_queued()
+
+    def _append_queued(self) -> None:
+        """Queue what is queued here for a group commit in this step where the store
+        takes it without a wait (no append of the request under way, the writer has
+        room), its commit observed by :meth:`_committed`; else in a task that waits."""
+        if not self._lock.locked():  # a flush of the request is under way: queue behind it
+            events = list(self._queued)
+            try:
+                committed = self.ctx.store.append_grouped_now(self.request_id, self.appended_version, events)
+            except StoreUnavailable:
+                return  # still queued here: the next flush takes them along
+            except StoreError as exc:  # a conflict: the request's next append conflicts too
+                log.warning("request %s: recording deliveries failed: %s", self.request_id, exc)
+                return
+            if committed is not None:
+                self._taken(len(events))
+                self.appended_version += len(events)
+                self._appending = committed
+                committed.add_done_callback(self._committed)
+                return
+        self._appending = self.ctx.spawn(self._append_grouped(), name=f"deliveries {self.request_id}")
+
+    def _committed(self, committed: asyncio.Future[None]) -> None:
+        """An append queued by :meth:`_append_queued` settled: the next one may go."""
+        self._appending = None
+        self._log_moved.set()
+        exc = committed.exception() if not committed.cancelled() else None
+        if exc is not None:
+            log.warning("request %s: recording deliveries failed: %s", self.request_id, exc)
+        elif self._queued:  # what closed meanwhile, as the task takes it
+            self._append_queued()
 
     async def _append_grouped(self) -> None:
         try:
@@ -247,7 +256,7 @@ class Recorder:
             return config.delivery_batch_tokens
         if self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000:
             return 1  # aged: the next delta closes it
-        return max(1, config.delivery_batch_tokens - len(batch.texts))
+        return max(1, config.delivery_batch_tokens - batch.deltas)
 
     @property
     def behind(self) -> bool:
@@ -271,23 +280,10 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        policy = self.ctx.config.content_policy
-        text, text_sha256 = kept_text("".join(batch.texts), policy)
-        fields: dict[str, Any] = {
-            "attempt": batch.attempt,
-            "lease_epoch": batch.lease_epoch,
-            "from_index": batch.from_index,
-            "to_index": batch.from_index + len(batch.texts),
-            "tokens": batch.tokens,
-            "text": text,
-            "text_sha256": text_sha256,
-            "deltas": tuple(batch.shapes),
-        }
-        if not batch.produced:  # with the delivered text only: log probabilities are content (DESIGN.md §13)
-            fields["logprobs"] = tuple(batch.logprobs) if batch.logprobs is not None and policy == "full" else None
+        cls, fields = batch.event(self.ctx.config.content_policy)
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
-        self._queue(DeltasProduced if batch.produced else DeltasDelivered, fields, occurred_at=batch.first_at)
+        self._queue(cls, fields, occurred_at=batch.first_at)
         if not batch.produced:
             self._batches_waiting += 1
 
@@ -320,14 +316,14 @@ class Recorder:
     def delivered_deltas(self) -> int:
         """Deltas written to the client so far, the open batch included."""
         batch = self._batch
-        open_batch = len(batch.texts) if batch is not None and not batch.produced else 0
+        open_batch = batch.deltas if batch is not None and not batch.produced else 0
         return self.state.delivered_deltas + open_batch
 
     @property
     def recorded_deltas(self) -> int:
         """Deltas of the current attempt recorded, delivered or produced, the open batch included."""
         batch = self._batch
-        open_batch = len(batch.texts) if batch is not None else 0
+        open_batch = batch.deltas if batch is not None else 0
         base = self.state.produced_deltas if batch is None else batch.from_index
         return max(self.state.produced_deltas, base + open_batch, self.delivered_deltas)
 

@@ -18,6 +18,7 @@ order even when cheap deliveries are followed by a durable terminal event:
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -72,6 +73,15 @@ class EventStore(abc.ABC):
         are queued: the awaitable returned completes when they are committed, or raises
         the append's :class:`~app.store.errors.StoreError`. Through an outage they stay
         queued and the awaitable waits."""
+
+    def append_grouped_now(
+        self, request_id: str, expected_version: int, events: Sequence[Event]
+    ) -> asyncio.Future[None] | None:
+        """:meth:`append_grouped` in the caller's own step, where queueing needs no wait:
+        the future that settles at the commit, or ``None`` when it would wait (then
+        nothing was queued: call :meth:`append_grouped`). A store that cannot queue in
+        one step says ``None`` always."""
+        return None
 
     @abc.abstractmethod
     async def read(self, request_id: str) -> list[Event]:

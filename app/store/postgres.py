@@ -117,6 +117,12 @@ class PostgresEventStore(EventStore):
         assert committed is not None
         return committed
 
+    def append_grouped_now(
+        self, request_id: str, expected_version: int, events: Sequence[Event]
+    ) -> asyncio.Future[None] | None:
+        check_append(request_id, expected_version, events)
+        return self.writer.enqueue_now(request_id, expected_version, self._rows(request_id, events))
+
     def _rows(self, request_id: str, events: Sequence[Event]) -> list[EventRow]:
         """The rows of ``events``, each with its request's accept day (the partition key)
         when this store accepted the request; else the INSERT looks the day up."""

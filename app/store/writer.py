@@ -41,41 +41,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import asyncpg
 
 from app.store.codec import EventRow
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, rejection
 from app.store.insert import LogSchema, insert_rows
+from app.store.pending import Failures, PendingAppend
 
 logger = logging.getLogger("phasegate.store.writer")
 
-_FAILURES_KEPT = 10_000  # failed requests remembered, oldest forgotten first
 # What PostgreSQL, or asyncpg before sending, refuses about the rows themselves (a
 # conflict, a value out of range): it fails the offending append, never the writer.
 _REJECTIONS = (asyncpg.PostgresError, asyncpg.DataError)
-
-
-@dataclass(eq=False, slots=True)
-class PendingAppend:
-    request_id: str
-    expected_version: int
-    rows: Sequence[EventRow]
-    ticket: int  # submission order
-    durable: bool  # written at once; an outage fails it instead of keeping it queued
-    done: asyncio.Future[None] | None  # settled at the commit, for a caller that waits on it
-    error: StoreError | None = None
-    behind_failure: bool = False  # failed because an earlier append of its request did
-
-
-@dataclass(slots=True)
-class _Failure:
-    """A failed append: the request's appends submitted up to ``up_to_ticket`` fail too."""
-
-    error: StoreError
-    up_to_ticket: int
-    reported: bool  # the caller has seen the error (raised by a durable append or the next one)
 
 
 class GroupCommitWriter:
@@ -116,7 +94,7 @@ class GroupCommitWriter:
         self._progress = asyncio.Event()  # a batch settled (flush() checks again)
         self._flushers = 0
         self._tickets = 0
-        self._failures: collections.OrderedDict[str, _Failure] = collections.OrderedDict()
+        self._failures = Failures()
         self._unavailable: StoreError | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -171,10 +149,28 @@ class GroupCommitWriter:
         through an outage, still queued, like any other that is not durable."""
         while True:
             self._check_accepting(request_id)
-            if self._queued_events == 0 or self._queued_events + len(rows) <= self._max_queued_events:
-                break
+            if self._has_room(len(rows)):
+                return self._put(request_id, expected_version, rows, durable=durable, track=track)
             self._room.clear()
             await self._room.wait()
+
+    def enqueue_now(
+        self, request_id: str, expected_version: int, rows: Sequence[EventRow]
+    ) -> asyncio.Future[None] | None:
+        """:meth:`enqueue` of a tracked group-committed append in the caller's own step,
+        where that needs no wait: the future that settles at its commit, or ``None``
+        when the queue has no room for it now (then nothing was queued)."""
+        self._check_accepting(request_id)
+        if not self._has_room(len(rows)):
+            return None
+        return self._put(request_id, expected_version, rows, durable=False, track=True)
+
+    def _has_room(self, events: int) -> bool:
+        return self._queued_events == 0 or self._queued_events + events <= self._max_queued_events
+
+    def _put(
+        self, request_id: str, expected_version: int, rows: Sequence[EventRow], *, durable: bool, track: bool
+    ) -> asyncio.Future[None] | None:
         self._tickets += 1
         done = asyncio.get_running_loop().create_future() if track else None
         self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, durable, done))
@@ -230,10 +226,7 @@ class GroupCommitWriter:
             raise StoreClosed("the event store is closed")
         if self._unavailable is not None:
             raise self._unavailable
-        failure = self._failures.get(request_id)
-        if failure is not None and not failure.reported:
-            failure.reported = True
-            raise failure.error
+        self._failures.check(request_id)
 
     # --- the writer task ---------------------------------------------------------------
 
@@ -293,9 +286,9 @@ class GroupCommitWriter:
     async def _write(self, batch: list[PendingAppend]) -> None:
         writable = []
         for entry in batch:
-            failure = self._failures.get(entry.request_id)
-            if failure is not None and entry.ticket <= failure.up_to_ticket:
-                self._settle(entry, failure.error, behind_failure=True)
+            error = self._failures.behind(entry)
+            if error is not None:
+                self._settle(entry, error, behind_failure=True)
             else:
                 writable.append(entry)
         if not writable:
@@ -348,10 +341,7 @@ class GroupCommitWriter:
     def _settle(self, entry: PendingAppend, error: StoreError | None, *, behind_failure: bool = False) -> None:
         reported = entry.done is not None  # its caller sees the error
         if error is not None and not behind_failure:
-            self._failures[entry.request_id] = _Failure(error, self._tickets, reported=reported)
-            self._failures.move_to_end(entry.request_id)
-            while len(self._failures) > _FAILURES_KEPT:
-                self._failures.popitem(last=False)
+            self._failures.add(entry.request_id, error, self._tickets, reported=reported)
             if not reported:
                 logger.warning("a queued append of request %s failed: %s", entry.request_id, error)
         if entry.done is None or entry.done.done():

@@ -219,3 +219,47 @@ async def test_a_batch_holds_at_most_max_batch_events(open_store: StoreFactory) 
     assert store.writer.batches - before >= events // 100
     for trace in scenario[::7]:
         assert await store.read(trace.request_id) == trace.events
+
+
+async def test_an_append_queued_in_the_callers_step_settles_at_its_commit(
+    open_store: StoreFactory, database_url: str
+) -> None:
+    store = await open_store(max_queued_events=8, flush_delay=0.05)
+    trace = traces.completed("req_now", texts=tuple(str(n) for n in range(12)))
+    await store.append("req_now", 0, trace.events[:5])
+    committed = store.append_grouped_now("req_now", 5, trace.events[5:7])
+    assert committed is not None
+    assert store.writer.queued_events == 2  # queued in this step, with no await between
+    assert not committed.done() and await visible(database_url, "req_now") == 5
+    await asyncio.wait_for(committed, 10)
+    assert await store.read("req_now") == trace.events[:7]
+
+    blocker = await asyncpg.connect(asyncpg_dsn(database_url))
+    transaction = blocker.transaction()
+    await transaction.start()
+    await blocker.execute("SELECT * FROM requests WHERE request_id = 'req_now' FOR UPDATE")  # stalls the trigger
+    try:
+        first = store.append_grouped_now("req_now", 7, trace.events[7:9])
+        assert first is not None
+        await asyncio.sleep(0.2)  # taken into a transaction that waits on the lock
+        second = store.append_grouped_now("req_now", 9, trace.events[9:15])
+        assert second is not None and store.writer.queued_events == 6
+        assert store.append_grouped_now("req_now", 15, trace.events[15:18]) is None  # nine: no room in eight
+        assert store.writer.queued_events == 6  # nothing queued by the refusal
+    finally:
+        await transaction.rollback()
+        await blocker.close()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert await store.read("req_now") == trace.events[:15]
+
+
+async def test_a_conflict_of_an_append_queued_in_step_settles_its_future(open_store: StoreFactory) -> None:
+    store, rival = await open_store(flush_delay=0.01), await open_store()
+    trace = traces.completed("req_now_conflict", texts=("a", "b", "c"))
+    await store.append(trace.request_id, 0, trace.events[:5])
+    await rival.append(trace.request_id, 5, [other_delivery(trace, 6)])
+    committed = store.append_grouped_now(trace.request_id, 5, trace.events[5:6])
+    assert committed is not None
+    with pytest.raises(StreamConflict):
+        await asyncio.wait_for(committed, 10)
+    assert await store.read(trace.request_id) == [*trace.events[:5], other_delivery(trace, 6)]

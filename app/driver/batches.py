@@ -1,0 +1,65 @@
+"""A delivery batch: the deltas that one ``DeltasDelivered`` (or, while no client is
+attached, one ``DeltasProduced``) will record, gathered as they are written.
+
+The recorder (:mod:`app.driver.recorder`) opens one at a request's first delta after
+any other event, adds each delta, and closes it full, aged or cut by another event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from app.store.content import kept_text
+from statemachine.events import DeltasDelivered, DeltasProduced, Event, TokenLogprob
+
+
+@dataclass(slots=True)
+class OpenBatch:
+    """Deltas written to the client and not yet recorded, or produced while no client
+    was attached (``produced``)."""
+
+    attempt: int
+    lease_epoch: int
+    from_index: int
+    opened_at: float  # monotonic: the batch's age closes it
+    first_at: datetime  # wall clock: the event's time
+    tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
+    produced: bool = False  # recorded as produced, not delivered (no client attached)
+    logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
+
+    def add(self, tokens: int, text: str, choice: int, logprobs: tuple[TokenLogprob, ...] | None) -> None:
+        self.tokens += tokens
+        self.texts.append(text)
+        self.shapes.append((choice, len(text), tokens))
+        if logprobs is not None and self.logprobs is None:  # deltas before it carried none
+            self.logprobs = [()] * (len(self.shapes) - 1)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs or ())
+
+    @property
+    def deltas(self) -> int:
+        return len(self.texts)
+
+    def event(self, content_policy: str) -> tuple[type[Event], dict[str, Any]]:
+        """The event that records the batch, and its fields, under ``content_policy``."""
+        text, text_sha256 = kept_text("".join(self.texts), content_policy)
+        fields: dict[str, Any] = {
+            "attempt": self.attempt,
+            "lease_epoch": self.lease_epoch,
+            "from_index": self.from_index,
+            "to_index": self.from_index + len(self.texts),
+            "tokens": self.tokens,
+            "text": text,
+            "text_sha256": text_sha256,
+            "deltas": tuple(self.shapes),
+        }
+        if self.produced:
+            return DeltasProduced, fields
+        # with the delivered text only: log probabilities are content (DESIGN.md §13)
+        full = self.logprobs is not None and content_policy == "full"
+        fields["logprobs"] = tuple(self.logprobs) if full and self.logprobs is not None else None
+        return DeltasDelivered, fields
