@@ -15,10 +15,10 @@ the per-token path, and while one append of the request is on its way to the com
 the next batch waits for it. Where the store can take it without a wait, a closed
 batch is queued in the step that closed it and its commit observed by a callback; a
 task does it only where it must wait (a flush of the request under way, the writer's
-queue full, a store that cannot queue in one step). While one batch commits and the next is closed and
-waiting, the HTTP layer sends nothing more (``behind``, ``until_the_log_moves``), so
-the log is behind what the client received by at most two batches and never ahead of
-it, however slow the commits get under load.
+queue full, a store that cannot queue in one step). While one batch commits and the
+next is closed and waiting, the HTTP layer sends nothing more (``behind``,
+``until_the_log_moves``), so the log is behind what the client received by at most two
+batches and never ahead of it, however slow the commits get under load.
 
 Appends run shielded (:mod:`app.driver.shielded`): a client that disconnects
 mid-append cancels the HTTP task, not the append. While PostgreSQL is down, a durable flush retries for
@@ -194,7 +194,7 @@ class Recorder:
         """Queue what is queued here for a group commit in this step where the store
         takes it without a wait (no append of the request under way, the writer has
         room), its commit observed by :meth:`_committed`; else in a task that waits."""
-        if not self._lock.locked():  # a flush of the request is under way: queue behind it
+        if not self._lock.locked():  # (else a flush of the request holds it: the task waits behind it)
             events = list(self._queued)
             try:
                 committed = self.ctx.store.append_grouped_now(self.request_id, self.appended_version, events)
