@@ -60,6 +60,5 @@ class OpenBatch:
         if self.produced:
             return DeltasProduced, fields
         # with the delivered text only: log probabilities are content (DESIGN.md §13)
-        full = self.logprobs is not None and content_policy == "full"
-        fields["logprobs"] = tuple(self.logprobs) if full and self.logprobs is not None else None
+        fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None and content_policy == "full" else None
         return DeltasDelivered, fields

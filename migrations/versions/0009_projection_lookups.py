@@ -62,11 +62,10 @@ _GUARD_BY_KEY = """             WHERE r.request_id = c.request_id AND r.accepted
             updated := updated + one;
         END LOOP;
 """
-_DELIVERIES_HEAD = "        UPDATE requests r SET\n"
+_UPDATE_REQUESTS = "        UPDATE requests r SET\n"
 _DELIVERIES_FROM = "          FROM (SELECT request_id, accepted_on,\n"
 _DELIVERIES_SOURCE_END = ") c\n"
 _CHANGES_HEAD = "        WITH batch AS (\n"
-_CHANGES_UPDATE = "        UPDATE requests r SET\n"
 _CHANGES_FROM = "          FROM changes c\n"
 _NEWS_HEAD = """    IF has_attempt_news THEN
         UPDATE request_attempts a SET
@@ -125,10 +124,9 @@ def _previous_projection() -> str:
     return function
 
 
-def _requests_by_key(function: str, head: str, source: str, assignments: str, rest: int) -> str:
-    """``function`` with the update of requests that starts at ``head`` made a loop
-    over ``source``'s rows, each updating its request by key; ``rest``: where the
-    update's guard begins."""
+def _requests_by_key(function: str, head: int, source: str, assignments: str, rest: int) -> str:
+    """``function`` with the update of requests between ``head`` and its guard (at
+    ``rest``) made a loop over ``source``'s rows, each updating its request by key."""
     assert function.startswith(_GUARD, rest), "0007's projection changed near the stream guard"
     by_key = (
         "        FOR c IN\n"
@@ -138,7 +136,7 @@ def _requests_by_key(function: str, head: str, source: str, assignments: str, re
         f"{_indented(assignments, 4)}"
         f"{_GUARD_BY_KEY}"
     )
-    return function[: function.index(head)] + by_key + function[rest + len(_GUARD) :]
+    return function[:head] + by_key + function[rest + len(_GUARD) :]
 
 
 def projection() -> str:
@@ -146,19 +144,19 @@ def projection() -> str:
     updates by key (the module docstring)."""
     function = _previous_projection()
     # deliveries only: UPDATE requests r SET … FROM (SELECT … ) c WHERE <guard>
-    head = function.index(_DELIVERIES_HEAD)
+    head = function.index(_UPDATE_REQUESTS)
     source = function.index(_DELIVERIES_FROM, head)
     end = function.index(_DELIVERIES_SOURCE_END, source)
-    assignments = function[head + len(_DELIVERIES_HEAD) : source]
+    assignments = function[head + len(_UPDATE_REQUESTS) : source]
     select = " " * 12 + function[source + len("          FROM (") : end] + "\n"
-    function = _requests_by_key(function, _DELIVERIES_HEAD, select, assignments, end + len(_DELIVERIES_SOURCE_END))
+    function = _requests_by_key(function, head, select, assignments, end + len(_DELIVERIES_SOURCE_END))
     # the others: WITH batch AS (…), changes AS (…) UPDATE requests r SET … FROM changes c WHERE <guard>
     head = function.index(_CHANGES_HEAD)
-    update = function.index(_CHANGES_UPDATE, head)
+    update = function.index(_UPDATE_REQUESTS, head)
     source_end = function.index(_CHANGES_FROM, update)
     changes = _indented(function[head:update], 4) + "            SELECT * FROM changes\n"
-    assignments = function[update + len(_CHANGES_UPDATE) : source_end]
-    function = _requests_by_key(function, _CHANGES_HEAD, changes, assignments, source_end + len(_CHANGES_FROM))
+    assignments = function[update + len(_UPDATE_REQUESTS) : source_end]
+    function = _requests_by_key(function, head, changes, assignments, source_end + len(_CHANGES_FROM))
     # the attempts' news: UPDATE request_attempts a SET … FROM (SELECT … ) u WHERE <key>
     head = function.index(_NEWS_HEAD)
     source = function.index(_NEWS_FROM, head)

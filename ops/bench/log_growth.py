@@ -57,12 +57,17 @@ def cpu_by_process(root: int) -> dict[int, tuple[str, float]]:
     return found
 
 
-async def statements(url: str, count: int, setup: bool) -> None:
+async def count_statements(url: str) -> None:
     connection = await asyncpg.connect(asyncpg_dsn(url))
     try:
-        if setup:
-            await connection.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            return
+        await connection.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    finally:
+        await connection.close()
+
+
+async def print_statements(url: str, count: int) -> None:
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
         for row in await connection.fetch(TOP, count):
             calls, total, mean = row["calls"], row["total_exec_time"], row["mean_exec_time"]
             print(f"{calls:>8} calls {total:>9.1f} ms {mean:>8.3f} ms each  {row['query']}")
@@ -91,7 +96,7 @@ def main() -> None:
     try:
         upgrade(database.start())
         if options.statements:
-            asyncio.run(statements(database.url, 0, setup=True))
+            asyncio.run(count_statements(database.url))
         wait_serving(Peer("fake vLLM", upstream_port, upstream, ""))
         time.sleep(options.idle_s)
         gateway = start_peer("phasegate", upstream_port, workdir, argparse.Namespace(processes=1), database.url)
@@ -116,7 +121,7 @@ def main() -> None:
                 flush=True,
             )
         if options.statements:
-            asyncio.run(statements(database.url, options.statements, setup=False))
+            asyncio.run(print_statements(database.url, options.statements))
     finally:
         if gateway is not None:
             stop(gateway.process)
