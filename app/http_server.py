@@ -34,13 +34,13 @@ passes (a lingering close, as Apache and nginx do).
 
 A response without ``Content-Length`` is chunked for an HTTP/1.1 client; uvicorn's
 httptools protocol chunks it for an HTTP/1.0 client too, which cannot read that, so
-here that body is delimited by the connection's close (``_Cycle``).
+here that body is delimited by the connection's close (``app.http_cycle.Cycle``).
 
 Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
 is lost before the response completed, for an application that must notice a client
 leaving while it sends nothing (a stream waiting for its next token) without a task of
 its own blocked on ``receive()``; and ``CHUNK_WRITER``, which writes a streamed response's
-body chunks straight to the socket (``ChunkWriter``).
+body chunks straight to the socket (``app.http_cycle.ChunkWriter``).
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ import enum
 import json
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.http_cycle import CHUNK_WRITER, ChunkWriter, Cycle
 
 log = logging.getLogger("phasegate.http")
 
@@ -64,9 +65,6 @@ LINGER_S = 5.0  # how long the bytes of a refused request are read and dropped b
 # response is complete: an application waits on it, or calls back from it, where it would
 # otherwise keep a task awaiting ``receive()`` for ``http.disconnect`` (one a request).
 CLIENT_GONE = "phasegate.client_gone"
-# The scope's key for the request's ``ChunkWriter``: a streamed body's chunks written
-# without an ASGI message each, framed here rather than by uvicorn's ``send``.
-CHUNK_WRITER = "phasegate.chunk_writer"
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 _REQUEST_LINE = len(b"  HTTP/1.1\r\n")  # a request line's bytes beside its method and target
 
@@ -90,72 +88,6 @@ class HttpLimits:
         if type(self.max_header_bytes) is not int or self.max_header_bytes < 1024:
             found.append("max_header_bytes must be a whole number, at least 1024")
         return found
-
-
-class ChunkWriter:
-    """Writes the body chunks of one response that has no ``Content-Length`` (a stream)
-    as uvicorn's ``send`` of an ``http.response.body`` message would, less its per-chunk
-    cost: no message dict, and the chunk framed here. The response's start and its end
-    still go through the ASGI ``send``, and so does every chunk of a body that is not
-    chunked (an HTTP/1.0 client's, delimited by the connection's close)."""
-
-    __slots__ = ("cycle",)
-
-    def __init__(self, cycle: RequestResponseCycle) -> None:
-        self.cycle = cycle
-
-    def write_now(self, data: bytes) -> bool:
-        """Write ``data`` as one chunk if that asks for no wait: the response started and
-        is chunked, the client is there and the socket's buffer is not full; whether it
-        was written (if not, ``write`` does what is left to do)."""
-        cycle = self.cycle
-        if (
-            not data  # an empty chunk would end the body
-            or not cycle.chunked_encoding  # set by the response's start
-            or cycle.response_complete
-            or cycle.flow.write_paused
-            or cycle.disconnected
-        ):
-            return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return True
-
-    async def write(self, data: bytes) -> None:
-        """Write ``data`` as one chunk, after the socket's buffer drained if it was full;
-        nothing once the client is gone (as uvicorn's ``send``)."""
-        if self.write_now(data):
-            return
-        cycle = self.cycle
-        if not cycle.chunked_encoding or cycle.response_complete:
-            await cycle.send({"type": "http.response.body", "body": data, "more_body": True})
-            return
-        if cycle.flow.write_paused and not cycle.disconnected:
-            await cycle.flow.drain()
-        if cycle.disconnected or not data:  # an empty chunk would end the body
-            return
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-
-
-class _Cycle(RequestResponseCycle):
-    """uvicorn's request-response cycle, but a body without ``Content-Length`` sent to an
-    HTTP/1.0 client delimited by the connection's close (which the cycle does for 1.0),
-    not chunked: told as a content length that no body reaches, until its last part."""
-
-    close_delimited = False
-
-    async def send(self, message: Any) -> None:
-        if message["type"] == "http.response.start":
-            headers = message.get("headers", ())
-            if (
-                self.scope["http_version"] == "1.0"
-                and self.chunked_encoding is None
-                and not any(name.lower() == b"content-length" for name, _ in headers)
-            ):
-                self.chunked_encoding, self.close_delimited = False, True
-                self.expected_content_length = sys.maxsize
-        elif self.close_delimited and not message.get("more_body", False):
-            self.expected_content_length = len(message.get("body", b""))  # the end: nothing is missing
-        await super().send(message)
 
 
 class Phase(enum.Enum):
@@ -264,11 +196,11 @@ class LimitedProtocol(HttpToolsProtocol):
         cycle = self.cycle  # a request read now has a cycle whose task has not run yet
         if cycle is not None and CLIENT_GONE not in cycle.scope:
             # uvicorn makes the cycle itself; its task has not run yet, and looks up
-            # ``cycle.send`` when it does: from here on that is _Cycle's
-            cycle.__class__ = _Cycle
+            # ``cycle.send`` when it does: from here on that is Cycle's
+            cycle.__class__ = Cycle
             scope = cast(dict[str, Any], cycle.scope)
             scope[CLIENT_GONE] = self.loop.create_future()
-            scope[CHUNK_WRITER] = ChunkWriter(cycle)
+            scope[CHUNK_WRITER] = ChunkWriter(cast(Cycle, cycle))
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

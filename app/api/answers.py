@@ -20,12 +20,12 @@ from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
 from app.api.sse import DONE, ResponseShape, response_id, sse_event
-from app.api.token_stream import Leaving, client_gone, still_cancelled
+from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
-from app.http_server import ChunkWriter
+from app.http_cycle import ChunkWriter
 from app.store.errors import StoreError
 
 log = logging.getLogger("phasegate.api")
@@ -133,14 +133,19 @@ async def stream_body(
     charge: Callable[[int], None],
     start: int = 0,
     writer: ChunkWriter | None = None,
+    committed: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed answer, from delta ``start`` (a resumed client's);
     ``charge`` takes the tokens the client was sent (the tenant's tokens per minute) when
     it ends, however it ends. With the server's ``writer`` (``CHUNK_WRITER``) the loop's
-    task writes each delta that comes while this body waits caught up (``_Stream.push``)."""
+    task writes each delta that comes while this body waits caught up (``_Stream.push``).
+    ``committed`` (:func:`until_committed`) waits for a commit point begun before the
+    response, ahead of the first events."""
     client = driver.outputs  # this client's reading end; a resumed client gets another
     stream = _Stream(driver, shape, gone, start, writer)
     try:
+        if committed is not None:
+            await committed()
         while True:
             if type(output) is Delta:
                 recorder = driver.recorder
@@ -206,6 +211,24 @@ async def stream_body(
     finally:
         client.direct = None
         charge(stream.delivered_tokens)
+
+
+async def until_committed(driver: RequestDriver, committing: asyncio.Future[None], headers: dict[str, str]) -> None:
+    """Wait for the commit point begun before the response was made ready
+    (``RequestDriver.begin_commit``); a log that could not take it refuses the stream
+    with 503 and nothing delivered (:class:`Refused`), as if it had never begun."""
+    try:
+        await asyncio.shield(committing)  # a client that leaves cancels the wait, not the append
+    except StoreError:
+        raise Refused(log_unavailable(driver, headers)) from None
+
+
+def log_unavailable(driver: RequestDriver, headers: dict[str, str]) -> Response:
+    """The answer to a request whose log failed before anything was delivered: 503, and
+    the request ended in the log that way once it is back."""
+    log.error("request %s refused: the event log is unavailable", driver.request_id)
+    driver.log_lost(output_delivered=False)
+    return failure_response(driver.request_id, log_loss.failure(0), headers)
 
 
 async def unless_client_leaves(request: Request, driver: RequestDriver, work: Awaitable[T]) -> T | None:

@@ -53,7 +53,7 @@ from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
 from app.driver.outputs import Delta, Failed, Output, Restarted
 from app.driver.request import GenerationRequest
-from app.http_server import CHUNK_WRITER
+from app.http_cycle import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev

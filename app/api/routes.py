@@ -15,6 +15,7 @@ grace, then is cancelled (DESIGN.md §12).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -32,7 +33,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.admin import admin_routes
-from app.api.answers import failure_response, stream_body, unless_client_leaves, whole_answer
+from app.api.answers import (
+    failure_response,
+    log_unavailable,
+    stream_body,
+    unless_client_leaves,
+    until_committed,
+    whole_answer,
+)
 from app.api.auth import Authenticator
 from app.api.cancel import cancel_routes
 from app.api.errors import (
@@ -59,7 +67,7 @@ from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import CHAT, COMPLETIONS, GenerationRequest
-from app.http_server import CHUNK_WRITER
+from app.http_cycle import CHUNK_WRITER
 from app.logs import LogContext, bind_request
 from app.store.errors import StoreError
 from app.tracing import RequestSpans
@@ -174,9 +182,7 @@ class _Api:
         try:
             first = await unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
-            log.error("request %s refused: the event log is unavailable", request_id)
-            driver.log_lost(output_delivered=False)
-            return failure_response(request_id, log_loss.failure(0), headers)
+            return log_unavailable(driver, headers)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
         if not isinstance(first, Delta | Finished) or not generation.stream:  # answered whole, or failed
@@ -187,14 +193,20 @@ class _Api:
             first.headers.update(headers)
             return first
         assert isinstance(first, Delta | Finished)
+        # the commit point's append runs while the response is made ready; its first
+        # events wait for it (``until_committed``), and so does its head
+        committing = driver.begin_commit()
+        await asyncio.sleep(0)  # the store's writer sends it first: PostgreSQL works while this goes on
         shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
         gone = client_gone(request.scope, request.receive)
         charge = functools.partial(self.limiter.charge, tenant)
-        body = stream_body(driver, shape, first, gone, charge, writer=request.scope.get(CHUNK_WRITER))
+        committed = functools.partial(until_committed, driver, committing, headers)
+        writer = request.scope.get(CHUNK_WRITER)
+        body = stream_body(driver, shape, first, gone, charge, writer=writer, committed=committed)
         return TokenStreamResponse(body, headers=headers)
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
-        """Pull until the response can start: a failure, the first delta (committed), or
+        """Pull until the response can start: a failure, the first delta (to commit), or
         for a non-streamed request the whole answer."""
         async for output in driver.outputs:
             if isinstance(output, Restarted):
@@ -203,7 +215,6 @@ class _Api:
                 return output
             if not driver.request.stream:
                 return await whole_answer(driver, output)
-            await driver.commit()
             return output
         state = driver.state  # pragma: no cover - a bug in the driver if it happens
         raise RuntimeError(f"request {driver.request_id} ended without an outcome in {state.phase} at seq {state.seq}")

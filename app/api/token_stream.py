@@ -11,9 +11,12 @@ about a quarter of the gateway's CPU (``docs/performance.md``), so this response
 sse-starlette's headers and its ``SendTimeoutError`` but runs the stream in the
 request's own task:
 
+- the response starts once the body's first item is ready: a stream's body waits there
+  for its commit point, begun while the response was made ready (app/api/routes.py),
+  and may refuse the stream instead (:class:`Refused`: a 503 goes out in its place);
 - the response's start and end go through Starlette's ``send``, so its wrappers see the
   response start and end as they would; every body event goes to the server's
-  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_server.py``): no ASGI message, no
+  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_cycle.py``): no ASGI message, no
   wrapper, no framing by the server's ``send`` per event (under another server, through Starlette's ``send``);
 - the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
   awaiting ``receive()`` only under a server without it: ``client_gone``): it cancels the
@@ -38,9 +41,11 @@ from datetime import UTC, datetime
 
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.http_server import CHUNK_WRITER, CLIENT_GONE
+from app.http_cycle import CHUNK_WRITER
+from app.http_server import CLIENT_GONE
 
 log = logging.getLogger("phasegate.api")
 
@@ -91,9 +96,21 @@ class Leaving:
         return self.fired
 
 
+class Refused(Exception):
+    """Raised by a stream's body before its first events: the stream never starts, and
+    ``response`` goes out in its place (the commit point could not be made durable)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
 class TokenStreamResponse(EventSourceResponse):
     """The SSE response of a streamed answer, run as the module's docstring says. The
-    body yields bytes: each item is one write (one event, or several ready at once)."""
+    body yields bytes: each item is one write (one event, or several ready at once).
+    The response starts once the body's first item is ready, so a body may wait for
+    something before its first events (the commit point) or refuse the stream
+    (:class:`Refused`)."""
 
     def __init__(
         self,
@@ -114,16 +131,30 @@ class TokenStreamResponse(EventSourceResponse):
         write: Callable[[bytes], Awaitable[None]] = writer.write if writer is not None else _sender(send)
         leaving = Leaving(client_gone(scope, receive))
         deadline = _SendDeadline(self.send_timeout)
-        pings = _Pings(self._ping_interval, write, deadline)
+        pings: _Pings | None = None
+        events = aiter(self.events)
         try:
+            try:
+                first = await anext(events, None)  # the head goes out with the first events ready
+            except Refused as refused:
+                deadline.stop()
+                leaving.stop()
+                await refused.response(scope, receive, send)
+                return
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for data in self.events:
+            pings = _Pings(self._ping_interval, write, deadline)
+            if first is not None:
+                deadline.sending()
+                await write(first)
+                deadline.sent()
+            async for data in events:
                 deadline.sending()
                 await write(data)
                 deadline.sent()
         except BaseException as exc:
             timed_out, left = deadline.stop(), leaving.stop()
-            pings.stop()
+            if pings is not None:
+                pings.stop()
             await self._close_body()
             if isinstance(exc, asyncio.CancelledError) and not still_cancelled():
                 if timed_out:
@@ -133,6 +164,7 @@ class TokenStreamResponse(EventSourceResponse):
             raise
         deadline.stop()
         leaving.stop()
+        assert pings is not None
         await pings.finish()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -85,12 +85,35 @@ class RequestDriver(RequestLoop):
         """The commit point: durable before the first content byte is written. A whole
         answer (``flush=False``) makes it durable with its completion, in one append,
         since its first byte goes out after that: a failed append then leaves neither."""
+        if flush:
+            await asyncio.shield(self.begin_commit())
+            return
+        self._record_commit_point()
+        self._observe_ttft()
+
+    def begin_commit(self) -> asyncio.Future[None]:
+        """``commit()`` begun in this step (the commit point queued for its durable
+        append), its end a future: the HTTP layer makes the response ready meanwhile and
+        writes nothing of it before the future is done (awaited through ``asyncio.shield``)."""
+        self._record_commit_point()
+        durable = self.recorder.begin_durable_flush()
+        if durable.done():  # a store that appends without a wait
+            self._committed(durable)
+        else:
+            durable.add_done_callback(self._committed)  # before any waiter's: it runs first
+        return durable
+
+    def _record_commit_point(self) -> None:
         run = self.run
         assert run is not None, "commit needs the attempt whose output is delivered"
         self.recorder.record(ev.FirstDeltaCommitted, attempt=run.attempt, lease_epoch=run.lease_epoch)
-        if flush:
-            await self.recorder.flush(durable=True)
+
+    def _committed(self, durable: asyncio.Future[None]) -> None:
+        if not durable.cancelled() and durable.exception() is None:
             self.recorder.appending_deliveries = True
+            self._observe_ttft()
+
+    def _observe_ttft(self) -> None:
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
     def delivered(

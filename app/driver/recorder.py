@@ -36,7 +36,7 @@ from typing import Any
 
 from app.driver.batches import OpenBatch
 from app.driver.context import GatewayContext
-from app.driver.shielded import shielded
+from app.driver.shielded import begun, shielded
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
@@ -348,6 +348,13 @@ class Recorder:
             self.close_batch()
         if self._queued:
             await shielded(self._append(durable))
+
+    def begin_durable_flush(self) -> asyncio.Future[None]:
+        """``flush(durable=True)`` begun in this step (:func:`begun`: the append queued
+        to the store where it can be), its commit a future to await through
+        ``asyncio.shield``."""
+        self.close_batch()
+        return begun(self._append(True))
 
     async def flush_shielded_already(self) -> None:
         """``flush(durable=True)`` for a caller that runs shielded itself (the request's end)."""

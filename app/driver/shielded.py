@@ -9,6 +9,10 @@ is all. If it suspends, the rest of it runs in a task of its own, driven on from
 suspension exactly as a task drives a coroutine, and the caller waits for that task
 through ``asyncio.shield``: cancelling the caller cancels its wait, never the work.
 
+``begun(coroutine)`` starts the same way but does not wait: the caller gets a future of
+the outcome and does other work while the rest runs (the commit point's append while
+the response is made ready: app/api/routes.py).
+
 The first step runs in the caller's task, so it must not keep that task for later
 (``asyncio.timeout`` or ``current_task()`` before the first suspension).
 """
@@ -30,6 +34,23 @@ async def shielded(coroutine: Coroutine[Any, Any, T]) -> T:
         return stop.value  # type: ignore[no-any-return]
     task = asyncio.get_running_loop().create_task(_drive_on(coroutine, awaited))
     return await asyncio.shield(task)
+
+
+def begun(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """Run ``coroutine`` up to its first suspension now, in the caller's step, and the
+    rest in a task of its own; its outcome as a future, which the caller awaits later
+    (through ``asyncio.shield``, so that a cancelled wait leaves the work running)."""
+    try:
+        awaited = coroutine.send(None)
+    except StopIteration as stop:
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        done.set_result(stop.value)
+        return done
+    except Exception as exc:  # raised in the first step: the future's outcome
+        failed: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        failed.set_exception(exc)
+        return failed
+    return asyncio.get_running_loop().create_task(_drive_on(coroutine, awaited))
 
 
 async def _drive_on(coroutine: Coroutine[Any, Any, T], awaited: Any) -> T:

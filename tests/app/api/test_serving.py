@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
+import asyncpg
 import httpx
 import openai
 import pytest
 
+from app.store.database import asyncpg_dsn
 from statemachine import events as ev
+from statemachine.phases import Phase
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
@@ -247,3 +252,54 @@ def test_api_keys_map_to_tenants(database_url: str, sim_pair: list[WorkerProcess
         )
         accepted = gateway.events(raw.headers["x-request-id"])[0]
         assert isinstance(accepted, ev.RequestAccepted) and accepted.tenant == "tenant-a"
+
+
+def test_no_byte_of_a_stream_goes_out_before_its_commit_point_is_durable(
+    gateway: RunningGateway, database_url: str
+) -> None:
+    """The commit point's append runs while the response is made ready (app/api/routes.py),
+    but its head and first events wait for it: with the log held (a transaction locks
+    the events table), the client receives nothing, head included, until it lets go."""
+    locker = gateway.call(asyncpg.connect(asyncpg_dsn(database_url)))
+    try:
+        gateway.call(locker.execute("BEGIN; LOCK TABLE request_events IN EXCLUSIVE MODE"))
+        body = json.dumps({"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 6, "seed": 5})
+        port = int(gateway.url.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        with sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body.encode())
+            )
+
+            def committing() -> bool:  # the commit point recorded, its append waiting for the log
+                return any(driver.state.phase is Phase.DECODE for driver in list(gateway.gateway.ctx.drivers.values()))
+
+            deadline = time.monotonic() + 20
+            while not committing():
+                assert time.monotonic() < deadline, "the stream never reached its commit point"
+                time.sleep(0.01)
+            time.sleep(0.3)
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(65536)  # not one byte while the commit point is not durable
+            sock.setblocking(True)
+            gateway.call(locker.execute("COMMIT"))
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+    finally:
+        gateway.call(locker.close())
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head
+    request_id = next(
+        line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.startswith(b"x-request-id")
+    )
+    datas = [line[5:].strip() for line in rest.split(b"\n") if line.startswith(b"data:")]
+    assert datas[-1] == b"[DONE]"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, datas[:-1]) if c["choices"])
+    events = gateway.events(request_id.decode())
+    assert fold(events).outcome is Outcome.COMPLETED and delivered_text(events) == text and text
+    order = names(events)
+    assert order.index("FirstDeltaCommitted") < order.index("DeltasDelivered")

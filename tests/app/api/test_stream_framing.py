@@ -2,8 +2,9 @@
 real socket): its chunks framed by the server's ``ChunkWriter`` as HTTP/1.1 chunks, an
 HTTP/1.0 client's body delimited by the close instead, a HEAD answered without a body,
 a client that leaves mid-stream noticed through ``CLIENT_GONE`` while the stream waits
-for its next event, and a pipelined request's head not cut by the header timeout while the
-answer before it streams."""
+for its next event, a pipelined request's head not cut by the header timeout while the
+answer before it streams, and no byte of the response, head included, before the body's
+first events are ready (a stream waits there for its commit point, and may be refused)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.api.token_stream import TokenStreamResponse
+from app.api.token_stream import Refused, TokenStreamResponse
+from app.http_cycle import CHUNK_WRITER
 from app.http_server import CLIENT_GONE, HttpLimits, server_config
 from ops.processes import free_port
 
@@ -31,6 +33,10 @@ class Stream:
     """The app's side: what it sent, whether the client left, and the body's cleanup."""
 
     def __init__(self) -> None:
+        self.writes: list[bytes] = []  # what the server wrote to the socket, write by write
+        self.ready = asyncio.Event()  # unset: the stream waits before its first event
+        self.ready.set()
+        self.refuse = False  # the body refuses the stream before its first event
         self.hold = asyncio.Event()  # unset: the stream waits after its first event
         self.hold.set()
         self.cleaned = asyncio.Event()
@@ -38,6 +44,9 @@ class Stream:
 
     async def body(self) -> AsyncIterator[bytes]:
         try:
+            await self.ready.wait()
+            if self.refuse:
+                raise Refused(JSONResponse({"error": {"code": "refused"}}, status_code=503))
             yield EVENTS[0]
             await self.hold.wait()
             for event in EVENTS[1:]:
@@ -47,13 +56,31 @@ class Stream:
 
     async def endpoint(self, request: Request) -> Response:
         self.server_gone = request.scope[CLIENT_GONE]
+        transport = request.scope[CHUNK_WRITER].cycle.transport
+        write = transport.write
+
+        def counted(data: bytes) -> None:
+            self.writes.append(bytes(data))
+            write(data)
+
+        transport.write = counted
         return TokenStreamResponse(self.body(), ping=0)
+
+    async def late_body(self, request: Request) -> Response:
+        """A chunked response that starts, then waits before its first chunk."""
+
+        async def body() -> AsyncIterator[bytes]:
+            await self.hold.wait()
+            yield EVENTS[0]
+
+        return StreamingResponse(body())
 
 
 @contextlib.asynccontextmanager
 async def serving(limits: HttpLimits) -> AsyncIterator[tuple[int, Stream]]:
     stream = Stream()
-    app = Starlette(routes=[Route("/stream", stream.endpoint, methods=["GET", "POST"])])
+    routes = [Route("/stream", stream.endpoint, methods=["GET", "POST"]), Route("/late", stream.late_body)]
+    app = Starlette(routes=routes)
     port = free_port()
     server = uvicorn.Server(server_config(app, limits, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.ensure_future(server.serve())
@@ -86,10 +113,8 @@ def exchange(port: int, request: bytes) -> bytes:
 
 
 def received_until(sock: socket.socket, wanted: bytes) -> bytes:
-    """What ``sock`` received until ``wanted`` was in it, or the server closed. The head and
-    the first event are two writes: one ``recv`` may bring the head alone (this server's
-    socket is uvicorn's own, without TCP_NODELAY, so Nagle may hold the event back until
-    the client acknowledges the head)."""
+    """What ``sock`` received until ``wanted`` was in it, or the server closed (each
+    ``recv`` brings what one or more of the server's writes sent)."""
     received = b""
     while wanted not in received:
         data = sock.recv(65536)
@@ -177,3 +202,53 @@ async def test_a_pipelined_head_does_not_time_out_while_the_response_before_it_s
             sock.sendall(request[20:])
             second = await asyncio.to_thread(received_until, sock, EVENTS[0])
         assert second.startswith(b"HTTP/1.1 200 ") and EVENTS[0] in second
+
+
+async def test_nothing_goes_out_before_the_bodys_first_events_not_even_the_head(served: tuple[int, Stream]) -> None:
+    port, stream = served
+    stream.ready.clear()  # as a stream whose commit point is not durable yet
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with contextlib.closing(sock):
+        sock.sendall(b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        await asyncio.sleep(0.3)
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(65536)  # not one byte yet
+        sock.setblocking(True)
+        stream.ready.set()
+        received = await asyncio.to_thread(received_until, sock, b"0\r\n\r\n")
+    head, body, ended = parsed(received)
+    assert head.status_code == 200 and body == b"".join(EVENTS) and ended
+
+
+async def test_a_body_that_refuses_the_stream_gets_its_answer_sent_instead(served: tuple[int, Stream]) -> None:
+    port, stream = served
+    stream.refuse = True
+    received = await asyncio.to_thread(
+        exchange, port, b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    )
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"text/event-stream" not in head
+    assert body == b'{"error":{"code":"refused"}}'
+    await asyncio.wait_for(stream.cleaned.wait(), 5)
+
+
+async def test_the_head_goes_out_in_one_write_with_the_first_events(served: tuple[int, Stream]) -> None:
+    port, stream = served
+    received = await asyncio.to_thread(exchange, port, b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert parsed(received)[1] == b"".join(EVENTS)
+    first = stream.writes[0]
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"%x\r\n%b\r\n" % (len(EVENTS[0]), EVENTS[0]))
+
+
+async def test_a_head_with_no_chunk_behind_it_goes_out_at_once(served: tuple[int, Stream]) -> None:
+    port, stream = served
+    stream.hold.clear()  # the body waits before its first chunk
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with contextlib.closing(sock):
+        sock.sendall(b"GET /late HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.to_thread(received_until, sock, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")  # the head alone
+        stream.hold.set()
+        rest = await asyncio.to_thread(received_until, sock, b"0\r\n\r\n")
+    assert parsed(head + rest)[1:] == (EVENTS[0], True)

@@ -13,7 +13,8 @@ import pytest
 from sse_starlette.sse import SendTimeoutError
 
 from app.api.token_stream import TokenStreamResponse
-from app.http_server import CHUNK_WRITER, CLIENT_GONE
+from app.http_cycle import CHUNK_WRITER
+from app.http_server import CLIENT_GONE
 
 
 class Server:

@@ -1,5 +1,6 @@
 """``shielded``: work a cancelled caller must not stop (app/driver/shielded.py), on its
-own and as the recorder's appends use it, against real PostgreSQL."""
+own and as the recorder's appends use it, against real PostgreSQL; and ``begun``, the
+same work started without waiting for it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from app.config import GatewayConfig
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
 from app.driver.recorder import Recorder
-from app.driver.shielded import shielded
+from app.driver.shielded import begun, shielded
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.database import asyncpg_dsn
@@ -72,6 +73,46 @@ async def test_what_the_awaited_future_raises_reaches_the_work_and_what_the_work
     asyncio.get_running_loop().call_later(0.01, gate.set_exception, KeyError("x"))
     with pytest.raises(ValueError, match="seen"):
         await shielded(work())
+
+
+async def test_begun_work_runs_its_first_step_now_and_the_rest_while_the_caller_goes_on() -> None:
+    gate = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+
+    async def work() -> str:
+        steps.append("began")
+        await gate
+        steps.append("ended")
+        return "done"
+
+    future = begun(work())
+    assert steps == ["began"] and not future.done()  # the first step ran in this step
+
+    async def wait() -> str:
+        return await asyncio.shield(future)
+
+    waiter = asyncio.create_task(wait())
+    await asyncio.sleep(0.01)
+    waiter.cancel()  # a waiter that gives up leaves the work running
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    gate.set_result(None)
+    assert await future == "done" and steps == ["began", "ended"]
+
+
+async def test_begun_work_that_never_suspends_is_done_at_once_in_the_callers_task() -> None:
+    async def work() -> int:
+        return 7
+
+    async def fails() -> int:
+        raise KeyError("first step")
+
+    before = len(asyncio.all_tasks())
+    done, failed = begun(work()), begun(fails())
+    assert len(asyncio.all_tasks()) == before and done.done() and failed.done()
+    assert done.result() == 7
+    with pytest.raises(KeyError, match="first step"):
+        failed.result()
 
 
 def context(store: PostgresEventStore) -> GatewayContext:
