@@ -5,7 +5,7 @@
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
 gateway must share (the worker token's, the engine inputs' checks), a leaf; and
 ``app.logs``, the leaf that formats every phasegate process's lines; and
-``app.http_server``, the HTTP server both run, another leaf.
+``app.http_server``, the HTTP server both run, with its cycle ``app.http_cycle``.
 
 Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
 module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
@@ -38,8 +38,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
-    # the HTTP server both processes run (uvicorn held to timeouts and a header limit)
-    "app.http_server": frozenset(),
+    # the HTTP server both processes run (uvicorn held to timeouts and a header limit),
+    # and its request-response cycle (a stream's chunks, its head held for its first)
+    "app.http_cycle": frozenset(),
+    "app.http_server": frozenset({"app.http_cycle"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
@@ -55,7 +57,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(
         {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
-        | {"app.logs", "app.tracing", "app.http_server"}  # the server's key for a client gone
+        | {"app.logs", "app.tracing", "app.http_server", "app.http_cycle"}  # the server's keys, its chunk writer
     ),
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
