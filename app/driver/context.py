@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from app.config import GatewayConfig
+from app.driver.batch_ages import BatchAges
 from app.driver.budget import RetryBudget
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
@@ -92,6 +93,7 @@ class GatewayContext:
     tool_runner: ToolRunner | None = None  # executes a tool call once per idempotency key
     tracing: Tracing = field(default_factory=NotTraced)  # spans per attempt, when tracing is on
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    batch_ages: BatchAges = field(default_factory=BatchAges)  # the open delivery batches' deadlines
     drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done
 
     def lease_lapsed(self) -> bool:

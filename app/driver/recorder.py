@@ -169,7 +169,7 @@ class Recorder:
             batch = self._batch = OpenBatch(
                 attempt, lease_epoch, start, self.ctx.clock(), self.ctx.wall_clock(), produced=produced
             )
-            asyncio.get_running_loop().call_later(config.delivery_batch_ms / 1000, self._batch_aged, batch)
+            self.ctx.batch_ages.watch(self.batch_aged, batch, config.delivery_batch_ms / 1000)
         batch.add(tokens, text, choice, logprobs)
         if batch.deltas >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
@@ -177,8 +177,9 @@ class Recorder:
             self.close_batch()
             self._append_deliveries(produced)
 
-    def _batch_aged(self, batch: OpenBatch) -> None:
-        """The batch's timer: a stream that pauses still gets its deliveries recorded."""
+    def batch_aged(self, batch: OpenBatch) -> None:
+        """The batch is old (app/driver/batch_ages.py): a stream that pauses still gets
+        its deliveries recorded."""
         if self._batch is batch:
             self.close_batch()
             self._append_deliveries(batch.produced)
