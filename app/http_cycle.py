@@ -100,6 +100,8 @@ class Cycle(RequestResponseCycle):
             ):
                 self.chunked_encoding, self.close_delimited = False, True
                 self.expected_content_length = sys.maxsize
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()  # as uvicorn's send does first: it then runs in one step
             transport, head = self.transport, _Head()
             self.transport = head  # type: ignore[assignment]  # uvicorn writes the head here
             try:
