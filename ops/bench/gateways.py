@@ -19,7 +19,7 @@ from ops.processes import free_port, phasegate, start
 MODEL = "m"
 HOST = "127.0.0.1"
 API_KEY = "sk-" + secrets.token_hex(32)  # what every client sends; LiteLLM wants a strong master key
-PEERS = ("relay", "starlette", "vllm-router", "phasegate", "litellm")
+PEERS = ("relay", "starlette", "starlette-lean", "vllm-router", "phasegate", "litellm")
 # what --install puts in each peer's venv; LiteLLM's 1.107.0 release was reported compromised
 INSTALL = {"vllm-router": ["vllm-router"], "litellm": ["litellm[proxy]!=1.107.0"]}
 
@@ -71,10 +71,11 @@ def start_peer(name: str, upstream_port: int, workdir: Path, options: argparse.N
         command = [sys.executable, "-m", "ops.bench.relay", "--port", str(port)]
         command += ["--upstream", f"{HOST}:{upstream_port}"]
         release = "asyncio"
-    elif name == "starlette":  # phasegate's stack with nothing of its own: the floor of a gateway on it
+    elif name in ("starlette", "starlette-lean"):  # phasegate's stack with nothing of its own
         command = [sys.executable, "-m", "ops.bench.stack_floor", "--port", str(port)]
         command += ["--upstream", f"{HOST}:{upstream_port}"]
-        release = f"uvicorn {version(Path(sys.prefix), 'uvicorn')}, floor"
+        command += ["--lean"] * (name == "starlette-lean")
+        release = "floor"
     elif name == "vllm-router":
         venv = venv_of(options.venvs, name)
         command = [str(venv / "bin/vllm-router"), "--host", HOST, "--port", str(port)]

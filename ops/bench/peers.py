@@ -1,14 +1,15 @@
 """phasegate beside its peers, in front of one fake vLLM upstream, side by side in one run.
 
-    python ops/bench/peers.py                       # the table: relay, starlette, vllm-router, phasegate, LiteLLM
+    python ops/bench/peers.py                       # the table: the floors, vllm-router, phasegate, LiteLLM
     python ops/bench/peers.py --install             # first create the peers' venvs (PyPI)
     python ops/bench/peers.py --saturation          # phasegate alone: --processes 1 against 2, pinned
 
 The upstream (``ops/bench/fake_vllm.py``, its own process) streams vLLM's exact chunks:
 first token after 20 ms, then one every 5 ms, 32 tokens. In front of it, each on its own
-port: a null TCP relay (the floor of any gateway), the floor of phasegate's own stack
+port: a null TCP relay (the floor of any gateway), two floors of phasegate's own stack
 (``ops/bench/stack_floor.py``: uvicorn's httptools server and Starlette forwarding each
-chunk, nothing else), vllm-router (round robin) and the LiteLLM proxy when
+chunk, nothing else; written the ordinary way, and lean as phasegate writes its token
+events), vllm-router (round robin) and the LiteLLM proxy when
 their venvs exist (``--install`` creates them from PyPI under ``--venvs``; a peer that
 is missing or fails to install is skipped, with the reason printed), and phasegate,
 which fronts the upstream as an ``openai`` replica with its log on an embedded

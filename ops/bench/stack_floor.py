@@ -16,7 +16,16 @@ work of its own. One route, ``POST /v1/chat/completions``:
   no authentication, no limits.
 
 What it costs per 1,000 tokens is what any gateway on this stack pays before it does
-anything of its own; ``ops/bench/peers.py`` prints it beside phasegate.
+anything of its own, written the ordinary way; ``ops/bench/peers.py`` prints it beside
+phasegate.
+
+``--lean`` is the floor of phasegate's own way through the same stack: its server
+(``app/http_server.py``: uvicorn's httptools protocol held to the HTTP limits) and each
+upstream chunk written, from the upstream connection's ``data_received``, to the client
+by the server's ``ChunkWriter`` (``app/http_cycle.py``), no ASGI message a chunk and no
+task woken while the client keeps up: as phasegate's token tap writes a caught-up
+client's events. The request's way in, the response's start and its end still go
+through Starlette.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+
+from app.http_cycle import CHUNK_WRITER, ChunkWriter
+from app.http_server import HttpLimits, server_config
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -90,9 +102,133 @@ class Forward(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def application(upstream: Upstream) -> Starlette:
+class LeanConnection(asyncio.Protocol):
+    """A kept-alive upstream connection whose chunked answer goes to the client as it is
+    read: each whole chunk written by the client's ``ChunkWriter`` in ``data_received``,
+    kept for the response's task only while the client's socket is full."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.head: asyncio.Future[bytes] | None = None
+        self.sink: ChunkWriter | None = None
+        self.pending: list[bytes] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.done = self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def send(self, request: bytes) -> asyncio.Future[bytes]:
+        """Write a request; the future of its answer's head."""
+        assert self.transport is not None
+        self.buffer, self.sink, self.pending, self.done = b"", None, [], False
+        self.head = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return self.head
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.head is not None and not self.head.done():
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.head.set_result(self.buffer[:end])
+            self.buffer = self.buffer[end + 4 :]
+        self.forward()
+
+    def forward(self) -> None:
+        """Write (or keep) every whole chunk read, once the response started."""
+        if self.sink is None:
+            return
+        buffer, at = self.buffer, 0
+        while (line_end := buffer.find(b"\r\n", at)) >= 0:
+            size = int(buffer[at:line_end].split(b";", 1)[0], 16)
+            end = line_end + 2 + size
+            if len(buffer) < end + 2:
+                break
+            at = end + 2
+            if size == 0:
+                self.done = True
+                break
+            data = buffer[line_end + 2 : end]
+            if self.pending or not self.sink.write_now(data):
+                self.pending.append(data)
+        self.buffer = buffer[at:]
+        self.wake()
+
+    def wake(self) -> None:
+        if (self.pending or self.done) and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.done = self.lost = True
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(ConnectionError("the upstream closed"))
+        self.wake()
+
+
+class LeanUpstream:
+    """Kept-alive :class:`LeanConnection`\\ s to one upstream."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[LeanConnection] = []
+
+    async def open(self, body: bytes) -> tuple[LeanConnection, int, bytes]:
+        if self.idle:
+            connection = self.idle.pop()
+        else:
+            _, connection = await asyncio.get_running_loop().create_connection(LeanConnection, self.host, self.port)
+        head = await connection.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(body), body)
+        )
+        return connection, int(head.split(b" ", 2)[1]), head
+
+
+class LeanForward(Response):
+    """The upstream's chunks written from its connection's callback (see the module's
+    docstring); this task starts and ends the response, and writes what the client's
+    full socket held back."""
+
+    def __init__(self, upstream: LeanUpstream, connection: LeanConnection, status: int) -> None:
+        self.upstream, self.connection, self.status_code = upstream, connection, status
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        connection, loop = self.connection, asyncio.get_running_loop()
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        sink = connection.sink = scope[CHUNK_WRITER]
+        connection.forward()  # what came with the head
+        try:
+            while True:
+                while connection.pending:
+                    await sink.write(connection.pending.pop(0))
+                if connection.done:
+                    break
+                connection.waiter = loop.create_future()
+                await connection.waiter
+        except BaseException:
+            if connection.transport is not None:
+                connection.transport.close()
+            raise
+        if not connection.lost:
+            self.upstream.idle.append(connection)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def application(upstream: Upstream | LeanUpstream) -> Starlette:
     async def chat(request: Request) -> Response:
         body = await request.body()
+        if isinstance(upstream, LeanUpstream):
+            connection, status, head = await upstream.open(body)
+            if b"transfer-encoding: chunked" not in head.lower():
+                connection.transport.close()  # type: ignore[union-attr]
+                return JSONResponse({"error": "--lean forwards chunked answers only"}, status_code=502)
+            return LeanForward(upstream, connection, status)
         stream, status, head = await upstream.open(body)
         whole = await upstream.whole_body(stream, head)
         if whole is not None:
@@ -111,19 +247,15 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="HOST:PORT")
+    parser.add_argument("--lean", action="store_true", help="phasegate's server, chunks written from the callback")
     options = parser.parse_args()
     host, _, port = options.upstream.rpartition(":")
-    app = application(Upstream(host, int(port)))
-    uvicorn.run(
-        app,
-        host=options.host,
-        port=options.port,
-        http="httptools",
-        loop="asyncio",
-        log_level="warning",
-        access_log=False,
-        backlog=4096,
-    )
+    where = dict(host=options.host, port=options.port, loop="asyncio", log_level="warning", access_log=False)
+    if options.lean:
+        config = server_config(application(LeanUpstream(host, int(port))), HttpLimits(), backlog=4096, **where)
+    else:
+        config = uvicorn.Config(application(Upstream(host, int(port))), http="httptools", backlog=4096, **where)
+    uvicorn.Server(config).run()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 - the fake upstream streams what the ``openai`` client reads as a vLLM stream: the role
   first, one content delta a token, ``finish_reason`` on the last, usage when asked;
 - the bench's lean client counts the same tokens, directly, through the null relay and
-  through the stack's floor (uvicorn and Starlette forwarding), and says why a request
-  failed;
+  through the stack's floors (uvicorn and Starlette forwarding, the ordinary way and
+  lean), and says why a request failed;
 - a process tree's CPU counts its children's, even once they ended.
 """
 
@@ -70,10 +70,12 @@ def test_the_openai_client_reads_the_fake_upstream_as_a_vllm_stream() -> None:
     assert len({c.id for c in chunks}) == 1
 
 
-@pytest.mark.parametrize("gateway", ["ops.bench.relay", "ops.bench.stack_floor"])
-def test_the_lean_client_counts_tokens_directly_and_through_a_floor(gateway: str) -> None:
+@pytest.mark.parametrize(
+    "gateway", [("ops.bench.relay",), ("ops.bench.stack_floor",), ("ops.bench.stack_floor", "--lean")], ids=str
+)
+def test_the_lean_client_counts_tokens_directly_and_through_a_floor(gateway: tuple[str, ...]) -> None:
     with running("ops.bench.fake_vllm", "--ttft-ms", "20", "--token-ms", "5") as upstream:
-        with running(gateway, "--upstream", f"127.0.0.1:{upstream}") as relay:
+        with running(gateway[0], *gateway[1:], "--upstream", f"127.0.0.1:{upstream}") as relay:
             for port in (upstream, relay):
                 sample = Sample()
                 client = ChatClient("127.0.0.1", port, "m", 32)
