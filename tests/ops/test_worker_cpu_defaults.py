@@ -8,16 +8,10 @@ parts are checked here directly, and one real worker is started on the tiny mode
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.worker.vllm_engine import (
@@ -28,7 +22,7 @@ from app.worker.vllm_engine import (
     kv_bytes_per_token,
     with_cpu_kv_cache,
 )
-from tests.support.workers import REPO, ManagedProcess, vllm_env
+from tests.support.vllm_replicas import SharedVllm
 
 GIB = 1 << 30
 
@@ -81,40 +75,16 @@ def test_available_memory_is_this_machines() -> None:
 
 
 @pytest.mark.vllm
-def test_a_vllm_worker_starts_without_vllm_cpu_kvcache_space() -> None:
-    env = vllm_env()
-    environ = {key: value for key, value in os.environ.items() if key != "VLLM_CPU_KVCACHE_SPACE"}
-    tmp = tempfile.TemporaryDirectory(prefix="phasegate-cpu-worker-")
-    ready_file, log_path = Path(tmp.name) / "ready.json", Path(tmp.name) / "worker.log"
-    cmd = [env.python, "-m", "app.cli", "worker", "--engine", "vllm", "--model-path", env.model]
-    cmd += ["--port", "0", "--ready-file", str(ready_file), "--log-level", "info"]
-    cmd += ["--vllm-args", '{"enforce_eager": true}']
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=environ,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    worker = ManagedProcess(proc, log_path, tmp)
-    try:
-        deadline = time.monotonic() + 240
-        with httpx.Client(timeout=30) as http:
-            while True:
-                assert worker.alive(), f"the worker exited:\n{worker.logs()[-4000:]}"
-                assert time.monotonic() < deadline, f"not ready in time:\n{worker.logs()[-4000:]}"
-                if ready_file.exists():
-                    base = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}"
-                    with contextlib.suppress(httpx.HTTPError):
-                        if http.get(f"{base}/v1/ready").status_code == 200:
-                            break
-                time.sleep(0.2)
-        # started: the engine is loaded with its KV cache (generating is the other vllm tests' part)
-        logs = worker.logs()
-        assert "CPU KV cache:" in logs  # the worker's choice …
-        assert "Explicitly set" in logs and "for KV cache" in logs  # … is the size vLLM used
-    finally:
-        worker.kill()
+def test_a_vllm_worker_starts_without_vllm_cpu_kvcache_space(vllm: SharedVllm) -> None:
+    """The run's shared vLLM worker is started with ``VLLM_CPU_KVCACHE_SPACE`` unset
+    (tests/support/vllm_replicas.py): it chose the cache size, and vLLM used it."""
+    worker = vllm.worker()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in proc_environ(worker.pid)
+    logs = worker.logs()
+    assert "CPU KV cache:" in logs  # the worker's choice …
+    assert "Explicitly set" in logs and "for KV cache" in logs  # … is the size vLLM used
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)

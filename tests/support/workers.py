@@ -127,8 +127,11 @@ class WorkerProcess(ManagedProcess):
         return WorkerClient(self.base_url, **kwargs)
 
 
-def _spawn(cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.TemporaryDirectory[str]) -> ManagedProcess:
+def _spawn(
+    cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.TemporaryDirectory[str], unset: Sequence[str] = ()
+) -> ManagedProcess:
     log_path = Path(tmp.name) / "process.log"
+    environ = {key: value for key, value in {**os.environ, **(env or {})}.items() if key not in unset}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             list(cmd),
@@ -136,7 +139,7 @@ def _spawn(cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.Tempora
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env=environ,
             start_new_session=True,  # its own process group, for kill()
         )
     return ManagedProcess(proc, log_path, tmp)
@@ -166,14 +169,16 @@ def start_worker(
     env: dict[str, str] | None = None,
     ready_timeout: float = 30.0,
     token: str | None = None,
+    unset_env: Sequence[str] = (),
 ) -> WorkerProcess:
     """Start ``phasegate worker`` on a free port and wait until /v1/ready answers 200.
 
     ``args`` go to the worker as they are (e.g. ``["--sim-decode-ms-per-token", "5"]``);
     ``faults`` adds ``--enable-faults``. For ``engine="vllm"`` give ``python`` and
     ``model_path`` (see :func:`vllm_env`). With ``token`` the worker requires it (given
-    through ``$PHASEGATE_WORKER_TOKEN``) and :meth:`WorkerProcess.client` sends it. The
-    caller must :meth:`~ManagedProcess.kill` it.
+    through ``$PHASEGATE_WORKER_TOKEN``) and :meth:`WorkerProcess.client` sends it.
+    ``unset_env`` names variables the worker must not inherit. The caller must
+    :meth:`~ManagedProcess.kill` it.
     """
     tmp = tempfile.TemporaryDirectory(prefix="phasegate-worker-")
     ready_file = Path(tmp.name) / "ready.json"
@@ -198,7 +203,7 @@ def start_worker(
     worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else dict(env or {})
     if token is not None:
         worker_env[TOKEN_ENV] = token
-    process = _spawn(cmd, worker_env, tmp)
+    process = _spawn(cmd, worker_env, tmp, unset_env)
     deadline = time.monotonic() + ready_timeout
     while not ready_file.exists():
         if not process.alive() or time.monotonic() > deadline:
@@ -240,6 +245,7 @@ def running_vllm_openai_server(
     env: VllmEnv,
     *,
     served_model_name: str = "tiny-llama",
+    max_model_len: int = 512,
     args: Sequence[str] = (),
     ready_timeout: float = 240.0,
 ) -> Iterator[tuple[ManagedProcess, str]]:
@@ -248,7 +254,7 @@ def running_vllm_openai_server(
     tmp = tempfile.TemporaryDirectory(prefix="phasegate-vllm-")
     cmd = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", env.model]
     cmd += ["--served-model-name", served_model_name, "--port", str(port), "--host", "127.0.0.1"]
-    cmd += ["--max-model-len", "512", *vllm_dtype_args(), *args]
+    cmd += ["--max-model-len", str(max_model_len), *vllm_dtype_args(), *args]
     process = _spawn(cmd, VLLM_ENV, tmp)
     try:
         _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")

@@ -1,19 +1,15 @@
 """The gateway in front of real vLLM: a worker with the vLLM engine, and vLLM's own
 OpenAI server as a plain replica, both on the tiny local model (see .ci/vllm-env).
 
-One worker and one server serve the whole module (a vLLM start is slow on a small
-machine). The tests run in file order: the ones that need the worker alive first,
-then the two that kill it; the second of those starts it again (``VllmReplicas.revive``).
-``PHASEGATE_VLLM_DTYPE`` (e.g. ``float32``) overrides the engines' dtype where bfloat16
-cannot run.
+The run's shared worker and server serve these tests (tests/support/vllm_replicas.py:
+a vLLM start is slow on a small machine); the two that kill the worker run after every
+other vllm test, and each gets a live one. ``PHASEGATE_VLLM_DTYPE`` (e.g. ``float32``)
+overrides the engines' dtype where bfloat16 cannot run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -31,67 +27,22 @@ from tests.app.conftest import add_fault
 from tests.support.audit import fold_disagreements_in
 from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.transcript import Transcript, check_request, of, stream_chat
-from tests.support.workers import (
-    VllmEnv,
-    WorkerProcess,
-    running_vllm_openai_server,
-    start_worker,
-    vllm_env,
-)
+from tests.support.vllm_replicas import MODEL, SharedVllm
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "hello there, tell me a story"}]
 TIMEOUTS = Timeouts(
     stall_s=10.0, lease_ttl_s=3.0, first_token_soft_s=10.0, first_token_hard_s=60.0, upstream_response_s=30.0
 )
 
 
-def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
-    args = ["--model", MODEL, "--vllm-args", '{"enforce_eager": true}']
-    return start_worker(
-        engine="vllm", python=env.python, model_path=env.model, faults=True, args=args, ready_timeout=300.0
-    )
-
-
-@dataclass
-class VllmReplicas:
-    """The module's vLLM worker (faults on) and vLLM's OpenAI server."""
-
-    env: VllmEnv
-    worker: WorkerProcess
-    server_url: str
-
-    def revive(self) -> WorkerProcess:
-        """Start the worker again if a test killed it."""
-        if not self.worker.alive():
-            self.worker.kill()  # reap it and its engine processes
-            self.worker = start_vllm_worker(self.env)
-        return self.worker
-
-
-@pytest.fixture(scope="module")
-def vllm_pair() -> Iterator[VllmReplicas]:
-    """A vLLM worker (faults on) and vLLM's OpenAI server, started side by side."""
-    env = vllm_env()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        worker_future = pool.submit(start_vllm_worker, env)
-        server_args = ["--enforce-eager"]
-        with running_vllm_openai_server(env, served_model_name=MODEL, args=server_args) as (_, server_url):
-            replicas = VllmReplicas(env, worker_future.result(), server_url)
-            try:
-                yield replicas
-            finally:
-                replicas.worker.kill()
-
-
 def gateway_over(
-    database_url: str, vllm_pair: VllmReplicas, *, worker_only: bool = False
+    database_url: str, vllm: SharedVllm, *, worker_only: bool = False
 ) -> AbstractContextManager[RunningGateway]:
-    replicas = [ReplicaConfig(id="a-worker", url=vllm_pair.worker.base_url, kind="worker")]
+    replicas = [ReplicaConfig(id="a-worker", url=vllm.worker().base_url, kind="worker")]
     if not worker_only:
-        replicas.append(ReplicaConfig(id="b-server", url=vllm_pair.server_url, kind="openai"))
+        replicas.append(ReplicaConfig(id="b-server", url=vllm.server_url, kind="openai"))
     # a client that leaves is cancelled at once (the vLLM abort is what is tested)
     return running_gateway(database_url, replicas, models={MODEL: "tiny-rev"}, timeouts=TIMEOUTS, resume_grace_s=0)
 
@@ -131,8 +82,8 @@ def assert_sound(gateway: RunningGateway, database_url: str, events: list[ev.Eve
     assert fold_disagreements_in(database_url, [events[0].request_id]) == []
 
 
-def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(database_url: str, vllm_pair: VllmReplicas) -> None:
-    with gateway_over(database_url, vllm_pair) as gateway:
+def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(database_url: str, vllm: SharedVllm) -> None:
+    with gateway_over(database_url, vllm) as gateway:
         client = gateway.openai(timeout=120.0)
         answers: dict[str, set[str]] = {}
         for stream in (True, False, True, False):
@@ -146,11 +97,11 @@ def test_both_vllm_replica_kinds_serve_streamed_and_whole_answers(database_url: 
         assert all(len(texts) == 1 and "" not in texts for texts in answers.values())  # temperature 0
 
 
-def test_vllms_extras_and_logprobs_through_both_replica_kinds(database_url: str, vllm_pair: VllmReplicas) -> None:
+def test_vllms_extras_and_logprobs_through_both_replica_kinds(database_url: str, vllm: SharedVllm) -> None:
     """top_k and friends, a structured-output choice and log probabilities reach the vLLM
     engine in the worker and vLLM's own server, and both answer alike (temperature 0)."""
     extras = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.05, "structured_outputs": {"choice": ["yes", "no"]}}
-    with gateway_over(database_url, vllm_pair) as gateway:
+    with gateway_over(database_url, vllm) as gateway:
         client = gateway.openai(timeout=120.0)
         got: dict[str, tuple[str, list[Any]]] = {}
         for _ in range(2):  # the pool alternates: one answer from each kind
@@ -179,7 +130,7 @@ def test_vllms_extras_and_logprobs_through_both_replica_kinds(database_url: str,
 
 
 def test_a_client_leaving_mid_answer_is_cancelled_and_acknowledged_by_the_vllm_engine(
-    database_url: str, vllm_pair: VllmReplicas
+    database_url: str, vllm: SharedVllm
 ) -> None:
     """The client closes its stream after its first delta: the gateway cancels the attempt,
     the worker aborts the vLLM request and acknowledges only once the engine confirmed it.
@@ -188,7 +139,7 @@ def test_a_client_leaving_mid_answer_is_cancelled_and_acknowledged_by_the_vllm_e
     all the context allows; the cancel path (disconnect noticed, cancel sent, abort) takes
     milliseconds, which leaves the engine mid-answer by a wide margin."""
     max_tokens = 480  # of a 512-token context; far more than is decoded before the cancel lands
-    with gateway_over(database_url, vllm_pair, worker_only=True) as gateway:
+    with gateway_over(database_url, vllm, worker_only=True) as gateway:
         transcript = stream_chat(gateway.url, long_body(max_tokens), on_delta=lambda n: n >= 1, timeout=120.0)
         events = gateway.events(transcript.request_id)
         assert_sound(gateway, database_url, events)
@@ -222,18 +173,19 @@ def test_a_client_leaving_mid_answer_is_cancelled_and_acknowledged_by_the_vllm_e
     assert delivered.startswith(transcript.text) and state.delivered_output_tokens >= 1
     # the worker's own view: the engine request was aborted, not finished (the worker may have
     # seen the gateway close the stream before the cancel arrived: it stops on whichever came first)
-    attempts = httpx.get(vllm_pair.worker.base_url + "/admin/attempts", timeout=10).json()["attempts"]
+    attempts = httpx.get(vllm.worker().base_url + "/admin/attempts", timeout=10).json()["attempts"]
     (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
     assert mine["engine_over"], mine
     if acked.generated_tokens < max_tokens:  # type: ignore[attr-defined]
         assert mine["stop"] in {"cancelled", "disconnected"}, mine
 
 
+@pytest.mark.ends_vllm_worker
 def test_a_vllm_worker_dying_before_the_first_delta_is_retried_on_the_vllm_server(
-    database_url: str, vllm_pair: VllmReplicas
+    database_url: str, vllm: SharedVllm
 ) -> None:
-    worker = vllm_pair.revive()
-    with gateway_over(database_url, vllm_pair) as gateway:
+    worker = vllm.worker()
+    with gateway_over(database_url, vllm) as gateway:
         client = gateway.openai(timeout=120.0)
         reference_id, reference = ask(client, stream=True)
         if served_by(gateway, reference_id) != ["b-server"]:
@@ -248,14 +200,15 @@ def test_a_vllm_worker_dying_before_the_first_delta_is_retried_on_the_vllm_serve
         assert replay(events).ok
 
 
+@pytest.mark.ends_vllm_worker
 def test_a_vllm_worker_killed_mid_answer_ends_the_stream_with_the_final_error(
-    database_url: str, vllm_pair: VllmReplicas
+    database_url: str, vllm: SharedVllm
 ) -> None:
     """The worker process is SIGKILLed right after its fourth token frame went out: the
     deltas the client already has stay, the stream ends with upstream_decode_interrupted,
     and no second generation starts although the vLLM server is there to take one."""
-    worker = vllm_pair.revive()
-    with gateway_over(database_url, vllm_pair) as gateway:
+    worker = vllm.worker()
+    with gateway_over(database_url, vllm) as gateway:
         client = gateway.openai(timeout=120.0)
         # a reference from the worker itself (temperature 0), then one request to the server,
         # so that the least-recently-chosen rule sends the faulted request to the worker

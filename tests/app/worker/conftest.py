@@ -2,37 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from app.replicas.worker_client import WorkerClient
-from tests.app.worker.engines import ENGINES, SLOTS, EngineUnderTest, start_engine
+from tests.app.worker.engines import ENGINES, SLOTS, EngineUnderTest, start_sim_engine, vllm_engine
 from tests.support.workers import WorkerProcess, running_worker
 
 
 @pytest.fixture(scope="session", params=ENGINES)
 def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
-    """A shared worker per engine (sim, and vllm where available), faults enabled."""
-    under_test = start_engine(request.param)
+    """A shared worker per engine (sim, and the run's vLLM worker where available), faults enabled."""
+    if request.param == "vllm":
+        yield vllm_engine(request.getfixturevalue("vllm"))
+        return
+    under_test = start_sim_engine()
     try:
         yield under_test
     finally:
-        under_test.worker.kill()
-
-
-@pytest.fixture
-def engine_factory() -> Iterator[Callable[[str, list[str]], EngineUnderTest]]:
-    """Start a private worker of an engine with extra args (for drain and kill tests)."""
-    started: list[EngineUnderTest] = []
-
-    def make(engine_name: str, args: list[str]) -> EngineUnderTest:
-        under_test = start_engine(engine_name, args)
-        started.append(under_test)
-        return under_test
-
-    yield make
-    for under_test in started:
         under_test.worker.kill()
 
 

@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.workers import WorkerProcess, start_worker, vllm_env
+from tests.support.vllm_replicas import MODEL, SharedVllm
+from tests.support.workers import WorkerProcess, start_worker
 
-# Two engine slots and two queue places, so queueing and 429 are cheap to reach.
+# Two engine slots and two queue places, so queueing and 429 are cheap to reach (the
+# shared vLLM worker has the same: tests/support/vllm_replicas.py).
 SLOTS = ["--max-running", "2", "--max-queued", "2"]
 
 
@@ -34,25 +36,14 @@ class EngineUnderTest:
         return {"max_tokens": tokens, "ignore_eos": True, "temperature": 0.0, "seed": 7, **params}
 
 
-def start_engine(engine_name: str, args: list[str] | None = None) -> EngineUnderTest:
-    if engine_name == "sim":
-        worker = start_worker(faults=True, args=[*SLOTS, "--sim-decode-ms-per-token", "5", *(args or [])])
-        return EngineUnderTest("sim", worker, "sim", long_tokens=2000, max_prompt_words=40_000, jitter_s=0.25)
-    env = vllm_env()
-    worker = start_worker(
-        engine="vllm",
-        python=env.python,
-        model_path=env.model,
-        faults=True,
-        # eager: ready in ~30 s instead of ~60 s of torch.compile on two cores
-        args=[
-            *SLOTS,
-            *("--model", "tiny-llama", "--max-model-len", "4096", "--vllm-args", '{"enforce_eager": true}'),
-            *(args or []),
-        ],
-        ready_timeout=300,
-    )
-    return EngineUnderTest("vllm", worker, "tiny-llama", long_tokens=4000, max_prompt_words=5000, jitter_s=2.0)
+def start_sim_engine(args: list[str] | None = None) -> EngineUnderTest:
+    worker = start_worker(faults=True, args=[*SLOTS, "--sim-decode-ms-per-token", "5", *(args or [])])
+    return EngineUnderTest("sim", worker, "sim", long_tokens=2000, max_prompt_words=40_000, jitter_s=0.25)
+
+
+def vllm_engine(vllm: SharedVllm) -> EngineUnderTest:
+    """The run's shared vLLM worker (the same slots as :data:`SLOTS`, a 4096-token context)."""
+    return EngineUnderTest("vllm", vllm.worker(), MODEL, long_tokens=4000, max_prompt_words=5000, jitter_s=2.0)
 
 
 ENGINES = [pytest.param("sim", id="sim"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]

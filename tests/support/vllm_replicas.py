@@ -1,0 +1,100 @@
+"""The run's one ``vllm serve`` and one vLLM worker, shared by every test marked ``vllm``.
+
+A vLLM start costs half a minute of both cores here, so each is started once a run, on
+first use, by the process that runs the ``vllm`` group (tests/support/scheduling.py):
+
+- ``server``: vLLM's own OpenAI server on the tiny model (a plain replica). Its whole
+  process group must be gone once it is stopped; the fixture that owns it checks that.
+- ``worker()``: ``phasegate worker --engine vllm`` on the same model and engine
+  arguments, faults enabled, started without ``VLLM_CPU_KVCACHE_SPACE`` (the worker sizes
+  its KV cache itself: tests/ops/test_worker_cpu_defaults.py reads its log). A test
+  that kills it or drains it is marked ``ends_vllm_worker``: those run last in the group
+  (tests/conftest.py), and the next one to ask gets a new worker.
+
+Both use the engine settings of :data:`WORKER_ARGS`: two running and two queued, so
+queueing and 429 are cheap to reach, and a three-second drain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tests.support.workers import ManagedProcess, VllmEnv, WorkerProcess, running_vllm_openai_server, start_worker
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 4096
+DRAIN_GRACE_S = 3.0
+ENGINE_ARGS = '{"enforce_eager": true}'  # eager: ready in ~30 s instead of ~60 s of torch.compile here
+WORKER_ARGS = [
+    *("--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--vllm-args", ENGINE_ARGS),
+    *("--max-running", "2", "--max-queued", "2", "--grace-s", str(DRAIN_GRACE_S)),
+]
+SERVER_ARGS = ["--enforce-eager"]
+
+
+@dataclass
+class SharedVllm:
+    """The shared server (started at once) and worker (started on first use, again after a death)."""
+
+    env: VllmEnv
+    server: ManagedProcess
+    server_url: str
+    _worker: WorkerProcess | None = field(default=None, repr=False)
+    worker_starts: int = 0
+
+    def worker(self) -> WorkerProcess:
+        """The live worker: the one running, else a new one."""
+        if self._worker is not None and not self._worker.alive():
+            self._worker.kill()  # reap it and its engine processes
+            self._worker = None
+        if self._worker is None:
+            self._worker = start_vllm_worker(self.env)
+            self.worker_starts += 1
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.kill()
+
+
+def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
+    return start_worker(
+        engine="vllm",
+        python=env.python,
+        model_path=env.model,
+        faults=True,
+        args=WORKER_ARGS,
+        ready_timeout=300.0,
+        unset_env=["VLLM_CPU_KVCACHE_SPACE"],
+    )
+
+
+@contextlib.contextmanager
+def shared_vllm(env: VllmEnv) -> Iterator[SharedVllm]:
+    """The server started, the worker on demand; on exit both stopped, and the server's
+    whole process group (vLLM's engine core among it) checked gone."""
+    with running_vllm_openai_server(env, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, args=SERVER_ARGS) as (
+        process,
+        url,
+    ):
+        shared = SharedVllm(env, process, url)
+        try:
+            yield shared
+        finally:
+            shared.close()
+    deadline = time.monotonic() + 10
+    while group_alive(process.pid):
+        assert time.monotonic() < deadline, f"vllm serve's process group {process.pid} outlived it"
+        time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
