@@ -18,6 +18,12 @@ without a database.
 - ``empty_database_url`` (function): a fresh database with no schema at all.
 - ``event_store`` (function): a ``PostgresEventStore`` on ``database_url``, closed
   (flushed) after the test.
+- ``vllm`` (session): the run's one ``vllm serve`` and vLLM worker
+  (tests/support/vllm_replicas.py), for tests marked ``vllm``.
+
+The suite runs in parallel processes (pytest-xdist, ``-n`` in pyproject.toml), each with
+its own embedded server; a module, or a named group of modules, is one process's unit of
+work (tests/support/scheduling.py).
 """
 
 from __future__ import annotations
@@ -39,9 +45,39 @@ from app.store import migrate
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from app.store.postgres import PostgresEventStore
+from tests.support.scheduling import ModuleOrGroupScheduling, make_groups_folder, record_groups, remove_groups_folder
+from tests.support.vllm_replicas import SharedVllm, shared_vllm
+from tests.support.workers import vllm_env
 
 TEMPLATE = f"phasegate_template_{os.getpid()}"  # two runs may share one server
 _names = itertools.count(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        make_groups_folder()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        remove_groups_folder()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest ordered the tests by their fixtures
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that runs vLLM is in one group: one process runs them all, on the run's
+    one shared ``vllm serve`` and vLLM worker (tests/support/vllm_replicas.py). Those that
+    end that worker run after every other, so that it is started again only for one that
+    needs it alive."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_vllm_worker") is not None)
+    record_groups(items, {"vllm": "vllm"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None  # another --dist asked for by name: xdist's own
+    return ModuleOrGroupScheduling(config, log)
 
 
 def run_sync(coroutine_function: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
@@ -72,6 +108,12 @@ def postgres_server() -> Iterator[EmbeddedPostgres | None]:
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[SharedVllm]:
+    with shared_vllm(vllm_env()) as shared:
+        yield shared
 
 
 @pytest.fixture(scope="session")
