@@ -48,6 +48,7 @@ from tests.support.workers import WorkerProcess, running_worker
 # instance's lease while a second `phasegate serve` started beside it.
 LEASE_TTL_S = 10.0
 SWEEP_S = 0.5
+SWEEP_SLACK_S = 5.0  # a survivor's sweep may run late on a loaded machine, never by this much
 BATCH = 4  # deltas per DeltasDelivered at most; the log may lag the client by two batches
 SETTINGS = f"""
 instance_lease_ttl_s = {LEASE_TTL_S}
@@ -197,22 +198,24 @@ def assert_lost_within_the_bound(events: list[ev.Event], stream: Stream) -> None
     assert stream.transcript.text.startswith(logged_text)
 
 
-def assert_swept_within_the_bound(database_url: str, victims: list[Stream], killed_at: float) -> None:
-    """The clients of a process SIGKILLed at ``killed_at`` were cut, and a survivor closed
-    each of their requests ``gateway_lost`` within lease TTL + sweep interval + 2 s, its log
-    at most two batches behind what the client received and never ahead."""
-    wait_for(lambda: all(s.ended.is_set() for s in victims), 10, "the killed process's clients to notice")
+def assert_swept_within_the_bound(database_url: str, victims: list[Stream], killed: str) -> None:
+    """The clients of a process SIGKILLed (instance ``killed``) were cut, and a survivor closed each of their
+    requests ``gateway_lost`` once the dead instance's lease lapsed (within the sweep
+    interval, on PostgreSQL's clock, and a slack only a real fault exceeds), its log at
+    most two batches behind what the client received and never ahead."""
+    wait_for(lambda: all(s.ended.is_set() for s in victims), 30, "the killed process's clients to notice")
     assert all(s.cut is not None and not s.transcript.done for s in victims)
     ids = [s.transcript.request_id for s in victims]
-    wait_for(lambda: all(map(terminal, read_logs(database_url, ids).values())), 30, "the sweep")
-    swept_in = time.monotonic() - killed_at
-    assert swept_in <= LEASE_TTL_S + SWEEP_S + 2.0, f"terminal {swept_in:.1f}s after the kill"
+    wait_for(lambda: all(map(terminal, read_logs(database_url, ids).values())), 60, "the sweep")
+    (row,) = [row for row in instances(database_url) if row["instance_id"] == killed]
+    late = (row["swept_at"] - row["lease_expires_at"]).total_seconds()
+    assert late <= SWEEP_S + SWEEP_SLACK_S, f"swept {late:.1f}s after the lease lapsed"
     logs = read_logs(database_url, ids)
     for stream in victims:
         assert_lost_within_the_bound(logs[stream.transcript.request_id], stream)
     gaps = [s.received - logged_deltas(logs[s.transcript.request_id]) for s in victims]
     print(
-        f"swept {len(victims)} requests {swept_in:.2f}s after the kill;"
+        f"swept {len(victims)} requests {late:.2f}s after the lease lapsed;"
         f" a client ahead of its log by {max(gaps)} deltas at most (bound {2 * BATCH})"
     )
     assert max(gaps) <= 2 * BATCH
@@ -226,9 +229,8 @@ def test_a_killed_gateways_requests_are_swept_by_a_survivor(
         wait_for(lambda: all(s.received >= 3 for s in streams), 60, "every stream to be delivering")
         victims = [s for n, s in enumerate(streams) if n % 3 == 0]
         survivors = [s for n, s in enumerate(streams) if n % 3 != 0]
-        killed_at = time.monotonic()
         stop(fleet[0].process, signal.SIGKILL)  # no shutdown, no flush, no lease given back
-        assert_swept_within_the_bound(database_url, victims, killed_at)
+        assert_swept_within_the_bound(database_url, victims, instance_of(database_url, fleet[0])["instance_id"])
         killed, alive = instance_of(database_url, fleet[0]), [instance_of(database_url, g) for g in fleet[1:]]
         assert killed["swept_by"] in {row["instance_id"] for row in alive} and killed["swept_at"] is not None
         assert killed["requests_swept"] == len(victims)

@@ -143,7 +143,9 @@ async def test_the_conversion_runs_while_appends_go_on(empty_database_url: str) 
                 await asyncio.sleep(0)
 
         appending = asyncio.ensure_future(append_in_a_loop())
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(60):
+            while len(written) < 3:  # appends are going on
+                await asyncio.sleep(0.01)
         during = len(written)
         await migrate.upgrade_async(url)
         after_upgrade = len(written)
