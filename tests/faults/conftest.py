@@ -33,8 +33,9 @@ import pytest
 from app.config import ReplicaConfig
 from statemachine.events import Event
 from statemachine.trace import dump_trace
+from tests.faults.token_loop import TIMEOUTS
 from tests.support.audit import fold_disagreements_in
-from tests.support.gateway import MODEL
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import ScriptedUpstream, running_scripted_upstream
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy
 from tests.support.transcript import Transcript
@@ -208,3 +209,29 @@ def evidence(request: pytest.FixtureRequest) -> Iterator[Evidence]:
     if request.node.stash.get(_FAILED, False) and kept.kept:
         folder = kept.write(request.node.nodeid)
         print(f"evidence kept in {folder}")
+
+
+# --- the token-loop tests' gateways (tests/faults/token_loop.py) ------------------------------------
+
+
+@pytest.fixture
+def loop_gateway(database_url: str, live_fleet: Fleet) -> Iterator[RunningGateway]:
+    with running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30) as running:
+        yield running
+
+
+# 4 and 7 need the network cut or the client gone at an exact token: slow tokens
+@pytest.fixture(scope="module", params=KINDS)
+def slow_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    with fleet_of(request.param, decode_ms=150.0) as started:
+        yield started
+
+
+@pytest.fixture
+def slow_gateway(database_url: str, slow_fleet: Fleet) -> Iterator[RunningGateway]:
+    slow_fleet.revive()
+    # test 7: a client that leaves is cancelled at once (tests/app/api/test_disconnect_grace.py: the grace)
+    with running_gateway(
+        database_url, slow_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30, resume_grace_s=0
+    ) as running:
+        yield running

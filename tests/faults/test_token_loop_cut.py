@@ -1,0 +1,84 @@
+"""DESIGN.md §10, 4: the network to the replica is cut at token k: the old attempt is fenced
+(cancel acknowledged or lease expired) before anything else (tests/faults/token_loop.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from statemachine import events as ev
+from statemachine.events import ReleaseReason
+from statemachine.request_state import Outcome
+from tests.faults.conftest import Evidence, Fleet
+from tests.faults.token_loop import (
+    INDICES,
+    N,
+    body,
+    prompt_for,
+    replicas_of,
+    settle,
+)
+from tests.support.gateway import RunningGateway
+from tests.support.transcript import released_by, stream_chat
+
+
+@pytest.mark.parametrize("k", INDICES)
+def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
+    slow_gateway: RunningGateway, slow_fleet: Fleet, evidence: Evidence, k: int
+) -> None:
+    prompt = prompt_for(f"cut {k}")
+    first = slow_fleet.replicas[0]
+    cut_done = threading.Event()
+
+    def cut_when_started() -> None:  # k = 0: cut once the attempt started, before any token
+        deadline = time.monotonic() + 10
+        while not slow_gateway.gateway.ctx.drivers and time.monotonic() < deadline:
+            time.sleep(0.005)
+        first.proxy.blackhole()
+        cut_done.set()
+
+    if k == 0:
+        threading.Thread(target=cut_when_started, daemon=True).start()
+        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4))
+    else:
+        cut = first.proxy.blackhole
+        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4), on_delta=lambda n: n == k and cut())
+    wait_released(slow_gateway, transcript.request_id, 1)  # by its cancel's acknowledgement or its lease
+    first.proxy.restore()  # the network comes back: the old attempt must stay silent
+    events, state = settle(slow_gateway, transcript, evidence)
+    order = [type(e).__name__ for e in events]
+    fenced_at = order.index("AttemptFenced")
+    after_fence = events[fenced_at + 1 :]
+    assert not [e for e in after_fence if isinstance(e, ev.DeltasDelivered | ev.FirstTokenReceived) and e.attempt == 1]
+    if slow_fleet.kind == "openai" and k == 0:  # nothing delivered: the closed connection is the fence
+        assert released_by(events, 1) is ReleaseReason.CONNECTION_CLOSED
+    else:
+        assert released_by(events, 1) in (ReleaseReason.CANCEL_ACKED, ReleaseReason.LEASE_EXPIRED)
+    if k == 0:
+        release = next(i for i, e in enumerate(events) if isinstance(e, ev.AttemptReleased) and e.attempt == 1)
+        second = next(i for i, e in enumerate(events) if isinstance(e, ev.AttemptStarted) and e.attempt == 2)
+        assert order.index("CancelSent") < release < second  # fenced and released before the retry
+        assert state.outcome is Outcome.COMPLETED and replicas_of(events) == ["r1", "r2"]
+    else:
+        assert state.outcome is Outcome.FAILED and replicas_of(events) == ["r1"]
+        assert transcript.error is not None and transcript.error["delivered_output_tokens"] == len(transcript.contents)
+    # k = 0 may cut before the start request even reached the worker (the proxy holds it):
+    # then the worker's view has nothing to say; the log above already proved the rule
+    if slow_fleet.kind == "worker" and k > 0:  # the worker's view: stopped by its lease, or done before
+        attempts = httpx.get(first.direct_url + "/admin/attempts").json()["attempts"]
+        (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
+        assert mine["engine_over"] and mine["stop"] in ("lease_expired", "cancelled", None)
+
+
+def wait_released(gateway: RunningGateway, request_id: str, attempt: int, timeout: float = 60.0) -> None:
+    """Until the log shows ``attempt`` released (a fault that keeps it unreleased reaches the bound)."""
+    store, deadline = gateway.gateway.ctx.store, time.monotonic() + timeout
+    while True:
+        gateway.call(store.flush())
+        if released_by(gateway.call(store.read(request_id)), attempt) is not None:
+            return
+        assert time.monotonic() < deadline, f"attempt {attempt} of {request_id} not released in {timeout:g} s"
+        time.sleep(0.05)

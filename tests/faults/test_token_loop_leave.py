@@ -1,0 +1,43 @@
+"""The client leaves at token k: the upstream is cancelled, nothing new starts
+(tests/faults/token_loop.py)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from statemachine.events import ReleaseReason
+from statemachine.request_state import Outcome
+from tests.faults.conftest import Evidence, Fleet
+from tests.faults.token_loop import (
+    INDICES,
+    N,
+    body,
+    only_request_id,
+    prompt_for,
+    replicas_of,
+    settle,
+)
+from tests.support.gateway import RunningGateway
+from tests.support.transcript import Transcript, released_by, stream_chat
+
+
+@pytest.mark.parametrize("k", INDICES)
+def test_7_a_client_leaving_at_token_k_cancels_upstream(
+    slow_gateway: RunningGateway, slow_fleet: Fleet, evidence: Evidence, k: int
+) -> None:
+    prompt = prompt_for(f"leave {k}")
+    if k == 0:  # gone before the first delta: the client gives up while headers are held back
+        with pytest.raises(httpx.ReadTimeout):
+            stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4), timeout=0.05)
+        transcript = Transcript(only_request_id(slow_gateway), 200)
+    else:
+        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4), on_delta=lambda n: n >= k)
+    events, state = settle(slow_gateway, transcript, evidence, left=True)
+    assert state.outcome is Outcome.CANCELLED and replicas_of(events) == ["r1"]  # nothing new started
+    order = [type(e).__name__ for e in events]
+    assert "ClientDisconnected" in order and "CancelSent" in order
+    expected = ReleaseReason.CANCEL_ACKED if slow_fleet.kind == "worker" else ReleaseReason.LEASE_EXPIRED
+    assert released_by(events, 1) is expected  # acknowledged where the replica can
+    # the client read k deltas and left; the gateway may have written more before it saw that
+    assert len(transcript.contents) == k <= state.delivered_output_tokens
