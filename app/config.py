@@ -18,7 +18,7 @@ from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
 from app.http_server import HttpLimits
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
 
 REPLICA_KINDS = ("worker", "openai")

@@ -37,7 +37,8 @@ from statemachine.events import (
     ToolCallEmitted,
     UpstreamFailed,
 )
-from statemachine.policy import PolicyConfig, decide, decided_fields
+from statemachine.policy import decide, decided_fields
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import RequestState
 from statemachine.routing import PoolSnapshot, ReplicaView
 from statemachine.state import advance

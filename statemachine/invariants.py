@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from statemachine import events as ev
 from statemachine.errors import IllegalTransition
 from statemachine.events import Event
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.request_state import DEAD_KINDS
 

@@ -17,15 +17,11 @@ placement itself is :func:`statemachine.routing.place`. In order:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from statemachine.actions import Action, FailRequest, StartAttempt, WaitToRetry, fail_before_output
 from statemachine.events import FailureKind
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import AttemptState, RequestState
 from statemachine.routing import PoolSnapshot, least_loaded, place
-
-if TYPE_CHECKING:
-    from statemachine.policy import PolicyConfig
 
 MODEL_FALLBACK = "model_fallback"  # a StartAttempt's migration onto a fallback model
 # Refusals with fallback lists of their own (routing.RoutingConfig): OpenAI's codes

@@ -32,8 +32,6 @@ driver passes in and the ``Decided`` event records (:mod:`statemachine.routing`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 from statemachine.actions import (
@@ -49,6 +47,7 @@ from statemachine.actions import (
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
 from statemachine.placing import CONTENT_POLICY_CODES, CONTEXT_LENGTH_EXCEEDED, fallback, retry_or_fail, start
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import AttemptState, RequestState, StartRefusal
 from statemachine.routing import PoolSnapshot
 
@@ -58,33 +57,6 @@ POLICY_VERSION = "2026-12-01.3"
 # before any output, on any replicas, is poison: it is failing them, not they it.
 POISON_AFTER_SERVER_ERRORS = 2
 POISON_REQUEST = "poison_request"
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """The knobs of the policy; replay can run with another one to compare."""
-
-    max_attempts: int = 2
-    # Cost guard: a retry whose prompt is longer than this fails fast (None: no guard).
-    retry_max_prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.retry_max_prompt_tokens is not None and self.retry_max_prompt_tokens < 0:
-            raise ValueError("retry_max_prompt_tokens must not be negative")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
-        """Build from a parsed configuration file, rejecting unknown keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown policy settings: {', '.join(unknown)}")
-        for name, value in values.items():
-            if value is not None and type(value) is not int:
-                raise ValueError(f"policy setting {name} must be an integer")
-        return cls(**values)
 
 
 # --- the policy ------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from typing import Any
 
 from statemachine.actions import action_params
 from statemachine.events import Decided, Event
-from statemachine.policy import PolicyConfig, decide
+from statemachine.policy import decide
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import RequestState
 from statemachine.routing import PoolSnapshot
 from statemachine.state import apply

@@ -45,7 +45,8 @@ from statemachine.actions import (
 )
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import PolicyConfig, decide, ended_by_gateway, needs_pool
+from statemachine.policy import decide, ended_by_gateway, needs_pool
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import DEAD_KINDS, RequestState
 
 log = logging.getLogger("phasegate.driver")

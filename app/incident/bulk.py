@@ -16,7 +16,7 @@ from typing import TextIO
 from app.incident.describe import plural
 from statemachine.errors import IllegalTransition
 from statemachine.events import Event
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 
 BAR_WIDTH = 30

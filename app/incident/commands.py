@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from app.incident.describe import plural
 from app.store.queries import OUTCOMES, Selection
 from statemachine.events import Event
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 
 OK, DIVERGED, UNUSABLE = 0, 1, 2
 

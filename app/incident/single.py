@@ -8,7 +8,7 @@ from typing import TextIO
 from app.incident.timeline import render_table, render_verdict, timeline
 from statemachine.errors import IllegalTransition
 from statemachine.events import Event
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 
 OK, DIVERGED = 0, 1

@@ -21,7 +21,7 @@ from app.incident.describe import describe_decision, describe_event, plural
 from statemachine import events as ev
 from statemachine.errors import IllegalTransition
 from statemachine.events import Event
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import DecisionRun, ReplayResult, decision_of, summary
 from statemachine.request_state import RequestState
 from statemachine.state import apply

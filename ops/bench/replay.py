@@ -38,7 +38,8 @@ sys.path.insert(0, str(REPO))
 from statemachine import events as ev  # noqa: E402
 from statemachine.actions import FailRequest  # noqa: E402
 from statemachine.events import Event, FailureKind, ReleaseReason  # noqa: E402
-from statemachine.policy import PolicyConfig, decide, decided_fields  # noqa: E402
+from statemachine.policy import decide, decided_fields  # noqa: E402
+from statemachine.policy_config import PolicyConfig  # noqa: E402
 from statemachine.replay import replay  # noqa: E402
 from statemachine.request_state import RequestState  # noqa: E402
 from statemachine.state import advance  # noqa: E402

@@ -19,11 +19,11 @@ functions.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.imports import arrows, cycles, module_name, modules, reaches_itself
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTTOM = "statemachine"
@@ -72,78 +72,6 @@ ALLOWED: dict[str, frozenset[str]] = {
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}
 
 
-@dataclass(frozen=True)
-class Arrow:
-    """One import: ``source`` (a module of app/) imports ``target`` at ``file:line``."""
-
-    source: str
-    target: str
-    file: str
-    line: int
-    loaded: bool  # at the top level or under TYPE_CHECKING, not inside a function
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.source} → {self.target}"
-
-
-def module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def modules(root: Path) -> dict[str, Path]:
-    """Every module under ``root``/app, by dotted name."""
-    return {module_name(path, root): path for path in sorted((root / "app").rglob("*.py"))}
-
-
-def _package(module: str, path: Path) -> str:
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-
-def _walk(body: list[ast.stmt], loaded: bool) -> Iterator[tuple[ast.AST, bool]]:
-    """Every node under ``body``, with whether it runs when the module is loaded."""
-    for statement in body:
-        stack: list[tuple[ast.AST, bool]] = [(statement, loaded)]
-        while stack:
-            node, at_load = stack.pop()
-            yield node, at_load
-            inner = at_load and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
-
-
-def arrows(path: Path, root: Path, known: set[str]) -> Iterator[Arrow]:
-    """The imports of app/ or statemachine/ that ``path`` makes, resolved to module names.
-
-    ``from app.store import schema`` names the module ``app.store.schema`` when it is one
-    (``known``); relative imports are resolved against the module's package; a constant
-    string given to ``importlib.import_module`` or ``__import__`` counts as an import.
-    """
-    source = module_name(path, root)
-    package = _package(source, path)
-    file = path.relative_to(root).as_posix()
-    tree = ast.parse(path.read_text(), filename=str(path))
-    for node, loaded in _walk(tree.body, loaded=True):
-        if not isinstance(node, ast.Import | ast.ImportFrom | ast.Call):
-            continue
-        targets: list[str] = []
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                stem = ".".join([*base, node.module] if node.module else base)
-            else:
-                stem = node.module or ""
-            targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names]
-        elif node.args and isinstance(node.args[0], ast.Constant):
-            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                targets = [node.args[0].value]
-        for target in dict.fromkeys(targets):
-            if target.split(".")[0] in ("app", BOTTOM):
-                yield Arrow(source, target, file, node.lineno, loaded)
-
-
 def unit_of(module: str) -> str | None:
     """The unit of ``ALLOWED`` (or the bottom) that ``module`` belongs to, if any."""
     if module.split(".")[0] == BOTTOM:
@@ -160,74 +88,6 @@ def upward(path: Path, root: Path, known: set[str]) -> list[str]:
         target = unit_of(arrow.target)
         if source is None or target is None or (target != source and target not in ALLOWED[source]):
             found.append(f"{arrow} (unit {source} may not import {target})")
-    return found
-
-
-def cycles(root: Path) -> list[list[Arrow]]:
-    """Import cycles among the modules of app/, one per strongly connected set.
-
-    Only arrows that run when a module is loaded or type-checked count; each cycle is
-    given as the arrows that close it, starting from its first module by name.
-    """
-    known = modules(root)
-    graph: dict[str, dict[str, Arrow]] = {name: {} for name in known}
-    for name, path in known.items():
-        for arrow in arrows(path, root, set(known)):
-            if arrow.loaded and arrow.target in graph and arrow.target not in graph[name]:
-                graph[name][arrow.target] = arrow
-
-    # Tarjan's strongly connected components; the graph is small enough for recursion.
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    components: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for successor in graph[node]:
-            if successor not in index:
-                visit(successor)
-                low[node] = min(low[node], low[successor])
-            elif successor in stack:
-                low[node] = min(low[node], index[successor])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1 or node in graph[node]:
-                components.append(sorted(component))
-
-    for name in sorted(graph):
-        if name not in index:
-            visit(name)
-
-    found = []
-    for component in sorted(components):
-        members = set(component)
-        start = component[0]
-        # a shortest way from start back to itself inside the component
-        paths: dict[str, list[Arrow]] = {start: []}
-        frontier = [start]
-        closing: list[Arrow] | None = None
-        while frontier and closing is None:
-            following = []
-            for node in frontier:
-                for successor, arrow in sorted(graph[node].items()):
-                    if successor == start:
-                        closing = [*paths[node], arrow]
-                        break
-                    if successor in members and successor not in paths:
-                        paths[successor] = [*paths[node], arrow]
-                        following.append(successor)
-                if closing is not None:
-                    break
-            frontier = following
-        assert closing is not None
-        found.append(closing)
     return found
 
 
@@ -252,13 +112,7 @@ def test_every_module_has_a_unit_and_every_unit_modules() -> None:
 
 def test_the_table_runs_downward() -> None:
     """No unit may import, directly or through others, a unit that may import it."""
-    for unit in ALLOWED:
-        reachable: set[str] = set()
-        frontier = set(ALLOWED[unit])
-        while frontier:
-            reachable |= frontier
-            frontier = {below for above in frontier for below in ALLOWED.get(above, ())} - reachable
-        assert unit not in reachable, f"{unit} can reach itself through the table"
+    assert reaches_itself(ALLOWED) == []
     assert ALLOWED["app.worker"].isdisjoint({"app.store", "app.driver", "app.api"})
     for lower in ("app.store", "app.replicas"):
         assert ALLOWED[lower].isdisjoint({"app.driver", "app.api"})

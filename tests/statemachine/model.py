@@ -24,7 +24,8 @@ from statemachine.actions import (
 )
 from statemachine.events import Event, FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import PolicyConfig, decide, decided_fields, needs_pool
+from statemachine.policy import decide, decided_fields, needs_pool
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import DEAD_KINDS, RequestState
 from statemachine.routing import PoolSnapshot, ReplicaView
 from statemachine.state import advance

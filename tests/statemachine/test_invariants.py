@@ -7,7 +7,7 @@ import dataclasses
 from statemachine import events as ev
 from statemachine.events import FailureKind
 from statemachine.invariants import violations
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from tests.statemachine.model import ModelDriver
 from tests.traces.generate import SCENARIOS
 

@@ -13,7 +13,7 @@ from statemachine.diagram import render_phases_markdown
 from statemachine.errors import IllegalTransition
 from statemachine.events import EVENT_TYPES, FailureKind, ReleaseReason
 from statemachine.phases import TRANSITIONS, Phase, next_phase
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import Outcome, RequestState
 from statemachine.state import advance, apply, fold
 from tests.statemachine.model import ModelDriver, accepted

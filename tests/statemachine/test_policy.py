@@ -11,7 +11,8 @@ from statemachine.actions import Action, CancelAttempt, CancelRequest, FailReque
 from statemachine.errors import IllegalTransition
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import POLICY_VERSION, PolicyConfig, decide, decided_fields
+from statemachine.policy import POLICY_VERSION, decide, decided_fields
+from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import ActionName, FenceWait, Outcome
 from tests.statemachine.model import ModelDriver
 

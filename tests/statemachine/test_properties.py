@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from statemachine import events as ev
 from statemachine.events import Deadline, FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.request_state import DEAD_KINDS, FenceWait
 from statemachine.state import fold

@@ -11,7 +11,7 @@ import pytest
 from statemachine import events as ev
 from statemachine.errors import IllegalTransition, TraceError
 from statemachine.jsonform import to_json
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import ReplayDivergence, replay
 from statemachine.request_state import Outcome
 from statemachine.trace import dump_trace, parse_trace

@@ -12,7 +12,7 @@ from statemachine import events as ev
 from statemachine.actions import FailRequest, StartAttempt, WaitToRetry
 from statemachine.errors import IllegalTransition
 from statemachine.events import FailureKind
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.routing import (

@@ -11,7 +11,7 @@ import pytest
 from statemachine import events as ev
 from statemachine.errors import TraceError
 from statemachine.events import FailureKind
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.trace import REDACTED_FIELDS, dump_trace, fold_trace, parse_trace, trace_header, trace_line
 from tests.statemachine.model import ModelDriver

@@ -20,7 +20,7 @@ from app.config import Timeouts
 from statemachine import events as ev
 from statemachine.events import FailureKind
 from statemachine.invariants import violations
-from statemachine.policy import PolicyConfig
+from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.request_state import Outcome, RequestState
 from statemachine.state import fold
