@@ -11,21 +11,8 @@ completions back to back and keep what they received. Every ``--kill-every``
 seconds (jittered) a random worker is SIGKILLed and started again on its port a
 moment later; with ``--kill-gateway-every``, a random gateway too, started again as
 a new instance while the others sweep the one that died. When the clients stop,
-every request must be terminal, the gateways drain, and the checker prints one table:
-
-    requests      every request a client sent and got an id for
-    completed     ended with [DONE]; the log says completed
-    retried       needed more than one attempt (before any output)
-    interrupted   ended with upstream_decode_interrupted after partial output
-    other         refused or failed before output (no replica, retries spent)
-    no response   the connection failed before any answer (no request id; the
-                  openai client retries these); each is checked against the log below
-    gateway lost  its gateway was killed under it: the log ends it gateway_lost, at
-                  most two delivery batches behind what the client received, never ahead
-    violations    requests breaking a rule of statemachine.invariants, or left open (must be 0)
-    events lost   a client and its log disagree: the text, the outcome, or the final error's
-                  code, partial_output and delivered tokens; or output the log delivered to
-                  a request no client got an answer for                    (must be 0)
+every request must be terminal, the gateways drain, and the checker
+(``ops/chaos_check.py``) prints one table of what the clients and the log say.
 """
 
 from __future__ import annotations
@@ -41,59 +28,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncpg
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.store.database import asyncpg_dsn  # noqa: E402
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
-from app.store.postgres import PostgresEventStore  # noqa: E402
+from ops.chaos_check import Report, check, until_all_ended  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: E402
 from ops.transcript import Transcript  # noqa: E402
-from statemachine import events as ev  # noqa: E402
-from statemachine.invariants import violations  # noqa: E402
-from statemachine.request_state import Outcome  # noqa: E402
-from statemachine.state import fold  # noqa: E402
 
 MODEL = "sim"
-
-
-@dataclass
-class Report:
-    requests: int = 0
-    completed: int = 0
-    retried: int = 0
-    interrupted: int = 0
-    other: int = 0
-    gateway_lost: int = 0
-    no_response: int = 0
-    violations: int = 0
-    events_lost: int = 0
-    kills: int = 0
-    gateway_kills: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    def table(self) -> str:
-        rows = [
-            ("requests", self.requests),
-            ("completed", self.completed),
-            ("retried", self.retried),
-            ("interrupted", self.interrupted),
-            ("other", self.other),
-            ("gateway lost", self.gateway_lost),
-            ("no response", self.no_response),
-            ("violations", self.violations),
-            ("events lost", self.events_lost),
-            ("worker kills", self.kills),
-            ("gateway kills", self.gateway_kills),
-        ]
-        return "\n".join(f"{name:>14} {value:>8}" for name, value in rows)
 
 
 # --- the fleet -------------------------------------------------------------------------------
@@ -218,107 +166,6 @@ async def one(http: httpx.AsyncClient, url: str, body: dict[str, object]) -> Tra
             return Transcript("", 0, error={"code": "client_error", "message": repr(exc)})
         transcript.cut = True  # mid-stream: its gateway died under it
         return transcript
-
-
-# --- the checker -----------------------------------------------------------------------------
-
-
-async def check(database_url: str, transcripts: list[Transcript], batch_deltas: int) -> Report:
-    """Every request against its log; ``batch_deltas``: deltas per delivery batch at most."""
-    report = Report()
-    store = await PostgresEventStore.connect(database_url)
-    try:
-        if unfinished := await store.unfinished_requests():
-            report.problems.append(f"{len(unfinished)} request(s) never ended: {unfinished[:5]}")
-            report.violations += len(unfinished)
-        for transcript in transcripts:
-            if not transcript.request_id:
-                report.no_response += 1  # checked below, against what the log accepted
-                continue
-            report.requests += 1
-            events = await store.read(transcript.request_id)
-            if transcript.status != 200 and not events:
-                report.other += 1  # refused before acceptance
-                continue
-            broken = violations(events)
-            if broken:
-                report.violations += 1
-                report.problems.append(f"{transcript.request_id}: {'; '.join(broken)}")
-                continue
-            disagreement = _disagreement(transcript, events, batch_deltas)
-            if disagreement is not None:
-                report.events_lost += 1
-                report.problems.append(f"{transcript.request_id}: {disagreement}")
-            state = fold(events)
-            report.retried += len(state.attempts) > 1
-            if state.outcome is Outcome.COMPLETED:
-                report.completed += 1
-            elif state.error_code == "upstream_decode_interrupted":
-                report.interrupted += 1
-            elif state.error_code == "gateway_lost":
-                report.gateway_lost += 1
-            else:
-                report.other += 1
-        # A request the gateways accepted that no client got an answer for (its connection
-        # failed first) must not have delivered anything: that output would be lost.
-        seen = {transcript.request_id for transcript in transcripts}
-        unseen = [rid for rid in await accepted(database_url) if rid not in seen]
-        for request_id in unseen:
-            if any(isinstance(e, ev.DeltasDelivered) and e.tokens for e in await store.read(request_id)):
-                report.events_lost += 1
-                report.problems.append(f"{request_id}: output delivered, but no client got an answer")
-        if len(unseen) > report.no_response:
-            report.problems.append(f"{len(unseen)} accepted requests went unanswered, {report.no_response} clients saw")
-    finally:
-        await store.close()
-    return report
-
-
-def _disagreement(transcript: Transcript, events: list[ev.Event], batch_deltas: int) -> str | None:
-    """How what the client received and what its log says differ, or ``None``."""
-    state = fold(events)
-    deliveries = [e for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens]
-    logged = "".join(e.text or "" for e in deliveries)
-    got = "".join(transcript.contents)
-    if transcript.cut:  # the gateway died: the log may lag two batches, never lead
-        behind = len(transcript.contents) - state.delivered_deltas
-        # ... or it died between recording the completion (durable, before the last bytes)
-        # and sending the finish: every delta was logged, the log says completed
-        ended = state.error_code == "gateway_lost" or (state.outcome is Outcome.COMPLETED and behind == 0)
-        if not ended or not got.startswith(logged) or not 0 <= behind <= 2 * batch_deltas:
-            return f"cut after {got!r}; the log says {logged!r} ({state.error_code}, {behind} deltas behind)"
-        return None
-    client_completed = transcript.done and transcript.error is None  # an error event also ends in [DONE]
-    if got != logged or client_completed != (state.outcome is Outcome.COMPLETED):
-        return f"the client got {got!r} (completed: {client_completed}), the log says {logged!r} ({state.outcome})"
-    error = transcript.error
-    if error is not None and (
-        error.get("code") != state.error_code
-        or error.get("partial_output") is not state.first_delta_sent
-        or error.get("delivered_output_tokens") != state.delivered_output_tokens
-    ):
-        return f"the client was told {error}, the log says {state.error_code} after {state.delivered_output_tokens}"
-    return None
-
-
-async def accepted(database_url: str) -> list[str]:
-    connection = await asyncpg.connect(asyncpg_dsn(database_url))
-    try:
-        rows = await connection.fetch("SELECT request_id FROM requests")
-        return [row["request_id"] for row in rows]
-    finally:
-        await connection.close()
-
-
-async def until_all_ended(database_url: str, timeout_s: float) -> None:
-    """Wait until no request is open: the sweeps of killed gateways are done."""
-    store = await PostgresEventStore.connect(database_url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while await store.unfinished_requests() and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-    finally:
-        await store.close()
 
 
 # --- the run ---------------------------------------------------------------------------------

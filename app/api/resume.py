@@ -32,9 +32,8 @@ Under ``content_policy`` ``digest`` or ``none`` the log has no text: 409
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -43,22 +42,27 @@ from starlette.routing import Route
 
 from app.api.answers import failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
-from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable, failure_body
+from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
+from app.api.from_log import (
+    check_resumable,
+    delta_chunk,
+    deltas_of,
+    ending,
+    shape_from_log,
+    whole_from_log,
+)
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
-from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.sse import ResponseShape, response_id, sse_event
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
 from app.driver.outputs import Delta, Failed, Output, Restarted
-from app.driver.request import GenerationRequest
 from app.http_cycle import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
-from statemachine.events import TokenLogprob
-from statemachine.request_state import RequestState
 from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
@@ -66,12 +70,6 @@ log = logging.getLogger("phasegate.api")
 FOLLOW_EVERY_S = 0.02  # how often a live request's log is read again
 ATTACH_WAIT_S = 10.0  # how long an attaching POST waits for the request it names to reach the log
 MAX_EVENT_ID = 1 << 31
-
-
-class ResumeUnavailable(ApiError):
-    status = 409
-    type = "invalid_request_error"
-    code = "resume_unavailable"
 
 
 def resume_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
@@ -96,7 +94,7 @@ class _Resume:
             if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
                 raise NotFound(f"no request '{request_id}'", code="request_not_found")  # nor another tenant's
             bind_request(request_id)  # a request of the log: this task's lines (and its stream's) are about it
-            _check_resumable(events)
+            check_resumable(events)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
         log.info("request %s: its stream resumes from delta %d", request_id, after + 1)
@@ -105,8 +103,7 @@ class _Resume:
             live = await _at_owner(self.ctx, request, request_id, events)
         if live is not None:
             return live
-        generation = _shape_of(accepted)
-        shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted), _answered_by(events))
+        shape = shape_from_log(request_id, events)
         return EventSourceResponse(
             self.follower.follow(request_id, events, after, shape), headers=headers, ping=15, send_timeout=30, sep="\n"
         )
@@ -137,16 +134,16 @@ class _Follower:
             for event in events[seen:]:
                 seen = event.seq
                 if isinstance(event, ev.DeltasDelivered):
-                    for index, choice, text, tokens, logprobs in _deltas(event):
+                    for index, choice, text, tokens, logprobs in deltas_of(event):
                         if index >= position:
-                            payload = _delta_chunk(shape, text, choice, tokens, logprobs, first=index == 0)
+                            payload = delta_chunk(shape, text, choice, tokens, logprobs, first=index == 0)
                             yield sse_event(index, payload)
                             position = index + 1
                         elif tokens:
                             shape.passed(text, choice)  # where the next tokens start in the choice's text
                 elif isinstance(event, ev.DeltasProduced):
                     into = produced.setdefault(event.attempt, {})
-                    for index, choice, text, tokens, _ in _deltas(event):
+                    for index, choice, text, tokens, _ in deltas_of(event):
                         into[index] = (choice, text, tokens)
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
@@ -155,9 +152,9 @@ class _Follower:
                     tail = produced.get(current.attempt, {}) if current is not None else {}
                     for index in sorted(i for i in tail if i >= position):
                         choice, text, tokens = tail[index]
-                        yield sse_event(index, _delta_chunk(shape, text, choice, tokens, None, first=index == 0))
+                        yield sse_event(index, delta_chunk(shape, text, choice, tokens, None, first=index == 0))
                         position = index + 1
-                    for chunk in _ending(shape, request_id, event, state):
+                    for chunk in ending(shape, request_id, event, state):
                         yield chunk
                     await self._record(request_id, after + 1, max(position, after + 1))
                     return
@@ -210,55 +207,21 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
             events = await follower.read(request_id)
         if not events:
             raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
-        _check_resumable(events)
+        check_resumable(events)
     except ApiError as error:
         return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
     if stream:
         forwarded = await _at_owner(ctx, request, request_id, events)
         if forwarded is not None:
             return forwarded
-    accepted = events[0]
-    assert isinstance(accepted, ev.RequestAccepted)
-    generation = _shape_of(accepted)
-    shape = ResponseShape(generation, response_id(generation, request_id), _created(accepted), _answered_by(events))
+    shape = shape_from_log(request_id, events)
     if stream:
         body = follower.follow(request_id, events, after, shape)
         return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
     while fold(events).outcome is None:  # a whole answer: once the request ended
         await asyncio.sleep(FOLLOW_EVERY_S)
         events = await follower.read(request_id)
-    state = fold(events)
-    terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
-    if not isinstance(terminal, ev.RequestCompleted):
-        failed = _failure(terminal, state)
-        return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-    texts: dict[int, list[str]] = {}
-    calls: dict[int, list[dict[str, object]]] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {}
-    final = state.current_attempt.attempt if state.current_attempt is not None else 0
-    answer: dict[int, tuple[int, str, int, tuple[TokenLogprob, ...] | None]] = {}  # delivered or produced (§12)
-    for event in events:
-        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and event.attempt == final:
-            for index, choice, text, tokens, entries in _deltas(event):
-                if index not in answer or entries is not None:  # a delivered delta keeps its log probabilities
-                    answer[index] = (choice, text, tokens, entries)
-    for index in sorted(answer):
-        choice, text, tokens, entries = answer[index]
-        if tokens:
-            texts.setdefault(choice, []).append(text)
-            logprobs.setdefault(choice, []).extend(entries or ())
-        else:
-            calls[choice] = json.loads(text)
-    reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
-    choices = range(len(reasons))
-    completion = shape.completion(
-        ["".join(texts.get(c, ())) for c in choices],
-        reasons,
-        terminal.usage,
-        [calls.get(c, []) for c in choices],
-        [logprobs.get(c, []) for c in choices] if shape.request.logprobs is not None else None,
-    )
-    return JSONResponse(completion, headers=headers)
+    return whole_from_log(request_id, events, shape, headers)
 
 
 async def attach_live(
@@ -305,11 +268,6 @@ async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, even
     return None if address is None else await forward_stream(request, address, request_id)
 
 
-def _answered_by(events: list[ev.Event]) -> str:
-    """The model whose answer the log holds (a fallback's, if one answered)."""
-    return fold(events).answered_by
-
-
 async def _first(driver: RequestDriver, client: AttachedClient) -> Output:
     """The resumed client's first output; its first delta is the commit point if no
     client received one before."""
@@ -339,94 +297,3 @@ def _after(request: Request) -> int:
     if not (raw.isascii() and raw.isdigit()) or int(raw) >= MAX_EVENT_ID:
         raise InvalidRequest(f"'{param}' must be a delta index (a non-negative integer)", param=param)
     return int(raw)
-
-
-def _check_resumable(events: list[ev.Event]) -> None:
-    for event in events:
-        if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and (
-            event.text is None or (not event.deltas and event.to_index - event.from_index > 1)
-        ):
-            outcome = fold(events).outcome
-            error = ResumeUnavailable(
-                "the log keeps no text of this request (content_policy), so its stream cannot be resumed"
-                f"; its outcome: {outcome.value if outcome else 'still running'}"
-            )
-            raise error
-
-
-def _created(accepted: ev.RequestAccepted) -> int:
-    return int(accepted.occurred_at.timestamp())
-
-
-def _shape_of(accepted: ev.RequestAccepted) -> GenerationRequest:
-    return GenerationRequest(
-        endpoint=accepted.endpoint,
-        model=accepted.model,
-        stream=True,
-        include_usage=False,
-        max_tokens=0,
-        n=accepted.n,
-        logprobs=accepted.logprobs,
-    )
-
-
-def _deltas(
-    event: ev.DeltasDelivered | ev.DeltasProduced,
-) -> Iterator[tuple[int, int, str, int, tuple[TokenLogprob, ...] | None]]:
-    """``(index, choice, text, tokens, logprobs)`` of each delta of the batch (log
-    probabilities are kept with delivered text only)."""
-    text = event.text or ""
-    shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
-    offset = 0
-    for index, (choice, chars, tokens) in enumerate(shapes, start=event.from_index):
-        kept = event.logprobs if isinstance(event, ev.DeltasDelivered) else None
-        logprobs = kept[index - event.from_index] if kept is not None else None
-        yield index, choice, text[offset : offset + chars], tokens, logprobs
-        offset += chars
-
-
-def _delta_chunk(
-    shape: ResponseShape,
-    text: str,
-    choice: int,
-    tokens: int,
-    logprobs: tuple[TokenLogprob, ...] | None,
-    *,
-    first: bool,
-) -> str:
-    if tokens == 0:  # a choice's tool calls, as their JSON
-        return shape.tool_calls_chunk(json.loads(text), choice, first=first)
-    if shape.request.logprobs is None:
-        logprobs = None
-    elif logprobs is None:
-        logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
-    return shape.content_chunk(text, choice, first=first, logprobs=logprobs)
-
-
-def _ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:
-    """What followed the deltas: the finish, or the final error; then ``[DONE]``."""
-    next_id = max(state.delivered_deltas, state.produced_deltas)
-    if isinstance(terminal, ev.RequestCompleted):
-        reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
-        for choice, reason in enumerate(reasons):
-            yield sse_event(next_id + choice, shape.finish_chunk(reason, choice))
-    else:
-        failed = _failure(terminal, state)
-        yield sse_event(next_id, json.dumps(failure_body(request_id, failed)))
-    yield DONE
-
-
-def _failure(terminal: ev.Event, state: RequestState) -> Failed:
-    partial = state.first_delta_sent
-    if isinstance(terminal, ev.RequestFailed):
-        return Failed(
-            terminal.code,
-            terminal.message,
-            terminal.partial_output,
-            terminal.delivered_output_tokens,
-            terminal.retryable,
-            http_status=502,
-        )
-    assert isinstance(terminal, ev.RequestCancelled)
-    message = f"the request was cancelled ({terminal.reason})"
-    return Failed("request_cancelled", message, partial, state.delivered_output_tokens, False, http_status=499)

@@ -44,7 +44,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -53,66 +52,14 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
 from app.store import migrate
-from app.store.codec import EventRow, accept_day, to_row
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
+from ops.bench.log_rows import dayed_row, delivery, opening, params_of, percentile, scratch_database
 from ops.processes import free_port
 from ops.replication import replica_pair
-from statemachine.events import (
-    AttemptStarted,
-    DeltasDelivered,
-    Event,
-    FirstDeltaCommitted,
-    RequestAccepted,
-)
-
-T0 = datetime(2026, 11, 30, 17, 0, tzinfo=UTC)
-
-
-def opening(request_id: str) -> list[Event]:
-    """Accepted, attempt 1 started, first delta committed: deliveries may follow."""
-    accepted = RequestAccepted(
-        request_id=request_id,
-        seq=1,
-        occurred_at=T0,
-        model="bench-model",
-        model_revision="r1",
-        tenant="bench",
-        endpoint="chat.completions",
-        stream=True,
-        params_digest="d",
-        prompt_tokens=32,
-        n=1,
-        guided=False,
-        tools=False,
-        idempotency_key=None,
-        max_attempts=2,
-        seed=None,
-    )
-    return [
-        accepted,
-        AttemptStarted(request_id, 2, T0, 1, 1, "w1", T0 + timedelta(seconds=30)),
-        FirstDeltaCommitted(request_id, 3, T0, 1, 1),
-    ]
-
-
-def delivery(request_id: str, index: int) -> DeltasDelivered:
-    """The ``index``-th delivery (0-based), seq ``4 + index``."""
-    at = T0 + timedelta(microseconds=index)
-    return DeltasDelivered(request_id, 4 + index, at, 1, 1, index, index + 1, 1, " tok", None)
-
-
-def dayed_row(event: Event) -> EventRow:
-    """The row of ``event`` with its request's accept day, as the store writes it."""
-    return to_row(event, accept_day(T0))
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Durable(NamedTuple):
@@ -242,11 +189,11 @@ async def bench_core(url: str, count: int) -> list[float]:
     try:
         async with engine.connect() as connection:
             for event in opening("core"):
-                await connection.execute(insert, _params(event))
+                await connection.execute(insert, params_of(event))
             await connection.commit()
             for index in range(count):
                 began = time.perf_counter()
-                await connection.execute(insert, _params(delivery("core", index)))
+                await connection.execute(insert, params_of(delivery("core", index)))
                 await connection.commit()
                 latencies.append(time.perf_counter() - began)
     finally:
@@ -279,28 +226,12 @@ async def bench_synchronous_commit(url: str, count: int) -> dict[str, list[float
     return samples
 
 
-def _params(event: Event) -> dict[str, object]:
-    return {f"p{n}": value for n, value in enumerate(dayed_row(event), start=1)}
-
-
 async def _last_position(store: PostgresEventStore) -> int:
     connection = await asyncpg.connect(asyncpg_dsn(store.url))
     try:
         return int(await connection.fetchval("SELECT coalesce(max(position), 0) FROM request_events"))
     finally:
         await connection.close()
-
-
-async def scratch_database(url: str, name: str) -> str:
-    admin = await asyncpg.connect(asyncpg_dsn(url))
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    from sqlalchemy.engine import make_url
-
-    return make_url(sqlalchemy_url(url)).set(database=name).render_as_string(hide_password=False)
 
 
 async def run(args: argparse.Namespace, url: str) -> None:
