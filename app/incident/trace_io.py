@@ -78,7 +78,7 @@ MAX_DEPTH = 64
 INT64 = range(-(2**63), 2**63)
 # Cheap signs that a line needs the full check: a NUL or surrogate escape, a long run of
 # digits, deep nesting. Most lines show none, and are decoded only once (by parse_trace).
-_SUSPECT = re.compile(r"\\u0000|\\u[dD][89abAB]|\d{19,}")
+_SUSPECT = re.compile(r"\\u0000|\\u[dD][89a-fA-F]|\d{19,}")  # surrogates: D800-DFFF, high and low
 
 
 def check_lines(lines: Sequence[str], name: str) -> None:

@@ -112,7 +112,10 @@ def to_row(event: Event, accepted_on: date | None = None) -> EventRow:
         f"\x1f{lease_epoch}\x1f{micros}\x1f{body}"
     )
     millis = (micros // 1000) & 0xFFFF_FFFF_FFFF
-    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    try:
+        digest = hashlib.sha256(canonical.encode()).hexdigest()
+    except UnicodeEncodeError as exc:  # a lone surrogate outside the body (the request id): not UTF-8
+        raise InvalidAppend(f"{layout.name} cannot be recorded: {exc}") from None
     return EventRow(
         event.request_id,
         event.seq,

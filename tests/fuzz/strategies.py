@@ -11,9 +11,11 @@ from urllib.parse import quote
 
 from hypothesis import strategies as st
 
-# text a parser may choke on: NUL, a lone surrogate, superscript and Arabic-Indic digits,
+# text a parser may choke on: NUL, lone surrogates (high and low), superscript and Arabic-Indic digits,
 # a right-to-left mark, the BOM, and plain words
-NASTY_TEXT = st.sampled_from(["\x00", "\ud800", "²", "١٢", "\u200f", "\ufeff", "a\x00b", "", " ", "null", "-1"])
+NASTY_TEXT = st.sampled_from(
+    ["\x00", "\ud800", "\udc00", "²", "١٢", "\u200f", "\ufeff", "a\x00b", "", " ", "null", "-1"]
+)
 TEXT = st.one_of(st.text(max_size=40), NASTY_TEXT)
 INTEGERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),

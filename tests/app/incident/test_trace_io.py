@@ -234,6 +234,11 @@ UNHOLDABLE = {
         1,
         r"a lone UTF-16 surrogate in 'req\\ud800clean'",
     ),
+    "low surrogate in the request id": (  # a traceback from the codec before (issue 33)
+        lambda lines: _everywhere(lines, "req_clean", "req\\udc00clean"),
+        1,
+        r"a lone UTF-16 surrogate in 'req\\udc00clean'",
+    ),
     "5,000-digit integer": (
         lambda lines: _mangled(lines, 4, '"lease_epoch": 1', '"lease_epoch": ' + "9" * 5000),
         4,

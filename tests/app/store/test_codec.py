@@ -113,6 +113,15 @@ def test_an_event_json_cannot_hold_is_refused_as_an_invalid_append() -> None:
         to_row(beyond_64_bits)
 
 
+@pytest.mark.parametrize("surrogate", ["\ud800", "\udc00"], ids=["high", "low"])
+def test_a_lone_surrogate_anywhere_is_refused_as_an_invalid_append(surrogate: str) -> None:
+    in_the_body = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 1, f"a{surrogate}", None)
+    in_the_request_id = AttemptFenced(f"req{surrogate}", 5, T0, 1, 1, "x")  # outside the body: a traceback before
+    for event in (in_the_body, in_the_request_id):
+        with pytest.raises(InvalidAppend, match="cannot be recorded"):
+            to_row(event)
+
+
 def test_u0000_is_recorded_as_a_replacement_character() -> None:
     delta = DeltasDelivered("req_id", 9, T0, 1, 1, 0, 1, 1, "a\x00b", None)
     row = to_row(delta)
