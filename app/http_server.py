@@ -50,7 +50,9 @@ import enum
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import uvicorn
@@ -94,6 +96,14 @@ class Phase(enum.Enum):
     HEADERS = "headers"
     BODY = "body"
     IDLE = "idle"
+
+
+def write_ready_file(path: Path, host: str, port: int) -> None:
+    """``{host, port, pid}`` in ``path``, whole or not at all (renamed into place): how a
+    process started on port 0 tells its starter where it listens (``--ready-file``)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
+    tmp.replace(path)
 
 
 def server_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:

@@ -35,7 +35,7 @@ import secrets
 import shutil
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from app import logs
 from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
 from app.gateway_process import ChildSpec, quiet_libraries, run_gateway
+from app.http_server import write_ready_file
 from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
@@ -55,7 +56,8 @@ def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the gateway (embedded PostgreSQL and simulated workers by default)")
     p.add_argument("--config", type=Path, help="a TOML file of settings (see docs/configuration.md)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--port", type=int, help="listen port (default 8000; 0 picks a free one, see --ready-file)")
+    p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once serving")
     p.add_argument(
         "--replica",
         action="append",
@@ -114,6 +116,8 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"phasegate serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
         return 1
+    if config.port == 0:  # the port picked: the instance's address and the announcement name it
+        config = dataclasses.replace(config, port=listener.getsockname()[1])
     # the demo's simulated workers share the cores with it, and one process is plenty to try it
     processes = args.processes or (default_processes() if config.replicas else 1)
     code = 0
@@ -135,11 +139,11 @@ def serve(args: argparse.Namespace) -> int:
             with _uninterrupted():
                 url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
+        announce = functools.partial(_announce, config, generated_token, processes, args.ready_file)
         if processes == 1:
-            announce = functools.partial(_announce, config, generated_token, 1)
             asyncio.run(run_gateway(config, url, [listener], announce))
         else:
-            code = _serve_processes(config, url, listener, generated_token, processes, args.log_level, workdir)
+            code = _serve_processes(config, url, listener, announce, processes, args.log_level, workdir)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -236,7 +240,13 @@ def _positive(text: str) -> int:
 
 
 def _serve_processes(
-    config: GatewayConfig, url: str, listener: socket.socket, token: str | None, count: int, level: str, workdir: Path
+    config: GatewayConfig,
+    url: str,
+    listener: socket.socket,
+    announce: Callable[[], None],
+    count: int,
+    level: str,
+    workdir: Path,
 ) -> int:
     """``count`` gateway processes on ``listener`` (:class:`GatewayProcesses`), until a stop
     signal, forwarded to each, drained them all. The log's schema is migrated here, once."""
@@ -254,7 +264,7 @@ def _serve_processes(
         except ChildFailed as exc:
             print(f"phasegate serve: {exc}")
             return 1
-        _announce(config, token, count)
+        announce()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, frame: gateways.forward(received))
         return gateways.run()
@@ -293,7 +303,10 @@ def _as_dict(config: GatewayConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def _announce(config: GatewayConfig, generated_token: str | None, processes: int) -> None:
+def _announce(config: GatewayConfig, generated_token: str | None, processes: int, ready_file: Path | None) -> None:
+    """Once serving: where (in ``ready_file`` too, when given), and how to try it."""
+    if ready_file is not None:
+        write_ready_file(ready_file, config.host, config.port)
     base = f"http://{config.host}:{config.port}"
     model = next(iter(config.models), DEMO_MODEL)
     replicas = f"{len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)}"

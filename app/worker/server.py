@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import signal
@@ -30,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app import logs
-from app.http_server import server_config
+from app.http_server import server_config, write_ready_file
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
@@ -290,9 +289,7 @@ async def _serve(config: WorkerConfig) -> int:
     if config.token is None:
         log.warning("worker %s: no token: anyone who reaches %s:%d controls its leases", config.name, config.host, port)
     if config.ready_file is not None:
-        tmp = config.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"host": config.host, "port": port, "pid": os.getpid()}))
-        tmp.replace(config.ready_file)
+        write_ready_file(config.ready_file, config.host, port)
     exit_code = 0
 
     async def load() -> None:

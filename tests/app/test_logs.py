@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from app import logs
-from ops.processes import REPO, free_port, phasegate, stop, wait_http
+from ops.processes import REPO, phasegate, ready_port, stop, wait_http
 from tests.app.conftest import SIM_ARGS
 from tests.support.audit import fetch_sql
 from tests.support.workers import WorkerProcess, running_worker
@@ -136,8 +136,8 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
         f'[api_keys]\n"{API_KEY}" = "acme"\n[timeouts]\nstall_s = 1.0\nlease_ttl_s = 1.0\ncancel_ack_s = 1.0\n'
         '[routing]\nstrategy = "least_outstanding"\n'  # both workers get attempts, whatever the prompts
     )
-    port = free_port()
-    command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
+    ready = tmp_path / "ready.json"
+    command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", "0", "--ready-file", str(ready))
     command += ["--log-format", "json"]
     command += ["--log-level", "debug", "--model", f"{MODEL}=rev"]
     command += [arg for n, w in enumerate(workers, 1) for arg in ("--replica", f"worker={w.base_url}#w{n}")]
@@ -151,8 +151,8 @@ def test_a_json_log_names_requests_and_instance_and_holds_no_secret(
             stdout=stdout,
             stderr=stderr,
         )
-    base = f"http://127.0.0.1:{port}"
     try:
+        base = f"http://127.0.0.1:{ready_port(ready, process)}"
         wait_http(base + "/readyz")
         for worker in workers:  # "cut me" stalls after two tokens: the stream ends interrupted
             fault = {"action": "stall", "at_token": 2, "match": {"prompt_contains": "cut me"}}

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops.processes import REPO, free_port, phasegate
+from ops.processes import REPO, phasegate
 
 NOISE = ("Traceback", "KeyboardInterrupt", "Task was destroyed", "Exception ignored", "ERROR")
 
@@ -135,9 +135,8 @@ def demo(
     data_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
     """The demo on its default one gateway process, and on two (``--processes 2``)."""
-    port = free_port()
     processes = ["--processes", request.param] if request.param != "1" else []
-    process, output = launch(data_dir, tmp_path, "--port", str(port), "--sim-ms-per-token", "50", *processes)
+    process, output = launch(data_dir, tmp_path, "--port", "0", "--sim-ms-per-token", "50", *processes)
     try:
         url = wait_for_line(output, r"(http://127\.0\.0\.1:\d+/ui/requests\?token=[\w-]+)", process).group(1)
         yield process, output, url
@@ -202,7 +201,7 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
 
 @pytest.mark.parametrize("moment", ["PostgreSQL cluster created", "embedded PostgreSQL in"])
 def test_ctrl_c_while_it_starts_stops_it_quietly(data_dir: Path, tmp_path: Path, moment: str) -> None:
-    process, output = launch(data_dir, tmp_path, "--port", str(free_port()))
+    process, output = launch(data_dir, tmp_path, "--port", "0")
     try:
         wait_for_line(output, moment, process)
         workers = children_of(process.pid)
@@ -219,7 +218,7 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     config = tmp_path / "phasegate.toml"
     config.write_text(f'admin_token = "{token}"\n')
     process, output = launch(
-        data_dir, tmp_path, "--port", str(free_port()), "--config", str(config), env={"DATABASE_URL": database_url}
+        data_dir, tmp_path, "--port", "0", "--config", str(config), env={"DATABASE_URL": database_url}
     )
     try:
         line = wait_for_line(output, r"requests and their timelines: (.*)", process).group(1)

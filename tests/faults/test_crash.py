@@ -28,7 +28,7 @@ import pytest
 from app.driver import recorder
 from app.store.embedded import EmbeddedPostgres
 from app.store.postgres import PostgresEventStore
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import phasegate, start, start_serving, stop, wait_http
 from statemachine import events as ev
 from statemachine.invariants import violations
 from statemachine.phases import Phase
@@ -74,18 +74,16 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
 
 async def test_a_gateway_killed_under_load_is_swept_by_its_restart(database_url: str, tmp_path: Path) -> None:
     with running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "40"]) as worker:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
         settings = tmp_path / "phasegate.toml"
         settings.write_text("instance_lease_ttl_s = 2.0\nsweep_interval_s = 0.5\n")
-        command = phasegate("serve", "--processes", "1", "--port", str(port))
+        command = phasegate("serve", "--processes", "1")
         command += ["--replica", f"worker={worker.base_url}#w1"]
         command += ["--config", str(settings)]
         command += ["--model", f"{MODEL}=rev", "--log-level", "warning"]
         env = {"DATABASE_URL": database_url}
-        gateway = start(command, env)
+        gateway, url = await asyncio.to_thread(start_serving, command, env)
+        command += ["--port", url.rsplit(":", 1)[1]]  # its restart takes the same port
         try:
-            await asyncio.to_thread(wait_http, url + "/readyz")
             results, least = stream_in_threads(url, STREAMS, max_tokens=400)
             await asyncio.to_thread(wait_for, lambda: least() >= 3, 30, "every stream to be delivering")
             stop(gateway, signal.SIGKILL)  # no shutdown, no flush: the process is gone
@@ -101,7 +99,10 @@ async def test_a_gateway_killed_under_load_is_swept_by_its_restart(database_url:
                 assert await store.unfinished_requests() == []  # no request stays open
                 lost = await _request_ids(store)
                 assert len(lost) == STREAMS
-                await asyncio.sleep(6)  # the lapsing-lease bookkeeping, if any cancel went unanswered
+                deadline = time.monotonic() + 60  # the lapsing-lease bookkeeping, if a cancel went unanswered
+                while not all(fold(await store.read(r)).attempts[0].released for r in lost):
+                    assert time.monotonic() < deadline, "an attempt of a lost request was never released"
+                    await asyncio.sleep(0.2)
                 for request_id in lost:
                     events = await store.read(request_id)
                     assert violations(events) == []

@@ -39,7 +39,7 @@ import pytest
 from app.store import migrate
 from app.store.database import sqlalchemy_url
 from app.store.postgres import PostgresEventStore
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import free_port, phasegate, start_serving, stop
 from ops.replication import ReplicaPair, replica_pair
 from ops.transcript import Transcript
 from statemachine import events as ev
@@ -139,13 +139,10 @@ def test_the_log_survives_a_failover_under_load(pair: ReplicaPair, tmp_path: Pat
     ) as worker:
         fault = {"action": "slow_prefill", "prefill_ms": 8000, "times": None, "match": {"prompt_contains": held_prompt}}
         assert httpx.post(worker.base_url + "/admin/faults", json=fault).status_code == 200
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = phasegate("serve", "--port", str(port), "--replica", f"worker={worker.base_url}#w1")
+        command = phasegate("serve", "--replica", f"worker={worker.base_url}#w1")
         command += ["--config", str(settings), "--model", f"{MODEL}=rev", "--log-level", "warning"]
-        gateway = start(command, {"DATABASE_URL": pair.url()}, log=tmp_path / "gateway.log")
+        gateway, url = start_serving(command, {"DATABASE_URL": pair.url()}, log=tmp_path / "gateway.log")
         try:
-            wait_http(url + "/readyz")
             db, streams = sqlalchemy_url(pair.url()), 2 * (DELIVERING // 2) + HELD
             in_the_log = len(request_ids_in(db))
             short, short_seen = launch(url, [f"short {n}" for n in range(DELIVERING // 2)], max_tokens=60)

@@ -33,7 +33,7 @@ import pytest
 
 from app.store.database import asyncpg_dsn
 from app.store.postgres import PostgresEventStore
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import phasegate, start_serving, stop, wait_http
 from ops.transcript import Transcript
 from statemachine import events as ev
 from statemachine.invariants import violations
@@ -120,13 +120,12 @@ def gateways(
     started: list[Gateway] = []
     try:
         for n in range(count):
-            port = free_port()
-            command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
+            command = phasegate("serve", "--processes", "1", "--config", str(config))
             command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}=rev", "--log-level", "info"]
             log = tmp_path / f"gateway-{n}.log"
-            started.append(
-                Gateway(f"http://127.0.0.1:{port}", start(command, {"DATABASE_URL": database_url}, log), command, log)
-            )
+            process, url = start_serving(command, {"DATABASE_URL": database_url}, log)
+            # the command that takes this port again: a second process on it must fail
+            started.append(Gateway(url, process, [*command, "--port", url.rsplit(":", 1)[1]], log))
         for gateway in started:
             wait_http(gateway.url + "/readyz")
         yield started

@@ -28,7 +28,7 @@ import asyncpg
 import httpx
 import pytest
 
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import phasegate, start_serving, stop, wait_http
 from statemachine import events as ev
 from statemachine.invariants import violations
 from statemachine.request_state import Outcome
@@ -65,11 +65,10 @@ def worker() -> Iterator[WorkerProcess]:
 def two_processes(database_url: str, worker: WorkerProcess, tmp_path: Path) -> Iterator[Served]:
     config = tmp_path / "phasegate.toml"
     config.write_text(SETTINGS)
-    port = free_port()
-    command = phasegate("serve", "--processes", "2", "--config", str(config), "--port", str(port))
+    command = phasegate("serve", "--processes", "2", "--config", str(config))
     command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}=rev", "--log-level", "info"]
-    process = start(command, {"DATABASE_URL": database_url}, tmp_path / "serve.log")
-    served = Served(f"http://127.0.0.1:{port}", process, command)
+    process, url = start_serving(command, {"DATABASE_URL": database_url}, tmp_path / "serve.log")
+    served = Served(url, process, [*command, "--port", url.rsplit(":", 1)[1]])
     try:
         wait_http(served.url + "/readyz")
         wait_for(lambda: len(live(database_url)) == 2, 30, "both gateway processes to register")
@@ -216,7 +215,7 @@ def test_a_process_that_cannot_serve_fails_the_start(
 ) -> None:
     config = tmp_path / "phasegate.toml"
     config.write_text("apply_migrations = false\n")  # no schema: an instance cannot register
-    command = phasegate("serve", "--processes", "2", "--config", str(config), "--port", str(free_port()))
+    command = phasegate("serve", "--processes", "2", "--config", str(config), "--port", "0")
     command += ["--replica", f"worker={worker.base_url}#w1", "--model", f"{MODEL}=rev"]
     env = {**os.environ, "DATABASE_URL": empty_database_url}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

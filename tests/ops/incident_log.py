@@ -36,7 +36,7 @@ import pytest
 from app.config import ReplicaConfig, Timeouts
 from app.driver import recorder
 from app.store.embedded import EmbeddedPostgres
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import phasegate, start_serving, stop, wait_http
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.tcp_proxy import TcpProxy, tcp_proxy
 from tests.support.transcript import Transcript, stream_chat
@@ -114,13 +114,12 @@ def gateway_lost(database_url: str, workers: list[WorkerProcess], tmp_path: Path
     processes = []
     try:
         for n in (1, 2):
-            port = free_port()
-            command = phasegate("serve", "--processes", "1", "--config", str(config), "--port", str(port))
+            command = phasegate("serve", "--processes", "1", "--config", str(config))
             command += ["--model", f"{MODEL}=rev"]
             command += [arg for i, w in enumerate(live, 1) for arg in ("--replica", f"worker={w.base_url}#r{i}")]
-            log = tmp_path / f"gateway-{n}.log"
-            processes.append(start(command, {"DATABASE_URL": database_url}, log))
-            urls.append(f"http://127.0.0.1:{port}")
+            process, url = start_serving(command, {"DATABASE_URL": database_url}, tmp_path / f"gateway-{n}.log")
+            processes.append(process)
+            urls.append(url)
         for url in urls:
             wait_http(url + "/readyz")
         seen = threading.Event()

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ops.processes import ready_port
 from tests.ops.dockerfile import Stage, assignments, parse, substitute
-from tests.support.gateway import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_DOCKERFILE = REPO / "Dockerfile"
@@ -188,9 +188,9 @@ def test_gateway_image_installs_and_starts(replay_root: Path) -> None:
     assert expose is not None
     (exposed,) = expose.text.split()
     assert argv[argv.index("--port") + 1] == exposed and f":{exposed}/healthz" in " ".join(probe)
-    port = str(free_port())  # the image's port may be taken on this machine
-    argv[argv.index("--port") + 1] = port
-    probe = [part.replace(f":{exposed}/", f":{port}/") for part in probe]
+    # the image's port may be taken on this machine: the process picks one and names it
+    ready = replay_root / "ready.json"
+    argv[argv.index("--port") + 1 : argv.index("--port") + 2] = ["0", "--ready-file", str(ready)]
 
     data = replay_root / "data"
     data.mkdir()
@@ -210,6 +210,8 @@ def test_gateway_image_installs_and_starts(replay_root: Path) -> None:
             start_new_session=True,
         )
     try:
+        port = ready_port(ready, process, timeout=180)
+        probe = [part.replace(f":{exposed}/", f":{port}/") for part in probe]
         deadline = time.monotonic() + 180
         while subprocess.run(probe, env=env, capture_output=True, timeout=10).returncode != 0:
             assert process.poll() is None, f"phasegate serve exited:\n{log_path.read_text()[-4000:]}"

@@ -1,4 +1,4 @@
-"""A real gateway for tests: uvicorn on a free port, in a thread with its own loop.
+"""A real gateway for tests: uvicorn on a socket bound to a free port, in a thread with its own loop.
 
 The gateway talks to real worker processes and real PostgreSQL; tests talk to it
 over real sockets (the ``openai`` client, httpx, raw SSE). Running it in-process
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
@@ -30,18 +29,13 @@ from app.config import GatewayConfig, ReplicaConfig, load_config
 from app.driver.context import ToolRunner
 from app.gateway import Gateway
 from app.http_server import server_config
+from ops.processes import listening_socket
 from statemachine.events import Event
 
 T = TypeVar("T")
 
 MODEL = "sim"
 REVISION = "sim-rev-1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -106,7 +100,8 @@ def running_gateway(
     # the fault tests say which replica an attempt meets: the least loaded, ties to the first
     # listed; the default strategy (prefix affinity, docs/routing.md) has tests of its own
     overrides.setdefault("routing", {"strategy": "least_outstanding"})
-    config = load_config(None, port=free_port(), replicas=configs, apply_migrations=False, **overrides)
+    listener = listening_socket()
+    config = load_config(None, port=listener.getsockname()[1], replicas=configs, apply_migrations=False, **overrides)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     holder: dict[str, Any] = {}
@@ -125,7 +120,7 @@ def running_gateway(
                 )
             )
             holder.update(gateway=gateway, server=server)
-            serving = asyncio.ensure_future(server.serve())
+            serving = asyncio.ensure_future(server.serve(sockets=[listener]))
             while not server.started and not serving.done():
                 await asyncio.sleep(0.01)
             started.set()
@@ -138,6 +133,7 @@ def running_gateway(
     thread.start()
     started.wait(60)
     if "error" in holder:
+        listener.close()
         raise RuntimeError("the gateway did not start") from holder["error"]
     running = RunningGateway(holder["gateway"], loop, f"http://127.0.0.1:{config.port}", config)
     try:
@@ -149,6 +145,7 @@ def running_gateway(
         thread.join(30)
         loop.run_until_complete(_cancel_leftovers())  # e.g. sse-starlette's shutdown watcher
         loop.close()
+        listener.close()
 
 
 async def _cancel_leftovers() -> None:

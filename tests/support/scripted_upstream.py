@@ -8,7 +8,7 @@ behaviours that the next requests consume one each (``"attempt": n`` keeps one f
 the gateway's n-th attempt of a request, read from the ``x-request-id`` it sends); ``GET /admin/requests`` counts
 the generation requests it received, the streams whose client closed the connection before
 the end (``aborted``, by ``x-request-id``: what vLLM aborts) and shows the last one's body.
-Run: ``python -m tests.support.scripted_upstream --port P``.
+Run: ``python -m tests.support.scripted_upstream --fd N`` (a listening socket it inherits).
 
 Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "code":
 "context_length_exceeded", "message": "…", "param": "messages"}``, ``{"malformed_at": k}`` (with ``"malformed":
@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from ops.processes import listening_socket
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -223,12 +224,18 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 @contextlib.contextmanager
 def running_scripted_upstream(token_delay_s: float = 0.002) -> Iterator[ScriptedUpstream]:
-    """The server in its own process on a free port; killed (with its group) on exit."""
-    port = free_port()
-    command = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(port)]
-    command += ["--token-delay-s", str(token_delay_s)]
-    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    upstream = ScriptedUpstream(f"http://127.0.0.1:{port}", process)
+    """The server in its own process on a socket bound to a free port; killed (with its group) on exit."""
+    with listening_socket() as listener:  # the child takes it as it is: no port freed for it to bind
+        command = [sys.executable, "-m", "tests.support.scripted_upstream", "--fd", str(listener.fileno())]
+        command += ["--token-delay-s", str(token_delay_s)]
+        process = subprocess.Popen(
+            command,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=[listener.fileno()],
+        )
+        upstream = ScriptedUpstream(f"http://127.0.0.1:{listener.getsockname()[1]}", process)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -277,12 +284,6 @@ class ScriptedUpstream:
         return self.process.poll() is None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def build(token_delay_s: float = 0.002) -> Starlette:
     upstream = Upstream(token_delay_s)
     return Starlette(
@@ -299,7 +300,7 @@ def build(token_delay_s: float = 0.002) -> Starlette:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True, help="a listening socket, inherited")
     parser.add_argument("--token-delay-s", type=float, default=0.002)
     options = parser.parse_args()
-    uvicorn.run(build(options.token_delay_s), host="127.0.0.1", port=options.port, log_level="warning")
+    uvicorn.run(build(options.token_delay_s), fd=options.fd, log_level="warning")

@@ -31,7 +31,8 @@ from typing import Any
 import httpx
 
 from app.contract.worker_token import TOKEN_ENV
-from tests.support.gateway import MODEL, REVISION, free_port
+from ops.processes import ready_port
+from tests.support.gateway import MODEL, REVISION
 from tests.support.workers import REPO, WorkerProcess
 
 
@@ -66,8 +67,9 @@ def served_gateway(
     with tempfile.TemporaryDirectory(prefix="phasegate-served-") as tmp:
         config = Path(tmp) / "phasegate.toml"
         config.write_text(_toml(settings or {}))
-        port = free_port()
-        command = [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--port", str(port)]
+        ready = Path(tmp) / "ready.json"
+        command = [sys.executable, "-m", "app.cli", "serve", "--config", str(config)]
+        command += ["--port", "0", "--ready-file", str(ready)]
         command += ["--processes", "1"]  # one process: its /metrics and its log are the whole gateway's
         if not replicas and worker is not None:
             replicas = (f"worker={worker.base_url}#w1",)
@@ -83,8 +85,9 @@ def served_gateway(
             process = subprocess.Popen(
                 command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        gateway = ServedGateway(f"http://127.0.0.1:{port}", process, log_path)
         try:
+            port = ready_port(ready, process, ready_timeout)
+            gateway = ServedGateway(f"http://127.0.0.1:{port}", process, log_path)
             _wait_ready(gateway, ready_timeout)
             yield gateway
         finally:

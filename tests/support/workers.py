@@ -249,15 +249,26 @@ def running_vllm_openai_server(
     args: Sequence[str] = (),
     ready_timeout: float = 240.0,
 ) -> Iterator[tuple[ManagedProcess, str]]:
-    """vLLM's own OpenAI server on the tiny model (a plain replica): yields (process, base_url)."""
-    port = free_port()
-    tmp = tempfile.TemporaryDirectory(prefix="phasegate-vllm-")
+    """vLLM's own OpenAI server on the tiny model (a plain replica): yields (process, base_url).
+
+    vLLM takes a port number only, so one is picked free here; vLLM binds it first thing,
+    and should another process take it in between, it is started again on another."""
     cmd = [env.python, "-m", "vllm.entrypoints.openai.api_server", "--model", env.model]
-    cmd += ["--served-model-name", served_model_name, "--port", str(port), "--host", "127.0.0.1"]
+    cmd += ["--served-model-name", served_model_name, "--host", "127.0.0.1"]
     cmd += ["--max-model-len", str(max_model_len), *vllm_dtype_args(), *args]
-    process = _spawn(cmd, VLLM_ENV, tmp)
+    for tries_left in reversed(range(3)):
+        port = free_port()
+        process = _spawn([*cmd, "--port", str(port)], VLLM_ENV, tempfile.TemporaryDirectory(prefix="phasegate-vllm-"))
+        try:
+            _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")
+            break
+        except RuntimeError:
+            taken = "Address already in use" in process.logs()
+            process.kill()
+            if tries_left and taken:
+                continue
+            raise
     try:
-        _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")
         yield process, f"http://127.0.0.1:{port}"
     finally:
         process.kill()

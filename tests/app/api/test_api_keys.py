@@ -24,7 +24,7 @@ from app.config import load_config
 from app.store import keys
 from app.store.database import asyncpg_dsn
 from app.store.postgres import PostgresEventStore
-from ops.processes import free_port, phasegate, start, stop, wait_http
+from ops.processes import phasegate, start_serving, stop, wait_http
 from statemachine import events as ev
 from tests.conftest import run_sync
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
@@ -189,13 +189,11 @@ def test_secrets_are_never_in_the_server_log(
     }
     config = tmp_path / "phasegate.toml"
     config.write_text(f'admin_token = "{admin_token}"\n[api_keys]\n"sk-plain-secret" = "team-b"\n')
-    port = free_port()
-    command = phasegate("serve", "--config", str(config), "--port", str(port), "--log-level", "debug")
+    command = phasegate("serve", "--config", str(config), "--log-level", "debug")
     command += ["--replica", f"worker={sim_pair[0].base_url}#w1", "--model", f"{MODEL}=rev"]
     log = tmp_path / "gateway.log"
-    process = start(command, {"DATABASE_URL": database_url}, log)
+    process, url = start_serving(command, {"DATABASE_URL": database_url}, log)
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_http(url + "/readyz")
         for key in (table_key, "sk-plain-secret", "pgk-a-wrong-key-offered"):
             client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from app.api.token_stream import Refused, TokenStreamResponse
 from app.http_cycle import CHUNK_WRITER
 from app.http_server import CLIENT_GONE, HttpLimits, server_config
-from ops.processes import free_port
+from ops.processes import listening_socket
 
 EVENTS = [b'id: 0\ndata: {"n":0}\n\n', b'id: 1\ndata: {"n":1}\n\n', b"data: [DONE]\n\n"]
 
@@ -81,9 +81,10 @@ async def serving(limits: HttpLimits) -> AsyncIterator[tuple[int, Stream]]:
     stream = Stream()
     routes = [Route("/stream", stream.endpoint, methods=["GET", "POST"]), Route("/late", stream.late_body)]
     app = Starlette(routes=routes)
-    port = free_port()
+    listener = listening_socket()
+    port = listener.getsockname()[1]
     server = uvicorn.Server(server_config(app, limits, host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve(sockets=[listener]))
     while not server.started:
         await asyncio.sleep(0.01)
     try:
@@ -91,6 +92,7 @@ async def serving(limits: HttpLimits) -> AsyncIterator[tuple[int, Stream]]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)
+        listener.close()
 
 
 @pytest.fixture
