@@ -100,7 +100,7 @@ async def test_a_gateway_killed_under_load_is_swept_by_its_restart(database_url:
                 lost = await _request_ids(store)
                 assert len(lost) == STREAMS
                 deadline = time.monotonic() + 60  # the lapsing-lease bookkeeping, if a cancel went unanswered
-                while not all(fold(await store.read(r)).attempts[0].released for r in lost):
+                while not all([fold(await store.read(r)).attempts[0].released for r in lost]):
                     assert time.monotonic() < deadline, "an attempt of a lost request was never released"
                     await asyncio.sleep(0.2)
                 for request_id in lost:

@@ -15,6 +15,7 @@ from statemachine.request_state import Outcome
 from tests.faults.conftest import Evidence, Fleet
 from tests.faults.token_loop import (
     INDICES,
+    LONG,
     N,
     body,
     prompt_for,
@@ -43,9 +44,9 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     if k == 0:
         threading.Thread(target=cut_when_started, daemon=True).start()
         transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4))
-    else:
+    else:  # many more tokens than k: the answer cannot be over before the cut, however late the client reads
         cut = first.proxy.blackhole
-        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4), on_delta=lambda n: n == k and cut())
+        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=LONG), on_delta=lambda n: n == k and cut())
     wait_released(slow_gateway, transcript.request_id, 1)  # by its cancel's acknowledgement or its lease
     first.proxy.restore()  # the network comes back: the old attempt must stay silent
     events, state = settle(slow_gateway, transcript, evidence)

@@ -19,6 +19,9 @@ the fixtures ``loop_gateway`` and ``slow_gateway`` (tests/faults/conftest.py).
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # the fixtures in conftest use this module's timeouts
     from tests.faults.conftest import Evidence
 
 N = 8  # token indices 0…N
+LONG = 200  # tokens: 30 s on the slow fleet, an answer that outlasts any lag of the client before a cut
 INDICES = list(range(N + 1))
 TIMEOUTS = Timeouts(
     stall_s=1.0,
@@ -80,16 +84,22 @@ def tokens_of(answer: str, count: int) -> Iterator[str]:
     return iter(pieces[:count])
 
 
-def only_request_id(gateway: RunningGateway) -> str:
-    """The one request of this test's fresh database (for a client that never got headers)."""
-
-    async def first_accepted() -> str:
-        async for _, event in gateway.gateway.ctx.store.follow(0):
-            if isinstance(event, ev.RequestAccepted):
-                return event.request_id
-        raise AssertionError("no request was accepted")
-
-    return gateway.call(first_accepted(), timeout=10)
+def leave_once_accepted(gateway: RunningGateway, request: dict[str, object], timeout: float = 30.0) -> str:
+    """POST ``request`` as a streamed chat and hang up as soon as the gateway accepted it
+    (its driver runs), before any header came back; the request's id. Waiting for the
+    acceptance, not a moment: a loaded gateway may not have read the request yet."""
+    payload = json.dumps({**request, "stream": True}).encode()
+    head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(payload)}\r\n\r\n"
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    drivers, deadline = gateway.gateway.ctx.drivers, time.monotonic() + timeout
+    with socket.create_connection((host, int(port)), timeout) as sock:
+        sock.sendall(head.encode() + payload)
+        while not drivers:
+            assert time.monotonic() < deadline, f"the gateway did not accept the request within {timeout:g} s"
+            time.sleep(0.005)
+        (request_id,) = list(drivers)
+    return request_id
 
 
 @contextlib.contextmanager
