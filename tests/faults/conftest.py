@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.config import ReplicaConfig
+from app.config import ReplicaConfig, Timeouts
 from statemachine.events import Event
 from statemachine.trace import dump_trace
 from tests.faults.token_loop import TIMEOUTS
@@ -214,9 +214,16 @@ def evidence(request: pytest.FixtureRequest) -> Iterator[Evidence]:
 # --- the token-loop tests' gateways (tests/faults/token_loop.py) ------------------------------------
 
 
+def _timeouts(request: pytest.FixtureRequest) -> Timeouts:
+    """The test module's own ``TIMEOUTS``, else the token-loop tests' generous ones."""
+    timeouts: Timeouts = getattr(request.module, "TIMEOUTS", TIMEOUTS)
+    return timeouts
+
+
 @pytest.fixture
-def loop_gateway(database_url: str, live_fleet: Fleet) -> Iterator[RunningGateway]:
-    with running_gateway(database_url, live_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30) as running:
+def loop_gateway(database_url: str, live_fleet: Fleet, request: pytest.FixtureRequest) -> Iterator[RunningGateway]:
+    timeouts = _timeouts(request)
+    with running_gateway(database_url, live_fleet.configs, timeouts=timeouts, health_interval_s=30) as running:
         yield running
 
 
@@ -228,10 +235,10 @@ def slow_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 
 @pytest.fixture
-def slow_gateway(database_url: str, slow_fleet: Fleet) -> Iterator[RunningGateway]:
+def slow_gateway(database_url: str, slow_fleet: Fleet, request: pytest.FixtureRequest) -> Iterator[RunningGateway]:
     slow_fleet.revive()
     # test 7: a client that leaves is cancelled at once (tests/app/api/test_disconnect_grace.py: the grace)
     with running_gateway(
-        database_url, slow_fleet.configs, timeouts=TIMEOUTS, health_interval_s=30, resume_grace_s=0
+        database_url, slow_fleet.configs, timeouts=_timeouts(request), health_interval_s=30, resume_grace_s=0
     ) as running:
         yield running

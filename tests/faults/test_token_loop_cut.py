@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from app.config import Timeouts
 from statemachine import events as ev
 from statemachine.events import ReleaseReason
 from statemachine.request_state import Outcome
@@ -24,6 +25,18 @@ from tests.faults.token_loop import (
 )
 from tests.support.gateway import RunningGateway
 from tests.support.transcript import released_by, stream_chat
+
+# The cut is noticed by the stall timer (or, before an openai replica's first token, the
+# hard first-token deadline), and the fence waits out the lease: short here, and the
+# cancel, which cannot cross the cut, is given up soon.
+TIMEOUTS = Timeouts(
+    stall_s=2.0,
+    lease_ttl_s=2.0,
+    cancel_ack_s=1.0,
+    first_token_soft_s=5.0,
+    first_token_hard_s=5.0,
+    upstream_response_s=30.0,
+)
 
 
 @pytest.mark.parametrize("k", INDICES)

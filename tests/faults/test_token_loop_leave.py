@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.config import Timeouts
 from statemachine.events import ReleaseReason
 from statemachine.request_state import Outcome
 from tests.faults.conftest import Evidence, Fleet
@@ -20,6 +21,17 @@ from tests.faults.token_loop import (
 )
 from tests.support.gateway import RunningGateway
 from tests.support.transcript import Transcript, released_by, stream_chat
+
+# An openai replica's attempt is released when its lease lapses (it acknowledges no
+# cancel): short here. A worker acknowledges the cancel, however long a loaded machine takes.
+TIMEOUTS = Timeouts(
+    stall_s=10.0,
+    lease_ttl_s=2.0,
+    cancel_ack_s=10.0,
+    first_token_soft_s=10.0,
+    first_token_hard_s=30.0,
+    upstream_response_s=30.0,
+)
 
 
 @pytest.mark.parametrize("k", INDICES)
