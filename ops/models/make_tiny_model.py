@@ -1,12 +1,24 @@
-"""Build a tiny random-weight Llama that vLLM can serve, with no download.
+"""Build a tiny Llama that vLLM can serve, with no download, whose answers are known.
 
     python ops/models/make_tiny_model.py DIR
 
 writes DIR/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json, …}:
-a 2-layer Llama (hidden 128, 4 heads of 32, vocab ~1k, 4096 positions) with seeded random weights and
-a byte-level BPE tokenizer trained here on the few lines below, plus a chat template
-(tools are rendered when given). The same command builds the same files: the weights
-come from a fixed torch seed and BPE training on fixed text is deterministic.
+a 2-layer Llama (hidden 128, 4 heads of 32, vocab ~1k, 4096 positions) and a byte-level
+BPE tokenizer trained here on the few lines below, plus a chat template that renders
+tools and opens a think block. The same command builds the same files.
+
+The weights are not random: the attention and MLP blocks write nothing back (their output
+projections are zero), so the logits depend on the last token alone, and the embeddings
+and the output head are set so that each token of the cycle (:data:`REASONING`, ``</think>``, :data:`ANSWER`) is followed by the next
+one, and any other token by the first, with a logit margin of ~20 (a top probability
+within 1e-6 of 1). Whatever the prompt, the model answers the cycle from its start,
+deterministically on every engine and dtype: a few words of reasoning, then ``</think>``,
+then words on and on (no end of sequence: an answer ends by its length, a stop string or
+a constraint). vLLM's ``deepseek_r1`` reasoning parser turns what comes before
+``</think>`` into reasoning deltas; ``<think>``, ``</think>``, ``<tool_call>`` and
+``</tool_call>`` are added (not special) tokens, as the reasoning and ``hermes``
+tool-call parsers need. Structured outputs pick among the tokens they allow: the cycle's
+next one where allowed, else the allowed one of lowest id (the others' logits are equal).
 
 Runs in the vLLM environment (needs torch, transformers and tokenizers); the rest of
 phasegate does not import it.
@@ -18,13 +30,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 SEED = 20261130
+HIDDEN = 128
 VOCAB_SIZE = 1024
 # Long enough for a generation that outlasts a test's cancel (vLLM serves it with
 # --max-model-len up to this); the weights do not grow with it.
 MAX_POSITIONS = 4096
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# what the reasoning and tool-call parsers look for: whole tokens, kept in the decoded text
+PARSER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+# The answer to every prompt: reasoning until </think>, then the answer's words, round and
+# round. Each piece must be one token of the trained vocabulary, and none may come twice.
+REASONING = [" The", " request", " may", " be", " re", "-", "run"]
+ANSWER = [" Hello", "!", " time", " person", " year", " way", " day", " thing", " world", " life", " hand", "."]
+LOGIT_MARGIN = 2.0  # times the normalized hidden state's sqrt(128): a margin of ~22
 
 # Enough text for BPE to learn a few hundred merges; byte-level pieces cover the rest.
 CORPUS = [
@@ -66,14 +87,20 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}<|system|>tools: {{ tools | tojson }}<|end|>{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "<|end|>"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is not defined or enable_thinking %}"
+    "<think>{% endif %}{% endif %}"
 )
 
 
 def build_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -86,6 +113,7 @@ def build_tokenizer(out: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in PARSER_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|bos|>",
@@ -97,31 +125,61 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> None:
+def cycle_ids(tokenizer: Any) -> list[int]:
+    """The token ids of the cycle: the reasoning pieces, ``</think>``, then the answer's."""
+    ids = []
+    for piece in [*REASONING, "</think>", *ANSWER]:
+        encoded = tokenizer.encode(piece, add_special_tokens=False)
+        assert len(encoded) == 1, f"{piece!r} is not one token of the vocabulary: {encoded}"
+        ids.append(encoded[0])
+    assert len(set(ids)) == len(ids), "a token twice in the cycle: its successor would be ambiguous"
+    return ids
+
+
+def build_model(out: Path, tokenizer: Any) -> list[int]:
+    """The weights (see the module docstring); returns the cycle's token ids."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
     model = LlamaForCausalLM(config)
+    cycle = cycle_ids(tokenizer)
+    assert len(cycle) < HIDDEN, "one hidden dimension per cycle token, and one for every other token"
     with torch.no_grad():
-        for param in model.parameters():
+        for param in model.parameters():  # what attention and the MLPs compute is thrown away below
             param.normal_(mean=0.0, std=0.05)
+        for layer in model.model.layers:  # ... here: they add nothing to the residual stream
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        other = len(cycle)  # the dimension of every token outside the cycle
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, other] = 1.0
+        head = model.lm_head.weight
+        head.zero_()
+        for position, token_id in enumerate(cycle):
+            embed[token_id, other] = 0.0
+            embed[token_id, position] = 1.0
+            head[cycle[(position + 1) % len(cycle)], position] = LOGIT_MARGIN  # this token -> the next one
+        head[cycle[0], other] = LOGIT_MARGIN  # any other token -> the first
+        model.model.norm.weight.fill_(1.0)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return cycle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,15 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
-    build_model(
-        out,
-        vocab_size=len(tokenizer),
-        bos_id=tokenizer.bos_token_id,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-    )
+    cycle = build_model(out, tokenizer)
     sample = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
-    summary = {"dir": str(out), "vocab_size": len(tokenizer), "chat_sample": sample}
+    answer = tokenizer.decode(cycle)
+    summary = {"dir": str(out), "vocab_size": len(tokenizer), "chat_sample": sample, "answer": answer}
     print(json.dumps(summary))
     return 0
 
