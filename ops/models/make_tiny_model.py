@@ -7,18 +7,19 @@ a 2-layer Llama (hidden 128, 4 heads of 32, vocab ~1k, 4096 positions) and a byt
 BPE tokenizer trained here on the few lines below, plus a chat template that renders
 tools and opens a think block. The same command builds the same files.
 
-The weights are not random: the attention and MLP blocks write nothing back (their output
-projections are zero), so the logits depend on the last token alone, and the embeddings
-and the output head are set so that each token of the cycle (:data:`REASONING`, ``</think>``, :data:`ANSWER`) is followed by the next
-one, and any other token by the first, with a logit margin of ~20 (a top probability
-within 1e-6 of 1). Whatever the prompt, the model answers the cycle from its start,
-deterministically on every engine and dtype: a few words of reasoning, then ``</think>``,
-then words on and on (no end of sequence: an answer ends by its length, a stop string or
-a constraint). vLLM's ``deepseek_r1`` reasoning parser turns what comes before
+The weights are not random: the attention and MLP blocks write nothing back (their
+output projections are zero), so the logits depend on the last token alone, and the
+embeddings and the output head are set so that each token of the cycle
+(:data:`REASONING`, ``</think>``, :data:`ANSWER`) is followed by the next one, and any
+other token by the first, with a logit margin of ~20 (a top probability within 1e-6 of
+1). Whatever the prompt, the model answers the cycle from its start, deterministically
+on every engine and dtype: a few words of reasoning, then ``</think>``, then words on
+and on (no end of sequence: an answer ends by its length, a stop string or a
+constraint). vLLM's ``deepseek_r1`` reasoning parser turns what comes before
 ``</think>`` into reasoning deltas; ``<think>``, ``</think>``, ``<tool_call>`` and
 ``</tool_call>`` are added (not special) tokens, as the reasoning and ``hermes``
-tool-call parsers need. Structured outputs pick among the tokens they allow: the cycle's
-next one where allowed, else the allowed one of lowest id (the others' logits are equal).
+tool-call parsers need. Structured outputs pick among the tokens they allow: the cycle's next
+one where allowed, else the allowed one of lowest id (the others' logits are equal).
 
 Runs in the vLLM environment (needs torch, transformers and tokenizers); the rest of
 phasegate does not import it.
@@ -43,8 +44,8 @@ SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|
 PARSER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 # The answer to every prompt: reasoning until </think>, then the answer's words, round and
 # round. Each piece must be one token of the trained vocabulary, and none may come twice.
-REASONING = [" The", " request", " may", " be", " re", "-", "run"]
-ANSWER = [" Hello", "!", " time", " person", " year", " way", " day", " thing", " world", " life", " hand", "."]
+REASONING = [" first", " client", " may", " retry", ","]
+ANSWER = ["Hello", "!", " the", " quick", " brown", " fox", " jumps", " lazy", " dog", " sleeps", " warm", " sun", "."]
 LOGIT_MARGIN = 2.0  # times the normalized hidden state's sqrt(128): a margin of ~22
 
 # Enough text for BPE to learn a few hundred merges; byte-level pieces cover the rest.

@@ -3,8 +3,9 @@
 A vLLM start costs half a minute of both cores here, so each is started once a run, on
 first use, by the process that runs the ``vllm`` group (tests/support/scheduling.py):
 
-- ``server``: vLLM's own OpenAI server on the tiny model (a plain replica). Its whole
-  process group must be gone once it is stopped; the fixture that owns it checks that.
+- ``server``: vLLM's own OpenAI server on the tiny model (a plain replica), with vLLM's
+  reasoning and tool-call parsers. Its whole process group must be gone once it is
+  stopped; the fixture that owns it checks that.
 - ``worker()``: ``phasegate worker --engine vllm`` on the same model and engine
   arguments, faults enabled, started without ``VLLM_CPU_KVCACHE_SPACE`` (the worker sizes
   its KV cache itself: tests/ops/test_worker_cpu_defaults.py reads its log). A test
@@ -33,7 +34,10 @@ WORKER_ARGS = [
     *("--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--vllm-args", ENGINE_ARGS),
     *("--max-running", "2", "--max-queued", "2", "--grace-s", str(DRAIN_GRACE_S)),
 ]
-SERVER_ARGS = ["--enforce-eager"]
+# vLLM's own parsers, as a deployment that serves tools and reasoning runs them (the tiny
+# model has the tokens they look for: ops/models/make_tiny_model.py)
+PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+SERVER_ARGS = ["--enforce-eager", *PARSER_ARGS]
 
 
 @dataclass
