@@ -34,10 +34,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one request may ask for."""
+    """What one request may ask for, where the operator limits it more than the replica
+    does (``None``: as the replica, vLLM, allows; docs/compatibility.md)."""
 
-    max_tokens: int = 4096  # the most a request may ask for
-    default_max_tokens: int = 256  # used when a request does not say
+    max_tokens: int | None = None  # the most a request may ask for
+    default_max_tokens: int | None = None  # sent for a request that does not say (None: the replica's default)
+    max_n: int = 128  # choices a request may ask for
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "default_max_tokens", "max_n"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"limits.{name} must be a whole number of at least 1")
+        if self.max_tokens is not None and (self.default_max_tokens or 0) > self.max_tokens:
+            raise ConfigError("limits.default_max_tokens must not exceed limits.max_tokens")
 
 
 @dataclass(frozen=True, slots=True)

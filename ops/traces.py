@@ -13,6 +13,7 @@ from typing import Any
 
 from statemachine.actions import Action, FailRequest, FenceAttempt
 from statemachine.events import (
+    CONTENT,
     AttemptFenced,
     AttemptReleased,
     AttemptStarted,
@@ -58,13 +59,14 @@ class Trace:
         tenant: str = "acme",
         gateway: str | None = "gw-1",
         trace_id: str | None = None,
+        metadata: dict[str, str] | None = None,
     ):
         self.request_id = request_id
         self.clock = at
         self.events: list[Event] = []
         self.state = RequestState(request_id=request_id)
         self.actions: list[Action] = []
-        self._accept(model, tenant, gateway, trace_id)
+        self._accept(model, tenant, gateway, trace_id, metadata)
 
     # --- the envelope ------------------------------------------------------------------
 
@@ -81,7 +83,9 @@ class Trace:
 
     # --- steps -------------------------------------------------------------------------
 
-    def _accept(self, model: str, tenant: str, gateway: str | None, trace_id: str | None) -> None:
+    def _accept(
+        self, model: str, tenant: str, gateway: str | None, trace_id: str | None, metadata: dict[str, str] | None
+    ) -> None:
         self.add(
             RequestAccepted,
             after_ms=0,
@@ -100,6 +104,7 @@ class Trace:
             seed=7,
             gateway=gateway,
             trace_id=trace_id,
+            metadata=metadata,
         )
 
     def decide(self, after_ms: float = 0.2, pool: PoolSnapshot | None = None) -> list[Action]:
@@ -131,8 +136,10 @@ class Trace:
         self.add(FirstDeltaCommitted, after_ms, **self._scope())
         return self
 
-    def deliver(self, text: str, tokens: int = 1, after_ms: float = 5.0) -> Trace:
-        return self._one_delta(DeltasDelivered, self.state.delivered_deltas, text, tokens, after_ms)
+    def deliver(self, text: str, tokens: int = 1, after_ms: float = 5.0, key: str = CONTENT) -> Trace:
+        """One delta, its text under ``key`` of the client's delta (content, reasoning …)."""
+        shaped = {} if key == CONTENT else {"deltas": ((0, len(text), tokens),), "fields": (key,)}
+        return self._one_delta(DeltasDelivered, self.state.delivered_deltas, text, tokens, after_ms, **shaped)
 
     def tool_call(self, tool_call_id: str, name: str, arguments: str, after_ms: float = 5.0) -> Trace:
         self.add(
@@ -171,10 +178,11 @@ class Trace:
         self.add(AttemptReleased, after_ms, attempt=attempt, lease_epoch=self._epoch(attempt), because=because)
         return self
 
-    def completed(self, after_ms: float = 5.0) -> Trace:
+    def completed(self, after_ms: float = 5.0, **details: Any) -> Trace:
+        """The completion; ``details``: its ``usage_details`` and ``stop_reasons``, if any."""
         tokens = self.state.delivered_output_tokens
         usage = {"prompt_tokens": 24, "completion_tokens": tokens, "total_tokens": 24 + tokens}
-        self.add(RequestCompleted, after_ms, finish_reason="stop", usage=usage)
+        self.add(RequestCompleted, after_ms, finish_reason="stop", usage=usage, **details)
         return self
 
     def failed_as_decided(self, after_ms: float = 0.5) -> Trace:
@@ -262,8 +270,10 @@ def completed(
     tenant: str = "acme",
     texts: tuple[str, ...] = ("Hel", "lo", "!"),
     ttft_ms: float = 20.0,
+    metadata: dict[str, str] | None = None,
 ) -> Trace:
-    trace = Trace(request_id, at=at, model=model, tenant=tenant).start(replica).first_token(ttft_ms).first_delta()
+    trace = Trace(request_id, at=at, model=model, tenant=tenant, metadata=metadata)
+    trace = trace.start(replica).first_token(ttft_ms).first_delta()
     for text in texts:
         trace.deliver(text)
     return trace.completed()

@@ -8,7 +8,16 @@ per-delta shapes add up to its indexes, tokens and text.
 
 from __future__ import annotations
 
-from statemachine.events import DeltasDelivered, DeltasProduced
+from statemachine.events import CONTENT, NO_TEXT, TOOL_CALLS, DeltasDelivered, DeltasProduced
+
+
+def delta_keys(event: DeltasDelivered | DeltasProduced) -> tuple[str, ...]:
+    """Per delta of the batch, the key of the client's delta that carried its text: as
+    recorded (``fields``), or, in a batch that records none (all content, or a log written
+    before), a choice's tool calls for a delta of no tokens and content for the others."""
+    if event.fields:
+        return event.fields
+    return tuple(TOOL_CALLS if tokens == 0 else CONTENT for _, _, tokens in event.deltas)
 
 
 def batch_problem(event: DeltasDelivered | DeltasProduced, *, follows: int) -> str | None:
@@ -23,6 +32,11 @@ def batch_problem(event: DeltasDelivered | DeltasProduced, *, follows: int) -> s
         or (event.text is not None and sum(chars for _, chars, _ in event.deltas) != len(event.text))
     ):
         return "the deltas' shapes disagree with the indexes, the tokens or the text"
+    if event.fields and (
+        len(event.fields) != event.to_index - event.from_index
+        or any(key == NO_TEXT and shape[1] for key, shape in zip(event.fields, event.deltas, strict=False))
+    ):
+        return "the deltas' keys disagree with the indexes or the text"
     logprobs = event.logprobs if isinstance(event, DeltasDelivered) else None
     if logprobs is not None and (event.text is None or len(logprobs) != event.to_index - event.from_index):
         return "log probabilities are kept with the text, one entry per delta"

@@ -22,6 +22,16 @@ TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
 DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
 
 
+# The field of a client's delta that carries a delta's text (DESIGN.md §14): its content;
+# reasoning, under the name the replica gave it (vLLM 0.32 says "reasoning", earlier ones
+# "reasoning_content"); a choice's tool calls (their JSON, no tokens). Any other field a
+# replica streams as text is passed through under its own name.
+CONTENT = "content"
+TOOL_CALLS = "tool_calls"
+NO_TEXT = ""  # a token whose chat delta carries no text field (``delta: {}``), only its logprobs
+REASONING_FIELDS = frozenset({"reasoning", "reasoning_content"})
+
+
 # Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
 FINISH_REASONS = frozenset(
     {"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error", "repetition"}
@@ -61,9 +71,16 @@ class ReleaseReason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestScoped:
-    """Fields every event carries."""
+    """Fields every event carries.
+
+    ``SCHEMA_VERSION`` is the event's newest form; ``ADDED`` names the body fields each
+    later version added (all with defaults). An event is written in the oldest form that
+    holds it: while its added fields keep their defaults it is written as before them,
+    so the logs of an earlier release read the same and that release can still read it
+    (:func:`statemachine.jsonform.written_as`); every older form still decodes."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {}
     request_id: str
     seq: int
     occurred_at: datetime
@@ -82,6 +99,8 @@ class AttemptScoped(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestAccepted(RequestScoped):
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",)}
     model: str
     model_revision: str
     tenant: str
@@ -102,6 +121,7 @@ class RequestAccepted(RequestScoped):
     # off their defaults (None: the defaults, in logs written before placements were recorded)
     routing: dict[str, Any] | None = None
     affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
+    metadata: dict[str, Any] | None = None  # the client's metadata, recorded for audit queries, not acted on
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +181,19 @@ class RetryWaitElapsed(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestCompleted(RequestScoped):
-    """How the request ended well: ``finish_reason`` (and per choice) one of :data:`FINISH_REASONS`."""
+    """How the request ended well: ``finish_reason`` (and per choice) one of :data:`FINISH_REASONS`.
 
+    ``usage`` holds the counts; ``usage_details`` what else the replica's usage said (its
+    ``prompt_tokens_details``, ``completion_tokens_details``, as received); ``stop_reasons``
+    per choice what stopped it, as vLLM says (a stop string, a token id, or ``None``)."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("usage_details", "stop_reasons")}
     finish_reason: str
     usage: dict[str, int]
     finish_reasons: tuple[str, ...] = ()  # one per choice (empty in logs written before)
+    usage_details: dict[str, Any] | None = None
+    stop_reasons: tuple[str | int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,9 +257,14 @@ class DeltasDelivered(AttemptScoped):
     delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
     before it was recorded. ``logprobs``, for a request that asked for them and only
     with the text ("full"), holds per delta its tokens' log probabilities as the client
-    got them (a tool-calls delta: none).
+    got them (a tool-calls delta: none). ``fields`` (version 2) says per delta which
+    field of the client's delta carried its text (:data:`CONTENT`, a reasoning field,
+    :data:`TOOL_CALLS`, :data:`NO_TEXT` or another the replica sent): empty when all
+    are content, as in logs written before.
     """
 
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",)}
     from_index: int
     to_index: int
     tokens: int
@@ -239,6 +272,7 @@ class DeltasDelivered(AttemptScoped):
     text_sha256: str | None
     deltas: tuple[tuple[int, int, int], ...] = ()
     logprobs: DeltaLogprobs | None = None
+    fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,12 +281,15 @@ class DeltasProduced(AttemptScoped):
     attached (DESIGN.md §12): recorded, not delivered. The fields are those of
     :class:`DeltasDelivered`; a client that receives them later records them delivered."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",)}
     from_index: int
     to_index: int
     tokens: int
     text: str | None
     text_sha256: str | None
     deltas: tuple[tuple[int, int, int], ...] = ()
+    fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

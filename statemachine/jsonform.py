@@ -27,12 +27,24 @@ _ENVELOPE = ("request_id", "seq", "occurred_at")
 _ATTEMPT_SCOPE = ("attempt", "lease_epoch")
 
 
+def written_as(event: Event) -> tuple[int, tuple[str, ...]]:
+    """The schema version ``event`` is written at and its body's fields in it: the oldest
+    that holds it (a field a later version added, at its default, is not written)."""
+    forms = _FORMS[type(event)]
+    version = 1
+    for added_in, names in forms.added:
+        if any(getattr(event, name) != default for name, default in names):
+            version = added_in
+    return version, forms.body_fields[version]
+
+
 def to_json(event: Event) -> dict[str, Any]:
     """The event as plain JSON values (the log's row and the trace's line)."""
     cls = type(event)
+    version, body_fields = written_as(event)
     out: dict[str, Any] = {
         "type": cls.__name__,
-        "v": cls.SCHEMA_VERSION,
+        "v": version,
         "request_id": event.request_id,
         "seq": event.seq,
         "occurred_at": event.occurred_at.isoformat(),
@@ -40,7 +52,7 @@ def to_json(event: Event) -> dict[str, Any]:
     if is_attempt_scoped(cls):
         out["attempt"] = event.attempt  # type: ignore[union-attr]
         out["lease_epoch"] = event.lease_epoch  # type: ignore[union-attr]
-    out["body"] = {name: _dump(getattr(event, name)) for name in _BODY_FIELDS[cls]}
+    out["body"] = {name: _dump(getattr(event, name)) for name in body_fields}
     return out
 
 
@@ -65,9 +77,9 @@ def from_json(data: Any) -> Event:
     if cls is None or not isinstance(type_name, str):
         raise UnknownEventType(f"unknown event type {type_name!r}")
     version = data.get("v")
-    if version != cls.SCHEMA_VERSION:
+    spec = _SPECS[cls].get(version) if type(version) is int else None
+    if spec is None:
         raise MalformedEvent(f"{type_name}: unsupported schema version {version!r}")
-    spec = _SPECS[cls]
     if data.keys() != spec.keys:
         raise MalformedEvent(_key_mismatch(type_name, "envelope", set(data), set(spec.keys)))
     body = data["body"]
@@ -160,6 +172,12 @@ def _parse_str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _parse_stop_reasons(value: Any) -> tuple[str | int | None, ...]:
+    if not isinstance(value, list) or not all(item is None or type(item) in (str, int) for item in value):
+        raise TypeError("expected a list of stop strings, token ids or nulls")
+    return tuple(value)
+
+
 def _parse_int_triples(value: Any) -> tuple[tuple[int, int, int], ...]:
     if not isinstance(value, list) or not all(
         isinstance(item, list) and len(item) == 3 and all(type(n) is int and n >= 0 for n in item) for item in value
@@ -233,6 +251,8 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_seconds
     if annotation == tuple[str, ...]:
         return _parse_str_tuple
+    if annotation == tuple[str | int | None, ...]:
+        return _parse_stop_reasons
     if annotation == dict[str, int]:
         return _parse_int_map
     if annotation == tuple[tuple[int, int, int], ...]:
@@ -261,28 +281,51 @@ class _Spec(typing.NamedTuple):
     defaults: tuple[tuple[str, Any], ...]  # optional body fields and their defaults
 
 
+class _Forms(typing.NamedTuple):
+    """An event type's schema versions: the fields each later one added, with their
+    defaults, and its body's fields at each version."""
+
+    added: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...]
+    body_fields: dict[int, tuple[str, ...]]
+
+
 _new = object.__new__
-_BODY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
-_SPECS: dict[type[Event], _Spec] = {}
+_FORMS: dict[type[Event], _Forms] = {}
+_SPECS: dict[type[Event], dict[int, _Spec]] = {}
 for _cls in EVENT_TYPES.values():
     _hints = typing.get_type_hints(_cls)
     _fields = dataclasses.fields(_cls)
+    _defaults = {field.name: field.default for field in _fields}
     _envelope = _ENVELOPE + _ATTEMPT_SCOPE if is_attempt_scoped(_cls) else _ENVELOPE
-    _BODY_FIELDS[_cls] = tuple(field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE)
-    _SPECS[_cls] = _Spec(
-        keys=frozenset({"type", "v", "body", *_envelope}),
-        envelope=_envelope,
-        body_fields=frozenset(_BODY_FIELDS[_cls]),
-        required_body=frozenset(
-            field.name for field in _fields if field.name in _BODY_FIELDS[_cls] and field.default is dataclasses.MISSING
+    _body = tuple(field.name for field in _fields if field.name not in _ENVELOPE + _ATTEMPT_SCOPE)
+    _added_in = {name: version for version, names in _cls.ADDED.items() for name in names}
+    _FORMS[_cls] = _Forms(
+        added=tuple(
+            (version, tuple((name, _defaults[name]) for name in names)) for version, names in sorted(_cls.ADDED.items())
         ),
-        fields={
-            field.name: (
-                _plain_types(_hints[field.name]),
-                _parser_for(_hints[field.name]),
-                getattr(_cls, field.name).__set__,
-            )
-            for field in _fields
+        body_fields={
+            version: tuple(name for name in _body if _added_in.get(name, 1) <= version)
+            for version in range(1, _cls.SCHEMA_VERSION + 1)
         },
-        defaults=tuple((field.name, field.default) for field in _fields if field.default is not dataclasses.MISSING),
     )
+    _parsers = {
+        field.name: (
+            _plain_types(_hints[field.name]),
+            _parser_for(_hints[field.name]),
+            getattr(_cls, field.name).__set__,
+        )
+        for field in _fields
+    }
+    _SPECS[_cls] = {
+        version: _Spec(
+            keys=frozenset({"type", "v", "body", *_envelope}),
+            envelope=_envelope,
+            body_fields=frozenset(names),
+            required_body=frozenset(name for name in names if _defaults[name] is dataclasses.MISSING),
+            fields=_parsers,
+            defaults=tuple(
+                (field.name, field.default) for field in _fields if field.default is not dataclasses.MISSING
+            ),
+        )
+        for version, names in _FORMS[_cls].body_fields.items()
+    }

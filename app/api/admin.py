@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import hmac
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from datetime import date, datetime
 from typing import Any
@@ -46,7 +45,7 @@ from app.api.errors import (
     Unauthorized,
     retry_headers,
 )
-from app.api.request_ids import check_request_id
+from app.api.request_ids import check_request_id, new_request_id
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
@@ -86,7 +85,7 @@ class _Admin:
         """``handler`` behind the admin token or a tenant's key; every ApiError becomes its JSON answer."""
 
         async def guarded(request: Request) -> Response:
-            exchange = f"req_{uuid.uuid4().hex[:24]}"  # this HTTP exchange, as every response names one
+            exchange = new_request_id()  # this HTTP exchange, as every response names one
             try:
                 if browser and "token" in request.query_params:
                     return self._hand_over(request, exchange)

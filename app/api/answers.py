@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
-from app.api.sse import DONE, ResponseShape, response_id, sse_event
+from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
@@ -27,6 +27,7 @@ from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.http_cycle import ChunkWriter
 from app.store.errors import StoreError
+from statemachine.events import TOOL_CALLS
 
 log = logging.getLogger("phasegate.api")
 
@@ -44,25 +45,18 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
             deltas.clear()  # the failed attempt's text never reached the client
         output = await anext(driver.outputs)
     await driver.commit(flush=False)  # durable with the completion: the body goes out after both
+    answers = [ChoiceAnswer() for _ in output.finish_reasons]
     for choice in sorted(deltas):
         for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs)
+            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, key=delta.key)
+            answers[choice].add(delta.key, delta.text, delta.logprobs)
     for choice, calls in sorted(output.tool_calls.items()):
-        driver.delivered(json.dumps(calls), tokens=0, choice=choice)
+        driver.delivered(json.dumps(calls), tokens=0, choice=choice, key=TOOL_CALLS)
+        answers[choice].tool_calls = calls
     await driver.complete(output)
     request = driver.request
     shape = ResponseShape(request, response_id(request, driver.request_id), driver.created, driver.answered_by)
-    choices = range(len(output.finish_reasons))
-    logprobs = None
-    if request.logprobs is not None:
-        logprobs = [[entry for delta in deltas.get(c, ()) for entry in delta.logprobs or ()] for c in choices]
-    body = shape.completion(
-        ["".join(delta.text for delta in deltas.get(c, ())) for c in choices],
-        list(output.finish_reasons),
-        output.usage,
-        [output.tool_calls.get(c, []) for c in choices],
-        logprobs,
-    )
+    body = shape.completion(answers, output.finish_reasons, output.full_usage, output.stop_reasons)
     return JSONResponse(body)
 
 
@@ -83,24 +77,31 @@ class _Stream:
         self.shape = shape
         self.gone = gone
         self.event_id = start  # the next event's id: its delta's index
-        self.started = start > 0  # a content event went out (the first carries the role)
+        self.started = start > 0  # a content event went out
+        if start == 0:
+            shape.from_the_start()  # each chat choice's first delta after its role
         self.delivered_tokens = 0
         self.write_now = None if writer is None else writer.write_now
 
     def events(self, deltas: list[Delta]) -> bytes:
-        """The content events of ``deltas``, in one write."""
-        shape, first = self.shape, self.event_id if not self.started else -1
-        events = [
-            shape.content_event(n, d.text, d.choice, first=n == first, logprobs=d.logprobs)
-            for n, d in enumerate(deltas, start=self.event_id)
-        ]
-        return events[0] if len(events) == 1 else b"".join(events)
+        """The content events of ``deltas`` (a choice's first after its role), in one write."""
+        shape = self.shape
+        if shape.unopened is None and len(deltas) == 1:  # the per-token path
+            d = deltas[0]
+            return shape.content_event(self.event_id, d.text, d.choice, key=d.key, logprobs=d.logprobs)
+        events = []
+        for n, d in enumerate(deltas, start=self.event_id):
+            events.append(shape.opening(d.choice))
+            events.append(shape.content_event(n, d.text, d.choice, key=d.key, logprobs=d.logprobs))
+        return b"".join(events)
 
     def sent(self, deltas: list[Delta]) -> None:
         """``deltas`` were written to the client, which is still there: recorded delivered."""
         self.started = True
         for delta in deltas:
-            self.driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, index=self.event_id)
+            self.driver.delivered(
+                delta.text, delta.tokens, delta.choice, delta.logprobs, index=self.event_id, key=delta.key
+            )
             self.event_id += 1
             self.delivered_tokens += delta.tokens
 
@@ -168,16 +169,15 @@ async def stream_body(
             elif isinstance(output, Finished):
                 event_id = stream.event_id
                 for choice, calls in sorted(output.tool_calls.items()):
-                    yield sse_event(event_id, shape.tool_calls_chunk(calls, choice, first=not stream.started))
-                    driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id)
+                    yield shape.opening(choice) + sse_event(event_id, shape.tool_calls_chunk(calls, choice))
+                    driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id, key=TOOL_CALLS)
                     event_id = stream.event_id = event_id + 1
                 await driver.complete(output)
-                ending = []  # the last events go out in one write
-                for choice, reason in enumerate(output.finish_reasons):
-                    ending.append(sse_event(event_id, shape.finish_chunk(reason, choice)))
-                    event_id += 1
+                # the last events go out in one write
+                ending = shape.finish_events(event_id, output.finish_reasons, output.stop_reasons)
+                event_id += len(ending)
                 if driver.request.include_usage:
-                    ending.append(sse_event(event_id, shape.usage_chunk(output.usage)))
+                    ending.append(sse_event(event_id, shape.usage_chunk(output.full_usage)))
                 yield b"".join([*ending, DONE])
                 return
             elif isinstance(output, Failed):

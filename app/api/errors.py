@@ -137,6 +137,14 @@ class ServiceUnavailable(ApiError):
     code = "service_unavailable"
 
 
+class BadGateway(ApiError):
+    """A replica the gateway asked gave no usable answer."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_unavailable"
+
+
 def retry_headers(retryable: bool) -> dict[str, str]:
     """``x-should-retry: false`` when sending the same request again cannot help."""
     return {} if retryable else {"x-should-retry": "false"}

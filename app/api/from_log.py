@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
 from app.api.errors import ApiError, failure_body
-from app.api.sse import DONE, ResponseShape, response_id, sse_event
-from app.driver.outputs import Failed
+from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
+from app.driver.outputs import Failed, full_usage
 from app.driver.request import GenerationRequest
 from statemachine import events as ev
-from statemachine.events import TokenLogprob
+from statemachine.batches import delta_keys
+from statemachine.events import CONTENT, TOOL_CALLS, TokenLogprob
 from statemachine.request_state import RequestState
 from statemachine.state import fold
 
@@ -62,62 +64,75 @@ def shape_from_log(request_id: str, events: list[ev.Event]) -> ResponseShape:
     return ResponseShape(request, response_id(request, request_id), created, fold(events).answered_by)
 
 
-def deltas_of(
-    event: ev.DeltasDelivered | ev.DeltasProduced,
-) -> Iterator[tuple[int, int, str, int, tuple[TokenLogprob, ...] | None]]:
-    """``(index, choice, text, tokens, logprobs)`` of each delta of the batch (log
-    probabilities are kept with delivered text only)."""
+@dataclass(frozen=True, slots=True)
+class LoggedDelta:
+    """One delta as the log holds it (log probabilities are kept with delivered text only)."""
+
+    index: int
+    choice: int
+    key: str  # the key of the client's delta its text went under (tool_calls: their JSON)
+    text: str
+    tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None
+
+
+def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedDelta]:
+    """Each delta of the batch."""
     text = event.text or ""
     shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
+    keys = delta_keys(event) if event.deltas else (CONTENT,)
+    kept = event.logprobs if isinstance(event, ev.DeltasDelivered) else None
     offset = 0
-    for index, (choice, chars, tokens) in enumerate(shapes, start=event.from_index):
-        kept = event.logprobs if isinstance(event, ev.DeltasDelivered) else None
-        logprobs = kept[index - event.from_index] if kept is not None else None
-        yield index, choice, text[offset : offset + chars], tokens, logprobs
+    for n, ((choice, chars, tokens), key) in enumerate(zip(shapes, keys, strict=True)):
+        logprobs = kept[n] if kept is not None else None
+        yield LoggedDelta(event.from_index + n, choice, key, text[offset : offset + chars], tokens, logprobs)
         offset += chars
 
 
-def delta_chunk(
-    shape: ResponseShape,
-    text: str,
-    choice: int,
-    tokens: int,
-    logprobs: tuple[TokenLogprob, ...] | None,
-    *,
-    first: bool,
-) -> str:
-    if tokens == 0:  # a choice's tool calls, as their JSON
-        return shape.tool_calls_chunk(json.loads(text), choice, first=first)
+def delta_event(shape: ResponseShape, delta: LoggedDelta) -> bytes:
+    """The delta's SSE event, as it was sent."""
+    if delta.key == TOOL_CALLS:  # a choice's tool calls, as their JSON
+        return sse_event(delta.index, shape.tool_calls_chunk(json.loads(delta.text), delta.choice))
+    logprobs = delta.logprobs
     if shape.request.logprobs is None:
         logprobs = None
     elif logprobs is None:
         logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
-    return shape.content_chunk(text, choice, first=first, logprobs=logprobs)
+    return shape.content_event(delta.index, delta.text, delta.choice, key=delta.key, logprobs=logprobs)
 
 
-def ending(shape: ResponseShape, request_id: str, terminal: ev.Event, state: RequestState) -> Iterator[bytes]:
-    """What followed the deltas: the finish, or the final error; then ``[DONE]``."""
+def ending(shape: ResponseShape, request_id: str, events: list[ev.Event], state: RequestState) -> Iterator[bytes]:
+    """What followed the deltas (``events`` end with the terminal one): the finish, or the
+    final error; then ``[DONE]``."""
+    terminal = events[-1]
     next_id = max(state.delivered_deltas, state.produced_deltas)
     if isinstance(terminal, ev.RequestCompleted):
         reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
-        for choice, reason in enumerate(reasons):
-            yield sse_event(next_id + choice, shape.finish_chunk(reason, choice))
+        yield from shape.finish_events(next_id, reasons, terminal.stop_reasons)
     else:
-        failed = failure_of(terminal, state)
+        failed = failure_of(terminal, state, events)
         yield sse_event(next_id, json.dumps(failure_body(request_id, failed)))
     yield DONE
 
 
-def failure_of(terminal: ev.Event, state: RequestState) -> Failed:
+def failure_of(terminal: ev.Event, state: RequestState, events: list[ev.Event]) -> Failed:
+    """The failure as its client was told it: the status the policy decided (its logged
+    ``fail_request``; 502 for an ending no decision gave, a sweep's), and, for a request its
+    replica refused, the ``param`` the replica named."""
     partial = state.first_delta_sent
     if isinstance(terminal, ev.RequestFailed):
+        decided = [e for e in events if isinstance(e, ev.Decided) and e.action == "fail_request"]
+        status = int(decided[-1].params.get("http_status", 502)) if decided else 502
+        current = state.current_attempt
+        refused = bool(decided) and decided[-1].reason == "upstream_refused_request" and current is not None
         return Failed(
             terminal.code,
             terminal.message,
             terminal.partial_output,
             terminal.delivered_output_tokens,
             terminal.retryable,
-            http_status=502,
+            http_status=status,
+            param=current.upstream_param if refused and current is not None else None,
         )
     assert isinstance(terminal, ev.RequestCancelled)
     message = f"the request was cancelled ({terminal.reason})"
@@ -132,32 +147,23 @@ def whole_from_log(
     state = fold(events)
     terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
     if not isinstance(terminal, ev.RequestCompleted):
-        failed = failure_of(terminal, state)
+        failed = failure_of(terminal, state, events)
         return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-    texts: dict[int, list[str]] = {}
-    calls: dict[int, list[dict[str, object]]] = {}
-    logprobs: dict[int, list[TokenLogprob]] = {}
     final = state.current_attempt.attempt if state.current_attempt is not None else 0
-    answer: dict[int, tuple[int, str, int, tuple[TokenLogprob, ...] | None]] = {}  # delivered or produced (§12)
+    answer: dict[int, LoggedDelta] = {}  # delivered or produced (DESIGN.md §12)
     for event in events:
         if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and event.attempt == final:
-            for index, choice, text, tokens, entries in deltas_of(event):
-                if index not in answer or entries is not None:  # a delivered delta keeps its log probabilities
-                    answer[index] = (choice, text, tokens, entries)
-    for index in sorted(answer):
-        choice, text, tokens, entries = answer[index]
-        if tokens:
-            texts.setdefault(choice, []).append(text)
-            logprobs.setdefault(choice, []).extend(entries or ())
-        else:
-            calls[choice] = json.loads(text)
+            for delta in deltas_of(event):
+                if delta.index not in answer or delta.logprobs is not None:  # a delivered one keeps its logprobs
+                    answer[delta.index] = delta
     reasons = list(terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1))
-    choices = range(len(reasons))
-    completion = shape.completion(
-        ["".join(texts.get(c, ())) for c in choices],
-        reasons,
-        terminal.usage,
-        [calls.get(c, []) for c in choices],
-        [logprobs.get(c, []) for c in choices] if shape.request.logprobs is not None else None,
-    )
+    answers = [ChoiceAnswer() for _ in reasons]
+    for index in sorted(answer):
+        delta = answer[index]
+        if delta.key == TOOL_CALLS:
+            answers[delta.choice].tool_calls = json.loads(delta.text)
+        else:
+            answers[delta.choice].add(delta.key, delta.text, delta.logprobs)
+    usage = full_usage(terminal.usage, terminal.usage_details)
+    completion = shape.completion(answers, reasons, usage, terminal.stop_reasons)
     return JSONResponse(completion, headers=headers)

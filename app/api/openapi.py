@@ -2,9 +2,10 @@
 (chat completions, completions, models), for client generators and API fuzzers.
 
 It is built from what the gateway checks, not written beside it: the fields each endpoint
-takes are app/api/schemas.py's (a field with no schema here is described as any value, so
-a field added there is never refused by the description), the models are the configured
-ones and ``max_tokens`` goes to the configured limit. Messages, tools, ``tool_choice`` and
+takes are vLLM's (app/contract/request_fields.py: a passed-on field is described by its
+JSON type there, or as any value; phasegate's own are described as refused; a field vLLM
+does not declare is allowed, as vLLM allows it), the models are the configured ones and
+``max_tokens`` and ``n`` go to the configured limits. Messages, tools, ``tool_choice`` and
 ``response_format`` are described to the depth app/contract/engine_inputs.py checks them;
 what JSON Schema cannot say (a named tool_choice must name one of the tools, tool names
 are unique, ``stream_options`` only with ``stream``) is left to the 400 that names the
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.api.schemas import CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, MAX_STOP
 from app.config import GatewayConfig
 from app.contract.engine_inputs import MAX_NAME_CHARS, RESPONSE_FORMATS, ROLES, TOOL_CHOICES
+from app.contract.request_fields import FIELD_TYPES, OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED, WHOLE_ONLY
 
 _REF = "#/components/schemas/"
 _NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
@@ -232,28 +233,28 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         return {"anyOf": [schema, {"type": "null"}]}
 
     number = {"type": "number"}
-    max_tokens = nullable({"type": "integer", "minimum": 1, "maximum": config.limits.max_tokens})
-    common: dict[str, Any] = {
+    limit = {"maximum": config.limits.max_tokens} if config.limits.max_tokens is not None else {}
+    max_tokens = nullable({"type": "integer", "minimum": 1, **limit})
+    common: dict[str, Any] = {name: nullable(kind.schema) for name, kind in FIELD_TYPES.items()}
+    common |= {
         "model": {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"},
         "stream": nullable({"type": "boolean"}),
         "stream_options": nullable(
             {
                 "type": "object",
-                "properties": {"include_usage": nullable({"type": "boolean"})},
-                "additionalProperties": False,
+                "properties": {
+                    "include_usage": nullable({"type": "boolean"}),
+                    "continuous_usage_stats": nullable({"type": "boolean"}),
+                },
             }
         ),
         "max_tokens": max_tokens,
-        "temperature": nullable(number | {"minimum": 0, "maximum": 2}),
+        "temperature": nullable(number | {"minimum": 0}),
         "top_p": nullable(number | {"exclusiveMinimum": 0, "maximum": 1}),
-        "n": nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
-        "stop": nullable(
-            {
-                "anyOf": [
-                    {"type": "string", "minLength": 1},
-                    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
-                ]
-            }
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": config.limits.max_n}),
+        "stop": nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+        "metadata": nullable(
+            {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}}
         ),
         "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
         "presence_penalty": nullable(number | {"minimum": -2, "maximum": 2}),
@@ -268,13 +269,23 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         "tool_choice": nullable({"anyOf": [{"enum": list(TOOL_CHOICES)}, {"$ref": _REF + "NamedToolChoice"}]}),
         "response_format": nullable(_RESPONSE_FORMAT),
     }
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     completion = common | {
         "prompt": {
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                token_ids,
+                {"type": "array", "minItems": 1, "items": token_ids},
             ]
-        }
+        },
+        # instead of a prompt: base64 tensors, passed on (a replica may refuse them)
+        "prompt_embeds": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            ]
+        },
     }
     security: list[dict[str, list[str]]] = [{"bearer": []}] if _keys_required(config) else []
     return {
@@ -297,8 +308,9 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
-                "CreateChatCompletionRequest": _request(chat, CHAT_FIELDS, ["model", "messages"]),
-                "CreateCompletionRequest": _request(completion, COMPLETION_FIELDS, ["model", "prompt"]),
+                "CreateChatCompletionRequest": _request(chat, PASSED_CHAT | RECORDED, ["model", "messages"]),
+                "CreateCompletionRequest": _request(completion, PASSED_COMPLETIONS | RECORDED, ["model"])
+                | {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]},
                 "NamedToolChoice": {
                     "type": "object",
                     "required": ["function"],
@@ -320,9 +332,16 @@ def _keys_required(config: GatewayConfig) -> bool:
     return bool(config.api_keys)  # keys made with `phasegate keys` also apply; the description cannot know
 
 
-def _request(properties: dict[str, Any], fields: frozenset[str] | set[str], required: list[str]) -> dict[str, Any]:
-    described = {name: properties.get(name, {}) for name in sorted(fields)}
-    return {"type": "object", "required": required, "properties": described, "additionalProperties": False}
+def _request(properties: dict[str, Any], fields: frozenset[str], required: list[str]) -> dict[str, Any]:
+    """A request body: each field described (any value where no schema is given), phasegate's
+    own refused (``false``: not allowed), ``stream`` and ``stream_options`` as the client may
+    give them, and any other field allowed, as vLLM allows it."""
+    described: dict[str, Any] = {
+        name: properties.get(name, {}) for name in sorted(fields | {"stream", "stream_options"})
+    }
+    described |= dict.fromkeys(sorted(OWN), False)
+    described |= {name: {"type": "null"} for name in sorted(WHOLE_ONLY)}  # refused unless null
+    return {"type": "object", "required": required, "properties": described}
 
 
 def _json(ref: str, description: str) -> dict[str, Any]:

@@ -1,11 +1,19 @@
-"""Request ids that come from a client, in a path: checked before the log is asked for them,
-and echoed in ``x-request-id`` only where a header can carry them."""
+"""Request ids: the gateway's own, and those that come from a client, in a path: checked
+before the log is asked for them, and echoed in ``x-request-id`` only where a header can
+carry them."""
 
 from __future__ import annotations
+
+import uuid
 
 from app.api.errors import InvalidRequest
 
 MAX_REQUEST_ID_CHARS = 256
+
+
+def new_request_id() -> str:
+    """The id of a request, or of an HTTP exchange that every answer names."""
+    return f"req_{uuid.uuid4().hex[:24]}"
 
 
 def check_request_id(request_id: str) -> None:

@@ -44,8 +44,9 @@ from app.api.answers import failure_response, stream_body, unless_client_leaves,
 from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.from_log import (
+    LoggedDelta,
     check_resumable,
-    delta_chunk,
+    delta_event,
     deltas_of,
     ending,
     shape_from_log,
@@ -53,7 +54,7 @@ from app.api.from_log import (
 )
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
-from app.api.sse import ResponseShape, response_id, sse_event
+from app.api.sse import ResponseShape, response_id
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -63,6 +64,7 @@ from app.http_cycle import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
+from statemachine.events import TOOL_CALLS
 from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
@@ -129,32 +131,36 @@ class _Follower:
         """Deltas after ``after`` from the log, reading on while the request is live."""
         position = after + 1  # the next delta index to send
         seen = 0  # events of the log taken into account
-        produced: dict[int, dict[int, tuple[int, str, int]]] = {}  # by attempt, by index
+        produced: dict[int, dict[int, LoggedDelta]] = {}  # by attempt, by index
+        if position == 0:
+            shape.from_the_start()  # each chat choice's first delta after its role
+
+        def sent(delta: LoggedDelta) -> bytes:
+            return shape.opening(delta.choice) + delta_event(shape, delta)
+
         while True:
             for event in events[seen:]:
                 seen = event.seq
                 if isinstance(event, ev.DeltasDelivered):
-                    for index, choice, text, tokens, logprobs in deltas_of(event):
-                        if index >= position:
-                            payload = delta_chunk(shape, text, choice, tokens, logprobs, first=index == 0)
-                            yield sse_event(index, payload)
-                            position = index + 1
-                        elif tokens:
-                            shape.passed(text, choice)  # where the next tokens start in the choice's text
+                    for delta in deltas_of(event):
+                        if delta.index >= position:
+                            yield sent(delta)
+                            position = delta.index + 1
+                        elif delta.key != TOOL_CALLS:
+                            shape.passed(delta.text, delta.choice)  # where the next tokens start in its text
                 elif isinstance(event, ev.DeltasProduced):
                     into = produced.setdefault(event.attempt, {})
-                    for index, choice, text, tokens, _ in deltas_of(event):
-                        into[index] = (choice, text, tokens)
+                    for delta in deltas_of(event):
+                        into[delta.index] = delta
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
                     # then what the last attempt produced with no client attached (DESIGN.md §12)
                     current = state.current_attempt
                     tail = produced.get(current.attempt, {}) if current is not None else {}
                     for index in sorted(i for i in tail if i >= position):
-                        choice, text, tokens = tail[index]
-                        yield sse_event(index, delta_chunk(shape, text, choice, tokens, None, first=index == 0))
+                        yield sent(tail[index])
                         position = index + 1
-                    for chunk in ending(shape, request_id, event, state):
+                    for chunk in ending(shape, request_id, events[:seen], state):
                         yield chunk
                     await self._record(request_id, after + 1, max(position, after + 1))
                     return

@@ -19,16 +19,14 @@ import asyncio
 import functools
 import hmac
 import logging
-import uuid
 from typing import Any
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -42,26 +40,26 @@ from app.api.answers import (
     whole_answer,
 )
 from app.api.auth import Authenticator
+from app.api.bodies import json_body
 from app.api.cancel import cancel_routes
 from app.api.errors import (
     ApiError,
-    ClientGone,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
     RateLimited,
-    RequestTooLarge,
     ServiceUnavailable,
     Unauthorized,
-    UnsupportedMediaType,
     retry_headers,
 )
 from app.api.limits import TenantLimiter
 from app.api.openapi import openapi_document
+from app.api.request_ids import new_request_id
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.sse import ResponseShape, response_id
 from app.api.token_stream import TokenStreamResponse, client_gone
+from app.api.utility import unready, utility_routes
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -97,6 +95,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *admin_routes(ctx, authenticator),
         *resume_routes(ctx, authenticator),
         *cancel_routes(ctx, authenticator),
+        *utility_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     # every log line names the gateway instance, and a request's lines its current attempt
@@ -126,10 +125,6 @@ def _attempt_of(ctx: GatewayContext) -> Any:
     return attempt_of
 
 
-def new_request_id() -> str:
-    return f"req_{uuid.uuid4().hex[:24]}"
-
-
 class _Api:
     def __init__(self, ctx: GatewayContext, authenticator: Authenticator, limiter: TenantLimiter) -> None:
         self.ctx = ctx
@@ -155,7 +150,7 @@ class _Api:
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             generation = parse_request(
-                endpoint, await _json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
+                endpoint, await json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
             )
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
@@ -245,9 +240,14 @@ class _Api:
             await self.authenticator.tenant(request.headers.get("authorization", ""))
         except (Unauthorized, ServiceUnavailable) as error:
             return _refused(error)
+        # each model as a replica serving it describes it (vLLM: max_model_len, root,
+        # permission …), under the configured name; phasegate's own card where none answers
+        models = self.ctx.config.models
+        cards = await asyncio.gather(*(self.ctx.pool.model_card(name) for name in models))
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "phasegate", "root": revision}
-            for name, revision in self.ctx.config.models.items()
+            | {key: value for key, value in card.items() if key not in ("id", "object")}
+            for (name, revision), card in zip(models.items(), cards, strict=True)
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -262,18 +262,14 @@ class _Api:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        problems = []
-        if self.ctx.refusal is not None:
-            problems.append(f"gateway: {self.ctx.refusal}")
-        try:
-            await self.ctx.store.ping()
-        except Exception as exc:
-            problems.append(f"event log: {exc}")
-        if not self.ctx.pool.any_available():
-            problems.append("no healthy replica")
+        problems = await unready(self.ctx)
+        # a replica out for its protocol version is named, and makes the gateway unready only
+        # with the rest (a rolling upgrade of the workers must not take the gateways out)
+        replicas = self.ctx.pool.replicas.values()
+        unused = [f"replica {r.id} not used: {r.incompatible}" for r in replicas if r.incompatible]
         if problems:
-            return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
-        return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "unavailable", "problems": problems + unused}, status_code=503)
+        return JSONResponse({"status": "ready", **({"problems": unused} if unused else {})})
 
     async def metrics(self, request: Request) -> Response:
         token = self.ctx.config.metrics_token
@@ -303,34 +299,6 @@ def _idempotency_key(request: Request) -> str | None:
             code="invalid_idempotency_key",
         )
     return key
-
-
-async def _json_body(request: Request, limit: int) -> Any:
-    # JSON only: a browser page may post text/plain or a form cross-origin without asking
-    # (no CORS preflight), but not application/json
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise UnsupportedMediaType(
-            f"the body must be sent as 'Content-Type: application/json', not {media_type or 'none'!r}",
-            param="content-type",
-        )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
-    except ClientDisconnect:  # gone mid-body, or cut by http_body_timeout_s: a refusal, not a 500
-        raise ClientGone("the client closed the connection before its request body was read") from None
-    try:
-        # orjson refuses what the standard library lets through and nothing downstream
-        # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity
-        return orjson.loads(body)
-    except ValueError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -1,23 +1,30 @@
 """OpenAI response bodies and their SSE framing.
 
 Chunks are built from a per-request JSON prefix and suffix around the one part that
-changes (the delta). A content delta without log probabilities, the one event of the
+changes (the delta). A text delta without log probabilities, the one event of the
 per-token path, is a whole SSE event put together from pre-encoded bytes around the
 text's JSON (``content_event``): no dict, no string formatting, one ``orjson.dumps``.
 SSE events are encoded here as bytes (``id:`` then ``data:``) and handed to
 sse-starlette as they are.
+
+A chat stream's deltas carry their text under the key the replica gave it (``content``,
+``reasoning``…, DESIGN.md §14), and each choice's first delta is preceded, as vLLM
+streams it, by a chunk of its role and empty content (``opening``: no id, since
+event ids are delta indexes).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
+from statemachine.events import CONTENT, NO_TEXT, REASONING_FIELDS
 
 DONE = b"data: [DONE]\n\n"
 
@@ -65,22 +72,46 @@ class ResponseShape:
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._usage_tail = ',"usage":null}' if request.include_usage else "}"
         self._text_offsets: dict[int, int] = {}  # per choice: characters sent (completions' text_offset)
-        self._content_templates: dict[tuple[int, bool], tuple[bytes, bytes]] = {}  # (choice, first): around the text
+        self._content_templates: dict[tuple[int, str], tuple[bytes, bytes]] = {}  # (choice, key): around the text
+        self.unopened: set[int] | None = None  # chat choices whose role chunk is still to go (``from_the_start``)
 
     def _object(self, *, stream: bool) -> str:
         if self.chat:
             return "chat.completion.chunk" if stream else "chat.completion"
         return "text_completion"
 
-    def content_chunk(
-        self, text: str, choice: int = 0, *, first: bool = False, logprobs: Sequence[TokenLogprob] | None = None
-    ) -> str:
-        """A chunk carrying generated text (and its tokens' log probabilities, when asked for)."""
+    def from_the_start(self) -> None:
+        """The stream is sent from its first delta: each chat choice opens with its role
+        chunk (a client resuming later had them)."""
         if self.chat:
-            role = '"role":"assistant",' if first else ""
-            delta = f'"delta":{{{role}"content":{_dumps(text)}}}'
-        else:
-            delta = f'"text":{_dumps(text)}'
+            self.unopened = set(range(self.request.choices))
+
+    def opening(self, choice: int) -> bytes:
+        """The chunk that opens ``choice`` before its first delta, its role and no text,
+        once (after ``from_the_start``); empty otherwise."""
+        unopened = self.unopened
+        if unopened is None or choice not in unopened:
+            return b""
+        unopened.remove(choice)
+        if not unopened:
+            self.unopened = None  # every choice is open: nothing more to look at a delta
+        body = {"index": choice, "delta": {"role": self.request.response_role, "content": ""}}
+        body |= {"logprobs": None, "finish_reason": None}
+        return f'data: {self._head},"choices":[{_dumps(body)}]{self._usage_tail}\n\n'.encode()
+
+    def content_chunk(
+        self,
+        text: str,
+        choice: int = 0,
+        *,
+        key: str = CONTENT,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> str:
+        """A chunk carrying generated text under ``key`` (and its tokens' log
+        probabilities, when asked for)."""
+        delta = f'"delta":{{{_dumps(key)}:{_dumps(text)}}}' if self.chat else f'"text":{_dumps(text)}'
+        if self.chat and key == NO_TEXT:
+            delta = '"delta":{}'
         rendered = "null"
         if logprobs is not None:
             offset = self._text_offsets.get(choice, 0)
@@ -97,17 +128,17 @@ class ResponseShape:
         text: str,
         choice: int = 0,
         *,
-        first: bool = False,
+        key: str = CONTENT,
         logprobs: Sequence[TokenLogprob] | None = None,
     ) -> bytes:
         """The SSE event of ``content_chunk``: the same bytes as ``sse_event(event_id,
         content_chunk(...))``, built from the choice's pre-encoded prefix and suffix."""
         if logprobs is not None:
-            return sse_event(event_id, self.content_chunk(text, choice, first=first, logprobs=logprobs))
-        template = self._content_templates.get((choice, first))
+            return sse_event(event_id, self.content_chunk(text, choice, key=key, logprobs=logprobs))
+        template = self._content_templates.get((choice, key))
         if template is None:
-            before, _, after = self.content_chunk("\0", choice, first=first).rpartition('"\\u0000"')
-            template = self._content_templates[(choice, first)] = (
+            before, _, after = self.content_chunk("\0", choice, key=key).rpartition('"\\u0000"')
+            template = self._content_templates[(choice, key)] = (
                 f"\ndata: {before}".encode(),
                 f"{after}\n\n".encode(),
             )
@@ -117,45 +148,63 @@ class ResponseShape:
         """Text of ``choice`` sent before (a resumed stream): later tokens' offsets follow it."""
         self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
 
-    def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0, *, first: bool = False) -> str:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+    def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0) -> str:
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
         choices = [{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}]
         return f'{self._head},"choices":{_dumps(choices)}{self._usage_tail}'
 
-    def finish_chunk(self, finish_reason: str, choice: int = 0) -> str:
+    def finish_chunk(self, finish_reason: str, choice: int = 0, stop_reason: str | int | None = None) -> str:
         body: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": finish_reason}
         if self.chat:
             body["delta"] = {}
         else:
             body["text"] = ""
+        if stop_reason is not None:
+            body["stop_reason"] = stop_reason
         return f'{self._head},"choices":[{_dumps(body)}]{self._usage_tail}'
 
-    def usage_chunk(self, usage: dict[str, int]) -> str:
+    def finish_events(
+        self, event_id: int, finish_reasons: Sequence[str], stop_reasons: Sequence[str | int | None]
+    ) -> list[bytes]:
+        """Each choice's finish (and stop reason, where one is known), from ``event_id`` on."""
+        return [
+            sse_event(event_id + choice, self.finish_chunk(reason, choice, _nth(stop_reasons, choice)))
+            for choice, reason in enumerate(finish_reasons)
+        ]
+
+    def usage_chunk(self, usage: dict[str, Any]) -> str:
         return f'{self._head},"choices":[],"usage":{_dumps(usage)}}}'
 
     def completion(
         self,
-        texts: list[str],
-        finish_reasons: list[str],
-        usage: dict[str, int],
-        tool_calls: list[list[dict[str, Any]]] | None = None,
-        logprobs: list[list[TokenLogprob]] | None = None,
+        answers: Sequence[ChoiceAnswer],
+        finish_reasons: Sequence[str],
+        usage: dict[str, Any],
+        stop_reasons: Sequence[str | int | None] = (),
     ) -> dict[str, Any]:
-        """The whole non-streamed response (``logprobs``: per choice, when asked for)."""
+        """The whole non-streamed response: each choice's texts by key, tool calls and
+        log probabilities (when asked for), and how it finished."""
         choices: list[dict[str, Any]] = []
-        for index, (text, finish_reason) in enumerate(zip(texts, finish_reasons, strict=True)):
-            calls = tool_calls[index] if tool_calls else []
-            rendered = None if logprobs is None else render_logprobs(logprobs[index], chat=self.chat, text_offset=0)
+        for index, (answer, finish_reason) in enumerate(zip(answers, finish_reasons, strict=True)):
+            logprobs = answer.logprobs if self.request.logprobs is not None else None
+            rendered = None if logprobs is None else render_logprobs(logprobs, chat=self.chat, text_offset=0)
+            content = "".join(answer.texts.get(CONTENT, ()))
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-                if calls:
-                    message["tool_calls"] = calls
-                choices.append(
-                    {"index": index, "message": message, "logprobs": rendered, "finish_reason": finish_reason}
-                )
+                message: dict[str, Any] = {"role": self.request.response_role, "content": content}
+                for key, pieces in answer.texts.items():
+                    if key not in (CONTENT, NO_TEXT):
+                        message[key] = "".join(pieces)
+                if not content and REASONING_FIELDS & message.keys():
+                    message["content"] = None  # all reasoning: vLLM's reasoning parser says no content
+                if answer.tool_calls:
+                    message["tool_calls"] = answer.tool_calls
+                choice: dict[str, Any] = {"index": index, "message": message}
             else:
-                choices.append({"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason})
+                choice = {"index": index, "text": content}
+            choice |= {"logprobs": rendered, "finish_reason": finish_reason}
+            if _nth(stop_reasons, index) is not None:
+                choice["stop_reason"] = stop_reasons[index]
+            choices.append(choice)
         return {
             "id": self.response_id,
             "object": self._object(stream=False),
@@ -164,6 +213,25 @@ class ResponseShape:
             "choices": choices,
             "usage": usage,
         }
+
+
+@dataclass
+class ChoiceAnswer:
+    """One choice of a whole answer, as its deltas come: their texts by key (content,
+    reasoning…), their tokens' log probabilities, and the choice's tool calls."""
+
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, key: str, text: str, logprobs: Sequence[TokenLogprob] | None) -> None:
+        self.texts.setdefault(key, []).append(text)
+        self.logprobs.extend(logprobs or ())
+
+
+def _nth(stop_reasons: Sequence[str | int | None], choice: int) -> str | int | None:
+    """A choice's stop reason; ``None`` where none is known (a log written before them)."""
+    return stop_reasons[choice] if choice < len(stop_reasons) else None
 
 
 def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from app.store.content import kept_text
-from statemachine.events import DeltasDelivered, DeltasProduced, Event, TokenLogprob
+from statemachine.events import CONTENT, DeltasDelivered, DeltasProduced, Event, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -30,8 +30,16 @@ class OpenBatch:
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
     produced: bool = False  # recorded as produced, not delivered (no client attached)
     logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
+    keys: list[str] | None = None  # per delta, once one was not content (statemachine.events: CONTENT …)
 
-    def add(self, tokens: int, text: str, choice: int, logprobs: tuple[TokenLogprob, ...] | None) -> None:
+    def add(
+        self,
+        tokens: int,
+        text: str,
+        choice: int,
+        logprobs: tuple[TokenLogprob, ...] | None,
+        key: str = CONTENT,
+    ) -> None:
         self.tokens += tokens
         self.texts.append(text)
         self.shapes.append((choice, len(text), tokens))
@@ -39,6 +47,12 @@ class OpenBatch:
             self.logprobs = [()] * (len(self.shapes) - 1)
         if self.logprobs is not None:
             self.logprobs.append(logprobs or ())
+        # a content delta of no tokens (the rest of a chunk another field took the token of)
+        # names its key, since a delta of no tokens is otherwise a choice's tool calls
+        if (key != CONTENT or tokens == 0) and self.keys is None:  # deltas before it were content
+            self.keys = [CONTENT] * (len(self.shapes) - 1)
+        if self.keys is not None:
+            self.keys.append(key)
 
     @property
     def deltas(self) -> int:
@@ -56,6 +70,7 @@ class OpenBatch:
             "text": text,
             "text_sha256": text_sha256,
             "deltas": tuple(self.shapes),
+            "fields": tuple(self.keys) if self.keys is not None else (),
         }
         if self.produced:
             return DeltasProduced, fields

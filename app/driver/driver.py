@@ -28,7 +28,7 @@ from app.driver.loop import RequestLoop
 from app.driver.outputs import Delta, Finished, Output
 from app.store.errors import StoreError
 from statemachine import events as ev
-from statemachine.events import TokenLogprob
+from statemachine.events import CONTENT, TokenLogprob
 from statemachine.phases import Phase
 from statemachine.routing import Strategy
 
@@ -52,7 +52,7 @@ class RequestDriver(RequestLoop):
             stream=request.stream,
             params_digest=request.params_digest(),
             prompt_tokens=request.estimated_prompt_tokens,
-            n=request.n,
+            n=request.choices,
             guided=request.guided,
             tools=bool(request.tools),
             idempotency_key=idempotency_key,
@@ -63,6 +63,7 @@ class RequestDriver(RequestLoop):
             logprobs=request.logprobs,
             routing=routing.to_params(compact=True),
             affinity_key=request.affinity_key() if affinity else None,
+            metadata=request.metadata,
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())
@@ -123,10 +124,12 @@ class RequestDriver(RequestLoop):
         choice: int = 0,
         logprobs: tuple[TokenLogprob, ...] | None = None,
         index: int | None = None,
+        key: str = CONTENT,
     ) -> None:
-        """A delta of ``choice`` was written to the client (no tokens: its tool calls),
-        with its tokens' log probabilities when the request asked for them; one sent
-        again to a resumed client (``index`` below the delivered count) was recorded before."""
+        """A delta of ``choice`` was written to the client, its text under ``key`` of the
+        client's delta (``tool_calls``: their JSON, no tokens), with its tokens' log
+        probabilities when the request asked for them; one sent again to a resumed client
+        (``index`` below the delivered count) was recorded before."""
         if index is not None and index < self.recorder.delivered_deltas:
             return
         run = self.run
@@ -136,7 +139,7 @@ class RequestDriver(RequestLoop):
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
-        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice, logprobs)
+        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice, logprobs, key)
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out."""
@@ -145,6 +148,8 @@ class RequestDriver(RequestLoop):
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",
             usage=finished.usage,
             finish_reasons=finished.finish_reasons,
+            usage_details=finished.usage_details,
+            stop_reasons=finished.stop_reasons,
         )
         if self.run is not None:
             self.ctx.pool.succeeded(self.run.replica)
@@ -241,7 +246,7 @@ class RequestDriver(RequestLoop):
     def _produced(self, delta: Delta) -> None:
         run = self.run
         if run is not None:
-            self.recorder.produced(run.attempt, run.lease_epoch, delta.tokens, delta.text, delta.choice)
+            self.recorder.produced(run.attempt, run.lease_epoch, delta.tokens, delta.text, delta.choice, delta.key)
 
     async def _finish_unattended(self, finished: Finished) -> None:
         """The answer finished with no client attached: its tool calls recorded as

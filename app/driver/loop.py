@@ -160,7 +160,13 @@ class RequestLoop(LoopActions):
             elif type(frame) is ToolCall:
                 await self.tool_calls.emitted(run.attempt, run.lease_epoch, frame)
             elif type(frame) is Done:
-                yield Finished(tuple(frame.finish_reasons), frame.usage, self.tool_calls.by_choice)
+                yield Finished(
+                    tuple(frame.finish_reasons),
+                    frame.usage,
+                    self.tool_calls.by_choice,
+                    tuple(frame.stop_reasons),
+                    frame.usage_details,
+                )
                 return
 
     def _tokens_now(self, run: AttemptRun, tokens: list[Token]) -> bool:
@@ -337,7 +343,8 @@ class RequestLoop(LoopActions):
 
 def delta_of(token: Token) -> Delta:
     """The client's delta of a token (one token when it names no token ids)."""
-    return Delta(token.text, token.choice, len(token.token_ids) or 1, token.logprobs)
+    tokens = token.tokens if token.tokens is not None else len(token.token_ids) or 1
+    return Delta(token.text, token.choice, tokens, token.logprobs, token.key)
 
 
 class Interruption(NamedTuple):

@@ -11,6 +11,7 @@ from typing import Any
 
 from app.contract.logprobs import TokenLogprob
 from statemachine.actions import FailRequest
+from statemachine.events import CONTENT
 
 
 @dataclass(slots=True)  # not frozen: one a token, and frozen fields are set one slow call each
@@ -19,6 +20,7 @@ class Delta:
     choice: int = 0
     tokens: int = 1  # engine tokens in it (DESIGN.md §11: delivered_output_tokens counts these)
     logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
+    key: str = CONTENT  # the key of the client's delta that carries the text (reasoning, …)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,17 @@ class Finished:
     finish_reasons: tuple[str, ...]
     usage: dict[str, int]
     tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    stop_reasons: tuple[str | int | None, ...] = ()  # per choice, as the replica said
+    usage_details: dict[str, Any] | None = None  # the usage's other fields (prompt_tokens_details, …)
+
+    @property
+    def full_usage(self) -> dict[str, Any]:
+        return full_usage(self.usage, self.usage_details)
+
+
+def full_usage(usage: dict[str, int], details: dict[str, Any] | None) -> dict[str, Any]:
+    """The usage as the replica gave it: the counts and their details (a log's, or a live answer's)."""
+    return {**usage, **details} if details else usage
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
 from statemachine.events import (
+    CONTENT,
     TERMINAL_EVENT_TYPES,
     DeltasDelivered,
     Event,
@@ -136,14 +137,17 @@ class Recorder:
         text: str,
         choice: int = 0,
         logprobs: tuple[TokenLogprob, ...] | None = None,
+        key: str = CONTENT,
     ) -> None:
         """One delta written to the client, with its tokens' log probabilities when asked
         for; recorded in batches."""
-        self._add(attempt, lease_epoch, tokens, text, choice, logprobs, produced=False)
+        self._add(attempt, lease_epoch, tokens, text, choice, logprobs, key, produced=False)
 
-    def produced(self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0) -> None:
+    def produced(
+        self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0, key: str = CONTENT
+    ) -> None:
         """One delta produced while no client is attached; recorded in batches, as produced."""
-        self._add(attempt, lease_epoch, tokens, text, choice, None, produced=True)
+        self._add(attempt, lease_epoch, tokens, text, choice, None, key, produced=True)
 
     def _add(
         self,
@@ -153,6 +157,7 @@ class Recorder:
         text: str,
         choice: int,
         logprobs: tuple[TokenLogprob, ...] | None,
+        key: str,
         *,
         produced: bool,
     ) -> None:
@@ -170,7 +175,7 @@ class Recorder:
                 attempt, lease_epoch, start, self.ctx.clock(), self.ctx.wall_clock(), produced=produced
             )
             self.ctx.batch_ages.watch(self.batch_aged, batch, config.delivery_batch_ms / 1000)
-        batch.add(tokens, text, choice, logprobs)
+        batch.add(tokens, text, choice, logprobs, key)
         if batch.deltas >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):

@@ -9,29 +9,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.contract.logprobs import as_params
+from app.contract.request_fields import RECORDED, SET_BY_PHASEGATE
+from app.contract.vllm_extras import LEGACY_GUIDED
 from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+NOT_PASSED_ON = RECORDED | SET_BY_PHASEGATE | {"model"}
 AFFINITY_PROMPT_CHARS = 512  # a completion prompt's affinity key: its start, which follow-ups share
+AFFINITY_PROMPT_TOKENS = 128  # the same, for a prompt of token ids
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    """A request as the client made it. A sampling field the client did not give is
+    ``None``: the replica's own default applies (the model's generation config, for vLLM)."""
+
     endpoint: str
     model: str
     stream: bool
     include_usage: bool
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     messages: tuple[dict[str, Any], ...] | None = None
-    prompt: str | None = None
+    prompt: str | None = None  # the text of a completion's prompt (None for token ids)
+    prompts: int = 1  # a completion's prompts (a batch): each gets n choices
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -42,7 +50,21 @@ class GenerationRequest:
     sampling_extras: dict[str, Any] = field(default_factory=dict)
     structured_outputs: dict[str, Any] | None = None
     logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    metadata: dict[str, str] | None = None  # recorded in the log, not acted on
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
+
+    @property
+    def choices(self) -> int:
+        """The answer's choices: ``n`` for each prompt."""
+        return self.n * self.prompts
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM gives it: the assistant's, or, where the client asked
+        for no generation prompt, the role of the message it continues."""
+        if self.messages and self.raw.get("add_generation_prompt") is False:
+            return str(self.messages[-1].get("role") or "assistant")
+        return "assistant"
 
     @property
     def guided(self) -> bool:
@@ -53,24 +75,40 @@ class GenerationRequest:
     def prompt_text(self) -> str:
         if self.prompt is not None:
             return self.prompt
-        assert self.messages is not None
+        if self.messages is None:  # token ids, or a batch of prompts
+            prompt = self.raw.get("prompt")
+            texts = [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
+            return "\n".join(texts)
         return "\n".join(_content_text(m.get("content")) for m in self.messages)
 
     @property
     def estimated_prompt_tokens(self) -> int:
-        """A tokenizer-free estimate (about four characters a token) for the cost guard."""
+        """Exact for token ids; else a tokenizer-free estimate (about four characters a
+        token) for the cost guard."""
+        prompt = self.raw.get("prompt") if self.messages is None else None
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            return sum(len(ids) for ids in prompt) if isinstance(prompt[0], list) else len(prompt)
         return math.ceil(len(self.prompt_text) / 4)
 
+    def passed_on(self) -> dict[str, Any]:
+        """The client's fields for an OpenAI-compatible replica, as it sent them: all but
+        what phasegate sets itself (the stream, the model of the attempt) and what it only
+        records (app/contract/request_fields.py). An older guided-decoding field, which
+        vLLM 0.32 ignores, goes as the ``structured_outputs`` it means."""
+        passed = {k: v for k, v in self.raw.items() if k not in NOT_PASSED_ON}
+        if self.structured_outputs is not None and any(name in passed for name in LEGACY_GUIDED):
+            for name in LEGACY_GUIDED:
+                passed.pop(name, None)
+            passed["structured_outputs"] = self.structured_outputs
+        return passed
+
     def sampling(self) -> dict[str, Any]:
-        """The sampling parameters as replicas take them (OpenAI names)."""
-        params: dict[str, Any] = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "n": self.n,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-        }
+        """The sampling parameters as replicas take them (OpenAI names): only those given."""
+        params: dict[str, Any] = {"n": self.n}
+        for name in ("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
         if self.stop:
             params["stop"] = list(self.stop)
         if self.seed is not None:
@@ -103,8 +141,13 @@ class GenerationRequest:
                 if message.get("role") == "user":
                     break
             basis = json.dumps(leading, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        else:
-            basis = (self.prompt or "")[:AFFINITY_PROMPT_CHARS]
+        else:  # a completion: its prompt's start (a batch's first prompt), as text or token ids
+            prompt = self.raw.get("prompt", self.prompt)
+            first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
+            if isinstance(first, list):
+                basis = "ids:" + json.dumps(first[:AFFINITY_PROMPT_TOKENS], separators=(",", ":"))
+            else:
+                basis = (first if isinstance(first, str) else "")[:AFFINITY_PROMPT_CHARS]
         return hashlib.sha256(basis.encode()).hexdigest()[:16]
 
     def for_attempt(
@@ -120,8 +163,10 @@ class GenerationRequest:
             endpoint=self.endpoint,
             model=model or self.model,
             messages=self.messages,
-            prompt=self.prompt,
+            prompt=self.raw.get("prompt") if self.messages is None else None,
             sampling=self.sampling(),
+            passed=self.passed_on(),
+            choices=self.choices,
         )
 
     def params_digest(self) -> str:

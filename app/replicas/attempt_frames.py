@@ -25,10 +25,10 @@ from collections.abc import Callable
 import httpx
 
 from app.contract.logprobs import from_wire
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
-from statemachine.events import FINISH_REASONS
+from statemachine.events import CONTENT, FINISH_REASONS, REASONING_FIELDS
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done
@@ -139,13 +139,17 @@ class AttemptFrames:
                 logprobs = obj.get("logprobs")
                 if logprobs is not None:
                     logprobs = from_wire(logprobs)
-                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs)
+                key = obj.get("key", CONTENT)
+                if key != CONTENT and key not in REASONING_FIELDS:
+                    raise ValueError(f"a token frame's text under {key!r}")
+                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs, key)
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
                 return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
             if kind == "done":
-                frame = Done(obj["finish_reason"], obj["finish_reasons"], obj["usage"])
+                usage, details = usage_of(obj["usage"])  # a reasoning parser's completion_tokens_details
+                frame = Done(obj["finish_reason"], obj["finish_reasons"], usage, usage_details=details)
                 if not FINISH_REASONS.issuperset((frame.finish_reason, *frame.finish_reasons)):
                     raise ValueError(f"unknown finish reason in {frame.finish_reasons!r}")
                 self.done = True
@@ -174,7 +178,7 @@ def _plain_token(line: bytes) -> Token | None:
         obj = _loads(line)
     except ValueError:
         return None
-    if type(obj) is not dict or obj.get("type") != "token" or obj.get("logprobs") is not None:
+    if type(obj) is not dict or obj.get("type") != "token" or obj.get("logprobs") is not None or "key" in obj:
         return None
     choice, index, text, token_ids = obj.get("choice"), obj.get("index"), obj.get("text"), obj.get("token_ids")
     if type(choice) is not int or type(index) is not int or type(text) is not str or type(token_ids) is not list:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.contract.logprobs import TokenLogprob
-from statemachine.events import FailureKind
+from statemachine.events import CONTENT, FailureKind
 
 
 class ProbeAnswer(enum.Enum):
@@ -28,6 +28,7 @@ class ProbeAnswer(enum.Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"  # it answered, and not well; or nothing listens there
     SILENT = "silent"  # no answer in time: a silent replica, or one too busy to answer
+    INCOMPATIBLE = "incompatible"  # healthy, in a protocol this gateway does not speak: not used
 
 
 # Frames are plain slotted classes (not frozen: built once per token on the hot path).
@@ -43,11 +44,18 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Token:
+    """Text of one choice, as the replica streamed it: in the client's delta under ``key``
+    (content; reasoning, under the name the replica gave it; any other text field)."""
+
     choice: int
     index: int
     text: str
     token_ids: Sequence[int] = ()  # an OpenAI upstream names none: one token a chunk
     logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
+    key: str = CONTENT
+    # engine tokens in it, where not one a chunk or its token ids: 0 for the rest of a chunk
+    # whose token another key took (a reasoning parser splits one token's text in two)
+    tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -64,9 +72,19 @@ class Done:
     finish_reason: str
     finish_reasons: list[str]  # one per choice
     usage: dict[str, int] = field(default_factory=dict)
+    stop_reasons: list[str | int | None] = field(default_factory=list)  # per choice, as the replica said
+    usage_details: dict[str, Any] | None = None  # the usage's other fields, as received
 
 
 Frame = Heartbeat | Token | ToolCall | Done
+
+
+def usage_of(given: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """A usage's counts (integers the log can hold: bigint) and the rest of it, as received
+    (``prompt_tokens_details``, ``completion_tokens_details`` …; ``None`` when there is none)."""
+    counts = {k: v for k, v in given.items() if type(v) is int and 0 <= v < 2**63}
+    details = {k: v for k, v in given.items() if k not in counts and v is not None}
+    return counts, details or None
 
 
 class UpstreamFailure(Exception):
@@ -105,8 +123,12 @@ class AttemptRequest:
     endpoint: str  # "chat.completions" or "completions"
     model: str
     messages: tuple[dict[str, Any], ...] | None
-    prompt: str | None
-    sampling: dict[str, Any]
+    prompt: Any  # a completion's prompt as the client gave it: a string, token ids, a batch
+    sampling: dict[str, Any]  # what a worker takes (OpenAI names, only those given)
+    # the client's own fields, for an OpenAI-compatible replica: all of them but phasegate's
+    # (app/contract/request_fields.py), as the client sent them
+    passed: dict[str, Any] = field(default_factory=dict)
+    choices: int = 1  # the answer's choices (n for each prompt of a batch)
 
 
 class AttemptStream(Protocol):
@@ -122,6 +144,7 @@ class ReplicaClient(Protocol):
     aborts_on_close: bool  # True: before any delivery, closing the stream is the fence (no proof)
     sends_heartbeats: bool  # False: silence before the first token is not a stall
     reported_load: int | None  # running + queued, as its last health answer said (None: it never says)
+    incompatible: str | None  # why its last probe was INCOMPATIBLE, for the operator (None: it was not)
 
     async def start(self, request: AttemptRequest) -> AttemptStream:
         """Open the attempt; raises :class:`UpstreamFailure` if it cannot start."""
@@ -140,6 +163,18 @@ class ReplicaClient(Protocol):
 
     async def health(self) -> ProbeAnswer:
         """One health probe; :attr:`ProbeAnswer.SILENT` when no answer came in time."""
+        ...
+
+    async def model_cards(self) -> dict[str, dict[str, Any]]:
+        """What the replica says of the models it serves, by name (vLLM's ``/v1/models``
+        entries: ``max_model_len``, ``root``, ``permission`` …); empty when it says nothing
+        or does not answer."""
+        ...
+
+    async def utility(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        """One of vLLM's utility routes (``tokenize``, ``detokenize``: POSTed ``body``;
+        ``version``: a GET, ``body`` None) on the replica: its status and JSON answer.
+        Raises ``httpx.HTTPError`` when no answer came, ``ValueError`` for one not JSON."""
         ...
 
     async def close(self) -> None: ...

@@ -30,9 +30,9 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
-from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure
+from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
-from statemachine.events import FINISH_REASONS, FailureKind
+from statemachine.events import CONTENT, FINISH_REASONS, NO_TEXT, REASONING_FIELDS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
@@ -66,7 +66,9 @@ class OpenAIStream:
 
     async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
         finish_reasons: dict[int, str] = {}
+        stop_reasons: dict[int, str | int | None] = {}
         usage: dict[str, int] | None = None
+        usage_details: dict[str, Any] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
@@ -103,16 +105,18 @@ class OpenAIStream:
                     break
                 chunk = parse_chunk(data)
                 if isinstance(chunk.get("usage"), dict):
-                    # counts the log can hold (bigint); anything else is left out
-                    usage = {k: v for k, v in chunk["usage"].items() if type(v) is int and 0 <= v < 2**63}
+                    usage, usage_details = usage_of(chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     delta = choice.get("delta") or {}
-                    text = delta.get("content") if "delta" in choice else choice.get("text")
-                    if text:
-                        logprobs = _logprobs(choice.get("logprobs"))
+                    pieces = _pieces(delta) if "delta" in choice else _completion_text(choice)
+                    logprobs = _logprobs(choice.get("logprobs"))
+                    if not pieces and logprobs:  # a token with no text of its own: its logprobs go on
+                        pieces = [(_key_of_no_text(delta) if "delta" in choice else CONTENT, "")]
+                    # the chunk's token, and its logprobs, go with the first piece
+                    for n, (key, text) in enumerate(pieces):
                         index, self._index = self._index, self._index + 1
-                        yield Token(number, index, text, (), logprobs)
+                        yield Token(number, index, text, (), logprobs if n == 0 else None, key, 0 if n else None)
                     for call in delta.get("tool_calls") or ():
                         slot = pending_calls.setdefault(
                             (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
@@ -127,6 +131,8 @@ class OpenAIStream:
                                 FailureKind.LIVENESS_UNCERTAIN, f"unknown finish reason {choice['finish_reason']!r}"
                             )
                         finish_reasons[number] = choice["finish_reason"]
+                        stop = choice.get("stop_reason")
+                        stop_reasons[number] = stop if stop is None or type(stop) in (str, int) else str(stop)
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
         if len(finish_reasons) < self._choices:
@@ -134,7 +140,8 @@ class OpenAIStream:
         for (number, call_index), call in sorted(pending_calls.items()):
             yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"])
         reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
-        yield Done(reasons[0], reasons, usage or {})
+        stops = [stop_reasons.get(number) for number in sorted(finish_reasons)]
+        yield Done(reasons[0], reasons, usage or {}, stops if any(s is not None for s in stops) else [], usage_details)
 
     def _tapped(self, received: bytes) -> bool:
         """A read offered by the body's tap: taken if it is plain tokens' events only
@@ -194,6 +201,31 @@ def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
 
 
+def _pieces(delta: dict[str, Any]) -> list[tuple[str, str]]:
+    """A chat delta's texts with their keys, in the order generated: reasoning before the
+    content that follows it in one chunk, and any other text field vLLM sends, as it is."""
+    pieces = [(key, value) for key, value in delta.items() if type(value) is str and value and key != "role"]
+    if len(pieces) > 1:
+        pieces.sort(key=lambda piece: (piece[0] == CONTENT, piece[0] not in REASONING_FIELDS))
+    return pieces
+
+
+def _key_of_no_text(delta: dict[str, Any]) -> str:
+    """Where a chat delta with no text put its token: the field it sent empty, or none
+    (:data:`NO_TEXT`: vLLM's ``delta: {}`` for the token that ends the think block)."""
+    return next((key for key, value in delta.items() if type(value) is str and key != "role"), NO_TEXT)
+
+
+def _completion_text(choice: dict[str, Any]) -> list[tuple[str, str]]:
+    text = choice.get("text")
+    return [(CONTENT, text)] if type(text) is str and text else []
+
+
+# what a plain token's chunk and choice may hold (anything else non-null: not plain)
+_PLAIN_CHUNK = frozenset({"id", "object", "created", "model", "choices", "system_fingerprint", "service_tier"})
+_PLAIN_CHOICE = frozenset({"index", "delta", "text"})
+
+
 def _plain_token(event: bytes, index: int) -> Token | None:
     """The token of an SSE event that is one ``data:`` line of one choice's text and
     nothing else (no finish, usage, tool call, log probabilities or error): the token
@@ -208,13 +240,19 @@ def _plain_token(event: bytes, index: int) -> Token | None:
     if type(choices) is not list or len(choices) != 1 or "error" in chunk or chunk.get("usage") is not None:
         return None
     choice = choices[0]
-    if type(choice) is not dict or choice.get("finish_reason") or choice.get("logprobs") is not None:
+    if type(choice) is not dict:
         return None
+    for key in choice.keys() - _PLAIN_CHOICE:  # a finish, log probabilities, token ids, a field
+        if choice[key] is not None:  # phasegate does not know: parsed in full
+            return None
+    for key in chunk.keys() - _PLAIN_CHUNK:
+        if chunk[key] is not None:
+            return None
     if "delta" in choice:
         delta = choice["delta"]
-        if type(delta) is not dict or delta.get("tool_calls"):
-            return None
-        text = delta.get("content")
+        if type(delta) is not dict or any(value is not None for key, value in delta.items() if key != CONTENT):
+            return None  # reasoning, tool calls, a role: the frames read it in full
+        text = delta.get(CONTENT)
     else:
         text = choice.get("text")
     number = choice.get("index", 0)

@@ -44,6 +44,7 @@ class OpenAIUpstream:
     sends_heartbeats = False
     kind = "openai"
     reported_load: int | None = None  # vLLM's running + waiting requests, from its /metrics (None: not vLLM)
+    incompatible: str | None = None  # an OpenAI-compatible server has no protocol version to differ in
 
     def __init__(
         self,
@@ -115,7 +116,7 @@ class OpenAIUpstream:
         if encoding != "identity" and self._connections is not None:  # asked for none: a broken answer
             await body.aclose()
             raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
-        return OpenAIStream(body, choices=int(request.sampling.get("n", 1)))
+        return OpenAIStream(body, choices=request.choices)
 
     async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, BodyReads]:
         headers = {"x-request-id": request_name, "content-type": "application/json"}
@@ -144,6 +145,23 @@ class OpenAIUpstream:
         self.reported_load = await self._engine_load()
         return ProbeAnswer.HEALTHY
 
+    async def model_cards(self) -> dict[str, dict[str, Any]]:
+        try:
+            response = await self._client.get("/v1/models", timeout=self.response_timeout_s)
+            listed = response.json()["data"] if response.status_code == 200 else []
+            return {card["id"]: card for card in listed if isinstance(card, dict) and isinstance(card.get("id"), str)}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return {}
+
+    async def utility(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        """vLLM serves its utility routes at the root: ``/tokenize``, ``/detokenize``, ``/version``."""
+        timeout = self.response_timeout_s
+        if body is None:
+            response = await self._client.get(f"/{path}", timeout=timeout)
+        else:
+            response = await self._client.post(f"/{path}", json=body, timeout=timeout)
+        return response.status_code, response.json()
+
     async def _engine_load(self) -> int | None:
         """The requests vLLM holds, every client's (``vllm:num_requests_running`` and
         ``_waiting`` on its /metrics); ``None`` from a server that does not say."""
@@ -166,17 +184,20 @@ _VLLM_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (
 
 
 def _request_body(request: AttemptRequest, chat: bool) -> bytes:
-    """The completion's JSON body."""
-    body: dict[str, Any] = {
-        "model": request.model,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **request.sampling,
-    }
-    if chat:
-        body["messages"] = list(request.messages or ())
-    else:
-        body["prompt"] = request.prompt
+    """The completion's JSON body: the client's fields as it sent them (a request of its
+    own, such as a probe, gives its messages or prompt and sampling instead), streamed with
+    its usage, which phasegate needs whatever the client asked (docs/compatibility.md)."""
+    body: dict[str, Any] = dict(request.passed)
+    if not body:
+        body.update(request.sampling)
+        if chat:
+            body["messages"] = list(request.messages or ())
+        else:
+            body["prompt"] = request.prompt
+    options = request.passed.get("stream_options")
+    body["model"] = request.model
+    body["stream"] = True
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return json_body(body)
 
 

@@ -17,6 +17,8 @@ attempts is read (heartbeats aside): it is alive, only slow to answer one more
 generation. At saturation (``ops/bench/peers.py --saturation``, 300 streams on 2
 cores shared with the upstream) such probes timed out on a healthy, streaming replica
 and ejected it, and every request was refused. A silent replica is counted as before.
+A replica that answers in a protocol this gateway does not speak is out at once, for as
+long as it does (app/contract/worker_protocol.py).
 The clock is injected so tests can move time.
 """
 
@@ -27,6 +29,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
 
 from app.config import ReplicaConfig
 from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
@@ -62,6 +67,7 @@ class Replica:
     last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
     frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
     others_load: int = 0  # other gateways' attempts on it, as of its last report
+    incompatible: str | None = None  # why its probes find it unusable whatever its health (None: they do not)
     renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
 
     def __post_init__(self) -> None:
@@ -143,6 +149,36 @@ class ReplicaPool:
     def any_available(self, model: str | None = None) -> bool:
         return any(self.available(replica, model) for replica in self.replicas.values())
 
+    async def model_card(self, model: str, timeout_s: float = 2.0) -> dict[str, Any]:
+        """What the first available replica serving ``model`` that answers in time says of
+        it (``ReplicaClient.model_cards``); empty when none does."""
+        for replica in [r for r in self.replicas.values() if self.available(r, model)]:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    card = (await replica.client.model_cards()).get(model)
+            except TimeoutError:
+                continue
+            if card:
+                return card
+        return {}
+
+    async def utility(self, path: str, body: dict[str, Any] | None, model: str | None) -> tuple[int, Any]:
+        """vLLM's utility route ``path`` (``ReplicaClient.utility``) on the least loaded
+        available replica serving ``model``: its status and JSON answer. Raises
+        ``LookupError`` when none is available, ``ConnectionError`` when it gave no answer or
+        refused the gateway itself (``REPLICA_SIDE_4XX``: its credentials, its load)."""
+        available = [r for r in self.replicas.values() if self.available(r, model)]
+        if not available:
+            raise LookupError("no replica is available")
+        replica = min(available, key=lambda r: r.outstanding)
+        try:
+            status, answer = await replica.client.utility(path, body)
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ConnectionError(f"/{path} on replica {replica.id}: no answer ({exc!r})") from None
+        if status in REPLICA_SIDE_4XX:
+            raise ConnectionError(f"/{path} on replica {replica.id}: refused with {status}")
+        return status, answer
+
     # --- what drivers and probes report --------------------------------------------
 
     def succeeded(self, replica: Replica) -> None:
@@ -167,6 +203,15 @@ class ReplicaPool:
             if replica.healthy is not False:
                 replica.healthy = False
                 self.on_health_change(replica)
+
+    def incompatible(self, replica: Replica, reason: str) -> None:
+        """Out at once, and for as long as its probes find it so (app/contract/worker_protocol.py)."""
+        if replica.incompatible != reason:
+            log.error("replica %s is not used: %s", replica.id, reason)
+        replica.incompatible = reason
+        if replica.healthy is not False:
+            replica.healthy = False
+            self.on_health_change(replica)
 
     def observe(self, replica: Replica, failure: UpstreamFailure) -> None:
         """Account an attempt's failure to its replica: ``Retry-After`` cools it down,
@@ -197,6 +242,10 @@ class ReplicaPool:
             answer = ProbeAnswer.UNHEALTHY
         if replica.client.reported_load is not None:
             self.reported(replica, replica.client.reported_load)
+        if answer is ProbeAnswer.INCOMPATIBLE:
+            self.incompatible(replica, replica.client.incompatible or "incompatible")
+            return False
+        replica.incompatible = None
         if answer is ProbeAnswer.HEALTHY:
             replica.ejected_until = 0.0
             self.succeeded(replica)

@@ -11,9 +11,12 @@ recorded as ``rejected`` and a retry elsewhere counts as a new-request migration
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from typing import Any
 
 import httpx
 
+from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, ProbeAnswer, Token, UpstreamFailure
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
@@ -33,6 +36,7 @@ class WorkerReplica:
     ) -> None:
         self.replica_id = replica_id
         self.reported_load: int | None = None
+        self.incompatible: str | None = None
         self._http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             event_hooks={"request": [inject_traceparent]},  # the request's trace, when tracing is on
@@ -98,7 +102,37 @@ class WorkerReplica:
         running, queued = health.details.get("running"), health.details.get("queued")
         if type(running) is int and type(queued) is int:  # every gateway's attempts on it
             self.reported_load = running + queued
-        return ProbeAnswer.HEALTHY if health.healthy else ProbeAnswer.UNHEALTHY
+        if not health.healthy:
+            return ProbeAnswer.UNHEALTHY
+        self.incompatible = worker_protocol.incompatibility(health.details)
+        return ProbeAnswer.HEALTHY if self.incompatible is None else ProbeAnswer.INCOMPATIBLE
+
+    async def utility(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        """The worker serves vLLM's utility routes under ``/v1/`` (docs/worker-protocol.md);
+        its refusal is given in vLLM's error shape (``type`` the status's phrase, ``param``)."""
+        status, answer = await self.client.utility(path, body)
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if status >= 400 and isinstance(error, dict):
+            kind = _error_type(status)
+            answer = {
+                "error": {
+                    "message": error.get("message", ""),
+                    "type": kind,
+                    "param": error.get("field"),
+                    "code": status,
+                }
+            }
+        return status, answer
+
+    async def model_cards(self) -> dict[str, dict[str, Any]]:
+        try:
+            info = await self.client.info()
+        except (WorkerError, httpx.HTTPError, ValueError):
+            return {}
+        length, models = info.get("max_model_len"), info.get("models")
+        if type(length) is not int or not isinstance(models, list):
+            return {}
+        return {name: {"max_model_len": length} for name in models if isinstance(name, str)}
 
     async def close(self) -> None:
         await self.client.aclose()  # its own connections, for the attempts' streams
@@ -117,3 +151,11 @@ class _WorkerStream:
 
     async def close(self) -> None:
         await self._stream.aclose()
+
+
+def _error_type(status: int) -> str:
+    """vLLM's error ``type`` for a request it refuses as invalid: the status's phrase."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"

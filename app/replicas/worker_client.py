@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.attempt_start import AttemptStarts
 from app.replicas.worker_errors import (
@@ -100,8 +101,10 @@ class WorkerClient:
         token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        # the worker protocol's shared secret (docs/worker-protocol.md), sent on every call
-        self._headers = {} if token is None else {"authorization": f"Bearer {token}"}
+        # the protocol's version and its shared secret (docs/worker-protocol.md), on every call
+        self._headers = {worker_protocol.HEADER: str(worker_protocol.VERSION)}
+        if token is not None:
+            self._headers["authorization"] = f"Bearer {token}"
         self._own_http = http is None
         self._http = http or http_client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.connect_timeout = connect_timeout
@@ -134,7 +137,7 @@ class WorkerClient:
         lease_ttl_s: float,
         model: str,
         messages: Sequence[Mapping[str, Any]] | None = None,
-        prompt: str | None = None,
+        prompt: str | list[Any] | None = None,
         params: Mapping[str, Any] | None = None,
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
@@ -287,6 +290,15 @@ class WorkerClient:
         except httpx.HTTPError:
             return False
         return response.status_code == 200
+
+    async def utility(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        """``/v1/tokenize``, ``/v1/detokenize`` (POSTed ``body``) or ``/v1/version`` (a GET)."""
+        url, timeout = f"{self.base_url}/v1/{path}", self.control_timeout
+        if body is None:
+            response = await self._http.get(url, headers=self._headers, timeout=timeout)
+        else:
+            response = await self._http.post(url, json=body, headers=self._headers, timeout=timeout)
+        return response.status_code, response.json()
 
     async def info(self) -> dict[str, Any]:
         response = await self._http.get(self.base_url + "/v1/info", headers=self._headers, timeout=self.control_timeout)

@@ -38,7 +38,7 @@ import orjson
 
 from app.store.errors import InvalidAppend
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
-from statemachine.jsonform import from_json
+from statemachine.jsonform import from_json, written_as
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
@@ -64,9 +64,7 @@ class EventRow(NamedTuple):
 
 class _Layout(NamedTuple):
     name: str
-    schema_version: int
     attempt_scoped: bool
-    body_fields: tuple[str, ...]
     datetime_fields: frozenset[str]
 
 
@@ -75,7 +73,7 @@ def _layout(cls: type[Event]) -> _Layout:
     hints = typing.get_type_hints(cls)
     fields = [field.name for field in dataclasses.fields(cls) if field.name not in envelope]
     when = frozenset(name for name in fields if datetime in (hints[name], *typing.get_args(hints[name])))
-    return _Layout(cls.__name__, cls.SCHEMA_VERSION, is_attempt_scoped(cls), tuple(fields), when)
+    return _Layout(cls.__name__, is_attempt_scoped(cls), when)
 
 
 # The body of to_json(), built straight from the fields: this runs for every token
@@ -93,9 +91,10 @@ def to_row(event: Event, accepted_on: date | None = None) -> EventRow:
     """The row that records ``event`` of a request accepted on ``accepted_on`` (a
     ``RequestAccepted`` is on its own day)."""
     layout = _LAYOUTS[type(event)]
-    body_form = {name: getattr(event, name) for name in layout.body_fields}
+    schema_version, body_fields = written_as(event)  # the oldest form that holds it
+    body_form = {name: getattr(event, name) for name in body_fields}
     for name in layout.datetime_fields:
-        if body_form[name] is not None:
+        if body_form.get(name) is not None:
             body_form[name] = body_form[name].isoformat()
     try:
         body = orjson.dumps(body_form, option=orjson.OPT_SORT_KEYS).decode()  # enums by value, tuples as lists
@@ -108,7 +107,7 @@ def to_row(event: Event, accepted_on: date | None = None) -> EventRow:
     at = event.occurred_at
     micros = (at - _EPOCH) // _MICROSECOND
     canonical = (
-        f"{layout.name}\x1f{layout.schema_version}\x1f{event.request_id}\x1f{event.seq}\x1f{attempt}"
+        f"{layout.name}\x1f{schema_version}\x1f{event.request_id}\x1f{event.seq}\x1f{attempt}"
         f"\x1f{lease_epoch}\x1f{micros}\x1f{body}"
     )
     millis = (micros // 1000) & 0xFFFF_FFFF_FFFF
@@ -121,7 +120,7 @@ def to_row(event: Event, accepted_on: date | None = None) -> EventRow:
         event.seq,
         f"{millis:012x}{digest[:20]}",
         layout.name,
-        layout.schema_version,
+        schema_version,
         attempt,
         lease_epoch,
         at,

@@ -47,6 +47,10 @@ class WorkerConfig:
     max_model_len: int | None = None  # None: 512 for vllm, the sim's 32768
     dtype: str = "bfloat16"
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # vLLM's output parsers, by vllm serve's names (app/worker/vllm_parsing.py)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     @property
     def name(self) -> str:
@@ -106,6 +110,11 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="default: 512 (vllm), 32768 (sim)")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--vllm-args", default="{}", metavar="JSON", help="vllm: more AsyncEngineArgs fields")
+    p.add_argument("--reasoning-parser", help="vllm: split reasoning out as vllm serve's parser of this name")
+    p.add_argument("--tool-call-parser", help="vllm: parse tool calls as vllm serve's parser of this name")
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='vllm: "auto" tool choice (needs --tool-call-parser)'
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -123,6 +132,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             f"phasegate worker: listening on {args.host} needs a token (--token-file or ${TOKEN_ENV}), "
             "or --insecure-no-auth on a private network"
         )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("phasegate worker: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.engine != "vllm" and (args.reasoning_parser or args.tool_call_parser):
+        raise SystemExit("phasegate worker: --reasoning-parser and --tool-call-parser are vLLM's (--engine vllm)")
     if args.max_body_bytes < 1024:
         raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
     http = HttpLimits(
@@ -162,6 +175,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         vllm_args=json.loads(args.vllm_args),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 
@@ -169,6 +185,7 @@ def make_engine(config: WorkerConfig) -> Engine:
     """The configured engine; vLLM is imported only here, only when asked for."""
     if config.engine == "vllm":
         from app.worker.vllm_engine import VllmEngine
+        from app.worker.vllm_parsing import ParserNames
 
         assert config.model_path is not None
         return VllmEngine(
@@ -178,6 +195,7 @@ def make_engine(config: WorkerConfig) -> Engine:
             dtype=config.dtype,
             max_num_seqs=config.max_running,
             extra_args=config.vllm_args,
+            parsers=ParserNames(config.reasoning_parser, config.tool_call_parser, config.enable_auto_tool_choice),
         )
     from app.worker.sim import SimEngine, SimTiming
 

@@ -9,7 +9,7 @@ HTTP or faults; the worker (``worker.py``) adds those around them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,9 +25,12 @@ class ToolCallOutput:
 
 
 class EngineOutput:
-    """New output of one choice: token ids and their text, and the finish reason once done."""
+    """New output of one choice: token ids and their text, and the finish reason once done.
 
-    __slots__ = ("choice", "finish_reason", "logprobs", "text", "token_ids", "tool_call")
+    ``key`` names the delta field the text goes under when it is not the content: a
+    reasoning parser's ``reasoning`` (app/worker/vllm_parsing.py)."""
+
+    __slots__ = ("choice", "finish_reason", "key", "logprobs", "text", "token_ids", "tool_call")
 
     def __init__(
         self,
@@ -37,6 +40,7 @@ class EngineOutput:
         finish_reason: str | None = None,
         tool_call: ToolCallOutput | None = None,
         logprobs: list[Any] | None = None,  # asked for: one [token, logprob, alternatives] per token id
+        key: str | None = None,  # None: the content
     ) -> None:
         self.choice = choice
         self.token_ids = token_ids
@@ -44,6 +48,7 @@ class EngineOutput:
         self.finish_reason = finish_reason
         self.tool_call = tool_call
         self.logprobs = logprobs
+        self.key = key
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ class Prepared:
     spec: AttemptSpec
     prompt_tokens: int
     payload: Any = None
+    # the usage's other fields once generated (a reasoning parser's completion_tokens_details)
+    usage_details: Callable[[], dict[str, Any] | None] | None = None
 
 
 class EngineFailed(Exception):
@@ -79,6 +86,10 @@ class Engine(Protocol):
 
     async def abort(self, engine_request_id: str) -> int | None:
         """Stop the request; return once the engine confirmed it, with its generated token count if known."""
+
+    def utility(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """vLLM's ``tokenize``, ``detokenize`` (``body``) or ``version`` (``body`` None) answer;
+        raise :class:`Refusal` for a body it will not serve, or a route it does not."""
 
 
 def prompt_too_long(prompt_tokens: int, max_model_len: int) -> Refusal:

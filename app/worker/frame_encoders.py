@@ -23,9 +23,15 @@ def heartbeat_frame(phase: str, queue_position: int | None) -> bytes:
 
 
 def token_frame(
-    choice: int, index: int, text: str, token_ids: list[int] | tuple[int, ...], logprobs: list[Any] | None = None
+    choice: int,
+    index: int,
+    text: str,
+    token_ids: list[int] | tuple[int, ...],
+    logprobs: list[Any] | None = None,
+    key: str | None = None,
 ) -> bytes:
-    """A token frame; ``logprobs`` (asked for: app/contract/logprobs.py) one entry per token id."""
+    """A token frame; ``logprobs`` (asked for: app/contract/logprobs.py) one entry per token id;
+    ``key`` the delta field of a text that is not the content (``reasoning``)."""
     frame = b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]' % (
         choice,
         index,
@@ -34,6 +40,8 @@ def token_frame(
     )
     if logprobs is not None:
         frame += b',"logprobs":%s' % _dumps(logprobs).encode()
+    if key is not None:
+        frame += b',"key":%s' % _dumps(key).encode()
     return frame + b"}\n"
 
 
@@ -49,7 +57,7 @@ def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, argum
     return _dumps(frame).encode() + b"\n"
 
 
-def done_frame(finish_reasons: list[str], usage: Mapping[str, int]) -> bytes:
+def done_frame(finish_reasons: list[str], usage: Mapping[str, Any]) -> bytes:
     frame = {
         "type": "done",
         "finish_reason": finish_reasons[0],

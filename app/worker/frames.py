@@ -233,7 +233,7 @@ async def _decode(
                     yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
                     await asyncio.sleep(0.02)  # let the frame leave
                     die()
-            frame = token_frame(choice, next_index[choice], output.text, output.token_ids, output.logprobs)
+            frame = token_frame(choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key)
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count
@@ -266,4 +266,5 @@ async def _decode(
         "completion_tokens": attempt.generated_tokens,
         "total_tokens": attempt.prepared.prompt_tokens + attempt.generated_tokens,
     }
-    yield done_frame([r or "stop" for r in finish_reasons], usage)
+    details = attempt.prepared.usage_details() if attempt.prepared.usage_details is not None else None
+    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})})

@@ -27,6 +27,7 @@ class Code(enum.StrEnum):
     MISSING_FIELD = "missing_field"
     INVALID_FIELD = "invalid_field"
     UNKNOWN_FIELD = "unknown_field"
+    UNSUPPORTED_FIELD = "unsupported_parameter"  # known, valid, and not served by this worker
     UNKNOWN_MODEL = "unknown_model"
     PROMPT_TOO_LONG = "prompt_too_long"
     UNKNOWN_ATTEMPT = "unknown_attempt"
@@ -41,12 +42,14 @@ class Code(enum.StrEnum):
     CLIENT_GONE = "client_closed_request"  # 499: the caller left mid-body (nobody reads it)
     NOT_FOUND = "not_found"  # 404: no such endpoint
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405: the endpoint takes other methods (Allow)
+    NOT_SERVED = "not_served_by_engine"  # 501: a vLLM route the engine has nothing for (the sim's tokenizer)
     # the replica (429 / 5xx)
     QUEUE_FULL = "queue_full"
     REPLICA_EXITING = "replica_exiting"
     NOT_READY = "not_ready"
     ENGINE_UNHEALTHY = "engine_unhealthy"
     ABORT_UNCONFIRMED = "abort_unconfirmed"
+    PROTOCOL_MISMATCH = "protocol_mismatch"  # 503: the caller names another protocol version
     INTERNAL_ERROR = "internal_error"
     # error frames only: why the worker ended a started attempt
     LEASE_REVOKED = "lease_revoked"
@@ -156,12 +159,14 @@ class AttemptSpec:
     lease_ttl_s: float
     model: str
     messages: tuple[dict[str, Any], ...] | None
-    prompt: str | None
+    prompt: str | tuple[int, ...] | None  # a completion's prompt: its text, or its token ids
     sampling: Sampling
     heartbeat_s: float
 
     def prompt_text(self) -> str:
         """The prompt as plain text, for fault matchers and the sim engine's seed."""
+        if isinstance(self.prompt, tuple):
+            return " ".join(map(str, self.prompt))
         if self.prompt is not None:
             return self.prompt
         assert self.messages is not None
@@ -281,8 +286,8 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
     if messages is not None and prompt is not None:
         raise _bad("prompt", "give messages or prompt, not both")
-    if prompt is not None and not isinstance(prompt, str):
-        raise _bad("prompt", "must be a string")
+    if prompt is not None:
+        prompt = _one_prompt(prompt)
     heartbeat_s = default_heartbeat_s
     if body.get("heartbeat_ms") is not None:
         heartbeat_s = _int(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
@@ -300,6 +305,30 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         sampling=parse_sampling(params),
         heartbeat_s=heartbeat_s,
     )
+
+
+def _one_prompt(value: Any) -> str | tuple[int, ...]:
+    """A completion's prompt: a string or token ids, or a batch of one of them. A batch of
+    several is refused: the worker serves one prompt an attempt (docs/compatibility.md)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    ):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+        raise Refusal(
+            400,
+            Code.UNSUPPORTED_FIELD,
+            f"prompt: a batch of {len(value)} prompts; this worker serves one prompt a request"
+            " (an openai replica takes a batch)",
+            field="prompt",
+        )
+    raise _bad("prompt", "must be a non-empty string or a list of token ids")
 
 
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:

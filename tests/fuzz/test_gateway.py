@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.api.schemas import CHAT_FIELDS, COMPLETION_FIELDS, UNSUPPORTED
+from app.contract.request_fields import OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 
@@ -69,8 +69,8 @@ def run_family(stack: Stack, tally: Tally, property_: Callable[[], None]) -> Non
 @pytest.mark.parametrize(
     ("path", "valid", "fields"),
     [
-        ("/v1/chat/completions", CHAT, sorted(CHAT_FIELDS | UNSUPPORTED)),
-        ("/v1/completions", COMPLETION, sorted(COMPLETION_FIELDS | UNSUPPORTED)),
+        ("/v1/chat/completions", CHAT, sorted(PASSED_CHAT | RECORDED | set(OWN))),
+        ("/v1/completions", COMPLETION, sorted(PASSED_COMPLETIONS | RECORDED | set(OWN))),
     ],
     ids=["chat", "completions"],
 )

@@ -262,6 +262,40 @@ def test_the_deltas_shapes_must_fit_the_batch(deltas: tuple[tuple[int, int, int]
     assert driver.state.delivered_deltas == 3 and driver.state.delivered_output_tokens == 3
 
 
+@pytest.mark.parametrize(
+    ("fields", "legal"),
+    [
+        (("reasoning", "content"), True),
+        (("", "content", "content"), True),  # a token with no text (vLLM's think end): no characters
+        (("reasoning",), False),  # one key for three deltas
+        (("reasoning", "", "content"), False),  # no field, yet characters
+    ],
+)
+def test_each_deltas_field_fits_the_batch(fields: tuple[str, ...], legal: bool) -> None:
+    driver = running()
+    driver.deliver(1)
+    deltas = ((0, 1, 1), (0, 1, 1)) if len(fields) == 2 else ((0, 0, 1), (0, 1, 1), (0, 1, 1))
+    if fields == ("reasoning", "", "content"):
+        deltas = ((0, 1, 1), (0, 1, 1), (0, 0, 1))
+    batch = next_event(
+        driver,
+        ev.DeltasDelivered,
+        **driver.scoped(),
+        from_index=1,
+        to_index=1 + len(deltas),
+        tokens=len(deltas),
+        text="ab",
+        text_sha256=None,
+        deltas=deltas,
+        fields=fields,
+    )
+    if legal:
+        driver.state = apply(driver.state, batch)
+        assert driver.state.delivered_deltas == 1 + len(deltas)
+    else:
+        assert_illegal(driver, batch, "the deltas' keys disagree")
+
+
 A_LOGPROB = ("a", -0.5, (("a", -0.5),))
 
 

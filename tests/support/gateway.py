@@ -62,7 +62,7 @@ class RunningGateway:
         options.setdefault("timeout", 30.0)
         return httpx.Client(base_url=self.url, **options)
 
-    def settle(self, timeout: float = 20.0) -> None:
+    def settle(self, timeout: float = 60.0) -> None:
         """Wait until no request is in flight and no bookkeeping is pending, then flush the log."""
         ctx = self.gateway.ctx
         deadline = time.monotonic() + timeout
@@ -97,6 +97,9 @@ def running_gateway(
     )
     overrides.setdefault("models", {MODEL: REVISION})
     overrides.setdefault("health_interval_s", 0.5)
+    # the instance's lease is not what these gateways test (tests of it set their own): a
+    # loaded machine that starves the loop for 5 s must not fence it mid-test (DESIGN.md §11)
+    overrides.setdefault("instance_lease_ttl_s", 60.0)
     # the fault tests say which replica an attempt meets: the least loaded, ties to the first
     # listed; the default strategy (prefix affinity, docs/routing.md) has tests of its own
     overrides.setdefault("routing", {"strategy": "least_outstanding"})

@@ -16,6 +16,9 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
+``{"reasoning": k}`` (chat: the first k words are reasoning, as vLLM's reasoning parser
+streams them, then the think block's end, a token with no text: ``delta: {}``, with its
+log probabilities when asked for, as vLLM sends it; then content),
 ``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
 ends with), ``{"burst": n}`` (the tokens' chunks written n at a time, so that a gateway
 reads several at once). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
@@ -174,9 +177,13 @@ class Upstream:
             await asyncio.sleep(self.token_delay_s)
             if behaviour.get("nul_at") == index:
                 word = f"{word}\x00"  # U+0000: valid text that PostgreSQL cannot hold
-            choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            field = "reasoning" if index < behaviour.get("reasoning", 0) else "content"
+            choice = {"index": 0, "delta": {field: word}} if chat else {"index": 0, "text": word}
             if behaviour.get("logprobs"):
                 choice["logprobs"] = _logprobs(word, chat)
+            if chat and index == behaviour.get("reasoning", 0) > 0 and behaviour.get("logprobs"):
+                think_end = {"index": 0, "delta": {}, "logprobs": _logprobs("</think>", chat)}
+                written.append(_sse({**head, "choices": [{**think_end, "finish_reason": None}]}))
             written.append(_sse({**head, "choices": [{**choice, "finish_reason": None}]}))
             if len(written) < burst and index < len(words) - 1:
                 continue

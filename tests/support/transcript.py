@@ -50,6 +50,25 @@ def stream_chat(
     return transcript
 
 
+def resume_stream(url: str, request_id: str, last_event_id: int | None = None, **headers: str) -> Transcript:
+    """GET the request's stream again (DESIGN.md §12), after ``last_event_id`` (None: from
+    the start), and read it to its end; a refusal's error is in ``error``."""
+    if last_event_id is not None:
+        headers["last-event-id"] = str(last_event_id)
+    transcript = Transcript(request_id, 0)
+    with (
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("GET", f"/v1/requests/{request_id}/stream", headers=headers) as response,
+    ):
+        transcript.status = response.status_code
+        if response.status_code != 200:
+            transcript.error = response.read() and response.json()["error"]
+            return transcript
+        for line in response.iter_lines():
+            transcript.read(line)
+    return transcript
+
+
 def of(events: list[ev.Event], cls: type[ev.Event]) -> list[ev.Event]:
     """The events of type ``cls``, in log order."""
     return [e for e in events if isinstance(e, cls)]

@@ -12,8 +12,9 @@ first use, by the process that runs the ``vllm`` group (tests/support/scheduling
   that kills it or drains it is marked ``ends_vllm_worker``: those run last in the group
   (tests/conftest.py), and the next one to ask gets a new worker.
 
-Both use the engine settings of :data:`WORKER_ARGS`: two running and two queued, so
-queueing and 429 are cheap to reach, and a three-second drain.
+Both use the engine settings of :data:`WORKER_ARGS` and the parsers of :data:`PARSER_ARGS`:
+two running and two queued, so queueing and 429 are cheap to reach, and a three-second
+drain.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ MODEL = "tiny-llama"
 MAX_MODEL_LEN = 4096
 DRAIN_GRACE_S = 3.0
 ENGINE_ARGS = '{"enforce_eager": true}'  # eager: ready in ~30 s instead of ~60 s of torch.compile here
+# vLLM's own parsers, as a deployment that serves tools and reasoning runs them (the tiny
+# model has the tokens they look for: ops/models/make_tiny_model.py); the worker takes
+# them by the same names (app/worker/vllm_parsing.py)
+PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 WORKER_ARGS = [
     *("--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--vllm-args", ENGINE_ARGS),
     *("--max-running", "2", "--max-queued", "2", "--grace-s", str(DRAIN_GRACE_S)),
+    *PARSER_ARGS,
 ]
-# vLLM's own parsers, as a deployment that serves tools and reasoning runs them (the tiny
-# model has the tokens they look for: ops/models/make_tiny_model.py)
-PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 SERVER_ARGS = ["--enforce-eager", *PARSER_ARGS]
 
 

@@ -27,6 +27,7 @@ from tests.app.conftest import add_fault
 from tests.support.cut_proxy import CutBeforeHeaders
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of, stream_chat
+from tests.support.transcript import resume_stream as resume
 from tests.support.workers import WorkerProcess, running_worker
 
 GRACE_S = 5.0  # long enough for a loaded machine's resume; the expiry test has its own
@@ -53,18 +54,6 @@ def read_stream(response: httpx.Response, transcript: Transcript, leave_after: i
     for line in response.iter_lines():
         if transcript.read(line) and leave_after is not None and len(transcript.contents) >= leave_after:
             return  # the caller closes the connection: the client is gone
-
-
-def resume(url: str, request_id: str, last_event_id: int) -> Transcript:
-    transcript = Transcript(request_id, 0)
-    headers = {"last-event-id": str(last_event_id)}
-    with (
-        httpx.Client(base_url=url, timeout=60) as http,
-        http.stream("GET", f"/v1/requests/{request_id}/stream", headers=headers) as response,
-    ):
-        transcript.status = response.status_code
-        read_stream(response, transcript)
-    return transcript
 
 
 def delivered(events: list[ev.Event]) -> dict[int, str]:
@@ -274,7 +263,7 @@ def test_a_client_that_gives_up_before_the_first_delta_resumes_and_its_first_del
         stream_chat(gateway.url, body(prompt), timeout=0.3)
     (request_id,) = gateway.gateway.ctx.drivers  # the one request in flight, still generating
     time.sleep(0.8)  # the prefill ends and deltas are produced with no client attached
-    resumed = resume_from_start(gateway.url, request_id)
+    resumed = resume(gateway.url, request_id)
     assert resumed.status == 200 and resumed.done and resumed.error is None
     assert resumed.event_ids[:40] == list(range(40)) and len(resumed.contents) == 40
     events = gateway.events(request_id)
@@ -314,17 +303,6 @@ def test_a_replica_that_dies_while_no_client_is_attached_ends_the_request_and_a_
     everything = {**delivered(events), **made}
     assert resumed.text == "".join(everything[i] for i in range(3, state.produced_deltas))
     assert_log_sound(events)
-
-
-def resume_from_start(url: str, request_id: str) -> Transcript:
-    transcript = Transcript(request_id, 0)
-    with (
-        httpx.Client(base_url=url, timeout=60) as http,
-        http.stream("GET", f"/v1/requests/{request_id}/stream") as response,
-    ):
-        transcript.status = response.status_code
-        read_stream(response, transcript)
-    return transcript
 
 
 def test_a_whole_answer_whose_client_left_is_answered_to_its_idempotent_retry_from_the_same_generation(

@@ -115,7 +115,7 @@ def test_x_should_retry_false_only_where_a_retry_cannot_help(
     database_url: str, sim_pair: list[WorkerProcess], gateway: RunningGateway
 ) -> None:
     with gateway.http() as http:
-        assert http.post("/v1/chat/completions", json={**BODY, "temperature": 9}).headers["x-should-retry"] == "false"
+        assert http.post("/v1/chat/completions", json={**BODY, "temperature": -1}).headers["x-should-retry"] == "false"
         assert http.post("/v1/chat/completions", json={**BODY, "model": "nope"}).headers["x-should-retry"] == "false"
         assert http.get("/v1/nothing").headers["x-should-retry"] == "false"
     with running_gateway(database_url, []) as empty, empty.http() as http:

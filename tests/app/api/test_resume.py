@@ -22,6 +22,7 @@ from statemachine.state import fold
 from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of, stream_chat
+from tests.support.transcript import resume_stream as resume
 from tests.support.workers import WorkerProcess, running_worker
 
 
@@ -34,24 +35,6 @@ def slow_worker() -> Iterator[WorkerProcess]:
 def body(prompt: str, max_tokens: int = 12) -> dict[str, Any]:
     messages = [{"role": "user", "content": prompt}]
     return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
-
-
-def resume(url: str, request_id: str, last_event_id: int | None, **headers: str) -> Transcript:
-    """GET the request's stream again, after ``last_event_id`` (None: from the start)."""
-    if last_event_id is not None:
-        headers["last-event-id"] = str(last_event_id)
-    transcript = Transcript(request_id, 0)
-    with (
-        httpx.Client(base_url=url, timeout=60) as http,
-        http.stream("GET", f"/v1/requests/{request_id}/stream", headers=headers) as response,
-    ):
-        transcript.status = response.status_code
-        if response.status_code != 200:
-            transcript.error = response.read() and response.json()["error"]
-            return transcript
-        for line in response.iter_lines():
-            transcript.read(line)
-    return transcript
 
 
 def delivered_text(events: list[ev.Event]) -> str:
@@ -73,8 +56,13 @@ def test_a_client_that_left_at_any_delta_resumes_every_later_one_exactly_once(
     assert resumed.event_ids[:n] == list(range(left_at + 1, left_at + 1 + n))  # no index missing or repeated
     assert first.text + resumed.text == delivered_text(events)  # the log's answer, exactly once
     state = fold(events)
-    assert resumed.error is not None and resumed.error["code"] == "request_cancelled"  # the client had left
-    assert resumed.error["delivered_output_tokens"] == state.delivered_output_tokens
+    # the client had left: cancelled, unless the answer's last tokens came before the gateway
+    # saw it go (a loaded machine); the resumer is told what the log says, either way
+    if state.outcome is Outcome.CANCELLED:
+        assert resumed.error is not None and resumed.error["code"] == "request_cancelled"
+        assert resumed.error["delivered_output_tokens"] == state.delivered_output_tokens
+    else:
+        assert state.outcome is Outcome.COMPLETED and resumed.error is None and resumed.finish_reason == "length"
     assert of(events, ev.StreamResumed)[-1].from_index == left_at + 1  # type: ignore[attr-defined]
     assert replay(events).ok
 

@@ -73,6 +73,24 @@ def test_a_trace_of_many_requests_keeps_their_interleaving(phasegate: Runner, tm
     assert phasegate("trace", "export", "req_a", "req_b").out == original
 
 
+def test_a_trace_of_reasoning_metadata_and_usage_details_round_trips(phasegate: Runner, tmp_path: Path) -> None:
+    """Events of schema version 2 (DESIGN.md §14): a delta's field, the client's metadata,
+    usage details and stop reasons go out and come back as they were, and replay."""
+    trace = traces.Trace("req_thought", metadata={"team": "search"}).start("w1").first_token(20).first_delta()
+    trace.deliver(" think", key="reasoning").deliver("", key="").deliver("Hi")
+    trace.completed(usage_details={"completion_tokens_details": {"reasoning_tokens": 2}}, stop_reasons=("sun",))
+    from statemachine.trace import dump_trace
+
+    original = "".join(dump_trace(trace.events))
+    assert '"fields": ["reasoning"]' in original and '"metadata": {"team": "search"}' in original
+    (tmp_path / "thought.jsonl").write_text(original)
+    assert phasegate("trace", "import", str(tmp_path / "thought.jsonl")).status == 0
+    assert phasegate("trace", "export", "req_thought").out == original
+    assert phasegate("replay", "req_thought").status == 0
+    redacted = phasegate("trace", "export", "req_thought", "--redact").out
+    assert " think" not in redacted and '"fields": ["reasoning"]' in redacted  # the field is kept, not its text
+
+
 def test_a_redacted_export_keeps_every_decision_but_no_text(phasegate: Runner, tmp_path: Path) -> None:
     assert phasegate("trace", "import", str(TRACES / "tool_call_replayed.jsonl")).status == 0
     assert phasegate("trace", "import", str(TRACES / "retry_before_first_delta.jsonl")).status == 0

@@ -148,8 +148,14 @@ async def test_tokens_declined_are_yielded_in_order_and_the_next_read_is_offered
         chunk(b": a comment\n\n") + chunk(event("b")),  # a comment
         chunk(event("b")[:20]),  # half an event
         chunk(event("b"))[:15],  # half a chunk
+        chunk(event("b", token_ids=[5])),  # a choice's field the token does not carry
+        chunk(event("b").replace(b'"id":"x"', b'"id":"x","prompt_text":"p"')),  # a chunk's field
+        chunk(event(None).replace(b'"delta":{}', b'"delta":{"reasoning":"r"}')),  # reasoning
     ],
-    ids=["finish", "logprobs", "tool-call", "usage", "error", "crlf", "comment", "half-event", "half-chunk"],
+    ids=[
+        *("finish", "logprobs", "tool-call", "usage", "error", "crlf", "comment", "half-event", "half-chunk"),
+        *("token-ids", "prompt-text", "reasoning"),
+    ],
 )
 async def test_a_read_that_is_not_plain_tokens_only_is_never_offered(read: bytes) -> None:
     server = Stepped()

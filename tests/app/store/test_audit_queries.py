@@ -43,7 +43,7 @@ LOG = {
     trace.request_id: trace
     for trace in (
         traces.completed("req_ok_1", "w1", at=at(0)),
-        traces.completed("req_ok_2", "w2", at=at(5), ttft_ms=40),
+        traces.completed("req_ok_2", "w2", at=at(5), ttft_ms=40, metadata={"team": "search", "run": "7"}),
         traces.completed("req_ok_3", "w1", at=at(10), model="big-llm", tenant="globex", ttft_ms=100),
         traces.retried_before_first_delta("req_retry", at=at(20)),
         traces.fenced_then_retried("req_fence", at=at(30), trace_id=TRACE_ID),
@@ -58,7 +58,7 @@ LOG = {
         traces.left_for_good("req_left", at=at(140)),
     )
 }
-PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID}
+PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID, "team": "search"}
 
 
 def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
@@ -228,6 +228,12 @@ def expect_clients_that_left(result: list[asyncpg.Record]) -> None:
     ]
 
 
+def expect_by_metadata(rows: list[asyncpg.Record]) -> None:
+    assert [(r["request_id"], r["tenant"], r["outcome"], json.loads(r["metadata"])) for r in rows] == [
+        ("req_ok_2", "acme", "completed", {"team": "search", "run": "7"})
+    ]
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -249,6 +255,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     18: expect_traced,
     19: expect_recent_failures,
     20: expect_clients_that_left,
+    21: expect_by_metadata,
 }
 
 

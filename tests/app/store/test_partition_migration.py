@@ -257,7 +257,9 @@ async def test_the_store_appends_through_the_conversion(empty_database_url: str)
     try:
         assert not store.writer.schema.partitioned
         drivers = asyncio.gather(*(driver(lane) for lane in range(8)))
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(30):  # some requests whole before the conversion, however slow the machine
+            while len(done) < 8:
+                await asyncio.sleep(0.01)
         before = len(done)
         await migrate.upgrade_async(url)
         upgraded.set()

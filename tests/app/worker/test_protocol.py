@@ -29,7 +29,7 @@ async def begin(
     attempt: int = 1,
     epoch: int = 1,
     ttl: float = 30.0,
-    prompt: str = "go on",
+    prompt: str | list[Any] = "go on",
     params: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> AttemptFrames:
@@ -57,6 +57,15 @@ async def test_a_stream_is_heartbeats_then_tokens_then_done(engine: EngineUnderT
     assert got.done.usage["prompt_tokens"] > 0
     state = await attempt_state(engine.worker.base_url, rid)
     assert state["phase"] == "done" and state["engine_over"]
+
+
+async def test_a_prompt_of_token_ids_is_served_with_exactly_those_tokens(engine: EngineUnderTest, client: WorkerClient):
+    ids = [5, 6, 7, 8, 9]
+    got = await collect(await begin(client, engine, request_id(), prompt=ids, params=engine.short(4)))
+    assert got.error is None and got.done is not None
+    assert got.done.usage["prompt_tokens"] == len(ids) and len(got.token_ids) == 4
+    one = await collect(await begin(client, engine, request_id(), prompt=[ids], params=engine.short(4)))
+    assert one.token_ids == got.token_ids  # a batch of one prompt is that prompt
 
 
 async def test_the_same_request_gives_the_same_tokens_on_every_attempt(engine: EngineUnderTest, client: WorkerClient):

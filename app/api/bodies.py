@@ -1,0 +1,38 @@
+"""A request's JSON body, read within the gateway's limit: one reader for every route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+
+from app.api.errors import ClientGone, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+
+
+async def json_body(request: Request, limit: int) -> Any:
+    # JSON only: a browser page may post text/plain or a form cross-origin without asking
+    # (no CORS preflight), but not application/json
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaType(
+            f"the body must be sent as 'Content-Type: application/json', not {media_type or 'none'!r}",
+            param="content-type",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+    except ClientDisconnect:  # gone mid-body, or cut by http_body_timeout_s: a refusal, not a 500
+        raise ClientGone("the client closed the connection before its request body was read") from None
+    try:
+        # orjson refuses what the standard library lets through and nothing downstream
+        # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity
+        return orjson.loads(body)
+    except ValueError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None

@@ -1,0 +1,30 @@
+"""The worker protocol's version (docs/worker-protocol.md).
+
+A gateway and a worker built from different releases may frame attempts differently. So
+that they refuse each other before an attempt starts, never mid-stream:
+
+- a worker names the version it speaks in its health and info answers (``protocol``);
+  the gateway's probe finds a worker that names another version, or none (a worker from
+  before versions were carried), incompatible, and sends it nothing until that changes;
+- the gateway names its version on every call (the :data:`HEADER`), and a worker refuses
+  a call that names another one with 503 ``protocol_mismatch``, which fails that attempt
+  before it starts (it is retried elsewhere). A call naming none (curl, by hand) is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VERSION = 1
+HEADER = "x-phasegate-protocol"
+
+
+def incompatibility(answer: Any) -> str | None:
+    """Why a worker whose health or info answer is ``answer`` cannot be used by this
+    gateway, or None when it speaks this gateway's version."""
+    spoken = answer.get("protocol") if isinstance(answer, dict) else None
+    if spoken == VERSION and type(spoken) is int:
+        return None
+    if spoken is None:
+        return f"it names no worker protocol version (a worker older than versions); this gateway speaks {VERSION}"
+    return f"it speaks worker protocol {spoken!r}; this gateway speaks {VERSION}"

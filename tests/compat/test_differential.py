@@ -1,0 +1,256 @@
+"""The same requests to ``vllm serve`` and through phasegate in front of it, compared as a
+client reads them (tests/compat/compare.py), whole and streamed (DESIGN.md §14).
+
+One case a declared field of vLLM's chat and completions requests (where one request
+shows what it does), tools with each ``tool_choice``, ``n > 1``, ``echo``, log
+probabilities, structured outputs, token-id and batched prompts, a conversation with tool
+results, and refusals (the same status and ``param``). A case where phasegate's answer
+differs on purpose is in :data:`DIVERGENCES`, with why (docs/compatibility.md): it is
+marked ``xfail(strict=True)``, so a divergence that goes away fails the suite until the
+table says so. Deterministic: the tiny model's answers do not depend on sampling
+(ops/models/make_tiny_model.py), and requests go one at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.compat.compare import Answer, accumulated, ask, differences, stream_chunks
+from tests.compat.conftest import Pair
+from tests.support.vllm_replicas import MODEL
+
+pytestmark = pytest.mark.vllm
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather where the user is",
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["unit"],
+            },
+        },
+    }
+]
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather?"}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "user", "content": "and tomorrow?"},
+]
+
+
+def chat(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return CHAT, {"model": MODEL, "messages": HI, "max_tokens": 12, "temperature": 0, **fields}
+
+
+def completion(**fields: Any) -> tuple[str, dict[str, Any]]:
+    return COMPLETIONS, {"model": MODEL, "prompt": "hello", "max_tokens": 8, "temperature": 0, **fields}
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # chat: sampling and output fields
+    "chat": chat(),
+    "no sampling field at all": (CHAT, {"model": MODEL, "messages": HI, "stop": ["sun"]}),
+    "max_completion_tokens": chat(max_tokens=None, max_completion_tokens=6),
+    "n": chat(n=2),
+    "n above 8": chat(n=9, max_tokens=3),
+    "stop, stop_reason": chat(stop=["fox"], max_tokens=30),
+    "include_stop_str_in_output": chat(stop=["fox"], include_stop_str_in_output=True, max_tokens=30),
+    "stop_token_ids": chat(stop_token_ids=[20], max_tokens=30),
+    "seed, top_k, min_p, repetition_penalty": chat(seed=7, top_k=5, min_p=0.01, repetition_penalty=1.05),
+    "top_p": chat(top_p=0.5, temperature=0.8, seed=3),
+    "use_beam_search, length_penalty": chat(use_beam_search=True, length_penalty=1.2, n=2, max_tokens=6),
+    "logprob_token_ids": chat(logprobs=True, logprob_token_ids=[20, 21]),
+    "return_tokens_as_token_ids": chat(logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True),
+    "spaces_between_special_tokens false": chat(skip_special_tokens=False, spaces_between_special_tokens=False),
+    "truncation_side": chat(truncate_prompt_tokens=4, truncation_side="right"),
+    "add_special_tokens": chat(add_special_tokens=True),
+    "return fields": chat(return_token_offsets=True, return_prompt_text=True, return_mm_kwargs=False),
+    "session_id, watermarking, stream_interval": chat(session_id="s-1", watermarking=False, stream_interval=2),
+    "thinking_token_budget": chat(thinking_token_budget=2),
+    "vLLM's newest extras": chat(
+        repetition_detection={"max_pattern_size": 0}, routed_experts_prompt_start=0, mm_payload="none"
+    ),
+    "response_format json_object": chat(response_format={"type": "json_object"}, max_tokens=20),
+    "continue_final_message": chat(
+        messages=[*HI, {"role": "assistant", "content": "Hello"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    ),
+    "documents, media_io_kwargs": chat(documents=[{"title": "a", "text": "b"}], media_io_kwargs={}),
+    "presence and frequency penalties": chat(presence_penalty=0.5, frequency_penalty=0.5),
+    "logit_bias": chat(logit_bias={"20": -100}),
+    "min_tokens and ignore_eos": chat(min_tokens=4, ignore_eos=True),
+    "logprobs": chat(logprobs=True, top_logprobs=2),
+    "usage": chat(stream_options={"include_usage": True}),
+    "parallel_tool_calls": chat(parallel_tool_calls=False),
+    "reasoning_effort": chat(reasoning_effort="low"),
+    "include_reasoning false": chat(include_reasoning=False),
+    "chat_template_kwargs": chat(chat_template_kwargs={"enable_thinking": False}),
+    "add_generation_prompt false": chat(add_generation_prompt=False),
+    "skip_special_tokens false": chat(skip_special_tokens=False),
+    "bad_words": chat(bad_words=["fox"], max_tokens=30),
+    "allowed_token_ids": chat(allowed_token_ids=[20, 21, 22]),
+    "truncate_prompt_tokens": chat(truncate_prompt_tokens=3),
+    "user, metadata, store, service_tier": chat(user="u1", metadata={"team": "a"}, store=False, service_tier="auto"),
+    "a field vLLM does not declare": chat(an_extension={"x": 1}),
+    "structured outputs: choice": chat(structured_outputs={"choice": ["yes", "no"]}),
+    "structured outputs: regex": chat(structured_outputs={"regex": "[a-c]{3}"}),
+    "response_format json_schema": chat(
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "unit",
+                "schema": {"type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"]},
+            },
+        },
+    ),
+    "tools, tool_choice none": chat(tools=TOOLS, tool_choice="none"),
+    "tools, tool_choice auto": chat(tools=TOOLS, tool_choice="auto"),
+    "tools, tool_choice named": chat(
+        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200
+    ),
+    "tools, tool_choice required": chat(tools=TOOLS, tool_choice="required", max_tokens=200),
+    "a conversation with tool results": chat(messages=CONVERSATION, tools=TOOLS),
+    "echo": chat(echo=True),
+    "prompt_logprobs": chat(prompt_logprobs=1),
+    "return_token_ids": chat(return_token_ids=True),
+    # completions
+    "completions": completion(),
+    "completions logprobs": completion(logprobs=2),
+    "completions echo": completion(echo=True),
+    "completions suffix-free, n": completion(n=2),
+    "completions: a batch of prompts": completion(prompt=["hello", "world"]),
+    "completions: token ids": completion(prompt=[5, 9, 14]),
+    "completions: a batch of token ids": completion(prompt=[[5, 9], [14]]),
+    "completions suffix": completion(suffix=" end"),
+    "prompt_embeds, not enabled": completion(prompt=None, prompt_embeds="AAAA"),
+    # refusals: the same status and param
+    "unknown model": (CHAT, {"model": "nope", "messages": HI}),
+    "temperature of the wrong type": chat(temperature="hot"),
+    "n of the wrong type": chat(n="2"),
+    "no messages": chat(messages=[]),
+    "a prompt over the context": chat(messages=[{"role": "user", "content": "the fox " * 3000}]),
+    "max_tokens over the context": chat(max_tokens=100_000),
+}
+
+# Where phasegate answers differently on purpose, and why (docs/compatibility.md says the same).
+_FROM_THE_STREAM = (
+    "phasegate streams every upstream answer and builds a whole one from the stream; here vLLM's"
+    " stream and whole answers differ"
+)
+_STOP_STRINGS_SPLIT_THE_THINK_END = (
+    _FROM_THE_STREAM + ": stop strings hold text back, and vLLM's streamed reasoning parser then cuts"
+    " '</think>' in two (content 'k>Hello')"
+)
+_CUT_TOOL_CALL = _FROM_THE_STREAM + ": a tool call cut by max_tokens is a tool call streamed, text whole"
+_NO_TOKEN_IDS = "token ids are not relayed: the log keeps each delta's text, not its token ids"
+_PARAM_NAMED = "the same status; phasegate's error names the field in param, where vLLM's names none"
+DIVERGENCES: dict[tuple[str, str], str] = {
+    ("no sampling field at all", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
+    ("stop, stop_reason", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
+    ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
+    ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
+    ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
+    ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
+    ("return_token_ids", "both"): _NO_TOKEN_IDS,
+    ("completions echo", "stream"): _NO_TOKEN_IDS + " (vLLM's echo stream names the prompt's)",
+    ("return_tokens_as_token_ids", "both"): "a log probability's bytes are its token's as sent ('token_id:918'),"
+    " where vLLM gives the bytes of the token's text: the log keeps the token, not its bytes",
+    ("return fields", "both"): "a chunk's prompt_text (return_prompt_text) is not relayed",
+    ("n of the wrong type", "both"): _PARAM_NAMED,
+    ("no messages", "both"): _PARAM_NAMED,
+    ("temperature of the wrong type", "both"): "param is the field's name, as OpenAI says it, not 'body.temperature'",
+}
+
+
+def _params() -> list[Any]:
+    params = []
+    for name in CASES:
+        for mode in ("whole", "stream"):
+            why = DIVERGENCES.get((name, mode)) or DIVERGENCES.get((name, "both"))
+            # strict, so that a divergence that went away fails until the table says so; but
+            # one that comes and goes with how vLLM's engine grouped the tokens (a busy
+            # machine groups them otherwise: ci8) cannot be strict
+            strict = why is not _STOP_STRINGS_SPLIT_THE_THINK_END
+            marks = [pytest.mark.xfail(strict=strict, reason=why)] if why else []
+            params.append(pytest.param(name, mode, marks=marks, id=f"{name} [{mode}]"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "mode"), _params())
+def test_the_same_request_gets_the_same_answer(pair: Pair, case: str, mode: str) -> None:
+    path, body = CASES[case]
+    body = {key: value for key, value in body.items() if value is not None}
+    if mode == "stream":
+        body["stream"] = True
+    direct, through = pair.both(path, body)
+    found = differences(direct, through)
+    if found and mode == "stream" and body.get("stop"):
+        # vLLM's own streams vary here: stop strings hold text back, and its streaming
+        # reasoning parser then cuts '</think>' where the engine grouped the tokens (a busy
+        # machine groups them otherwise; content 'k>Hello'). phasegate relays one of the
+        # answers vllm serve gives: one of two more asked directly must be it.
+        again = [ask(pair.http, pair.direct_url, path, body) for _ in range(2)]
+        found = min((differences(answer, through) for answer in again), key=len)
+    assert found == [], f"{case} ({mode}): phasegate's answer differs from vllm serve's:\n" + "\n".join(found)
+
+
+def test_the_model_list_is_vllms(pair: Pair) -> None:
+    """``/v1/models`` gives each model as the replica serving it describes it (its
+    ``max_model_len``, ``root``, ``permission``), under the configured name."""
+    direct, through = (pair.http.get(url + "/v1/models") for url in (pair.direct_url, pair.gateway_url))
+    assert direct.json()["data"][0]["max_model_len"] == 4096
+    assert differences(Answer(direct.status_code, direct.json()), Answer(through.status_code, through.json())) == []
+
+
+def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
+    """A documented divergence the accumulated comparison sets aside: vLLM puts a choice's
+    finish reason in the chunk of its last delta; phasegate sends the delta as it comes
+    (the commit point does not wait) and the finish in a chunk of its own once the log
+    holds the completion, so a client never reads a finish the log does not say."""
+    path, body = CASES["stop, stop_reason"]
+    body = {**body, "stream": True}
+    direct = stream_chunks(pair.http, pair.direct_url + path, body)
+    through = stream_chunks(pair.http, pair.gateway_url + path, body)
+    assert isinstance(direct, list) and isinstance(through, list)
+    last = direct[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == "fox" and last["delta"].get("content")
+    finish = through[-1]["choices"][0]
+    assert (finish["finish_reason"], finish["stop_reason"], finish["delta"]) == ("stop", "fox", {})
+    assert through[-2]["choices"][0]["finish_reason"] is None
+    assert accumulated(direct)["choices"] == accumulated(through)["choices"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="phasegate sends a choice's tool calls whole, once the stream completes them (docs/compatibility.md)",
+)
+def test_tool_calls_are_streamed_in_pieces_as_vllm_streams_them(pair: Pair) -> None:
+    path, body = CASES["tools, tool_choice required"]
+    body = {**body, "stream": True}
+    pieces = [
+        sum(1 for chunk in chunks for choice in chunk["choices"] if (choice.get("delta") or {}).get("tool_calls"))
+        for chunks in (
+            stream_chunks(pair.http, pair.direct_url + path, body),
+            stream_chunks(pair.http, pair.gateway_url + path, body),
+        )
+        if isinstance(chunks, list)
+    ]
+    assert len(pieces) == 2 and pieces[0] > 1
+    assert pieces[1] == pieces[0]
