@@ -26,6 +26,9 @@ from tests.support.transcript import of
 from tests.support.workers import WorkerProcess, running_worker
 
 FAST = Timeouts(stall_s=1.5, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
+# for faults the gateway sees at once (a killed process): the default timers, so that a
+# loaded machine starving an attempt cannot add a failure the test did not script
+PATIENT = Timeouts()
 
 
 def stream_text(gateway: RunningGateway, prompt: str, max_tokens: int = 8) -> tuple[str, str, int]:
@@ -35,6 +38,13 @@ def stream_text(gateway: RunningGateway, prompt: str, max_tokens: int = 8) -> tu
     )
     parts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     return stream.response.headers["x-request-id"], "".join(parts), len(parts)
+
+
+def clear_faults(workers: list[WorkerProcess]) -> None:
+    """Disarm what is left of the scripted faults on the workers still running."""
+    for worker in workers:
+        if worker.proc.poll() is None:
+            httpx.delete(worker.base_url + "/admin/faults", timeout=5).raise_for_status()
 
 
 def assert_replays(events: list[ev.Event]) -> None:
@@ -54,8 +64,9 @@ def test_a_replica_dying_before_the_first_delta_is_retried_into_one_clean_answer
     prompt = unique_prompt("retry me")
     for worker in fresh_pair:  # whichever replica gets attempt 1 dies
         add_fault(worker, action="die", point=point, at_token=0, match={"prompt_contains": prompt, "attempt": 1})
-    with running_gateway(database_url, fresh_pair, timeouts=FAST) as gateway:
+    with running_gateway(database_url, fresh_pair, timeouts=PATIENT) as gateway:
         request_id, text, _ = stream_text(gateway, prompt)
+        clear_faults(fresh_pair)  # the survivor's fault is still armed for an attempt 1
         _again_id, reference, _ = stream_text(gateway, prompt)  # what the surviving replica says to it
         events = gateway.events(request_id)
         assert text == reference != ""
@@ -77,7 +88,7 @@ def test_a_replica_dying_after_the_first_delta_ends_the_stream_with_the_structur
     prompt = unique_prompt("interrupt me")
     for worker in fresh_pair:
         add_fault(worker, action="die", point="after_frame", at_token=2, match={"prompt_contains": prompt})
-    with running_gateway(database_url, fresh_pair, timeouts=FAST) as gateway:
+    with running_gateway(database_url, fresh_pair, timeouts=PATIENT) as gateway:
         stream = gateway.openai().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True, max_tokens=20
         )

@@ -9,6 +9,7 @@ from typing import Any
 
 from app.replicas.base import AttemptRequest
 from app.replicas.renewer import LeaseRenewer
+from tests.support.waiting import until
 
 TTL = 0.3  # a round every 0.1 s
 
@@ -26,13 +27,6 @@ class ScriptedReplica:
         if isinstance(answer, Exception):
             raise answer
         return list(answer)
-
-
-async def until(condition: Any, timeout: float = 10.0) -> None:
-    """Wait for ``condition()`` (rounds are timed; a loaded machine only delays them)."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class Held:

@@ -16,6 +16,7 @@ from app.store.insert import COPY_FROM
 from ops import traces
 from statemachine.events import DeltasDelivered
 from tests.app.store.contract import other_delivery
+from tests.support.waiting import until
 
 StoreFactory = Callable[..., Awaitable[PostgresEventStore]]
 
@@ -224,14 +225,17 @@ async def test_a_batch_holds_at_most_max_batch_events(open_store: StoreFactory) 
 async def test_an_append_queued_in_the_callers_step_settles_at_its_commit(
     open_store: StoreFactory, database_url: str
 ) -> None:
-    store = await open_store(max_queued_events=8, flush_delay=0.05)
+    # A batch lingers for company until a flush ends the wait: no timer decides what is seen.
+    store = await open_store(max_queued_events=8, flush_delay=60)
     trace = traces.completed("req_now", texts=tuple(str(n) for n in range(12)))
     await store.append("req_now", 0, trace.events[:5])
     committed = store.append_grouped_now("req_now", 5, trace.events[5:7])
     assert committed is not None
     assert store.writer.queued_events == 2  # queued in this step, with no await between
-    assert not committed.done() and await visible(database_url, "req_now") == 5
-    await asyncio.wait_for(committed, 10)
+    assert await visible(database_url, "req_now") == 5 and not committed.done()
+    await asyncio.wait_for(store.flush(), 10)
+    assert committed.done()
+    await committed
     assert await store.read("req_now") == trace.events[:7]
 
     blocker = await asyncpg.connect(asyncpg_dsn(database_url))
@@ -241,7 +245,9 @@ async def test_an_append_queued_in_the_callers_step_settles_at_its_commit(
     try:
         first = store.append_grouped_now("req_now", 7, trace.events[7:9])
         assert first is not None
-        await asyncio.sleep(0.2)  # taken into a transaction that waits on the lock
+        flushing = asyncio.create_task(store.flush())
+        await until(lambda: store.writer.queued_events == 0)  # taken into a transaction that waits on the lock
+        assert not flushing.done()
         second = store.append_grouped_now("req_now", 9, trace.events[9:15])
         assert second is not None and store.writer.queued_events == 6
         assert store.append_grouped_now("req_now", 15, trace.events[15:18]) is None  # nine: no room in eight
@@ -249,7 +255,8 @@ async def test_an_append_queued_in_the_callers_step_settles_at_its_commit(
     finally:
         await transaction.rollback()
         await blocker.close()
-    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    await asyncio.wait_for(asyncio.gather(flushing, store.flush()), 10)
+    await asyncio.gather(first, second)
     assert await store.read("req_now") == trace.events[:15]
 
 

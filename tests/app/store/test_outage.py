@@ -13,6 +13,7 @@ import pytest
 from app.store import PostgresEventStore, StoreUnavailable
 from app.store.embedded import EmbeddedPostgres
 from ops import traces
+from tests.support.waiting import until
 
 T = TypeVar("T")
 
@@ -30,13 +31,6 @@ def server(postgres_server: EmbeddedPostgres | None, database_url: str) -> Itera
     finally:
         if not postgres_server.is_running():
             postgres_server.start()
-
-
-async def wait_until(condition: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def test_an_outage_gives_typed_errors_then_the_store_recovers(
@@ -61,7 +55,7 @@ async def test_an_outage_gives_typed_errors_then_the_store_recovers(
         assert not store.accepting  # what a new request's acceptance looks at
 
         server.start()
-        await wait_until(lambda: store.writer.available)
+        await until(lambda: store.writer.available)
         await store.ping()
         assert store.accepting
         await store.append("req_durable", 3, durable.events[3:])  # the caller's retry
