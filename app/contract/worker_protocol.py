@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-VERSION = 1
+VERSION = 2  # 2: a start request carries the client's fields as vLLM's server takes them (vllm)
 HEADER = "x-phasegate-protocol"
 
 

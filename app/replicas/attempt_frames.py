@@ -149,7 +149,10 @@ class AttemptFrames:
                 return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
             if kind == "done":
                 usage, details = usage_of(obj["usage"])  # a reasoning parser's completion_tokens_details
-                frame = Done(obj["finish_reason"], obj["finish_reasons"], usage, usage_details=details)
+                stops = obj.get("stop_reasons", [])
+                if not isinstance(stops, list) or any(s is not None and type(s) not in (str, int) for s in stops):
+                    raise ValueError(f"stop reasons that are not strings or token ids: {stops!r}")
+                frame = Done(obj["finish_reason"], obj["finish_reasons"], usage, stops, usage_details=details)
                 if not FINISH_REASONS.issuperset((frame.finish_reason, *frame.finish_reasons)):
                     raise ValueError(f"unknown finish reason in {frame.finish_reasons!r}")
                 self.done = True

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
+from app.contract.refusal_codes import code_for
 from app.replicas.base import AttemptRequest, ProbeAnswer, UpstreamFailure
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.openai_stream import OpenAIStream
@@ -222,13 +223,5 @@ def _refusal(status: int, reason: str, retry_after: str | None, body: bytes) -> 
             retry_after_s=retry_after_seconds(retry_after),
         )
     return UpstreamFailure(
-        FailureKind.REQUEST_REFUSED, message, status=status, code=code or _code_for(status, message), param=param
-    )
-
-
-def _code_for(status: int, message: str) -> str:
-    if "maximum context length" in message or "context length" in message:
-        return "context_length_exceeded"
-    return {400: "upstream_bad_request", 404: "model_not_found", 413: "request_too_large"}.get(
-        status, "upstream_refused_request"
+        FailureKind.REQUEST_REFUSED, message, status=status, code=code or code_for(status, message), param=param
     )

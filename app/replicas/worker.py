@@ -24,6 +24,9 @@ from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, Reque
 from app.tracing import inject_traceparent
 from statemachine.events import FailureKind
 
+# the client's fields a start request carries in fields of their own, not under ``vllm``
+_SENT_APART = frozenset({"messages", "prompt"})
+
 
 class WorkerReplica:
     kind = "worker"
@@ -63,6 +66,7 @@ class WorkerReplica:
                 messages=request.messages,
                 prompt=request.prompt,
                 params=request.sampling,
+                vllm={name: value for name, value in request.passed.items() if name not in _SENT_APART},
             )
         except RequestRefused:
             raise

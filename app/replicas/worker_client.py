@@ -139,6 +139,7 @@ class WorkerClient:
         messages: Sequence[Mapping[str, Any]] | None = None,
         prompt: str | list[Any] | None = None,
         params: Mapping[str, Any] | None = None,
+        vllm: Mapping[str, Any] | None = None,
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
     ) -> AttemptFrames:
@@ -149,6 +150,8 @@ class WorkerClient:
         (heartbeats come every ``heartbeat_s`` while queued or in prefill); the client's
         own ``read_timeout`` when not given, and no bound here where that is ``None``
         (a caller that times its reads itself, as the gateway's stall timer does).
+        ``params`` are the sampling fields every engine reads; ``vllm`` the client's fields
+        as vLLM's server takes them, for a vLLM engine (docs/worker-protocol.md).
         """
         body: dict[str, Any] = {
             "request_id": request_id,
@@ -163,6 +166,8 @@ class WorkerClient:
             body["prompt"] = prompt
         if params:
             body["params"] = dict(params)
+        if vllm is not None:
+            body["vllm"] = dict(vllm)
         if heartbeat_s is not None:
             body["heartbeat_ms"] = round(heartbeat_s * 1000)
         return await self._starts.start(body, self.read_timeout if read_timeout is None else read_timeout)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.contract.refusal_codes import context_length_message
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
 
@@ -28,9 +29,10 @@ class EngineOutput:
     """New output of one choice: token ids and their text, and the finish reason once done.
 
     ``key`` names the delta field the text goes under when it is not the content: a
-    reasoning parser's ``reasoning`` (app/worker/vllm_parsing.py)."""
+    reasoning parser's ``reasoning`` (app/worker/vllm_parsing.py). ``stop_reason``: with the
+    finish, the stop string or token id that ended the choice, as vLLM says it."""
 
-    __slots__ = ("choice", "finish_reason", "key", "logprobs", "text", "token_ids", "tool_call")
+    __slots__ = ("choice", "finish_reason", "key", "logprobs", "stop_reason", "text", "token_ids", "tool_call")
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class EngineOutput:
         tool_call: ToolCallOutput | None = None,
         logprobs: list[Any] | None = None,  # asked for: one [token, logprob, alternatives] per token id
         key: str | None = None,  # None: the content
+        stop_reason: str | int | None = None,
     ) -> None:
         self.choice = choice
         self.token_ids = token_ids
@@ -49,6 +52,7 @@ class EngineOutput:
         self.tool_call = tool_call
         self.logprobs = logprobs
         self.key = key
+        self.stop_reason = stop_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +97,7 @@ class Engine(Protocol):
 
 
 def prompt_too_long(prompt_tokens: int, max_model_len: int) -> Refusal:
-    return Refusal(
-        400,
-        Code.PROMPT_TOO_LONG,
-        f"the prompt has {prompt_tokens} tokens; this model takes fewer than {max_model_len}",
-        field="messages",
-    )
+    """A prompt that leaves the model no room for output, refused in vLLM's words and with
+    the code a client gets for it through any replica (app/contract/refusal_codes.py)."""
+    message = context_length_message(max_model_len, prompt_tokens)
+    return Refusal(400, Code.CONTEXT_LENGTH_EXCEEDED, message, field="input_tokens")

@@ -7,7 +7,7 @@ its two free-form parts, not from a dict.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.worker.protocol import Code
@@ -57,13 +57,17 @@ def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, argum
     return _dumps(frame).encode() + b"\n"
 
 
-def done_frame(finish_reasons: list[str], usage: Mapping[str, Any]) -> bytes:
-    frame = {
+def done_frame(
+    finish_reasons: list[str], usage: Mapping[str, Any], stop_reasons: Sequence[str | int | None] = ()
+) -> bytes:
+    frame: dict[str, Any] = {
         "type": "done",
         "finish_reason": finish_reasons[0],
         "finish_reasons": finish_reasons,
         "usage": dict(usage),
     }
+    if any(stop is not None for stop in stop_reasons):  # the stop string or token id, per choice
+        frame["stop_reasons"] = list(stop_reasons)
     return _dumps(frame).encode() + b"\n"
 
 

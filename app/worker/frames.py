@@ -172,6 +172,7 @@ async def _decode(
     """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
     n = attempt.spec.sampling.n
     finish_reasons: list[str | None] = [None] * n
+    stop_reasons: list[str | int | None] = [None] * n
     next_index = [0] * n
     unfinished = n
     fault = attempt.fault
@@ -241,6 +242,7 @@ async def _decode(
             frame = None
         if output.finish_reason is not None and finish_reasons[choice] is None:
             finish_reasons[choice] = output.finish_reason
+            stop_reasons[choice] = output.stop_reason
             unfinished -= 1
         if frame is not None:
             stats.frames_published += 1
@@ -267,4 +269,4 @@ async def _decode(
         "total_tokens": attempt.prepared.prompt_tokens + attempt.generated_tokens,
     }
     details = attempt.prepared.usage_details() if attempt.prepared.usage_details is not None else None
-    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})})
+    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})}, stop_reasons)

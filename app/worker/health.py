@@ -57,6 +57,7 @@ class HealthProbe:
             prompt="health check",
             sampling=Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
             heartbeat_s=1.0,
+            fields={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
         )
         engine_request_id = f"health#{next(_probe_ids)}"
         started = time.monotonic()

@@ -8,6 +8,7 @@ HTTP status and a stable code from :class:`Code`. The frames it writes are encod
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -29,7 +30,8 @@ class Code(enum.StrEnum):
     UNKNOWN_FIELD = "unknown_field"
     UNSUPPORTED_FIELD = "unsupported_parameter"  # known, valid, and not served by this worker
     UNKNOWN_MODEL = "unknown_model"
-    PROMPT_TOO_LONG = "prompt_too_long"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # app/contract/refusal_codes.py
+    BAD_REQUEST = "upstream_bad_request"  # vLLM's request checks refused it: its message says why
     UNKNOWN_ATTEMPT = "unknown_attempt"
     DUPLICATE_ATTEMPT = "duplicate_attempt"
     ATTEMPT_CANCELLED = "attempt_cancelled"
@@ -115,6 +117,7 @@ START_FIELDS = frozenset(
         "messages",
         "prompt",
         "params",
+        "vllm",
         "heartbeat_ms",
     }
 )
@@ -162,6 +165,9 @@ class AttemptSpec:
     prompt: str | tuple[int, ...] | None  # a completion's prompt: its text, or its token ids
     sampling: Sampling
     heartbeat_s: float
+    # the request's fields as vLLM's server takes them: the start request's ``vllm``, else
+    # its ``params`` (app/worker/vllm_requests.py); the sim reads ``sampling`` only
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def prompt_text(self) -> str:
         """The prompt as plain text, for fault matchers and the sim engine's seed."""
@@ -282,6 +288,12 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
     lease_ttl_s = _int(_required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
     model = _str(_required(body, "model"), "model")
     messages, prompt = body.get("messages"), body.get("prompt")
+    fields = body.get("vllm")
+    if fields is not None and not isinstance(fields, dict):
+        raise _bad("vllm", "must be an object")
+    if messages is None and prompt is None and fields and fields.get("prompt_embeds") is not None:
+        why = "prompt_embeds: the worker takes a prompt as text or token ids, not as embeddings"
+        raise Refusal(400, Code.UNSUPPORTED_FIELD, why, field="prompt_embeds")
     if messages is None and prompt is None:
         raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
     if messages is not None and prompt is not None:
@@ -304,6 +316,7 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         prompt=prompt,
         sampling=parse_sampling(params),
         heartbeat_s=heartbeat_s,
+        fields=params if fields is None else fields,
     )
 
 

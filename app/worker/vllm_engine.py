@@ -4,9 +4,9 @@ Only this module imports vLLM, and only when a worker runs with ``--engine vllm`
 an optional install, missing where mypy usually runs: its imports are marked
 ``type: ignore[import-not-found, unused-ignore]`` (``unused-ignore``: where it is installed).
 
-- The prompt is rendered with the tokenizer's own chat template (tools passed to it)
-  and tokenized here, at admission, so that a too-long prompt is refused before the
-  attempt starts; the engine gets token ids.
+- A request is read, rendered and limited by vLLM's own request models and renderer, as
+  ``vllm serve`` does (app/worker/vllm_requests.py), here, at admission, so that what vLLM
+  refuses is refused before the attempt starts; the engine gets the rendered input.
 - Outputs are requested as deltas (``RequestOutputKind.DELTA``): each carries the new
   token ids and their detokenized text, per choice.
 - ``abort`` calls ``AsyncLLM.abort`` and then makes one utility round trip to the
@@ -41,9 +41,10 @@ from typing import Any
 
 from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker import vllm_utility
-from app.worker.engine import EngineFailed, EngineOutput, Prepared, prompt_too_long
-from app.worker.protocol import AttemptSpec, Code, Refusal
-from app.worker.vllm_parsing import AttemptParsing, ParserNames, Parsers
+from app.worker.engine import EngineFailed, EngineOutput, Prepared
+from app.worker.protocol import AttemptSpec
+from app.worker.vllm_parsing import ParserNames, Parsers
+from app.worker.vllm_requests import VllmRequests
 
 log = logging.getLogger("phasegate.worker.vllm")
 
@@ -52,6 +53,7 @@ MIN_CPU_KV_CACHE_BYTES = 256 * MIB  # room for a few full-length sequences of mo
 # settings with which the user sized vLLM's CPU memory: any one of them wins
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_ARGS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+ALL_ALTERNATIVES = -1  # every log probability vLLM gives at a token
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 
@@ -87,7 +89,7 @@ class VllmEngine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._special_ids: frozenset[int] = frozenset()
-        self._render: Any = None
+        self._requests: VllmRequests | None = None
         self._parsers: Parsers | None = None
 
     async def start(self) -> None:
@@ -103,7 +105,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        self._render = _token_prompt_renderer(self._llm)
+        self._requests = VllmRequests(self._llm)
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
 
     async def close(self) -> None:
@@ -112,87 +114,23 @@ class VllmEngine:
             await asyncio.to_thread(llm.shutdown)
 
     def prepare(self, spec: AttemptSpec) -> Prepared:
-        tokenizer = self._tokenizer
-        s = spec.sampling
-        parsing: AttemptParsing | None = None
-        if spec.messages is not None:
-            assert self._parsers is not None
-            parsing = self._parsers.for_attempt(spec)
-            try:
-                text = tokenizer.apply_chat_template(
-                    list(spec.messages), tools=list(s.tools) or None, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # jinja's TemplateError (raise_exception) and what the template trips on
-                # the messages' fault, not the engine's: e.g. roles that do not alternate as the template demands
-                raise Refusal(
-                    400,
-                    Code.INVALID_FIELD,
-                    f"messages: the model's chat template refused them: {exc}",
-                    field="messages",
-                ) from None
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            assert spec.prompt is not None
-            token_ids = list(spec.prompt) if isinstance(spec.prompt, tuple) else tokenizer.encode(spec.prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise prompt_too_long(len(token_ids), self.max_model_len)
-        forced = parsing.structured_outputs if parsing is not None else None
-        params = self._sampling_params(spec, room=self.max_model_len - len(token_ids), structured=forced)
-        engine_kwargs = parsing.engine_kwargs(token_ids) if parsing is not None else {}
+        assert self._requests is not None and self._parsers is not None
+        parsing = self._parsers.for_attempt(spec)
+        read = self._requests.read(spec, adjust=parsing.adjust if parsing is not None else None)
+        params = self._requests.sampling_params(read)
+        engine_kwargs = parsing.engine_kwargs(read.prompt_token_ids) if parsing is not None else {}
+        # the alternatives a token's log probability comes with: as many as asked, or every
+        # one vLLM gives for the client's logprob_token_ids, as vLLM's server gives them all
+        top = ALL_ALTERNATIVES if getattr(read.request, "logprob_token_ids", None) else spec.sampling.logprobs
         return Prepared(
             spec=spec,
-            prompt_tokens=len(token_ids),
-            payload=(self._render(token_ids), params, parsing, engine_kwargs),
+            prompt_tokens=len(read.prompt_token_ids),
+            payload=(read.engine_input, params, parsing, engine_kwargs, top),
             usage_details=parsing.usage_details if parsing is not None else None,
         )
 
-    def _sampling_params(self, spec: AttemptSpec, room: int, structured: Any = None) -> Any:
-        """vLLM's sampling parameters; ``structured``: the structured output vLLM's tool
-        parser chose for the request's tools (it stands for ``response_format`` then)."""
-        from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
-        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found, unused-ignore]
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
-
-        s = spec.sampling
-        try:
-            kind = s.response_format["type"] if s.response_format is not None else None
-            if structured is None and kind == "json_object":
-                structured = StructuredOutputsParams(json_object=True)
-            elif structured is None and kind == "json_schema":
-                structured = StructuredOutputsParams(json=s.response_format["json_schema"]["schema"])  # type: ignore[index]
-            elif structured is None and s.structured_outputs is not None:  # checked: one constraint, vLLM's names
-                structured = StructuredOutputsParams(**s.structured_outputs)
-            extras = {
-                name: value
-                for name, value in (
-                    ("top_k", s.top_k),
-                    ("min_p", s.min_p),
-                    ("repetition_penalty", s.repetition_penalty),
-                )
-                if value is not None
-            }
-            return SamplingParams(
-                n=s.n,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_tokens=min(s.max_tokens or room, room),
-                stop=list(s.stop) or None,
-                seed=s.seed,
-                ignore_eos=s.ignore_eos,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                min_tokens=min(s.min_tokens, room),
-                logprobs=s.logprobs,
-                structured_outputs=structured,
-                **extras,
-                output_kind=RequestOutputKind.DELTA,
-            )
-        except (ValueError, VLLMValidationError) as exc:  # 0.32's VLLMValidationError is no ValueError
-            raise Refusal(400, Code.INVALID_FIELD, f"params: {exc}", field="params") from None
-
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
-        engine_input, params, parsing, engine_kwargs = prepared.payload
-        top = prepared.spec.sampling.logprobs
+        engine_input, params, parsing, engine_kwargs, top = prepared.payload
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
@@ -201,10 +139,14 @@ class VllmEngine:
                 async for request_output in outputs:
                     for c in request_output.outputs:
                         logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top)
+                        stop = _stop_reason(c)
                         if parsing is None:
-                            yield EngineOutput(c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs)
+                            yield EngineOutput(
+                                c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs, stop_reason=stop
+                            )
                             continue
-                        for output in parsing.outputs(c.index, list(c.token_ids), c.text, c.finish_reason, logprobs):
+                        ids = list(c.token_ids)
+                        for output in parsing.outputs(c.index, ids, c.text, c.finish_reason, logprobs, stop):
                             yield output
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -233,7 +175,7 @@ class VllmEngine:
             alternatives = [
                 [self._decoded(tid, p.decoded_token), clamped(p.logprob)]
                 for rank, (tid, p) in enumerate(step.items())
-                if rank < top
+                if top == ALL_ALTERNATIVES or rank < top
             ]
             entries.append([self._decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
         return entries
@@ -320,19 +262,8 @@ def available_memory_bytes() -> int:
     return max(available, 0)
 
 
-def _token_prompt_renderer(llm: Any) -> Any:
-    """token ids -> the engine's input: rendered up front where vLLM has a renderer."""
-    try:
-        from vllm.renderers.inputs.preprocess import parse_model_prompt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:  # older vLLM: a TokensPrompt dict is the input
-        return lambda token_ids: {"prompt_token_ids": token_ids}
-    renderer, model_config = llm.renderer, llm.model_config
-    tok_params = renderer.default_cmpl_tok_params
-
-    def render(token_ids: list[int]) -> Any:
-        (engine_input,) = renderer.render_cmpl(
-            [parse_model_prompt(model_config, {"prompt_token_ids": token_ids})], tok_params
-        )
-        return engine_input
-
-    return render
+def _stop_reason(output: Any) -> str | int | None:
+    """What stopped a finished choice as vLLM's server says it: the stop string or token id
+    (None for the end of sequence, a length limit, or a choice not finished)."""
+    stop = output.stop_reason if output.finish_reason is not None else None
+    return stop if stop is None or type(stop) in (str, int) else str(stop)

@@ -4,12 +4,13 @@ engine's text as ``vllm serve`` splits them (DESIGN.md §14).
 ``phasegate worker --engine vllm`` takes ``--reasoning-parser``, ``--tool-call-parser`` and
 ``--enable-auto-tool-choice`` as ``vllm serve`` does. With them, each attempt of a chat
 request gets one of vLLM's ``Parser`` objects per choice (``vllm.parser``: the class
-``ParserManager.get_parser`` composes for those names), built from a vLLM
-``ChatCompletionRequest`` of the attempt's messages, tools and tool choice:
+``ParserManager.get_parser`` composes for those names), built from the attempt's vLLM
+``ChatCompletionRequest``:
 
-- before generating, the parser adjusts the request as vLLM's server does: a ``required``
-  or named ``tool_choice`` becomes the structured output (a structural tag) that forces the
-  call, which the engine's sampling parameters then carry;
+- once vLLM's renderer rendered the request (app/worker/vllm_requests.py), the parser
+  adjusts it as vLLM's server does: a ``required`` or named ``tool_choice`` becomes the
+  structured output (a structural tag) that forces the call, which the request's sampling
+  parameters then carry;
 - each engine output goes through ``parse_delta``: its text comes back as content,
   reasoning or pieces of tool calls. Content and reasoning become token frames under their
   field's name; a tool call's pieces are gathered, and the whole call is published once its
@@ -67,7 +68,7 @@ class Parsers:
             else:
                 named = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
                 why = f"tool_choice={named} requires --tool-call-parser to be set"
-            raise Refusal(400, Code.INVALID_FIELD, why, field="tool_choice")
+            raise Refusal(400, Code.BAD_REQUEST, why)  # as vLLM's server: no param
         if self.parser_cls is None or spec.messages is None:
             return None
         return AttemptParsing(self, spec)
@@ -78,33 +79,27 @@ class AttemptParsing:
     they read (tools, tool choice), adjusted as vLLM's server adjusts it."""
 
     def __init__(self, parsers: Parsers, spec: AttemptSpec) -> None:
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import (  # type: ignore[import-not-found, unused-ignore]
-            ChatCompletionRequest,
-        )
-
-        s = spec.sampling
-        fields: dict[str, Any] = {"model": spec.model, "messages": list(spec.messages or ()), "stream": True}
-        if s.tools:
-            fields["tools"] = list(s.tools)
-        if s.tool_choice is not None:
-            fields["tool_choice"] = s.tool_choice
-        if s.response_format is not None:  # merged with a forced call's structural tag, as vLLM does
-            fields["response_format"] = s.response_format
-        try:
-            request = ChatCompletionRequest(**fields)
-        except (ValidationError, ValueError) as exc:
-            raise Refusal(400, Code.INVALID_FIELD, f"tools: {exc}", field="tools") from None
-        parser_cls: Any = parsers.parser_cls
-        self._parsers = [parser_cls(parsers.tokenizer, request.tools, model_config=None) for _ in range(s.n)]
-        self.request = self._parsers[0].adjust_request(request)
-        self.structured_outputs = self.request.extract_structured_outputs() if s.tools else None
-        self._named = isinstance(s.tool_choice, dict)
-        self._calls: list[dict[int, list[str]]] = [{} for _ in range(s.n)]
-        self._generated: list[list[int]] = [[] for _ in range(s.n)]
-        self._held: list[list[int]] = [[] for _ in range(s.n)]
-        self._reasons = self._parsers[0].reasoning_parser is not None
+        self._parsers_of = parsers
+        self._choices = spec.sampling.n
+        self._named = isinstance(spec.sampling.tool_choice, dict)
+        self._calls: list[dict[int, list[str]]] = [{} for _ in range(self._choices)]
+        self._generated: list[list[int]] = [[] for _ in range(self._choices)]
+        self._held: list[list[int]] = [[] for _ in range(self._choices)]
+        self._parsers: list[Any] = []
+        self._reasons = False
+        self.request: Any = None
         self.prompt_token_ids: list[int] = []
+
+    def adjust(self, request: Any) -> Any:
+        """vLLM's ``ChatCompletionRequest`` of the attempt, rendered, as the parsers adjust it:
+        a ``required`` or named ``tool_choice`` becomes the structured output that forces the
+        call (app/worker/vllm_requests.py reads it from the adjusted request)."""
+        parsers = self._parsers_of
+        parser_cls: Any = parsers.parser_cls
+        self._parsers = [parser_cls(parsers.tokenizer, request.tools, model_config=None) for _ in range(self._choices)]
+        self.request = self._parsers[0].adjust_request(request)
+        self._reasons = self._parsers[0].reasoning_parser is not None
+        return self.request
 
     def engine_kwargs(self, prompt_token_ids: list[int]) -> dict[str, Any]:
         """What vLLM's server gives the engine beside the prompt: whether the reasoning has
@@ -126,7 +121,13 @@ class AttemptParsing:
         return {"completion_tokens_details": {"reasoning_tokens": counted}}
 
     def outputs(
-        self, choice: int, token_ids: list[int], text: str, finish_reason: str | None, logprobs: list[Any] | None
+        self,
+        choice: int,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[Any] | None,
+        stop_reason: str | int | None = None,
     ) -> list[EngineOutput]:
         """What one engine output of ``choice`` publishes: its reasoning and content (the
         token ids and log probabilities with the first), and, once the choice finished, its
@@ -173,5 +174,5 @@ class AttemptParsing:
             held.clear()
         if calls and not self._named and finish_reason == "stop":
             finish_reason = "tool_calls"
-        pieces.append(EngineOutput(choice, [], "", finish_reason))
+        pieces.append(EngineOutput(choice, [], "", finish_reason, stop_reason=stop_reason))
         return pieces

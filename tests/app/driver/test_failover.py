@@ -176,12 +176,12 @@ def test_an_upstream_refusal_is_passed_on_and_not_retried(gateway: RunningGatewa
     long_prompt = " ".join(["word"] * 600)  # over the sim's 512-token context
     with pytest.raises(openai.BadRequestError) as caught:
         gateway.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
-    assert caught.value.code == "prompt_too_long"
+    assert caught.value.code == "context_length_exceeded"  # as through an openai replica
     request_id = caught.value.response.headers["x-request-id"]
     events = gateway.events(request_id)
     assert len(of(events, ev.AttemptStarted)) == 1
     (terminal,) = of(events, ev.RequestFailed)
-    assert terminal.code == "prompt_too_long" and not terminal.retryable  # type: ignore[attr-defined]
+    assert terminal.code == "context_length_exceeded" and not terminal.retryable  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("fault", [{"action": "malformed_frame", "at_token": 0}, {"action": "stall", "at_token": 0}])
