@@ -44,7 +44,8 @@ class AttemptRun:
         self.renewed_at = self.started_at
         self.first_token_seen = False
         self.deadlines_reported: set[Deadline] = set()
-        self.generated_tokens = 0
+        self.generated_tokens = 0  # token frames read
+        self.deltas = 0  # of them, those that carried a delta for the client (the first: the commit point)
         self._stream: AttemptStream | None = None
         self._frames: AsyncIterator[Frame] | None = None
         self._watch: _StallWatch | None = None

@@ -142,7 +142,9 @@ class RequestLoop(LoopActions):
                     self.recorder.record(ev.FirstTokenReceived, attempt=run.attempt, lease_epoch=run.lease_epoch)
                     self.charges.settle(poison=False)  # an attempt produced output: not poison
                 run.generated_tokens += 1
-                yield delta_of(frame)
+                if carries_delta(frame):
+                    run.deltas += 1
+                    yield delta_of(frame)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 if frame.queue_position:
                     self.ctx.pool.queued_at(run.replica, frame.queue_position)
@@ -175,7 +177,7 @@ class RequestLoop(LoopActions):
         do: what ``_drive`` does for each (count it, hand its delta to the client) without
         a wake-up of the loop's task. Only when the loop awaits this attempt's next frame
         with nothing else pending (a poke, an interruption, a restart to tell), the first
-        token (and with it the commit point) is behind, the instance's lease holds, a
+        delta (and with it the commit point) is behind, the instance's lease holds, a
         client is attached, and the policy decides nothing on the state as it is;
         otherwise the task reads them as any frames. (The deltas the client is handed may
         close a delivery batch: the policy then looks at the state before the loop's next
@@ -186,14 +188,17 @@ class RequestLoop(LoopActions):
             or self._interrupted is not None
             or self._restarted
             or run is not self.run
-            or run.generated_tokens == 0
+            or run.deltas == 0
             or self.feed.client is None
             or self.ctx.lease_lapsed()
             or not self._nothing_to_decide()
         ):
             return False
         run.generated_tokens += len(tokens)
-        self.feed.offer([delta_of(token) for token in tokens])
+        deltas = [delta_of(token) for token in tokens if carries_delta(token)]
+        if deltas:
+            run.deltas += len(deltas)
+            self.feed.offer(deltas)
         return True
 
     def _nothing_to_decide(self) -> bool:
@@ -339,6 +344,14 @@ class RequestLoop(LoopActions):
         self.ctx.drivers.pop(self.request_id, None)
         partial = delivered > 0 or self.state.first_delta_sent
         return Failed(code, message, partial, delivered, retryable=not partial, http_status=503)
+
+
+def carries_delta(token: Token) -> bool:
+    """Whether a token frame has anything for the client: text, or log probabilities. One
+    with neither (a worker's frame of a tool call's markup tokens, sent as the decode's
+    liveness) is read and counted, and sends nothing, as vLLM's server sends no delta for
+    such tokens; it is no commit point either: nothing of the answer reached the client."""
+    return bool(token.text) or token.logprobs is not None
 
 
 def delta_of(token: Token) -> Delta:

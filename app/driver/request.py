@@ -94,8 +94,12 @@ class GenerationRequest:
         """The client's fields for an OpenAI-compatible replica, as it sent them: all but
         what phasegate sets itself (the stream, the model of the attempt) and what it only
         records (app/contract/request_fields.py). An older guided-decoding field, which
-        vLLM 0.32 ignores, goes as the ``structured_outputs`` it means."""
+        vLLM 0.32 ignores, goes as the ``structured_outputs`` it means; where the client
+        gave no ``max_tokens``, the operator's default, when one is set."""
         passed = {k: v for k, v in self.raw.items() if k not in NOT_PASSED_ON}
+        asked = passed.get("max_tokens") is not None or passed.get("max_completion_tokens") is not None
+        if self.max_tokens is not None and not asked:
+            passed["max_tokens"] = self.max_tokens  # the operator's default (limits.default_max_tokens)
         if self.structured_outputs is not None and any(name in passed for name in LEGACY_GUIDED):
             for name in LEGACY_GUIDED:
                 passed.pop(name, None)

@@ -51,6 +51,7 @@ class WorkerConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    chat_template: str | None = None  # vllm serve's --chat-template: a file, or the template itself
 
     @property
     def name(self) -> str:
@@ -115,6 +116,7 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument(
         "--enable-auto-tool-choice", action="store_true", help='vllm: "auto" tool choice (needs --tool-call-parser)'
     )
+    p.add_argument("--chat-template", help="vllm: the chat template, a file or the template itself (vllm serve's)")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -134,8 +136,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("phasegate worker: --enable-auto-tool-choice needs --tool-call-parser")
-    if args.engine != "vllm" and (args.reasoning_parser or args.tool_call_parser):
-        raise SystemExit("phasegate worker: --reasoning-parser and --tool-call-parser are vLLM's (--engine vllm)")
+    if args.engine != "vllm" and (args.reasoning_parser or args.tool_call_parser or args.chat_template):
+        raise SystemExit(
+            "phasegate worker: --reasoning-parser, --tool-call-parser and --chat-template are vLLM's (--engine vllm)"
+        )
     if args.max_body_bytes < 1024:
         raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
     http = HttpLimits(
@@ -178,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        chat_template=args.chat_template,
     )
 
 
@@ -196,6 +201,7 @@ def make_engine(config: WorkerConfig) -> Engine:
             max_num_seqs=config.max_running,
             extra_args=config.vllm_args,
             parsers=ParserNames(config.reasoning_parser, config.tool_call_parser, config.enable_auto_tool_choice),
+            chat_template=config.chat_template,
         )
     from app.worker.sim import SimEngine, SimTiming
 

@@ -70,9 +70,11 @@ class VllmEngine:
         max_num_seqs: int = 8,
         extra_args: dict[str, Any] | None = None,
         parsers: ParserNames | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.model_path = model_path
         self.parser_names = parsers or ParserNames()
+        self.chat_template = chat_template
         # vLLM's engine holds a structured output back until the reasoning ended, by its parser
         reasoning = {"reasoning_parser": self.parser_names.reasoning} if self.parser_names.reasoning else {}
         self.models = models
@@ -105,7 +107,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        self._requests = VllmRequests(self._llm)
+        self._requests = VllmRequests(self._llm, self.chat_template)
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
 
     async def close(self) -> None:
@@ -188,7 +190,8 @@ class VllmEngine:
             return vllm_utility.version()
         assert body is not None
         if path == "tokenize":
-            return vllm_utility.tokenize(self._tokenizer, self.max_model_len, body)
+            assert self._requests is not None
+            return vllm_utility.tokenize(self._requests, self._tokenizer, self.max_model_len, body)
         return vllm_utility.detokenize(self._tokenizer, body)
 
     async def abort(self, engine_request_id: str) -> int | None:

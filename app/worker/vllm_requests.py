@@ -52,9 +52,12 @@ class VllmRequest:
 class VllmRequests:
     """vLLM's request handling over one engine (an ``AsyncLLM``'s renderer and model config)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, chat_template: str | None = None) -> None:
+        from vllm.renderers.chat_utils import load_chat_template  # type: ignore[import-not-found, unused-ignore]
+
         self._renderer = llm.renderer
         self._model_config = llm.model_config
+        self._chat_template = load_chat_template(chat_template)  # None: the tokenizer's own
         # the model's generation config, which vLLM's server applies under the client's fields
         self._defaults: dict[str, Any] = self._model_config.get_diff_sampling_param()
         override = getattr(self._model_config, "override_generation_config", None) or {}
@@ -77,7 +80,7 @@ class VllmRequests:
         except Refusal:
             raise
         except Exception as exc:  # vLLM's request checks: its validation errors, ValueError, jinja's
-            raise _refusal(exc) from None
+            raise vllm_refusal(exc) from None
 
     def sampling_params(self, read: VllmRequest) -> Any:
         """vLLM's sampling parameters for the request, its ``max_tokens`` as vLLM's server sets it."""
@@ -96,7 +99,30 @@ class VllmRequests:
             )
             return request.to_sampling_params(max_tokens, self._defaults)
         except Exception as exc:
-            raise _refusal(exc) from None
+            raise vllm_refusal(exc) from None
+
+    def render_chat(self, request: Any) -> Any:
+        """The engine's input for a chat request of vLLM's (an attempt's, or ``/tokenize``'s),
+        as vLLM's ``OnlineRenderer.preprocess_chat`` renders it: the chat template (the
+        worker's ``--chat-template``, else the tokenizer's) with the request's tools and
+        arguments, tokenized with the request's limits."""
+        tools = None if request.tools is None else [tool.model_dump() for tool in request.tools]
+        chat_params = request.build_chat_params(self._chat_template, "auto").with_defaults(
+            {"tools": tools, "tokenize": False}
+        )
+        tok_params = request.build_tok_params(self._model_config)
+        (_conversation,), (engine_input,) = self._renderer.render_chat([request.messages], chat_params, tok_params)
+        return engine_input
+
+    def render_prompt(self, request: Any, prompt: str | list[int]) -> Any:
+        """The engine's input for a completion's prompt (text or token ids) of a request of vLLM's."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt  # type: ignore[import-not-found, unused-ignore]
+
+        given = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        (engine_input,) = self._renderer.render_cmpl(
+            [parse_model_prompt(self._model_config, given)], request.build_tok_params(self._model_config)
+        )
+        return engine_input
 
     def _chat(self, spec: AttemptSpec, fields: dict[str, Any], adjust: Callable[[Any], Any] | None) -> VllmRequest:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # type: ignore[import-not-found, unused-ignore]
@@ -104,34 +130,28 @@ class VllmRequests:
         request = ChatCompletionRequest.model_validate(
             {**fields, "model": spec.model, "messages": list(spec.messages or ()), "stream": True}
         )
-        tools = None if request.tools is None else [tool.model_dump() for tool in request.tools]
-        chat_params = request.build_chat_params(None, "auto").with_defaults({"tools": tools, "tokenize": False})
-        tok_params = request.build_tok_params(self._model_config)
-        (_conversation,), (engine_input,) = self._renderer.render_chat([request.messages], chat_params, tok_params)
+        engine_input = self.render_chat(request)
         if adjust is not None:
             request = adjust(request)
-        return VllmRequest(request, engine_input, _token_ids(engine_input))
+        return VllmRequest(request, engine_input, token_ids(engine_input))
 
     def _completion(self, spec: AttemptSpec, fields: dict[str, Any]) -> VllmRequest:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # type: ignore[import-not-found, unused-ignore]
-        from vllm.renderers.inputs.preprocess import parse_model_prompt  # type: ignore[import-not-found, unused-ignore]
 
         prompt = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
         request = CompletionRequest.model_validate({**fields, "model": spec.model, "prompt": prompt, "stream": True})
         if request.suffix is not None:
             raise Refusal(400, Code.UNSUPPORTED_FIELD, "suffix: the worker does not render FIM prompts", field="suffix")
-        given = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
-        (engine_input,) = self._renderer.render_cmpl(
-            [parse_model_prompt(self._model_config, given)], request.build_tok_params(self._model_config)
-        )
-        return VllmRequest(request, engine_input, _token_ids(engine_input))
+        assert prompt is not None
+        engine_input = self.render_prompt(request, prompt)
+        return VllmRequest(request, engine_input, token_ids(engine_input))
 
 
-def _token_ids(engine_input: Any) -> list[int]:
+def token_ids(engine_input: Any) -> list[int]:
     return list(engine_input.get("prompt_token_ids") or ())
 
 
-def _refusal(exc: Exception) -> Refusal:
+def vllm_refusal(exc: Exception) -> Refusal:
     """vLLM's refusal of a request, as its server words it (status, message, ``param``)."""
     from pydantic import ValidationError
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response  # type: ignore[import-not-found, unused-ignore]

@@ -3,11 +3,11 @@ and ``/v1/version``, answered as ``vllm serve`` answers ``/tokenize``, ``/detoke
 ``/version`` (the gateway relays them: app/api/utility.py).
 
 The bodies are read with vLLM's own request models (``vllm.entrypoints.serve.tokenize``),
-so the same fields are taken and the same defaults apply: a ``prompt`` is tokenized with
+so the same fields are taken and the same defaults apply, and rendered by vLLM's renderer
+as an attempt's prompt is (app/worker/vllm_requests.py): a ``prompt`` is tokenized with
 the special tokens added, ``messages`` are rendered by the chat template (with the
-generation prompt, without special tokens). A chat is rendered by the same template call
-as an attempt's prompt (app/worker/vllm_engine.py), so ``count`` is the prompt tokens an
-attempt of those messages would have.
+generation prompt, without special tokens), so ``count`` is the prompt tokens an attempt
+of those messages would have.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from app.worker.protocol import Code, Refusal
+from app.worker.vllm_requests import VllmRequests, token_ids, vllm_refusal
 
 
-def tokenize(tokenizer: Any, max_model_len: int, body: dict[str, Any]) -> dict[str, Any]:
+def tokenize(requests: VllmRequests, tokenizer: Any, max_model_len: int, body: dict[str, Any]) -> dict[str, Any]:
     from pydantic import ValidationError
     from vllm.entrypoints.serve.tokenize.protocol import (  # type: ignore[import-not-found, unused-ignore]
         TokenizeChatRequest,
@@ -26,28 +27,17 @@ def tokenize(tokenizer: Any, max_model_len: int, body: dict[str, Any]) -> dict[s
 
     try:
         if "messages" in body:
-            chat = TokenizeChatRequest.model_validate(body)
-            tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
-            text = tokenizer.apply_chat_template(
-                body["messages"],
-                tools=tools,
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message,
-                tokenize=False,
-                **(chat.chat_template_kwargs or {}),
-            )
-            ids = tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
-            strs = chat.return_token_strs
+            request = TokenizeChatRequest.model_validate(body)
+            engine_input = requests.render_chat(request)
         else:
-            completion = TokenizeCompletionRequest.model_validate(body)
-            ids = tokenizer.encode(completion.prompt, add_special_tokens=completion.add_special_tokens)
-            strs = completion.return_token_strs
+            request = TokenizeCompletionRequest.model_validate(body)
+            engine_input = requests.render_prompt(request, request.prompt)
     except (ValidationError, ValueError) as exc:
         raise Refusal(400, Code.INVALID_FIELD, str(exc)) from None
-    except Exception as exc:  # the chat template's own refusal (jinja's TemplateError)
-        raise Refusal(400, Code.INVALID_FIELD, f"messages: the model's chat template refused them: {exc}") from None
-    ids = list(ids)
-    token_strs = tokenizer.convert_ids_to_tokens(ids) if strs else None
+    except Exception as exc:  # vLLM's own checks (its validation errors, the chat template's refusal)
+        raise vllm_refusal(exc) from None
+    ids = token_ids(engine_input)
+    token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 

@@ -35,7 +35,11 @@ def test_a_minimal_chat_request_sends_on_only_what_it_gave() -> None:
     assert request.passed_on() == {"messages": [{"role": "user", "content": "hi"}]}
     assert request.prompt_text == "hi" and request.estimated_prompt_tokens == 1
     assert not request.guided
-    assert parse_request(CHAT, chat(), LIMITS).sampling() == {"n": 1, "max_tokens": 64}
+    defaulted = parse_request(CHAT, chat(), LIMITS)
+    assert defaulted.sampling() == {"n": 1, "max_tokens": 64}
+    assert defaulted.passed_on() == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    asked = parse_request(CHAT, chat(max_completion_tokens=9), LIMITS)
+    assert asked.passed_on() == {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
 
 
 def test_every_field_but_phasegates_own_is_passed_on_as_the_client_sent_it() -> None:

@@ -1,0 +1,110 @@
+"""app/worker/vllm_requests.py over vLLM's real renderer and the tiny model, without an engine:
+a chat is rendered with the worker's ``--chat-template`` when it has one, ``/tokenize``
+renders as an attempt does, and what vLLM's checks refuse is refused in vLLM's words with
+the code a client gets through an ``openai`` replica.
+
+vLLM lives in its own environment (.ci/vllm-env), so the checks run there, in one child
+process that prints what it found (about 10 s: vLLM's imports and the model's config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.workers import vllm_env
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).parents[3]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}|{% endfor %}"
+
+CHECKS = """
+import json, sys
+from types import SimpleNamespace
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+from vllm.renderers.registry import renderer_from_config
+
+from app.worker.protocol import AttemptSpec, Refusal, Sampling
+from app.worker.vllm_requests import VllmRequests, token_ids
+
+model, template = sys.argv[1], sys.argv[2]
+config = AsyncEngineArgs(model=model, max_model_len=4096, enforce_eager=True).create_engine_config()
+llm = SimpleNamespace(renderer=renderer_from_config(config), model_config=config.model_config)
+custom, default = VllmRequests(llm, template), VllmRequests(llm)
+hi = [{"role": "user", "content": "hi"}]
+
+
+def tokens(requests, body):
+    if "messages" in body:
+        return token_ids(requests.render_chat(TokenizeChatRequest.model_validate(body)))
+    request = TokenizeCompletionRequest.model_validate(body)
+    return token_ids(requests.render_prompt(request, request.prompt))
+
+
+def attempt(requests, messages, **fields):
+    spec = AttemptSpec("r", 1, 1, 5.0, "m", tuple(messages), None, Sampling(), 0.25, fields=fields)
+    try:
+        read = requests.read(spec)
+        return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": requests.sampling_params(read).max_tokens}
+    except Refusal as refusal:
+        return {"status": refusal.status, "code": refusal.code.value, "message": refusal.message,
+                "field": refusal.field}
+
+
+print(json.dumps({
+    "custom chat": tokens(custom, {"messages": hi}),
+    "its text": tokens(custom, {"prompt": "user:hi|", "add_special_tokens": False}),
+    "default chat": tokens(default, {"messages": hi}),
+    "attempt, custom": attempt(custom, hi),
+    "attempt, default": attempt(default, hi),
+    "max_tokens over the context": attempt(default, hi, max_tokens=100_000),
+    "echo": attempt(default, hi, echo=True),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def found() -> dict[str, Any]:
+    env = vllm_env()
+    result = subprocess.run(
+        [env.python, "-c", CHECKS, env.model, TEMPLATE],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_the_workers_chat_template_renders_the_prompt(found: dict[str, Any]) -> None:
+    assert found["custom chat"] == found["its text"] != found["default chat"]
+    assert found["attempt, custom"]["prompt_token_ids"] == found["custom chat"]
+
+
+def test_an_attempt_and_tokenize_render_the_same_prompt(found: dict[str, Any]) -> None:
+    """``/tokenize``'s count is the prompt tokens an attempt of the same messages has; with
+    no max_tokens asked, the rest of the context, as vLLM's server gives it."""
+    attempt = found["attempt, default"]
+    assert attempt["prompt_token_ids"] == found["default chat"]
+    assert attempt["max_tokens"] == 4096 - len(found["default chat"])
+
+
+def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, Any]) -> None:
+    over = found["max_tokens over the context"]
+    assert (over["status"], over["code"], over["field"]) == (400, "upstream_bad_request", "max_tokens")
+    assert over["message"] == (  # as vllm serve words it (tests/compat/test_differential.py compares them)
+        "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
+        " (parameter=max_tokens, value=100000)"
+    )
+    echo = found["echo"]
+    assert (echo["status"], echo["code"], echo["field"]) == (400, "unsupported_parameter", "echo")
