@@ -78,12 +78,32 @@ def wait_for_line(output: Path, pattern: str, process: subprocess.Popen[bytes], 
     raise AssertionError(f"no {pattern!r} in the output:\n{output.read_text(errors='replace')}")
 
 
-def exited(process: subprocess.Popen[bytes], timeout: float) -> int:
+# Ctrl-C stops the embedded PostgreSQL with pg_ctl's own bound (EmbeddedPostgres's
+# start_timeout, 60 s): a stop that takes longer than that is a fault, one under it is not
+STOPPED_WITHIN_S = 90
+
+
+def exited(process: subprocess.Popen[bytes], output: Path, timeout: float = STOPPED_WITHIN_S) -> int:
+    """Its exit status once it stopped; a stop it did not make within ``timeout`` fails the
+    test with what was still running and the end of what it printed, to say where it hung."""
     try:
         return process.wait(timeout)
     except subprocess.TimeoutExpired:
+        left = "\n".join(describe(pid) for pid in sorted({process.pid, *children_of(process.pid)}))
+        tail = "\n".join(output.read_text(errors="replace").splitlines()[-20:])
         end(process)
-        raise AssertionError(f"phasegate serve still ran {timeout:g}s after Ctrl-C") from None
+        raise AssertionError(
+            f"phasegate serve still ran {timeout:g}s after Ctrl-C; still running:\n{left}\nits output ends:\n{tail}"
+        ) from None
+
+
+def describe(pid: int) -> str:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} {state} {command[:200]}"
 
 
 def children_of(pid: int) -> set[int]:
@@ -189,7 +209,7 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
     time.sleep(0.5)
     assert reader.is_alive()  # draining lets the stream run on
     ctrl_c(process)
-    assert exited(process, 30) == 0
+    assert exited(process, output) == 0
     reader.join(10)
     finals = [json.loads(line[5:]) for line in lines if line.startswith("data:") and '"error"' in line]
     assert [final["error"]["code"] for final in finals] == ["gateway_draining"]
@@ -206,7 +226,7 @@ def test_ctrl_c_while_it_starts_stops_it_quietly(data_dir: Path, tmp_path: Path,
         wait_for_line(output, moment, process)
         workers = children_of(process.pid)
         ctrl_c(process)
-        assert exited(process, 30) == 128 + signal.SIGINT
+        assert exited(process, output) == 128 + signal.SIGINT
     finally:
         end(process)
     assert_quiet_and_clean(output, data_dir)
@@ -225,7 +245,7 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
         assert line.endswith("/ui/requests (with the configured admin token)")
         wait_for_line(output, "Ctrl-C drains", process)
         ctrl_c(process)
-        assert exited(process, 30) == 0
+        assert exited(process, output) == 0
     finally:
         end(process)
     assert token not in output.read_text()

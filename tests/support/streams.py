@@ -55,9 +55,12 @@ async def collect(
     *,
     t0: float | None = None,
     max_frames: int | None = None,
+    tokens: int | None = None,
     for_s: float | None = None,
 ) -> Collected:
-    """Read frames until the stream ends, fails, ``max_frames`` were read or ``for_s`` passed."""
+    """Read frames until the stream ends, fails, ``max_frames`` were read, ``tokens`` token
+    frames were (however many heartbeats came first: a loaded machine's prefill sends more),
+    or ``for_s`` passed."""
     t0 = time.monotonic() if t0 is None else t0
     out = Collected()
     try:
@@ -65,6 +68,8 @@ async def collect(
             out.frames.append(frame)
             out.times.append(time.monotonic() - t0)
             if max_frames is not None and len(out.frames) >= max_frames:
+                break
+            if tokens is not None and len(out.tokens) >= tokens:
                 break
             if for_s is not None and time.monotonic() - t0 >= for_s:
                 break

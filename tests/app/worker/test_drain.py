@@ -72,7 +72,7 @@ async def test_sigterm_finishes_what_fits_in_the_grace_and_ends_the_rest(drained
                 prompt="long",
                 params=under_test.long(),
             )
-            assert isinstance((await collect(long, max_frames=2)).frames[-1], Token)
+            assert isinstance((await collect(long, tokens=1)).frames[-1], Token)  # decoding
         await asyncio.sleep(0.05)
         worker.signal(signal.SIGTERM)
         t_term = time.monotonic()
