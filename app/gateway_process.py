@@ -63,10 +63,13 @@ async def run_gateway(
     *,
     address: str | None = None,
     backlog: int = 2048,
+    stop_asked: Callable[[], int | None] | None = None,
 ) -> None:
     """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
     ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
-    to ``listen`` and how many connections it accepts each time a socket is readable."""
+    to ``listen`` and how many connections it accepts each time a socket is readable.
+    ``stop_asked``: the stop signal received while it started, if any (then it stops as
+    soon as it started, as on that signal, and ``on_started`` is not called)."""
     import uvicorn
 
     from app.gateway import Gateway
@@ -120,6 +123,10 @@ async def run_gateway(
         # raising the thresholds (10,000 or 50,000) bought 0.072 and 0.070 for +33 MiB.
         gc.collect()
         gc.freeze()
+        asked = stop_asked() if stop_asked is not None else None
+        if asked is not None:
+            server.handle_exit(asked, None)
+            return
         on_started()
 
     watch = loop.create_task(started())

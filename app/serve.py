@@ -141,7 +141,9 @@ def serve(args: argparse.Namespace) -> int:
             log.info("embedded PostgreSQL in %s", database.data_dir)
         announce = functools.partial(_announce, config, generated_token, processes, args.ready_file)
         if processes == 1:
-            asyncio.run(run_gateway(config, url, [listener], announce))
+            asyncio.run(run_gateway(config, url, [listener], announce, stop_asked=lambda: _Deferred.received))
+            if _Deferred.received is not None:  # asked to stop while it started: as if the start was cut
+                code = 128 + _Deferred.received
         else:
             code = _serve_processes(config, url, listener, announce, processes, args.log_level, workdir)
     finally:
@@ -162,6 +164,11 @@ class _Deferred:
 
     holding = False
     pending: int | None = None
+    # the stop signal received before the server took the signals over: its SystemExit
+    # stops the start, but a library between the handler and this frame may swallow it
+    # (a Ctrl-C in the migrations once left phasegate serving: test_serve), so the
+    # server, once started, looks here too and stops at once
+    received: int | None = None
 
 
 def _secrets(config: GatewayConfig) -> list[str | None]:
@@ -178,6 +185,7 @@ def _secrets(config: GatewayConfig) -> list[str | None]:
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
+    _Deferred.received = signum
     if _Deferred.holding:
         _Deferred.pending = signum
         return
@@ -264,9 +272,13 @@ def _serve_processes(
         except ChildFailed as exc:
             print(f"phasegate serve: {exc}")
             return 1
-        announce()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, frame: gateways.forward(received))
+        if _Deferred.received is not None:  # asked to stop while they started (see _Deferred)
+            gateways.forward(_Deferred.received)
+            gateways.run()
+            return 128 + _Deferred.received
+        announce()
         return gateways.run()
     finally:
         gateways.kill()

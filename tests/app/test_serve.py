@@ -12,6 +12,7 @@ process group).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -259,3 +260,23 @@ def test_processes_must_be_a_whole_number_of_at_least_one(bad: str, capsys: pyte
         main(["serve", "--processes", bad])
     assert stopped.value.code == 2  # argparse's usage error, before anything starts
     assert "--processes" in capsys.readouterr().err
+
+
+async def test_a_stop_asked_while_it_started_stops_it_once_started(database_url: str) -> None:
+    """A stop signal whose SystemExit a library swallowed during the start (a Ctrl-C in the
+    migrations once left phasegate serving) is still seen: the server stops as soon as it
+    started, and it is never announced."""
+    from app.config import ReplicaConfig, load_config
+    from app.gateway_process import run_gateway
+    from app.serve import _bind
+
+    listener = _bind("127.0.0.1", 0)
+    replica = ReplicaConfig(id="absent", url="http://127.0.0.1:9")  # never asked: nothing is served
+    config = load_config(None, port=listener.getsockname()[1], replicas=(replica,), apply_migrations=False)
+    announced: list[bool] = []
+    try:
+        run = run_gateway(config, database_url, [listener], lambda: announced.append(True), stop_asked=lambda: 2)
+        await asyncio.wait_for(run, 60)
+    finally:
+        listener.close()
+    assert announced == []

@@ -195,6 +195,10 @@ def test_a_reconnecting_sse_client_resumes_with_last_event_id_as_event_source_do
     assert [i for i in got.event_ids if i < 40] == list(range(40))  # every delta once, in order
     events = gateway.events(request_id)
     sent = delivered(events)
+    # once seen in CI (ci4 of 0b246d2's successor): deltas 30-39 were not in the log as
+    # delivered although the client had them; the log's shape says where they went
+    shape = [(type(e).__name__, getattr(e, "from_index", None)) for e in events]
+    assert sorted(sent) == list(range(40)), shape
     assert "".join(sent[i] for i in range(40)) == got.text
     assert [e.after for e in of(events, ev.ClientResumed)] == [1, 6]  # type: ignore[attr-defined]
     assert len(of(events, ev.RequestAccepted)) == 1
