@@ -55,7 +55,7 @@ from app.store import migrate
 from app.store.codec import EventRow
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
-from app.store.insert import insert_rows
+from app.store.insert import INSERT_EVENT, INSERT_EVENTS, columns, insert_rows
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 from ops.bench.log_rows import T0, dayed_row, delivery, opening, percentile, scratch_database
@@ -109,8 +109,6 @@ async def bind(conn: asyncpg.Connection) -> None:
 
 async def explained(conn: asyncpg.Connection, rows: Sequence[EventRow]) -> dict[str, float]:
     """EXPLAIN ANALYZE of the writer's INSERT of ``rows``, rolled back: milliseconds by part."""
-    from app.store.insert import INSERT_EVENT, INSERT_EVENTS, columns
-
     statement, args = (INSERT_EVENT, list(rows[0])) if len(rows) == 1 else (INSERT_EVENTS, columns(rows))
     transaction = conn.transaction()
     await transaction.start()
