@@ -70,6 +70,7 @@ from statemachine.state import advance, fold
 log = logging.getLogger("phasegate.api")
 
 FOLLOW_EVERY_S = 0.02  # how often a live request's log is read again
+HANDOVER_WAIT_S = 3.0  # how long a resume waits for the instance to see its old connection gone
 ATTACH_WAIT_S = 10.0  # how long an attaching POST waits for the request it names to reach the log
 MAX_EVENT_ID = 1 << 31
 
@@ -238,7 +239,7 @@ async def attach_live(
     driver = ctx.drivers.get(request_id)
     if not isinstance(driver, RequestDriver):
         return None
-    client = driver.attach(after)
+    client = await _attachment(driver, after)
     if client is None:
         return None
     headers = {"x-request-id": request_id}
@@ -261,6 +262,20 @@ async def attach_live(
     gone = client_gone(request.scope, request.receive)
     body = stream_body(driver, shape, first, gone, lambda tokens: None, start, request.scope.get(CHUNK_WRITER))
     return TokenStreamResponse(body, headers=headers)
+
+
+async def _attachment(driver: RequestDriver, after: int) -> AttachedClient | None:
+    """The resumer attached to the live request, waiting up to ``HANDOVER_WAIT_S`` for
+    the instance to see the client's previous connection drop: a client that reconnects
+    at once can be here before its old connection's end is. Followed from the log
+    instead, it would have the deltas, but the request would wait out its grace for a
+    client that never attaches, and be cancelled under it. A second reader that is not a
+    reconnect (the first connection stays) follows the log after the wait."""
+    waited = 0.0
+    while (client := driver.attach(after)) is None and driver.serves_a_client() and waited < HANDOVER_WAIT_S:
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        waited += FOLLOW_EVERY_S
+    return client
 
 
 async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:

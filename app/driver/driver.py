@@ -200,6 +200,11 @@ class RequestDriver(RequestLoop):
         asyncio.get_running_loop().call_later(grace, self._grace_over, self._disconnects)
         self.feed.start()
 
+    def serves_a_client(self) -> bool:
+        """A client is attached to the live request (this instance saw none leave)."""
+        state = self.state
+        return state.phase is not Phase.TERMINATED and not state.client_gone and not self.recorder.sealed
+
     def attach(self, after: int) -> AttachedClient | None:
         """A client resumes the live request within its grace, having deltas up to
         ``after``: it gets the ones after, those produced meanwhile first. ``None`` when

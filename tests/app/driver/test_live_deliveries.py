@@ -43,7 +43,12 @@ def logged_deltas(events: list[ev.Event]) -> int:
 def test_the_log_holds_a_live_streams_deltas_before_it_ends(database_url: str, stalling_worker: WorkerProcess) -> None:
     add_fault(stalling_worker, action="stall", at_token=SENT, match={"prompt_contains": "stalls after a while"})
     with running_gateway(
-        database_url, [stalling_worker], delivery_batch_tokens=BATCH, delivery_batch_ms=BATCH_MS, timeouts=PATIENT, resume_grace_s=0
+        database_url,
+        [stalling_worker],
+        delivery_batch_tokens=BATCH,
+        delivery_batch_ms=BATCH_MS,
+        timeouts=PATIENT,
+        resume_grace_s=0,
     ) as gateway:
         stream = gateway.openai().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "stalls after a while"}], stream=True, max_tokens=40
