@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
-from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
+from app.api.responses_shape import Shape, shape_for
+from app.api.sse import ChoiceAnswer
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
@@ -54,8 +55,7 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
         driver.delivered(json.dumps(calls), tokens=0, choice=choice, key=TOOL_CALLS)
         answers[choice].tool_calls = calls
     await driver.complete(output)
-    request = driver.request
-    shape = ResponseShape(request, response_id(request, driver.request_id), driver.created, driver.answered_by)
+    shape = shape_for(driver.request, driver.request_id, driver.created, driver.answered_by)
     body = shape.completion(answers, output.finish_reasons, output.full_usage, output.stop_reasons)
     return JSONResponse(body)
 
@@ -68,7 +68,7 @@ class _Stream:
     def __init__(
         self,
         driver: RequestDriver,
-        shape: ResponseShape,
+        shape: Shape,
         gone: asyncio.Future[None],
         start: int,
         writer: ChunkWriter | None,
@@ -128,7 +128,7 @@ class _Stream:
 
 async def stream_body(
     driver: RequestDriver,
-    shape: ResponseShape,
+    shape: Shape,
     output: Output,
     gone: asyncio.Future[None],
     charge: Callable[[int], None],
@@ -169,19 +169,14 @@ async def stream_body(
             elif isinstance(output, Finished):
                 event_id = stream.event_id
                 for choice, calls in sorted(output.tool_calls.items()):
-                    yield shape.opening(choice) + sse_event(event_id, shape.tool_calls_chunk(calls, choice))
+                    yield shape.tool_calls_event(event_id, calls, choice)
                     driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id, key=TOOL_CALLS)
                     event_id = stream.event_id = event_id + 1
                 await driver.complete(output)
-                # the last events go out in one write
-                ending = shape.finish_events(event_id, output.finish_reasons, output.stop_reasons)
-                event_id += len(ending)
-                if driver.request.include_usage:
-                    ending.append(sse_event(event_id, shape.usage_chunk(output.full_usage)))
-                yield b"".join([*ending, DONE])
+                yield shape.ending(event_id, output.finish_reasons, output.stop_reasons, output.full_usage)
                 return
             elif isinstance(output, Failed):
-                yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, output))) + DONE
+                yield shape.failure_event(stream.event_id, failure_body(driver.request_id, output))
                 return
             elif isinstance(output, Cancelled):
                 if output.reason == CANCELLED_BY_CLIENT:  # a stop button: whoever still reads is told
@@ -193,7 +188,7 @@ async def stream_body(
                         False,
                         499,
                     )
-                    yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, cancelled))) + DONE
+                    yield shape.failure_event(stream.event_id, failure_body(driver.request_id, cancelled))
                 return
             output = await anext(client)
     except StopAsyncIteration:  # another client attached in its place
@@ -204,7 +199,7 @@ async def stream_body(
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
         driver.log_lost(output_delivered=stream.delivered_tokens > 0 or stream.started)
         failed = log_loss.failure(stream.delivered_tokens)
-        yield sse_event(stream.event_id, json.dumps(failure_body(driver.request_id, failed))) + DONE
+        yield shape.failure_event(stream.event_id, failure_body(driver.request_id, failed))
     except (asyncio.CancelledError, GeneratorExit):
         driver.client_gone()
         raise

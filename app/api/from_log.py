@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from app.api.errors import ApiError, failure_body
 from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
 from app.driver.outputs import Failed, full_usage
-from app.driver.request import GenerationRequest
+from app.driver.request import RESPONSES, GenerationRequest
 from statemachine import events as ev
 from statemachine.batches import delta_keys
 from statemachine.events import CONTENT, TOOL_CALLS, TokenLogprob
@@ -33,6 +33,11 @@ class ResumeUnavailable(ApiError):
 
 
 def check_resumable(events: list[ev.Event]) -> None:
+    accepted = events[0]
+    if isinstance(accepted, ev.RequestAccepted) and accepted.endpoint == RESPONSES:
+        raise ResumeUnavailable(
+            "a response's stream is not resumed through phasegate yet (GET /v1/responses/{id} is not served)"
+        )
     for event in events:
         if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and (
             event.text is None or (not event.deltas and event.to_index - event.from_index > 1)

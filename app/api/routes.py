@@ -19,6 +19,7 @@ import asyncio
 import functools
 import hmac
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -50,16 +51,19 @@ from app.api.errors import (
     RateLimited,
     ServiceUnavailable,
     Unauthorized,
+    UnsupportedParameter,
     retry_headers,
 )
 from app.api.limits import TenantLimiter
 from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
+from app.api.responses_request import parse_responses_request
+from app.api.responses_shape import shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
-from app.api.sse import ResponseShape, response_id
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.api.utility import unready, utility_routes
+from app.config import Limits
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -87,6 +91,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/healthz", api.healthz, methods=["GET"]),
@@ -132,12 +137,21 @@ class _Api:
         self.limiter = limiter
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, CHAT)
+        return await self._generate(request, functools.partial(parse_request, CHAT))
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, COMPLETIONS)
+        return await self._generate(request, functools.partial(parse_request, COMPLETIONS))
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
+    async def responses(self, request: Request) -> Response:
+        if request.headers.get("idempotency-key") is not None:
+            refused = UnsupportedParameter(
+                "'Idempotency-Key' is not served for /v1/responses yet: a response cannot be attached to again",
+                param="Idempotency-Key",
+            )
+            return _refused(refused)
+        return await self._generate(request, parse_responses_request)
+
+    async def _generate(self, request: Request, parse: Callable[[Any, Limits], GenerationRequest]) -> Response:
         request_id = new_request_id()
         bind_request(request_id)  # this task's log lines, and those of every task it starts
         headers = {"x-request-id": request_id}
@@ -149,9 +163,7 @@ class _Api:
             return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            generation = parse_request(
-                endpoint, await json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits
-            )
+            generation = parse(await json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits)
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
             key = _idempotency_key(request)
@@ -173,7 +185,13 @@ class _Api:
             return failure_response(request_id, log_loss.failure(0), headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
         driver.accept(idempotency_key=key)
-        log.debug("request %s accepted: %s, model %s, tenant %s", request_id, endpoint, generation.model, tenant)
+        log.debug(
+            "request %s accepted: %s, model %s, tenant %s",
+            request_id,
+            generation.logged_endpoint,
+            generation.model,
+            tenant,
+        )
         try:
             first = await unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
@@ -192,7 +210,7 @@ class _Api:
         # events wait for it (``until_committed``), and so does its head
         committing = driver.begin_commit()
         await asyncio.sleep(0)  # the store's writer sends it first: PostgreSQL works while this goes on
-        shape = ResponseShape(generation, response_id(generation, request_id), driver.created, driver.answered_by)
+        shape = shape_for(generation, request_id, driver.created, driver.answered_by)
         gone = client_gone(request.scope, request.receive)
         charge = functools.partial(self.limiter.charge, tenant)
         committed = functools.partial(until_committed, driver, committing, headers)

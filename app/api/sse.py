@@ -175,6 +175,28 @@ class ResponseShape:
     def usage_chunk(self, usage: dict[str, Any]) -> str:
         return f'{self._head},"choices":[],"usage":{_dumps(usage)}}}'
 
+    def tool_calls_event(self, event_id: int, calls: list[dict[str, Any]], choice: int = 0) -> bytes:
+        """A choice's tool calls, whole, in one event (after its role chunk, if still due)."""
+        return self.opening(choice) + sse_event(event_id, self.tool_calls_chunk(calls, choice))
+
+    def ending(
+        self,
+        event_id: int,
+        finish_reasons: Sequence[str],
+        stop_reasons: Sequence[str | int | None],
+        usage: dict[str, Any],
+    ) -> bytes:
+        """The stream's last events, in one write: each choice's finish, the usage when
+        asked for, ``[DONE]``."""
+        events = self.finish_events(event_id, finish_reasons, stop_reasons)
+        if self.request.include_usage:
+            events.append(sse_event(event_id + len(events), self.usage_chunk(usage)))
+        return b"".join([*events, DONE])
+
+    def failure_event(self, event_id: int, body: dict[str, Any]) -> bytes:
+        """The stream's end after a failure: its error (DESIGN.md §6), then ``[DONE]``."""
+        return sse_event(event_id, json.dumps(body)) + DONE
+
     def completion(
         self,
         answers: Sequence[ChoiceAnswer],

@@ -48,7 +48,7 @@ class RequestDriver(RequestLoop):
             model=request.model,
             model_revision=self.ctx.config.model_revision(request.model) or "unknown",
             tenant=self.tenant,
-            endpoint=request.endpoint,
+            endpoint=request.logged_endpoint,
             stream=request.stream,
             params_digest=request.params_digest(),
             prompt_tokens=request.estimated_prompt_tokens,

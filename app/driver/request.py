@@ -15,6 +15,7 @@ from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
+RESPONSES = "responses"  # the Responses API: each attempt a chat completion (DESIGN.md §15)
 NOT_PASSED_ON = RECORDED | SET_BY_PHASEGATE | {"model"}
 AFFINITY_PROMPT_CHARS = 512  # a completion prompt's affinity key: its start, which follow-ups share
 AFFINITY_PROMPT_TOKENS = 128  # the same, for a prompt of token ids
@@ -52,6 +53,14 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     metadata: dict[str, str] | None = None  # recorded in the log, not acted on
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
+    # a Responses API request: what its response object echoes (app/api/responses_request.py);
+    # its attempts are the chat completion ``raw`` holds
+    responses: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def logged_endpoint(self) -> str:
+        """The API the client called, as the log records it."""
+        return RESPONSES if self.responses is not None else self.endpoint
 
     @property
     def choices(self) -> int:

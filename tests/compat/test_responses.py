@@ -1,0 +1,124 @@
+"""The Responses API against vLLM's own ``/v1/responses`` (DESIGN.md §15), with the `openai` SDK.
+
+The same input at temperature 0 goes to the run's ``vllm serve`` directly and through a
+phasegate gateway in front of it, then in front of the run's vLLM worker (the same model,
+engine arguments and parsers). What a client reads must be the same: the output items'
+types and texts (reasoning from vLLM's ``deepseek_r1`` parser, the message, function
+calls), the usage, the status, and in a stream the event types in order (a run of delta
+events counted as one: how vLLM groups tokens into steps moves under load) and the
+response the SDK's stream helper accumulates. Ids and timestamps aside.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import openai
+import pytest
+
+from tests.compat.conftest import Pair
+from tests.support.vllm_replicas import MODEL
+
+pytestmark = pytest.mark.vllm
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CASES: dict[str, dict[str, Any]] = {
+    "a string input": {"input": "hello there", "max_output_tokens": 24},
+    "instructions and message items": {
+        "instructions": "answer in one line",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "the quick brown fox"}]}],
+        "max_output_tokens": 24,
+    },
+    "cut by max_output_tokens": {"input": "tell me everything", "max_output_tokens": 3},
+    "a named function tool": {
+        "input": [
+            {"role": "user", "content": "the weather in Paris"},
+            {"role": "assistant", "content": "</think>"},
+        ],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 120,
+    },
+    "a function call's output handed back": {
+        "input": [
+            {"role": "user", "content": "the weather in Paris"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        ],
+        "tools": [WEATHER],
+        "max_output_tokens": 24,
+    },
+}
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="test-key", max_retries=0, timeout=120)
+
+
+def read(response: Any) -> dict[str, Any]:
+    """What a client reads of a response: its items' types and texts, usage, status."""
+    items = []
+    for item in response.output:
+        if item.type == "message":
+            items.append(("message", "".join(part.text for part in item.content)))
+        elif item.type == "reasoning":
+            items.append(("reasoning", "".join(part.text for part in item.content or [])))
+        elif item.type == "function_call":
+            items.append(("function_call", item.name, item.arguments))
+        else:
+            items.append((item.type,))
+    usage = response.usage
+    return {
+        "items": items,
+        "status": response.status,
+        "incomplete": response.incomplete_details and response.incomplete_details.reason,
+        "usage": usage and (usage.input_tokens, usage.output_tokens, usage.total_tokens),
+    }
+
+
+def event_types(events: list[Any]) -> list[str]:
+    """The stream's event types in order, a run of one delta type counted once."""
+    return [kind for kind, _ in itertools.groupby(e.type for e in events)]
+
+
+# vLLM 0.32's whole /v1/responses does not apply a named tool_choice: the model's text comes
+# back as a message (its streamed path and its chat completions give the call); phasegate's
+# attempt is the chat completion, so the call comes back (docs/responses.md)
+WHOLE_DIVERGENCES = {"a named function tool": "vLLM's whole Responses path ignores a named tool_choice"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, marks=pytest.mark.xfail(reason=WHOLE_DIVERGENCES[case], strict=True))
+        if case in WHOLE_DIVERGENCES
+        else case
+        for case in CASES
+    ],
+)
+def test_a_whole_response_is_vllms(target: Pair, case: str) -> None:
+    asked = {"model": MODEL, "temperature": 0, **CASES[case]}
+    direct = client(target.direct_url).responses.create(**asked)
+    through = client(target.gateway_url).responses.create(**asked)
+    assert read(through) == read(direct)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_streamed_response_is_vllms(target: Pair, case: str) -> None:
+    asked = {"model": MODEL, "temperature": 0, **CASES[case]}
+    got = []
+    for url in (target.direct_url, target.gateway_url):
+        with client(url).responses.stream(**asked) as stream:
+            events = list(stream)
+            got.append((event_types(events), read(stream.get_final_response()), events))
+    (direct_types, direct, direct_events), (through_types, through, through_events) = got
+    assert through == direct
+    assert through_types == direct_types
+    for events in (direct_events, through_events):
+        assert [e.sequence_number for e in events] == list(range(len(events)))
