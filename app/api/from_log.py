@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import JSONResponse
 
@@ -154,6 +155,15 @@ def whole_from_log(
     if not isinstance(terminal, ev.RequestCompleted):
         failed = failure_of(terminal, state, events)
         return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
+    return JSONResponse(shape.completion(*final_answer(events, state, terminal)), headers=headers)
+
+
+def final_answer(
+    events: list[ev.Event], state: RequestState, terminal: ev.RequestCompleted
+) -> tuple[list[ChoiceAnswer], list[str], dict[str, Any], tuple[str | int | None, ...]]:
+    """A completed request's answer, as a shape's ``completion`` takes it: each choice's
+    deltas of the final attempt, delivered or produced while no client was attached
+    (DESIGN.md §12), how each finished, and the usage."""
     final = state.current_attempt.attempt if state.current_attempt is not None else 0
     answer: dict[int, LoggedDelta] = {}  # delivered or produced (DESIGN.md §12)
     for event in events:
@@ -169,6 +179,4 @@ def whole_from_log(
             answers[delta.choice].tool_calls = json.loads(delta.text)
         else:
             answers[delta.choice].add(delta.key, delta.text, delta.logprobs)
-    usage = full_usage(terminal.usage, terminal.usage_details)
-    completion = shape.completion(answers, reasons, usage, terminal.stop_reasons)
-    return JSONResponse(completion, headers=headers)
+    return answers, reasons, full_usage(terminal.usage, terminal.usage_details), terminal.stop_reasons

@@ -10,6 +10,7 @@ back is the assistant message's ``reasoning``. Any other item is refused, naming
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from app.api.errors import InvalidRequest
@@ -17,11 +18,13 @@ from app.api.errors import InvalidRequest
 ROLES = {"user", "system", "developer", "assistant"}
 
 
-def chat_messages(instructions: str | None, given: Any) -> list[dict[str, Any]]:
-    """The chat messages of ``instructions`` and ``input``, as vLLM builds them."""
+def chat_messages(instructions: str | None, given: Any, earlier: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions``, the conversation's ``earlier`` turns and
+    ``input``, as vLLM builds them (an earlier turn's instructions do not carry over)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    messages.extend(message for message in earlier if message.get("role") != "system")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
         return messages

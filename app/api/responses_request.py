@@ -10,9 +10,9 @@ message's ``reasoning``), and that chat body is then validated as any other
 (app/api/schemas.py). What the response object echoes (``instructions``, the tools in
 this API's form, ``text``…) is kept beside it in :class:`ResponsesParams`.
 
-A field phasegate cannot honour yet (``background``, ``previous_response_id``,
-``store: false``, ``conversation``, built-in tools…) is refused with a 400 that names it,
-never dropped (docs/responses.md).
+A field phasegate cannot honour yet (``background``, ``store: false``, ``conversation``,
+built-in tools…) is refused with a 400 that names it, never dropped (docs/responses.md).
+``previous_response_id`` is resolved from the log before this (app/api/responses_log.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.api.responses_input import chat_messages
 from app.api.schemas import parse_request
 from app.config import Limits
-from app.driver.request import CHAT, GenerationRequest
+from app.driver.request import CHAT, GenerationRequest, ResponsesCall
 
 # passed on to the chat completion under the same name, as the client sent them
 PASSED_AS_IS = (
@@ -96,6 +97,7 @@ class ResponsesParams:
     metadata: dict[str, Any] | None
     user: str | None
     service_tier: str
+    previous_response_id: str | None
 
     def echoed(self) -> dict[str, Any]:
         """The request's fields as the response object repeats them."""
@@ -114,7 +116,7 @@ class ResponsesParams:
             "user": self.user,
             "service_tier": self.service_tier,
             "background": False,
-            "previous_response_id": None,
+            "previous_response_id": self.previous_response_id,
             "store": True,
             "truncation": "disabled",
         }
@@ -131,10 +133,11 @@ CLIENT_NAMES = {
 }
 
 
-def parse_responses_request(body: Any, limits: Limits) -> GenerationRequest:
+def parse_responses_request(body: Any, limits: Limits, earlier: Sequence[dict[str, Any]] = ()) -> GenerationRequest:
     """A Responses API body validated into the chat completion its attempts ask for,
-    carrying what its response echoes (``GenerationRequest.responses``)."""
-    chat, params = chat_body_of(body)
+    carrying how it was made (``GenerationRequest.responses``). ``earlier``: the chat
+    messages of the conversation before it (``previous_response_id``, app/api/responses_log.py)."""
+    chat, params = chat_body_of(body, earlier)
     try:
         generation = parse_request(CHAT, chat, limits)
     except InvalidRequest as error:
@@ -146,11 +149,11 @@ def parse_responses_request(body: Any, limits: Limits) -> GenerationRequest:
             elif name == "tools":
                 error.param = error.param.replace(".function", "")
         raise
-    echoed = params.echoed() | {"output_logprobs": params.output_logprobs}
-    return dataclasses.replace(generation, responses=echoed)
+    made = ResponsesCall(body=body, echo=params.echoed(), output_logprobs=params.output_logprobs)
+    return dataclasses.replace(generation, responses=made)
 
 
-def chat_body_of(body: Any) -> tuple[dict[str, Any], ResponsesParams]:
+def chat_body_of(body: Any, earlier: Sequence[dict[str, Any]] = ()) -> tuple[dict[str, Any], ResponsesParams]:
     """The chat completion body a Responses request asks of a replica, and what its
     response echoes. Raises :class:`InvalidRequest` naming the field it cannot take."""
     if not isinstance(body, dict):
@@ -163,7 +166,7 @@ def chat_body_of(body: Any) -> tuple[dict[str, Any], ResponsesParams]:
     _refuse_unserved(body)
     chat: dict[str, Any] = {name: body[name] for name in PASSED_AS_IS if body.get(name) is not None}
     instructions = _optional_str(body, "instructions")
-    chat["messages"] = chat_messages(instructions, body.get("input"))
+    chat["messages"] = chat_messages(instructions, body.get("input"), earlier)
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = [_chat_tool(tool) for tool in tools]
@@ -206,6 +209,7 @@ def chat_body_of(body: Any) -> tuple[dict[str, Any], ResponsesParams]:
         metadata=body.get("metadata") if isinstance(body.get("metadata"), dict) else None,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         service_tier=str(body.get("service_tier") or "auto"),
+        previous_response_id=body.get("previous_response_id"),
     )
     return chat, params
 
@@ -216,11 +220,9 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
             "'background' responses are not served by phasegate yet: stream the response, or send it whole",
             param="background",
         )
-    if body.get("previous_response_id") is not None:
-        raise UnsupportedParameter(
-            "'previous_response_id' is not served by phasegate yet: send the earlier turns as input items",
-            param="previous_response_id",
-        )
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
     if body.get("store") is False:
         raise UnsupportedParameter(
             "'store: false' is not served by phasegate yet: the log keeps content as its content_policy says",

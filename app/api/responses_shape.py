@@ -102,11 +102,11 @@ class ResponsesShape:
     def __init__(self, request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> None:
         assert request.responses is not None
         self.request = request
-        self.params = request.responses
+        self.params = request.responses.echo
         self.response_id = responses_id(request_id)
         self.created = created
         self.model = model or request.model
-        self.logprobs = bool(self.params.get("output_logprobs"))
+        self.logprobs = request.responses.output_logprobs
         self.sequence = 0  # the next event's sequence_number
         self.started = False  # response.created and response.in_progress went out
         self.items: list[_Item | dict[str, Any]] = []  # the output: open or closed items, function calls
@@ -125,7 +125,6 @@ class ResponsesShape:
         output = [
             item if isinstance(item, dict) else item.body("completed", logprobs=self.logprobs) for item in self.items
         ]
-        echoed = {key: value for key, value in self.params.items() if key != "output_logprobs"}
         return {
             "id": self.response_id,
             "object": "response",
@@ -136,7 +135,7 @@ class ResponsesShape:
             "usage": None if usage is None else responses_usage(usage),
             "error": error,
             "incomplete_details": None if incomplete is None else {"reason": incomplete},
-            **echoed,
+            **self.params,
         }
 
     def completion(
@@ -308,13 +307,18 @@ class ResponsesShape:
     def failure_event(self, event_id: int, body: dict[str, Any]) -> bytes:
         """The stream's end after a failure (DESIGN.md §6): ``response.failed``, whose
         error carries the failure's fields, and the output the client was sent."""
-        error = body["error"]
+        events = self._start()
+        return b"".join([*events, self._event("response.failed", {"response": self.failed_response(body["error"])})])
+
+    def failed_response(self, error: dict[str, Any]) -> dict[str, Any]:
+        """The response of a request that failed (or was cancelled) with ``error``, with
+        the output it was sent; the item the failure cut is ``incomplete``."""
         status = "cancelled" if error.get("code") == CANCELLED_CODE else "failed"
         response = self.response(status, error=error)
-        if self.open is not None:  # the item the failure cut: as far as the client got it
+        if self.open is not None:
             response["output"][self.items.index(self.open)]["status"] = "incomplete"
             self.open = None
-        return b"".join([*self._start(), self._event("response.failed", {"response": response})])
+        return response
 
 
 _PREFIX = {MESSAGE: "msg", REASONING: "rs", "function_call": "fc"}

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -57,13 +57,14 @@ from app.api.errors import (
 from app.api.limits import TenantLimiter
 from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
+from app.api.responses_log import earlier_turns
 from app.api.responses_request import parse_responses_request
+from app.api.responses_routes import responses_routes
 from app.api.responses_shape import shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.api.utility import unready, utility_routes
-from app.config import Limits
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -100,6 +101,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *admin_routes(ctx, authenticator),
         *resume_routes(ctx, authenticator),
         *cancel_routes(ctx, authenticator),
+        *responses_routes(ctx, authenticator),
         *utility_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
@@ -137,10 +139,10 @@ class _Api:
         self.limiter = limiter
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, functools.partial(parse_request, CHAT))
+        return await self._generate(request, self._parse_chat)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, functools.partial(parse_request, COMPLETIONS))
+        return await self._generate(request, self._parse_completion)
 
     async def responses(self, request: Request) -> Response:
         if request.headers.get("idempotency-key") is not None:
@@ -149,9 +151,22 @@ class _Api:
                 param="Idempotency-Key",
             )
             return _refused(refused)
-        return await self._generate(request, parse_responses_request)
+        return await self._generate(request, self._parse_response)
 
-    async def _generate(self, request: Request, parse: Callable[[Any, Limits], GenerationRequest]) -> Response:
+    async def _parse_chat(self, body: Any, tenant: str) -> GenerationRequest:
+        return parse_request(CHAT, body, self.ctx.config.limits)
+
+    async def _parse_completion(self, body: Any, tenant: str) -> GenerationRequest:
+        return parse_request(COMPLETIONS, body, self.ctx.config.limits)
+
+    async def _parse_response(self, body: Any, tenant: str) -> GenerationRequest:
+        """A Responses request, after the conversation its ``previous_response_id`` names
+        (from the log, within the tenant)."""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        earlier = await earlier_turns(self.ctx.store, tenant, previous) if isinstance(previous, str) else []
+        return parse_responses_request(body, self.ctx.config.limits, earlier)
+
+    async def _generate(self, request: Request, parse: Callable[[Any, str], Awaitable[GenerationRequest]]) -> Response:
         request_id = new_request_id()
         bind_request(request_id)  # this task's log lines, and those of every task it starts
         headers = {"x-request-id": request_id}
@@ -163,7 +178,7 @@ class _Api:
             return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            generation = parse(await json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.limits)
+            generation = await parse(await json_body(request, self.ctx.config.max_body_bytes), tenant)
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
             key = _idempotency_key(request)

@@ -36,6 +36,8 @@ log = logging.getLogger("phasegate.driver")
 
 
 class RequestDriver(RequestLoop):
+    _input_recorded: asyncio.Task[None] | None = None  # the input's write (``accept``)
+
     # --- acceptance ------------------------------------------------------------------
 
     def accept(self, idempotency_key: str | None = None) -> None:
@@ -70,10 +72,10 @@ class RequestDriver(RequestLoop):
         self.ctx.drivers[self.request_id] = self
         self.ctx.metrics.in_flight.inc()
         # the input, for replaying an incident; off the path to the first token
-        self.ctx.spawn(
+        self._input_recorded = self.ctx.spawn(
             self.ctx.store.record_input(
                 self.request_id,
-                request.raw,
+                request.client_body,
                 model_revision=self.ctx.config.model_revision(request.model),
                 seed=request.seed,
             ),
@@ -142,7 +144,10 @@ class RequestDriver(RequestLoop):
         self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice, logprobs, key)
 
     async def complete(self, finished: Finished) -> None:
-        """Record the completion durably, before the final bytes go out."""
+        """Record the completion durably, before the final bytes go out. A response's
+        input is durable before it is (DESIGN.md §15: a later turn is built from it)."""
+        if self.request.responses is not None and self._input_recorded is not None:
+            await asyncio.wait([self._input_recorded])  # its failure is logged where it ran
         self.recorder.record(
             ev.RequestCompleted,
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",

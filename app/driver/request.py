@@ -22,6 +22,16 @@ AFFINITY_PROMPT_TOKENS = 128  # the same, for a prompt of token ids
 
 
 @dataclass(frozen=True, slots=True)
+class ResponsesCall:
+    """How a Responses API request was made: the client's body, what its response object
+    echoes of it, and whether its output text carries log probabilities."""
+
+    body: dict[str, Any]
+    echo: dict[str, Any]
+    output_logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A request as the client made it. A sampling field the client did not give is
     ``None``: the replica's own default applies (the model's generation config, for vLLM)."""
@@ -53,14 +63,19 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     metadata: dict[str, str] | None = None  # recorded in the log, not acted on
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
-    # a Responses API request: what its response object echoes (app/api/responses_request.py);
-    # its attempts are the chat completion ``raw`` holds
-    responses: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    # a Responses API request (app/api/responses_request.py): its attempts are the chat
+    # completion ``raw`` holds
+    responses: ResponsesCall | None = field(default=None, compare=False, repr=False)
 
     @property
     def logged_endpoint(self) -> str:
         """The API the client called, as the log records it."""
         return RESPONSES if self.responses is not None else self.endpoint
+
+    @property
+    def client_body(self) -> dict[str, Any]:
+        """The body the client sent, as the log records its input."""
+        return self.responses.body if self.responses is not None else self.raw
 
     @property
     def choices(self) -> int:

@@ -1,0 +1,131 @@
+"""``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``: a response as
+the log holds it, on any instance (DESIGN.md §15, app/api/responses_log.py).
+
+A finished response comes back whole: its output, usage and status, or its failure
+with the output the client was sent. A live one is ``in_progress`` with no output,
+since showing output is a delivery that only its owner may record; streaming a stored
+response (``?stream=true``) is not served yet (400 naming ``stream``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.api.auth import Authenticator
+from app.api.errors import ApiError, InvalidRequest, ServiceUnavailable, UnsupportedParameter
+from app.api.request_ids import id_header
+from app.api.responses_log import recorded_body, response_events, response_from_log
+from app.api.responses_request import parse_responses_request
+from app.api.responses_shape import ResponsesShape
+from app.driver.context import GatewayContext
+from app.store.errors import StoreUnavailable
+from statemachine import events as ev
+from statemachine.state import fold
+
+log = logging.getLogger("phasegate.api")
+
+MAX_ITEMS = 100
+
+
+def responses_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
+    routes = _Responses(ctx, authenticator)
+    return [
+        Route("/v1/responses/{response_id}", routes.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", routes.input_items, methods=["GET"]),
+    ]
+
+
+class _Responses:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
+        self.ctx = ctx
+        self.authenticator = authenticator
+
+    async def retrieve(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        try:
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
+            if request.query_params.get("stream") not in (None, "false"):
+                raise UnsupportedParameter("streaming a stored response is not served by phasegate yet", param="stream")
+            request_id, events = await self._read(tenant, response_id)
+            shape = await self._shape(request_id, response_id, events)
+            return JSONResponse(response_from_log(request_id, events, shape), headers=id_header(request_id))
+        except ApiError as error:
+            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+
+    async def input_items(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        try:
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
+            order, limit, after = _paging(request)
+            request_id, _ = await self._read(tenant, response_id)
+            body = await recorded_body(self.ctx.store, request_id, response_id, "response_id")
+            items = input_items(body["input"], response_id)
+            if order == "desc":
+                items.reverse()
+            ids = [item["id"] for item in items]
+            start = ids.index(after) + 1 if after in ids else 0
+            page = items[start : start + limit]
+            listed = {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + limit < len(items),
+            }
+            return JSONResponse(listed, headers=id_header(request_id))
+        except ApiError as error:
+            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+
+    async def _read(self, tenant: str, response_id: str) -> tuple[str, list[ev.Event]]:
+        try:
+            return await response_events(self.ctx.store, tenant, response_id, "response_id")
+        except StoreUnavailable:
+            raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+
+    async def _shape(self, request_id: str, response_id: str, events: list[ev.Event]) -> ResponsesShape:
+        """The response's shape, from its recorded body (what it echoes); a log without the
+        body (content_policy) echoes what a body of only its model would."""
+        accepted = events[0]
+        assert isinstance(accepted, ev.RequestAccepted)
+        try:
+            body = await recorded_body(self.ctx.store, request_id, response_id, "response_id")
+        except InvalidRequest:
+            body = {"model": accepted.model, "input": ""}
+        try:
+            generation = parse_responses_request(body, self.ctx.config.limits)
+        except InvalidRequest:  # a body an earlier release took
+            generation = parse_responses_request({"model": accepted.model, "input": ""}, self.ctx.config.limits)
+        created = int(accepted.occurred_at.timestamp())
+        return ResponsesShape(generation, request_id, created, fold(events).answered_by)
+
+
+def input_items(given: Any, response_id: str) -> list[dict[str, Any]]:
+    """The response's input as items, each with an id (its own where the client gave one)."""
+    items: list[dict[str, Any]] = (
+        [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
+    )
+    listed = []
+    for n, given_item in enumerate(items):
+        item = dict(given_item)
+        item.setdefault("type", "message")
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        item.setdefault("id", f"in_{response_id.removeprefix('resp_')}_{n}")
+        listed.append(item)
+    return listed
+
+
+def _paging(request: Request) -> tuple[str, int, str | None]:
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be asc or desc", param="order")
+    raw = request.query_params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_ITEMS}", param="limit")
+    return order, int(raw), request.query_params.get("after")
