@@ -33,11 +33,13 @@ class ResumeUnavailable(ApiError):
     code = "resume_unavailable"
 
 
-def check_resumable(events: list[ev.Event]) -> None:
+def check_resumable(events: list[ev.Event], *, responses: bool = False) -> None:
+    """The log holds the text a stream is resumed from (409 ``resume_unavailable`` if not);
+    a response's stream is read again as a response (``responses``), never as a chat's."""
     accepted = events[0]
-    if isinstance(accepted, ev.RequestAccepted) and accepted.endpoint == RESPONSES:
+    if isinstance(accepted, ev.RequestAccepted) and (accepted.endpoint == RESPONSES) != responses:
         raise ResumeUnavailable(
-            "a response's stream is not resumed through phasegate yet (GET /v1/responses/{id} is not served)"
+            "not a response" if responses else "a response's stream is read with GET /v1/responses/{id}?stream=true"
         )
     for event in events:
         if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and (

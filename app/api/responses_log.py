@@ -12,7 +12,9 @@ conversation cannot be continued (400, saying why).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
@@ -20,14 +22,17 @@ from app.api.from_log import deltas_of, failure_of, final_answer
 from app.api.request_ids import check_request_id
 from app.api.responses_input import chat_messages
 from app.api.responses_shape import ResponsesShape
+from app.driver.outputs import full_usage
 from app.driver.request import RESPONSES
 from app.store.base import EventStore
+from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TOOL_CALLS
 from statemachine.state import fold
 
 MAX_TURNS = 256  # previous responses followed back at most, each one read
 ENDED = (ev.RequestCompleted, ev.RequestFailed, ev.RequestCancelled)
+FOLLOW_EVERY_S = 0.02  # how often a live response's log is read again
 
 
 def request_id_of(response_id: str, param: str = "response_id") -> str:
@@ -67,6 +72,42 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
                 else:
                     shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
     return shape.failed_response(failure_body(request_id, failure_of(terminal, state, events))["error"])
+
+
+async def follow_response(
+    store: EventStore, request_id: str, events: list[ev.Event], shape: ResponsesShape
+) -> AsyncIterator[bytes]:
+    """The response's stream read again from the log, from its first event (the shape
+    leaves out those up to ``shape.after``): what its client was sent, numbered as it was,
+    reading on while the request is live, then its ending. Output produced while no client
+    was attached is not in it: it was never sent, and this stream sends nothing new."""
+    seen = 0
+    while True:
+        for event in events[seen:]:
+            seen += 1
+            if isinstance(event, ev.DeltasDelivered):
+                for delta in deltas_of(event):
+                    if delta.key == TOOL_CALLS:
+                        yield shape.tool_calls_event(delta.index, json.loads(delta.text))
+                    else:
+                        yield shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
+            elif isinstance(event, ev.RequestCompleted):
+                state = fold(events[:seen])
+                reasons = event.finish_reasons or (event.finish_reason,)
+                yield shape.ending(
+                    state.delivered_deltas, reasons, event.stop_reasons, full_usage(event.usage, event.usage_details)
+                )
+                return
+            elif isinstance(event, ENDED):
+                state = fold(events[:seen])
+                failed = failure_of(event, state, events[:seen])
+                yield shape.failure_event(state.delivered_deltas, failure_body(request_id, failed))
+                return
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        try:
+            events = await store.read(request_id)
+        except StoreUnavailable:
+            continue  # the log is away: the reader waits for it
 
 
 async def recorded_body(store: EventStore, request_id: str, response_id: str, param: str) -> dict[str, Any]:

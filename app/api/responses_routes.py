@@ -3,8 +3,9 @@ the log holds it, on any instance (DESIGN.md §15, app/api/responses_log.py).
 
 A finished response comes back whole: its output, usage and status, or its failure
 with the output the client was sent. A live one is ``in_progress`` with no output,
-since showing output is a delivery that only its owner may record; streaming a stored
-response (``?stream=true``) is not served yet (400 naming ``stream``).
+since showing output is a delivery that only its owner may record. ``?stream=true``
+reads its stream again from the log (``starting_after``: from the event after that
+one), as its client was sent it, following a live one to its end.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
-from app.api.errors import ApiError, InvalidRequest, ServiceUnavailable, UnsupportedParameter
+from app.api.errors import ApiError, InvalidRequest, ServiceUnavailable
+from app.api.from_log import check_resumable
 from app.api.request_ids import id_header
-from app.api.responses_log import recorded_body, response_events, response_from_log
+from app.api.responses_log import follow_response, recorded_body, response_events, response_from_log
 from app.api.responses_request import parse_responses_request
 from app.api.responses_shape import ResponsesShape
 from app.driver.context import GatewayContext
@@ -49,10 +52,14 @@ class _Responses:
         response_id = request.path_params["response_id"]
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            if request.query_params.get("stream") not in (None, "false"):
-                raise UnsupportedParameter("streaming a stored response is not served by phasegate yet", param="stream")
+            stream, after = _streaming(request)
             request_id, events = await self._read(tenant, response_id)
             shape = await self._shape(request_id, response_id, events)
+            if stream:
+                check_resumable(events, responses=True)
+                shape.after = after
+                body = follow_response(self.ctx.store, request_id, events, shape)
+                return EventSourceResponse(body, headers=id_header(request_id), ping=15, send_timeout=30, sep="\n")
             return JSONResponse(response_from_log(request_id, events, shape), headers=id_header(request_id))
         except ApiError as error:
             return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
@@ -119,6 +126,21 @@ def input_items(given: Any, response_id: str) -> list[dict[str, Any]]:
         item.setdefault("id", f"in_{response_id.removeprefix('resp_')}_{n}")
         listed.append(item)
     return listed
+
+
+def _streaming(request: Request) -> tuple[bool, int]:
+    """``?stream=true`` and ``starting_after`` (the last event the reader has; -1: none)."""
+    stream = request.query_params.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise InvalidRequest("'stream' must be true or false", param="stream")
+    raw = request.query_params.get("starting_after")
+    if raw is None:
+        return stream == "true", -1
+    if stream != "true":
+        raise InvalidRequest("'starting_after' is only allowed with stream=true", param="starting_after")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= 1 << 31:
+        raise InvalidRequest("'starting_after' must be an event's sequence_number", param="starting_after")
+    return True, int(raw)
 
 
 def _paging(request: Request) -> tuple[str, int, str | None]:

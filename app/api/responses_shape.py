@@ -108,6 +108,7 @@ class ResponsesShape:
         self.model = model or request.model
         self.logprobs = request.responses.output_logprobs
         self.sequence = 0  # the next event's sequence_number
+        self.after = -1  # events numbered up to this one are not sent (a stream read again)
         self.started = False  # response.created and response.in_progress went out
         self.items: list[_Item | dict[str, Any]] = []  # the output: open or closed items, function calls
         self.open: _Item | None = None
@@ -186,8 +187,11 @@ class ResponsesShape:
     # --- the stream ----------------------------------------------------------------------
 
     def _event(self, kind: str, body: dict[str, Any]) -> bytes:
-        data = orjson.dumps({"type": kind, "sequence_number": self.sequence, **body})
+        number = self.sequence
         self.sequence += 1
+        if number <= self.after:
+            return b""
+        data = orjson.dumps({"type": kind, "sequence_number": number, **body})
         return b"event: %s\ndata: %s\n\n" % (kind.encode(), data)
 
     def _start(self) -> list[bytes]:

@@ -1,0 +1,157 @@
+"""Responses read back from the log (DESIGN.md §15), with the real `openai` client over
+real sim workers: retrieved, listed, streamed again and continued by
+``previous_response_id``, on another instance and after a restart, within the tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from app.config import Timeouts
+from tests.app.conftest import add_fault
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.workers import WorkerProcess
+
+
+def test_a_stored_response_is_retrieved_from_the_log_on_another_instance_as_it_was_sent(
+    database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    asked = {"model": MODEL, "input": "keep this one", "instructions": "be brief", "max_output_tokens": 8}
+    with running_gateway(database_url, sim_pair) as first:
+        created = first.openai().responses.create(**asked, metadata={"ticket": "T-1"})
+        with first.openai().responses.stream(**asked) as stream:
+            list(stream)
+            streamed = stream.get_final_response()
+    with running_gateway(database_url, sim_pair) as second:  # another instance, after the first stopped
+        client = second.openai()
+        again = client.responses.retrieve(created.id)
+        assert again.model_dump() == created.model_dump()
+        again = client.responses.retrieve(streamed.id)  # the stream helper's own types aside
+        assert (again.output_text, again.status, again.usage) == (streamed.output_text, streamed.status, streamed.usage)
+        assert [i.id for i in again.output] == [i.id for i in streamed.output]
+        assert (again.instructions, again.max_output_tokens) == ("be brief", 8) and again.metadata == {}
+        items = client.responses.input_items.list(created.id, order="asc")
+        listed = [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items.data]  # type: ignore[union-attr]
+        assert listed == [("message", "user", "input_text", "keep this one")]
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve("resp_" + "0" * 24)
+        assert missing.value.code == "response_not_found"
+        with pytest.raises(openai.NotFoundError):  # a chat completion is not a response
+            chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+            client.responses.retrieve("resp_" + chat.id.removeprefix("chatcmpl-"))
+
+
+def test_a_failed_response_is_retrieved_failed_with_what_its_client_was_sent(
+    database_url: str, fresh_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("fail and keep")
+    for worker in fresh_pair:
+        add_fault(worker, action="die", point="after_frame", at_token=2, match={"prompt_contains": prompt})
+    with running_gateway(database_url, fresh_pair, timeouts=Timeouts()) as gateway:
+        events = list(gateway.openai().responses.create(model=MODEL, input=prompt, max_output_tokens=20, stream=True))
+        sent = events[-1].response  # type: ignore[union-attr]
+        again = gateway.openai().responses.retrieve(sent.id)
+    assert again.status == "failed" and again.error is not None
+    assert again.error.model_dump() == sent.error.model_dump()  # type: ignore[union-attr]
+    assert again.output_text == sent.output_text != "" and again.output[0].status == "incomplete"
+
+
+def test_previous_response_id_continues_the_conversation_from_the_log_after_a_restart(
+    database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    with running_gateway(database_url, sim_pair) as first:
+        one = first.openai().responses.create(model=MODEL, input="my name is Ada", max_output_tokens=6)
+    with running_gateway(database_url, sim_pair) as second:  # a restart: nothing of `one` in memory
+        client = second.openai()
+        two = client.responses.create(
+            model=MODEL, input="what is my name", previous_response_id=one.id, max_output_tokens=6, temperature=0
+        )
+        # the same conversation sent whole as chat: the same answer
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "user", "content": "my name is Ada"},
+                {"role": "assistant", "content": one.output_text},
+                {"role": "user", "content": "what is my name"},
+            ],
+            max_tokens=6,
+            temperature=0,
+        )
+        assert two.previous_response_id == one.id
+        assert two.output_text == chat.choices[0].message.content
+        assert two.usage is not None and chat.usage is not None
+        assert two.usage.input_tokens == chat.usage.prompt_tokens
+        three = client.responses.create(
+            model=MODEL, input="and again", previous_response_id=two.id, max_output_tokens=4
+        )
+        assert three.usage is not None and three.usage.input_tokens > two.usage.input_tokens
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.create(model=MODEL, input="hi", previous_response_id="resp_" + "f" * 24)
+        assert missing.value.code == "response_not_found"
+
+
+def test_another_tenants_response_cannot_be_read_or_continued(database_url: str, sim_pair: list[WorkerProcess]) -> None:
+    keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
+    with running_gateway(database_url, sim_pair, api_keys=keys) as gateway:
+        mine = gateway.openai(api_key="key-a").responses.create(model=MODEL, input="mine", max_output_tokens=4)
+        other = gateway.openai(api_key="key-b")
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(model=MODEL, input="yours?", previous_response_id=mine.id)
+
+
+def test_without_the_text_in_the_log_a_conversation_is_refused_saying_why(
+    database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    with running_gateway(database_url, sim_pair, content_policy="digest") as gateway:
+        client = gateway.openai()
+        one = client.responses.create(model=MODEL, input="forget me", max_output_tokens=4)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="again", previous_response_id=one.id)
+        assert refused.value.code == "response_content_unavailable"
+        assert client.responses.retrieve(one.id).status == one.status  # the skeleton is there
+
+
+def summary(events: list[Any]) -> list[tuple[str, int, str]]:
+    return [(e.type, e.sequence_number, getattr(e, "delta", "")) for e in events]
+
+
+def test_a_responses_stream_is_read_again_from_the_log_with_the_same_numbers(
+    database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    with running_gateway(database_url, sim_pair) as first:
+        asked = {"model": MODEL, "input": "read me twice", "max_output_tokens": 12}
+        with first.openai().responses.stream(**asked) as stream:  # type: ignore[call-overload]
+            original = list(stream)
+            sent = stream.get_final_response()
+    with running_gateway(database_url, sim_pair) as second:  # another instance
+        client = second.openai()
+        with client.responses.stream(response_id=sent.id) as again:  # the SDK's helper: from the start
+            reread = list(again)
+            assert again.get_final_response().output_text == sent.output_text
+        assert summary(reread) == summary(original)
+        later = list(client.responses.retrieve(sent.id, stream=True, starting_after=5))
+        assert summary(later) == summary(original)[6:]  # the server leaves out 0..5
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.retrieve(sent.id, extra_query={"starting_after": "x", "stream": "true"})
+        assert refused.value.body["param"] == "starting_after"  # type: ignore[index]
+
+
+def test_a_live_response_is_followed_to_its_end_by_a_second_reader(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    stream = client.responses.create(model=MODEL, input="a long one to follow", max_output_tokens=300, stream=True)
+    original = []
+    follower: Any = None
+    for event in stream:
+        original.append(event)
+        if follower is None and event.type == "response.output_text.delta" and len(original) > 8:
+            response_id = original[0].response.id  # type: ignore[union-attr]
+            follower = client.responses.retrieve(response_id, stream=True)  # opened while live
+    followed = list(follower)
+    assert original[-1].type == "response.completed"
+    assert summary(followed) == summary(original)
