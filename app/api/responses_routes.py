@@ -10,6 +10,7 @@ one), as its client was sent it, following a live one to its end.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -19,12 +20,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
-from app.api.errors import ApiError, InvalidRequest, ServiceUnavailable
+from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.from_log import check_resumable
 from app.api.request_ids import id_header
-from app.api.responses_log import follow_response, recorded_body, response_events, response_from_log
+from app.api.responses_log import (
+    ENDED,
+    FOLLOW_EVERY_S,
+    follow_response,
+    recorded_body,
+    response_events,
+    response_from_log,
+)
 from app.api.responses_request import parse_responses_request
-from app.api.responses_shape import ResponsesShape
+from app.api.responses_shape import ResponsesShape, responses_id
+from app.api.resume import ATTACH_WAIT_S
 from app.driver.context import GatewayContext
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
@@ -39,6 +48,7 @@ def responses_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[
     routes = _Responses(ctx, authenticator)
     return [
         Route("/v1/responses/{response_id}", routes.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", routes.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", routes.input_items, methods=["GET"]),
     ]
 
@@ -54,7 +64,7 @@ class _Responses:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             stream, after = _streaming(request)
             request_id, events = await self._read(tenant, response_id)
-            shape = await self._shape(request_id, response_id, events)
+            shape = await shape_of(self.ctx, request_id, response_id, events)
             if stream:
                 check_resumable(events, responses=True)
                 shape.after = after
@@ -88,27 +98,93 @@ class _Responses:
         except ApiError as error:
             return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
 
-    async def _read(self, tenant: str, response_id: str) -> tuple[str, list[ev.Event]]:
+    async def delete(self, request: Request) -> Response:
+        """Erase the response's content as ``phasegate tenants erase`` does; its events stay."""
+        response_id = request.path_params["response_id"]
         try:
-            return await response_events(self.ctx.store, tenant, response_id, "response_id")
+            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
+            request_id, events = await self._read(tenant, response_id)
+            if not any(isinstance(e, ENDED) for e in events):
+                raise InvalidRequest(
+                    f"response '{response_id}' is in progress: cancel it first", code="response_in_progress"
+                )
+            try:
+                await self.ctx.store.erase_request(tenant, request_id)
+            except StoreUnavailable:
+                raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+            log.info("request %s: its content was erased (DELETE of its response)", request_id)
+            deleted = {"id": response_id, "object": "response.deleted", "deleted": True}
+            return JSONResponse(deleted, headers=id_header(request_id))
+        except ApiError as error:
+            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+
+    async def _read(self, tenant: str, response_id: str) -> tuple[str, list[ev.Event]]:
+        """The tenant's response; a deleted one is gone (404): with every input kept
+        (``content_policy`` full), an ended response with none had its content erased."""
+        try:
+            request_id, events = await response_events(self.ctx.store, tenant, response_id, "response_id")
+            ended = any(isinstance(e, ENDED) for e in events)
+            if (
+                ended
+                and self.ctx.config.content_policy == "full"
+                and await self.ctx.store.read_input(request_id) is None
+            ):
+                raise NotFound(f"response '{response_id}' was deleted", param="response_id", code="response_not_found")
+            return request_id, events
         except StoreUnavailable:
             raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
 
-    async def _shape(self, request_id: str, response_id: str, events: list[ev.Event]) -> ResponsesShape:
-        """The response's shape, from its recorded body (what it echoes); a log without the
-        body (content_policy) echoes what a body of only its model would."""
-        accepted = events[0]
-        assert isinstance(accepted, ev.RequestAccepted)
-        try:
-            body = await recorded_body(self.ctx.store, request_id, response_id, "response_id")
-        except InvalidRequest:
-            body = {"model": accepted.model, "input": ""}
-        try:
-            generation = parse_responses_request(body, self.ctx.config.limits)
-        except InvalidRequest:  # a body an earlier release took
-            generation = parse_responses_request({"model": accepted.model, "input": ""}, self.ctx.config.limits)
-        created = int(accepted.occurred_at.timestamp())
-        return ResponsesShape(generation, request_id, created, fold(events).answered_by)
+
+async def shape_of(ctx: GatewayContext, request_id: str, response_id: str, events: list[ev.Event]) -> ResponsesShape:
+    """The response's shape, from its recorded body (what it echoes); a log without the
+    body (content_policy) echoes what a body of only its model would."""
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    try:
+        body = await recorded_body(ctx.store, request_id, response_id, "response_id")
+    except InvalidRequest:
+        body = {"model": accepted.model, "input": ""}
+    try:
+        generation = parse_responses_request(body, ctx.config.limits)
+    except InvalidRequest:  # a body an earlier release took
+        generation = parse_responses_request({"model": accepted.model, "input": ""}, ctx.config.limits)
+    created = int(accepted.occurred_at.timestamp())
+    return ResponsesShape(generation, request_id, created, fold(events).answered_by)
+
+
+async def attach_response(ctx: GatewayContext, request_id: str, *, stream: bool) -> Response:
+    """Answer a POST whose ``Idempotency-Key`` started the response ``request_id`` (the
+    same POST again), from the log: its stream from the start, following it while live,
+    or, whole, once it ended."""
+    headers = id_header(request_id)
+    response_id = responses_id(request_id)
+    try:
+        events = await _until_logged(ctx, request_id)
+        shape = await shape_of(ctx, request_id, response_id, events)
+        if stream:
+            check_resumable(events, responses=True)
+            body = follow_response(ctx.store, request_id, events, shape)
+            return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+        while not any(isinstance(e, ENDED) for e in events):
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            events = await ctx.store.read(request_id)
+        return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
+    except StoreUnavailable:
+        error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
+    except ApiError as refused:
+        error = refused
+    return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+
+
+async def _until_logged(ctx: GatewayContext, request_id: str) -> list[ev.Event]:
+    """The request's log; its first POST may still be being accepted."""
+    waited = 0.0
+    while not (events := await ctx.store.read(request_id)) and waited < ATTACH_WAIT_S:
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        waited += FOLLOW_EVERY_S
+    if not events:
+        raise ServiceUnavailable("the response this idempotency key started is not in the log yet; retry")
+    return events
 
 
 def input_items(given: Any, response_id: str) -> list[dict[str, Any]]:

@@ -51,7 +51,6 @@ from app.api.errors import (
     RateLimited,
     ServiceUnavailable,
     Unauthorized,
-    UnsupportedParameter,
     retry_headers,
 )
 from app.api.limits import TenantLimiter
@@ -59,7 +58,7 @@ from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
 from app.api.responses_log import earlier_turns
 from app.api.responses_request import parse_responses_request
-from app.api.responses_routes import responses_routes
+from app.api.responses_routes import attach_response, responses_routes
 from app.api.responses_shape import shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
@@ -114,7 +113,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["authorization", "content-type"],
                 expose_headers=["x-request-id"],
                 max_age=600,
@@ -145,12 +144,6 @@ class _Api:
         return await self._generate(request, self._parse_completion)
 
     async def responses(self, request: Request) -> Response:
-        if request.headers.get("idempotency-key") is not None:
-            refused = UnsupportedParameter(
-                "'Idempotency-Key' is not served for /v1/responses yet: a response cannot be attached to again",
-                param="Idempotency-Key",
-            )
-            return _refused(refused)
         return await self._generate(request, self._parse_response)
 
     async def _parse_chat(self, body: Any, tenant: str) -> GenerationRequest:
@@ -184,6 +177,8 @@ class _Api:
             key = _idempotency_key(request)
             if key is not None:
                 original = await self._claim(tenant, key, request_id, generation)
+                if original is not None and generation.responses is not None:  # the same POST again
+                    return await attach_response(self.ctx, original, stream=generation.stream)
                 if original is not None:  # the same POST again: its request, from the log
                     return await attach(self.ctx, original, request, stream=generation.stream)
             # no await from here to driver.accept(): the admitted request is live at once
@@ -253,7 +248,7 @@ class _Api:
         keys = self.ctx.idempotency
         if keys is None:
             raise InvalidRequest("this gateway's log does not keep idempotency keys", param="Idempotency-Key")
-        digest = f"{generation.endpoint}:{generation.params_digest()}"
+        digest = f"{generation.logged_endpoint}:{generation.params_digest()}"
         try:
             claimed = await keys.claim(tenant, key, request_id, digest, self.ctx.config.idempotency_ttl_s)
         except StoreError:

@@ -198,7 +198,8 @@ class GenerationRequest:
         )
 
     def params_digest(self) -> str:
-        canonical = json.dumps(self.raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """The digest of the body the client sent (a response's own, not its chat completion's)."""
+        canonical = json.dumps(self.client_body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -73,39 +73,58 @@ class Erased:
 
 
 _OF_TENANT = "SELECT request_id FROM requests WHERE tenant = :tenant"
-_COUNT = text("SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM requests WHERE tenant = :tenant")
-# as if recorded under the "none" policy: no text and no digest; arguments as a redacted
-# trace writes them (statemachine/trace.py)
-_EVENTS = text(
-    f"""
-    UPDATE request_events SET body = CASE type
-        WHEN 'ToolCallEmitted' THEN body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb
-        WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
-        ELSE body || '{{"text": null, "text_sha256": null}}'::jsonb END
-     WHERE request_id IN ({_OF_TENANT})
-       AND ((type IN ('DeltasDelivered', 'DeltasProduced')
-             AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
-         OR (type = 'ToolCallEmitted' AND (body->>'arguments' <> '' OR body->>'arguments_sha256' IS NOT NULL)))
-    """
-)
-_TOOLS = text(
-    f"""
-    UPDATE tool_executions SET arguments = '', result = NULL, error = NULL
-     WHERE request_id IN ({_OF_TENANT}) AND (arguments <> '' OR result IS NOT NULL OR error IS NOT NULL)
-    """
-)
-_INPUTS = text(f"DELETE FROM request_inputs WHERE request_id IN ({_OF_TENANT})")
+_OF_REQUEST = "SELECT request_id FROM requests WHERE tenant = :tenant AND request_id = :request_id"
+
+
+def _erasing(of: str) -> tuple[Any, Any, Any, Any]:
+    """The statements that count and erase the content of the requests ``of`` selects."""
+    count = text(f"SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM requests WHERE request_id IN ({of})")
+    # as if recorded under the "none" policy: no text and no digest; arguments as a redacted
+    # trace writes them (statemachine/trace.py)
+    events = text(
+        f"""
+        UPDATE request_events SET body = CASE type
+            WHEN 'ToolCallEmitted' THEN body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb
+            WHEN 'DeltasDelivered' THEN body || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
+            ELSE body || '{{"text": null, "text_sha256": null}}'::jsonb END
+         WHERE request_id IN ({of})
+           AND ((type IN ('DeltasDelivered', 'DeltasProduced')
+                 AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))
+             OR (type = 'ToolCallEmitted' AND (body->>'arguments' <> '' OR body->>'arguments_sha256' IS NOT NULL)))
+        """
+    )
+    tools = text(
+        f"""
+        UPDATE tool_executions SET arguments = '', result = NULL, error = NULL
+         WHERE request_id IN ({of}) AND (arguments <> '' OR result IS NOT NULL OR error IS NOT NULL)
+        """
+    )
+    inputs = text(f"DELETE FROM request_inputs WHERE request_id IN ({of})")
+    return count, events, tools, inputs
+
+
+_OF_A_TENANT = _erasing(_OF_TENANT)
+_OF_ONE_REQUEST = _erasing(_OF_REQUEST)
 
 
 async def erase_tenant(connection: Any, tenant: str) -> Erased:
     """Remove ``tenant``'s content from the log, in the caller's transaction; the events,
     their order and every count stay. Running it again changes nothing more."""
-    values = {"tenant": tenant}
-    requests, unfinished = (await connection.execute(_COUNT, values)).one()
+    return await _erase(connection, _OF_A_TENANT, {"tenant": tenant})
+
+
+async def erase_one_request(connection: Any, tenant: str, request_id: str) -> Erased:
+    """The same for one request of ``tenant`` (none of another tenant's)."""
+    return await _erase(connection, _OF_ONE_REQUEST, {"tenant": tenant, "request_id": request_id})
+
+
+async def _erase(connection: Any, statements: tuple[Any, Any, Any, Any], values: dict[str, str]) -> Erased:
+    count, events, tools, inputs = statements
+    requests, unfinished = (await connection.execute(count, values)).one()
     return Erased(
         requests=requests,
         unfinished=unfinished,
-        events=(await connection.execute(_EVENTS, values)).rowcount,
-        tool_executions=(await connection.execute(_TOOLS, values)).rowcount,
-        inputs=(await connection.execute(_INPUTS, values)).rowcount,
+        events=(await connection.execute(events, values)).rowcount,
+        tool_executions=(await connection.execute(tools, values)).rowcount,
+        inputs=(await connection.execute(inputs, values)).rowcount,
     )

@@ -17,7 +17,14 @@ from typing import Any
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import to_row
 from app.store.errors import StoreClosed, StoreError, StreamConflict
-from statemachine.events import TERMINAL_EVENT_TYPES, Event, RequestAccepted
+from statemachine.events import (
+    TERMINAL_EVENT_TYPES,
+    DeltasDelivered,
+    DeltasProduced,
+    Event,
+    RequestAccepted,
+    ToolCallEmitted,
+)
 
 
 class InMemoryEventStore(EventStore):
@@ -180,9 +187,33 @@ class InMemoryEventStore(EventStore):
         self._check_open()
         return self._inputs.get(request_id)
 
+    async def erase_request(self, tenant: str, request_id: str) -> int:
+        self._check_open()
+        stream = self._streams.get(request_id, [])
+        accepted = stream[0][1] if stream else None
+        if not isinstance(accepted, RequestAccepted) or accepted.tenant != tenant:
+            return 0
+        self._streams[request_id] = [(event_id, _without_content(event)) for event_id, event in stream]
+        self._inputs.pop(request_id, None)
+        for key, execution in self._ledger.items():
+            if execution.request_id == request_id:
+                self._ledger[key] = dataclasses.replace(execution, arguments="", result=None, error=None)
+        return 1
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the event store is closed")
+
+
+def _without_content(event: Event) -> Event:
+    """``event`` as if recorded under the "none" content policy."""
+    if isinstance(event, DeltasDelivered):
+        return dataclasses.replace(event, text=None, text_sha256=None, logprobs=None)
+    if isinstance(event, DeltasProduced):
+        return dataclasses.replace(event, text=None, text_sha256=None)
+    if isinstance(event, ToolCallEmitted):
+        return dataclasses.replace(event, arguments="", arguments_sha256=None)
+    return event
 
 
 def _now() -> datetime:

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from app.store import partitions, schema
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import EventRow, from_row, storable, to_row
-from app.store.content import kept_input
+from app.store.content import erase_one_request, kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, refused_as_read_only
 from app.store.follow import FollowCursor
@@ -297,6 +297,11 @@ class PostgresEventStore(EventStore):
         kept = kept_input(body, self.content_policy)
         if kept is not None:
             await self._inputs.record(request_id, kept, model_revision, seed)
+
+    async def erase_request(self, tenant: str, request_id: str) -> int:
+        await self._inputs.written()  # an input still on its way would land after the erase
+        async with self._connection(commit=True) as connection:
+            return (await erase_one_request(connection, tenant, request_id)).requests
 
     async def read_input(self, request_id: str) -> RequestInput | None:
         await self._inputs.written()

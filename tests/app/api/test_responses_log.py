@@ -12,8 +12,11 @@ import openai
 import pytest
 
 from app.config import Timeouts
+from statemachine import events as ev
+from tests.app.api.test_responses import request_id_of
 from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.transcript import of
 from tests.support.workers import WorkerProcess
 
 
@@ -155,3 +158,52 @@ def test_a_live_response_is_followed_to_its_end_by_a_second_reader(gateway: Runn
     followed = list(follower)
     assert original[-1].type == "response.completed"
     assert summary(followed) == summary(original)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_same_post_again_with_its_idempotency_key_gets_the_same_response_once(
+    gateway: RunningGateway, stream: bool
+) -> None:
+    client = gateway.openai()
+    key = {"Idempotency-Key": f"resp-{stream}-{id(client)}"}
+    asked = {"model": MODEL, "input": "only once", "max_output_tokens": 8, "extra_headers": key}
+    if stream:
+        first = list(client.responses.create(**asked, stream=True))
+        again = list(client.responses.create(**asked, stream=True))
+        assert summary(again) == summary(first) and first[-1].type == "response.completed"
+        request_id = request_id_of(first[-1].response)  # type: ignore[union-attr]
+    else:
+        one = client.responses.create(**asked)
+        two = client.responses.create(**asked)
+        assert two.model_dump() == one.model_dump()
+        request_id = request_id_of(one)
+    with gateway.http() as http:
+        other = http.post("/v1/responses", json={"model": MODEL, "input": "another body"}, headers=key)
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    events = gateway.events(request_id)
+    assert len(of(events, ev.RequestAccepted)) == 1 and len(of(events, ev.AttemptStarted)) == 1
+
+
+def test_a_deleted_response_is_gone_and_its_events_stay_without_content(
+    database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
+    with running_gateway(database_url, sim_pair, api_keys=keys) as gateway:
+        client = gateway.openai(api_key="key-a")
+        response = client.responses.create(model=MODEL, input="delete me", max_output_tokens=6)
+        with pytest.raises(openai.NotFoundError):  # not another tenant's to delete
+            gateway.openai(api_key="key-b").responses.delete(response.id)
+        client.responses.delete(response.id)
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.responses.retrieve(response.id)
+        assert gone.value.code == "response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_items.list(response.id)
+        with pytest.raises(openai.BadRequestError) as refused:  # no text left to continue from
+            client.responses.create(model=MODEL, input="go on", previous_response_id=response.id)
+        assert refused.value.code == "response_content_unavailable"
+        events = gateway.events(request_id_of(response))
+    delivered = of(events, ev.DeltasDelivered)
+    assert delivered and all(e.text is None for e in delivered)  # type: ignore[attr-defined]
+    assert sum(e.tokens for e in delivered) == response.usage.output_tokens  # type: ignore[attr-defined,union-attr]
+    assert isinstance(events[-1], ev.RequestCompleted)  # the skeleton, whole

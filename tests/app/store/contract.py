@@ -263,6 +263,22 @@ class EventStoreContract:
             kept = await store.read_input(request_id)
             assert kept is not None and kept.body == body
 
+    async def test_one_requests_content_is_erased_for_its_tenant_only(self, store: EventStore) -> None:
+        for request_id in ("req_erase", "req_keep"):
+            trace = traces.completed(request_id)
+            await store.append(request_id, 0, trace.events, durable=True)
+            await store.record_input(request_id, {"model": "tiny-llm", "input": "secret"})
+        await store.flush()
+        assert await store.erase_request("another-tenant", "req_erase") == 0
+        assert await store.read_input("req_erase") is not None
+        assert await store.erase_request("acme", "req_erase") == 1
+        erased, kept = await store.read("req_erase"), await store.read("req_keep")
+        assert [type(e) for e in erased] == [type(e) for e in kept]  # the skeleton, whole
+        delivered = [e for e in erased if isinstance(e, DeltasDelivered)]
+        assert delivered and all(e.text is None and e.text_sha256 is None for e in delivered)
+        assert all(e.text for e in kept if isinstance(e, DeltasDelivered))
+        assert await store.read_input("req_erase") is None and await store.read_input("req_keep") is not None
+
     # --- closing -------------------------------------------------------------------------
 
     async def test_a_closed_store_accepts_nothing(self, store: EventStore) -> None:
