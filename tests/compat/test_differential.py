@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.compat.compare import Answer, accumulated, ask, differences, stream_chunks
+from tests.compat.compare import Answer, accumulated, differences, stream_chunks
 from tests.compat.conftest import Pair
 from tests.support.vllm_replicas import MODEL
 
@@ -170,6 +170,12 @@ _PARAM_NAMED = "the same status; phasegate's error names the field in param, whe
 DIVERGENCES: dict[tuple[str, str], str] = {
     ("no sampling field at all", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     ("stop, stop_reason", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
+    # streamed too, now and then: where vLLM's streaming reasoning parser cuts '</think>'
+    # moves with how the engine grouped the tokens (a worker's engine groups them its own
+    # way: ci5; vllm serve asked three times directly gave the cut answer each time, under
+    # load, where phasegate in front of it got the other: ci13); not strict
+    ("no sampling field at all", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
+    ("stop, stop_reason", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
     ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
     ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
@@ -195,10 +201,6 @@ WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
     ("completions: a batch of prompts", "both"): _ONE_PROMPT,
     ("completions: a batch of token ids", "both"): _ONE_PROMPT,
     ("return_tokens_as_token_ids", "both"): _NOT_IN_FRAMES + ": its log probabilities name tokens by their text",
-    # streamed too: the worker's engine groups the tokens its own way, and vLLM's streaming
-    # reasoning parser cuts '</think>' where they fall (ci5, under load); not strict
-    ("no sampling field at all", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
-    ("stop, stop_reason", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
 }
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
 
@@ -238,13 +240,6 @@ def test_the_same_request_gets_the_same_answer(
         body["stream"] = True
     direct, through = pair.both(path, body)
     found = differences(direct, through)
-    if found and mode == "stream" and body.get("stop"):
-        # vLLM's own streams vary here: stop strings hold text back, and its streaming
-        # reasoning parser then cuts '</think>' where the engine grouped the tokens (a busy
-        # machine groups them otherwise; content 'k>Hello'). phasegate relays one of the
-        # answers vllm serve gives: one of two more asked directly must be it.
-        again = [ask(pair.http, pair.direct_url, path, body) for _ in range(2)]
-        found = min((differences(answer, through) for answer in again), key=len)
     assert found == [], f"{case} ({mode}): phasegate's answer differs from vllm serve's:\n" + "\n".join(found)
 
 

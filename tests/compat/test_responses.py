@@ -12,6 +12,7 @@ response the SDK's stream helper accumulates. Ids and timestamps aside.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -57,8 +58,16 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="test-key", max_retries=0, timeout=120)
+@pytest.fixture
+def clients(target: Pair) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    """The `openai` client of ``vllm serve`` directly, and of phasegate in front of it."""
+    made = [
+        openai.OpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0, timeout=120)
+        for url in (target.direct_url, target.gateway_url)
+    ]
+    yield made[0], made[1]
+    for client in made:  # its sockets closed now, not by the garbage collector (ci13)
+        client.close()
 
 
 def read(response: Any) -> dict[str, Any]:
@@ -102,19 +111,18 @@ WHOLE_DIVERGENCES = {"a named function tool": "vLLM's whole Responses path ignor
         for case in CASES
     ],
 )
-def test_a_whole_response_is_vllms(target: Pair, case: str) -> None:
+def test_a_whole_response_is_vllms(clients: tuple[openai.OpenAI, openai.OpenAI], case: str) -> None:
     asked = {"model": MODEL, "temperature": 0, **CASES[case]}
-    direct = client(target.direct_url).responses.create(**asked)
-    through = client(target.gateway_url).responses.create(**asked)
+    direct, through = (client.responses.create(**asked) for client in clients)
     assert read(through) == read(direct)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_streamed_response_is_vllms(target: Pair, case: str) -> None:
+def test_a_streamed_response_is_vllms(clients: tuple[openai.OpenAI, openai.OpenAI], case: str) -> None:
     asked = {"model": MODEL, "temperature": 0, **CASES[case]}
     got = []
-    for url in (target.direct_url, target.gateway_url):
-        with client(url).responses.stream(**asked) as stream:
+    for client in clients:
+        with client.responses.stream(**asked) as stream:
             events = list(stream)
             got.append((event_types(events), read(stream.get_final_response()), events))
     (direct_types, direct, direct_events), (through_types, through, through_events) = got

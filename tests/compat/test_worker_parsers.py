@@ -56,22 +56,24 @@ def test_a_forced_call_through_the_worker_is_a_tool_call_and_its_reasoning_is_re
     """With the ``openai`` client: a named tool is called, whole and streamed the same (the
     tiny model's arguments are whatever the structured output lets it say, cut by
     ``max_tokens``); the unforced answer's think block is the parser's reasoning."""
-    client = openai.OpenAI(base_url=worker_pair.gateway_url + "/v1", api_key="k", max_retries=0, timeout=120)
-    ask_for = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
-    whole = client.chat.completions.create(**ask_for, tools=TOOLS, tool_choice=NAMED, max_tokens=200)  # type: ignore[call-overload]
-    (call,) = whole.choices[0].message.tool_calls or []
-    assert call.function.name == "get_weather" and call.function.arguments
-    assert whole.choices[0].finish_reason in {"stop", "length"}  # named: the engine's reason, as vLLM says
-    streamed = client.chat.completions.create(**ask_for, tools=TOOLS, tool_choice=NAMED, max_tokens=200, stream=True)  # type: ignore[call-overload]
-    arguments = "".join(
-        tc.function.arguments or ""
-        for chunk in streamed
-        for choice in chunk.choices
-        for tc in choice.delta.tool_calls or ()
-        if tc.function is not None
-    )
-    assert arguments == call.function.arguments
-    plain = client.chat.completions.create(**ask_for, max_tokens=12)  # type: ignore[call-overload]
-    message = plain.choices[0].message
-    assert (message.model_extra or {}).get("reasoning") == " first client may retry,"
-    assert message.content and "</think>" not in message.content
+    with openai.OpenAI(base_url=worker_pair.gateway_url + "/v1", api_key="k", max_retries=0, timeout=120) as client:
+        ask_for = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        whole = client.chat.completions.create(**ask_for, tools=TOOLS, tool_choice=NAMED, max_tokens=200)  # type: ignore[call-overload]
+        (call,) = whole.choices[0].message.tool_calls or []
+        assert call.function.name == "get_weather" and call.function.arguments
+        assert whole.choices[0].finish_reason in {"stop", "length"}  # named: the engine's reason, as vLLM says
+        streamed = client.chat.completions.create(
+            **ask_for, tools=TOOLS, tool_choice=NAMED, max_tokens=200, stream=True
+        )  # type: ignore[call-overload]
+        arguments = "".join(
+            tc.function.arguments or ""
+            for chunk in streamed
+            for choice in chunk.choices
+            for tc in choice.delta.tool_calls or ()
+            if tc.function is not None
+        )
+        assert arguments == call.function.arguments
+        plain = client.chat.completions.create(**ask_for, max_tokens=12)  # type: ignore[call-overload]
+        message = plain.choices[0].message
+        assert (message.model_extra or {}).get("reasoning") == " first client may retry,"
+        assert message.content and "</think>" not in message.content
