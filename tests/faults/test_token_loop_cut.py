@@ -58,8 +58,11 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         threading.Thread(target=cut_when_started, daemon=True).start()
         transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4))
     else:  # many more tokens than k: the answer cannot be over before the cut, however late the client reads
+        # (ignore_eos: all LONG of them; a sim's own length may be 16, over before a loaded client's
+        # cut at k: ci14)
         cut = first.proxy.blackhole
-        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=LONG), on_delta=lambda n: n == k and cut())
+        asked = body(prompt, max_tokens=LONG, ignore_eos=True)
+        transcript = stream_chat(slow_gateway.url, asked, on_delta=lambda n: n == k and cut())
     wait_released(slow_gateway, transcript.request_id, 1)  # by its cancel's acknowledgement or its lease
     first.proxy.restore()  # the network comes back: the old attempt must stay silent
     events, state = settle(slow_gateway, transcript, evidence)

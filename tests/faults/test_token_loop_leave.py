@@ -42,7 +42,8 @@ def test_7_a_client_leaving_at_token_k_cancels_upstream(
     if k == 0:  # gone before the first delta: the client gives up while headers are held back
         transcript = Transcript(leave_once_accepted(slow_gateway, body(prompt, max_tokens=N + 4)), 200)
     else:  # many more tokens than k: the answer cannot be over before the client leaves, however late it reads
-        transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=LONG), on_delta=lambda n: n >= k)
+        asked = body(prompt, max_tokens=LONG, ignore_eos=True)  # all of them (a sim's own length may be 16)
+        transcript = stream_chat(slow_gateway.url, asked, on_delta=lambda n: n >= k)
     events, state = settle(slow_gateway, transcript, evidence, left=True)
     assert state.outcome is Outcome.CANCELLED and replicas_of(events) == ["r1"]  # nothing new started
     order = [type(e).__name__ for e in events]
