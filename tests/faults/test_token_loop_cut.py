@@ -95,7 +95,14 @@ def wait_released(gateway: RunningGateway, request_id: str, attempt: int, timeou
     store, deadline = gateway.gateway.ctx.store, time.monotonic() + timeout
     while True:
         gateway.call(store.flush())
-        if released_by(gateway.call(store.read(request_id)), attempt) is not None:
+        events = gateway.call(store.read(request_id))
+        if released_by(events, attempt) is not None:
             return
-        assert time.monotonic() < deadline, f"attempt {attempt} of {request_id} not released in {timeout:g} s"
+        # seen once (ci15, k = 5 on a worker): the log's shape and the gateway's own tasks
+        # say where the release waits, should it happen again
+        shape = [(type(e).__name__, getattr(e, "attempt", None)) for e in events]
+        tasks = sorted(gateway.gateway.ctx.background, key=str)
+        assert time.monotonic() < deadline, (
+            f"attempt {attempt} of {request_id} not released in {timeout:g} s: {shape} {tasks}"
+        )
         time.sleep(0.05)
