@@ -23,10 +23,12 @@ from tests.support.gateway import RunningGateway
 from tests.support.transcript import Transcript, released_by, stream_chat
 
 # An openai replica's attempt is released when its lease lapses (it acknowledges no
-# cancel): short here. A worker acknowledges the cancel, however long a loaded machine takes.
+# cancel): short here, but not so short that a loaded machine starves a worker's renewals
+# before the client leaves (2 s did: ci18). A worker acknowledges the cancel, however long
+# a loaded machine takes.
 TIMEOUTS = Timeouts(
     stall_s=10.0,
-    lease_ttl_s=2.0,
+    lease_ttl_s=4.0,
     cancel_ack_s=10.0,
     first_token_soft_s=10.0,
     first_token_hard_s=30.0,
