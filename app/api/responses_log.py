@@ -24,7 +24,7 @@ from app.api.responses_input import chat_messages
 from app.api.responses_shape import ResponsesShape
 from app.driver.outputs import full_usage
 from app.driver.request import RESPONSES
-from app.store.base import EventStore
+from app.store.base import EventStore, RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TOOL_CALLS
@@ -110,11 +110,16 @@ async def follow_response(
             continue  # the log is away: the reader waits for it
 
 
-async def recorded_body(store: EventStore, request_id: str, response_id: str, param: str) -> dict[str, Any]:
-    """The body the client sent for the response, as the log keeps it."""
-    recorded = await store.read_input(request_id)
+def kept_body(recorded: RequestInput | None) -> dict[str, Any] | None:
+    """The client's body in a recorded input, where the log keeps it (content_policy)."""
     body = recorded.body if recorded is not None else None
-    if not isinstance(body, dict) or "input" not in body:
+    return body if isinstance(body, dict) and "input" in body else None
+
+
+def body_of(recorded: RequestInput | None, response_id: str, param: str) -> dict[str, Any]:
+    """The client's body in a recorded input; 400 where the log keeps none (content_policy)."""
+    body = kept_body(recorded)
+    if body is None:
         raise InvalidRequest(
             f"the log keeps no text of response '{response_id}' (content_policy), so it cannot be rebuilt",
             param=param,
@@ -143,7 +148,7 @@ async def earlier_turns(store: EventStore, tenant: str, response_id: str) -> lis
                 param=param,
                 code="previous_response_not_completed",
             )
-        body = await recorded_body(store, request_id, current, param)
+        body = body_of(await store.read_input(request_id), current, param)
         answers, _, _, _ = final_answer(events, fold(events), terminal)
         turns.append([*chat_messages(None, body["input"]), *_output_messages(answers[0].texts, answers[0].tool_calls)])
         previous = body.get("previous_response_id")

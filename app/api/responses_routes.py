@@ -10,8 +10,9 @@ one), as its client was sent it, following a live one to its end.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -23,18 +24,12 @@ from app.api.auth import Authenticator
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.from_log import check_resumable
 from app.api.request_ids import id_header
-from app.api.responses_log import (
-    ENDED,
-    FOLLOW_EVERY_S,
-    follow_response,
-    recorded_body,
-    response_events,
-    response_from_log,
-)
+from app.api.responses_log import ENDED, body_of, follow_response, kept_body, response_events, response_from_log
 from app.api.responses_request import parse_responses_request
-from app.api.responses_shape import ResponsesShape, responses_id
-from app.api.resume import ATTACH_WAIT_S
+from app.api.responses_shape import ResponsesShape
+from app.api.resume import ended, logged
 from app.driver.context import GatewayContext
+from app.store.base import RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.state import fold
@@ -59,95 +54,101 @@ class _Responses:
         self.authenticator = authenticator
 
     async def retrieve(self, request: Request) -> Response:
-        response_id = request.path_params["response_id"]
-        try:
-            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            stream, after = _streaming(request)
-            request_id, events = await self._read(tenant, response_id)
-            shape = await shape_of(self.ctx, request_id, response_id, events)
-            if stream:
-                check_resumable(events, responses=True)
-                shape.after = after
-                body = follow_response(self.ctx.store, request_id, events, shape)
-                return EventSourceResponse(body, headers=id_header(request_id), ping=15, send_timeout=30, sep="\n")
-            return JSONResponse(response_from_log(request_id, events, shape), headers=id_header(request_id))
-        except ApiError as error:
-            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+        return await self._answer(request, self._retrieve)
 
     async def input_items(self, request: Request) -> Response:
-        response_id = request.path_params["response_id"]
-        try:
-            tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            order, limit, after = _paging(request)
-            request_id, _ = await self._read(tenant, response_id)
-            body = await recorded_body(self.ctx.store, request_id, response_id, "response_id")
-            items = input_items(body["input"], response_id)
-            if order == "desc":
-                items.reverse()
-            ids = [item["id"] for item in items]
-            start = ids.index(after) + 1 if after in ids else 0
-            page = items[start : start + limit]
-            listed = {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": start + limit < len(items),
-            }
-            return JSONResponse(listed, headers=id_header(request_id))
-        except ApiError as error:
-            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+        return await self._answer(request, self._input_items)
 
     async def delete(self, request: Request) -> Response:
-        """Erase the response's content as ``phasegate tenants erase`` does; its events stay."""
+        return await self._answer(request, self._delete)
+
+    async def _answer(self, request: Request, serve: Callable[[Request, _Stored], Awaitable[Response]]) -> Response:
+        """``serve`` the tenant's stored response the path names; a refusal in the OpenAI shape."""
         response_id = request.path_params["response_id"]
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            request_id, events = await self._read(tenant, response_id)
-            if not any(isinstance(e, ENDED) for e in events):
-                raise InvalidRequest(
-                    f"response '{response_id}' is in progress: cancel it first", code="response_in_progress"
-                )
-            try:
-                await self.ctx.store.erase_request(tenant, request_id)
-            except StoreUnavailable:
-                raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
-            log.info("request %s: its content was erased (DELETE of its response)", request_id)
-            deleted = {"id": response_id, "object": "response.deleted", "deleted": True}
-            return JSONResponse(deleted, headers=id_header(request_id))
-        except ApiError as error:
-            return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
-
-    async def _read(self, tenant: str, response_id: str) -> tuple[str, list[ev.Event]]:
-        """The tenant's response; a deleted one is gone (404): with every input kept
-        (``content_policy`` full), an ended response with none had its content erased."""
-        try:
-            request_id, events = await response_events(self.ctx.store, tenant, response_id, "response_id")
-            ended = any(isinstance(e, ENDED) for e in events)
-            if (
-                ended
-                and self.ctx.config.content_policy == "full"
-                and await self.ctx.store.read_input(request_id) is None
-            ):
-                raise NotFound(f"response '{response_id}' was deleted", param="response_id", code="response_not_found")
-            return request_id, events
+            return await serve(request, await self._read(tenant, response_id))
         except StoreUnavailable:
-            raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+            error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
+        except ApiError as refused:
+            error = refused
+        return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
+
+    async def _read(self, tenant: str, response_id: str) -> _Stored:
+        """The tenant's response, its log and its recorded input, each read once. A deleted
+        one is gone (404): with every input kept (``content_policy`` full), an ended
+        response with none had its content erased."""
+        request_id, events = await response_events(self.ctx.store, tenant, response_id, "response_id")
+        recorded = await self.ctx.store.read_input(request_id)
+        ended = any(isinstance(e, ENDED) for e in events)
+        if ended and recorded is None and self.ctx.config.content_policy == "full":
+            raise NotFound(f"response '{response_id}' was deleted", param="response_id", code="response_not_found")
+        return _Stored(response_id, request_id, tenant, events, recorded, ended)
+
+    async def _retrieve(self, request: Request, stored: _Stored) -> Response:
+        stream, after = _streaming(request)
+        shape = shape_of(self.ctx, stored.request_id, stored.events, kept_body(stored.recorded))
+        headers = id_header(stored.request_id)
+        if stream:
+            check_resumable(stored.events, responses=True)
+            shape.after = after
+            body = follow_response(self.ctx.store, stored.request_id, stored.events, shape)
+            return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+        return JSONResponse(response_from_log(stored.request_id, stored.events, shape), headers=headers)
+
+    async def _input_items(self, request: Request, stored: _Stored) -> Response:
+        order, limit, after = _paging(request)
+        items = input_items(body_of(stored.recorded, stored.response_id, "response_id")["input"], stored.response_id)
+        if order == "desc":
+            items.reverse()
+        ids = [item["id"] for item in items]
+        start = ids.index(after) + 1 if after in ids else 0
+        page = items[start : start + limit]
+        listed = {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(items),
+        }
+        return JSONResponse(listed, headers=id_header(stored.request_id))
+
+    async def _delete(self, request: Request, stored: _Stored) -> Response:
+        """Erase the response's content as ``phasegate tenants erase`` does; its events stay."""
+        if not stored.ended:
+            raise InvalidRequest(
+                f"response '{stored.response_id}' is in progress: cancel it first", code="response_in_progress"
+            )
+        await self.ctx.store.erase_request(stored.tenant, stored.request_id)
+        log.info("request %s: its content was erased (DELETE of its response)", stored.request_id)
+        deleted = {"id": stored.response_id, "object": "response.deleted", "deleted": True}
+        return JSONResponse(deleted, headers=id_header(stored.request_id))
 
 
-async def shape_of(ctx: GatewayContext, request_id: str, response_id: str, events: list[ev.Event]) -> ResponsesShape:
-    """The response's shape, from its recorded body (what it echoes); a log without the
-    body (content_policy) echoes what a body of only its model would."""
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A stored response as the log has it."""
+
+    response_id: str
+    request_id: str
+    tenant: str
+    events: list[ev.Event]
+    recorded: RequestInput | None  # the client's body, as the content policy kept it
+    ended: bool
+
+
+def shape_of(
+    ctx: GatewayContext, request_id: str, events: list[ev.Event], body: dict[str, Any] | None
+) -> ResponsesShape:
+    """The response's shape, from its recorded ``body`` (what it echoes); a log without
+    the body (content_policy) echoes what a body of only its model would."""
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
+    bare = {"model": accepted.model, "input": ""}
     try:
-        body = await recorded_body(ctx.store, request_id, response_id, "response_id")
-    except InvalidRequest:
-        body = {"model": accepted.model, "input": ""}
-    try:
-        generation = parse_responses_request(body, ctx.config.limits)
+        generation = parse_responses_request(body or bare, ctx.config.limits)
     except InvalidRequest:  # a body an earlier release took
-        generation = parse_responses_request({"model": accepted.model, "input": ""}, ctx.config.limits)
+        generation = parse_responses_request(bare, ctx.config.limits)
     created = int(accepted.occurred_at.timestamp())
     return ResponsesShape(generation, request_id, created, fold(events).answered_by)
 
@@ -157,34 +158,20 @@ async def attach_response(ctx: GatewayContext, request_id: str, *, stream: bool)
     same POST again), from the log: its stream from the start, following it while live,
     or, whole, once it ended."""
     headers = id_header(request_id)
-    response_id = responses_id(request_id)
     try:
-        events = await _until_logged(ctx, request_id)
-        shape = await shape_of(ctx, request_id, response_id, events)
+        events = await logged(ctx, request_id)
+        shape = shape_of(ctx, request_id, events, kept_body(await ctx.store.read_input(request_id)))
         if stream:
             check_resumable(events, responses=True)
             body = follow_response(ctx.store, request_id, events, shape)
             return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
-        while not any(isinstance(e, ENDED) for e in events):
-            await asyncio.sleep(FOLLOW_EVERY_S)
-            events = await ctx.store.read(request_id)
+        events = await ended(ctx, request_id, events)
         return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
     except StoreUnavailable:
         error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
     except ApiError as refused:
         error = refused
     return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
-
-
-async def _until_logged(ctx: GatewayContext, request_id: str) -> list[ev.Event]:
-    """The request's log; its first POST may still be being accepted."""
-    waited = 0.0
-    while not (events := await ctx.store.read(request_id)) and waited < ATTACH_WAIT_S:
-        await asyncio.sleep(FOLLOW_EVERY_S)
-        waited += FOLLOW_EVERY_S
-    if not events:
-        raise ServiceUnavailable("the response this idempotency key started is not in the log yet; retry")
-    return events
 
 
 def input_items(given: Any, response_id: str) -> list[dict[str, Any]]:

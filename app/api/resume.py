@@ -206,14 +206,7 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
         live = await attach_live(ctx, request_id, request, after, stream=stream)
         if live is not None:
             return live
-        events = await follower.read(request_id)
-        waited = 0.0
-        while not events and waited < ATTACH_WAIT_S:  # its first POST is still being accepted
-            await asyncio.sleep(FOLLOW_EVERY_S)
-            waited += FOLLOW_EVERY_S
-            events = await follower.read(request_id)
-        if not events:
-            raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
+        events = await logged(ctx, request_id)
         check_resumable(events)
     except ApiError as error:
         return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
@@ -225,10 +218,29 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     if stream:
         body = follower.follow(request_id, events, after, shape)
         return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
-    while fold(events).outcome is None:  # a whole answer: once the request ended
+    return whole_from_log(request_id, await ended(ctx, request_id, events), shape, headers)
+
+
+async def logged(ctx: GatewayContext, request_id: str) -> list[ev.Event]:
+    """The log of the request an ``Idempotency-Key`` started: its first POST may still be
+    being accepted (up to ``ATTACH_WAIT_S``)."""
+    follower = _Follower(ctx)
+    waited = 0.0
+    while not (events := await follower.read(request_id)) and waited < ATTACH_WAIT_S:
+        await asyncio.sleep(FOLLOW_EVERY_S)
+        waited += FOLLOW_EVERY_S
+    if not events:
+        raise ServiceUnavailable("the request this idempotency key started is not in the log yet; retry")
+    return events
+
+
+async def ended(ctx: GatewayContext, request_id: str, events: list[ev.Event]) -> list[ev.Event]:
+    """The request's log once it ended (a whole answer goes out then), read on from ``events``."""
+    follower = _Follower(ctx)
+    while fold(events).outcome is None:
         await asyncio.sleep(FOLLOW_EVERY_S)
         events = await follower.read(request_id)
-    return whole_from_log(request_id, events, shape, headers)
+    return events
 
 
 async def attach_live(
