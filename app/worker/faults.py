@@ -9,6 +9,7 @@ one whose matcher accepts it and that has uses left. See docs/worker-protocol.md
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ class FaultAction(enum.StrEnum):
 
     DIE = "die"  # the process dies: SIGKILL, its whole group when it leads one
     STALL = "stall"  # publish nothing from token k on; still honour cancel and lease expiry
+    HOLD = "hold"  # publish nothing from token k on until released (POST /admin/faults/{id}/release)
     REJECT = "reject"  # refuse the start with an HTTP status (429 or 503)
     MALFORMED_FRAME = "malformed_frame"  # a broken line before token k, then go on
     CLOSE_WITHOUT_DONE = "close_without_done"  # end the stream cleanly after k tokens, no done
@@ -39,7 +41,13 @@ class Point(enum.StrEnum):
     AFTER_FRAME = "after_frame"  # token k's frame written (and given 20 ms to leave)
 
 
-_ACTIONS_WITH_TOKEN = {FaultAction.DIE, FaultAction.STALL, FaultAction.MALFORMED_FRAME, FaultAction.CLOSE_WITHOUT_DONE}
+_ACTIONS_WITH_TOKEN = {
+    FaultAction.DIE,
+    FaultAction.STALL,
+    FaultAction.HOLD,
+    FaultAction.MALFORMED_FRAME,
+    FaultAction.CLOSE_WITHOUT_DONE,
+}
 _DEFAULT_REJECT_CODE = {429: Code.QUEUE_FULL, 503: Code.REPLICA_EXITING}
 
 
@@ -62,6 +70,7 @@ class Fault:
     attempt: int | None = None
     remaining: int | None = 1  # None: every matching attempt
     spec: dict[str, Any] = field(default_factory=dict)  # as registered, for GET /admin/faults
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # a hold goes on once set
 
     def matches(self, attempt: AttemptSpec) -> bool:
         if self.remaining is not None and self.remaining <= 0:
@@ -73,7 +82,10 @@ class Fault:
         return self.prompt_contains is None or self.prompt_contains in attempt.prompt_text()
 
     def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "remaining": self.remaining, **self.spec}
+        described = {"id": self.id, "remaining": self.remaining, **self.spec}
+        if self.action is FaultAction.HOLD:
+            described["released"] = self.released.is_set()
+        return described
 
     def reject(self) -> Refusal:
         message = f"injected fault {self.id}: rejected with {self.status}"
@@ -100,6 +112,18 @@ class FaultBook:
                     fault.remaining -= 1
                 return fault
         return None
+
+    def release(self, fault_id: int, hold_at: int | None = None) -> Fault:
+        """Let the attempt a ``hold`` fault holds go on: for good, or (``hold_at``) until
+        that token, where it holds again for the next release."""
+        for fault in self._faults:
+            if fault.id == fault_id and fault.action is FaultAction.HOLD:
+                holding = fault.released
+                if hold_at is not None:
+                    fault.at_token, fault.released = hold_at, asyncio.Event()
+                holding.set()
+                return fault
+        raise Refusal(404, Code.NOT_FOUND, f"no hold fault with id {fault_id}")
 
     def clear(self) -> int:
         count = len(self._faults)

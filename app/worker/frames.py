@@ -222,6 +222,14 @@ async def _decode(
                     await asyncio.wait((attempt.stop_signal,))
                     yield None
                     return
+                elif action is FaultAction.HOLD:
+                    # until the test releases it; cancel, lease expiry or drain end it as a stall's
+                    released = asyncio.ensure_future(fault.released.wait())
+                    await asyncio.wait((attempt.stop_signal, released), return_when=FIRST)
+                    released.cancel()
+                    if attempt.stop is not None:
+                        return
+                    fault_at = fault.at_token  # the release may have moved the hold on
                 elif action is FaultAction.MALFORMED_FRAME:
                     yield _MALFORMED_FRAME
                     if not worker.may_publish(attempt):

@@ -214,6 +214,15 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
             return JSONResponse({"cleared": faults.clear()})
         return JSONResponse({"faults": faults.describe()})
 
+    async def release_fault(request: Request) -> Response:
+        if faults is None:
+            raise Refusal(403, Code.FAULTS_DISABLED, "this worker was started without --enable-faults")
+        body = decode_json_value(await read_body(request, config.max_body_bytes) or b"{}")
+        hold_at = body.get("hold_at") if isinstance(body, dict) else None
+        if hold_at is not None and (not isinstance(hold_at, int) or isinstance(hold_at, bool) or hold_at < 0):
+            raise Refusal(400, Code.INVALID_FIELD, "hold_at: must be a token index", field="hold_at")
+        return JSONResponse({"released": faults.release(request.path_params["fault_id"], hold_at).describe()})
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async def housekeeping() -> None:
@@ -242,6 +251,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
+        Route("/admin/faults/{fault_id:int}/release", release_fault, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal, HTTPException: _on_http_error}

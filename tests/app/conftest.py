@@ -4,10 +4,12 @@
   A test that kills one gets its own pair from ``fresh_pair`` instead.
 - ``gateway`` (function): a gateway on a fresh database over ``sim_pair``.
 - ``add_fault(worker, **spec)``: script a fault on one worker (docs/worker-protocol.md).
+- ``held(worker, prompt, at_token)``: hold an attempt at a token until the test releases it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -53,9 +55,30 @@ def gateway(database_url: str, sim_pair: list[WorkerProcess]) -> Iterator[Runnin
         yield running
 
 
-def add_fault(worker: WorkerProcess, **spec: Any) -> None:
+def add_fault(worker: WorkerProcess, **spec: Any) -> int:
+    """Register one scripted fault (docs/worker-protocol.md); returns its id."""
     response = httpx.post(worker.base_url + "/admin/faults", json=spec, timeout=5)
     assert response.status_code == 200, response.text
+    return int(response.json()["added"][0]["id"])
+
+
+@contextlib.contextmanager
+def held(worker: WorkerProcess, prompt: str, at_token: int) -> Iterator[Callable[..., None]]:
+    """A ``hold`` fault on the attempt whose prompt holds ``prompt``: it publishes tokens
+    0…k−1, then waits for the release this yields (``release(hold_at=m)``: on to token m,
+    held again there), so a test knows the request is still live at the moment it
+    chooses. Released on the way out whatever happened."""
+    fault_id = add_fault(worker, action="hold", at_token=at_token, match={"prompt_contains": prompt})
+
+    def release(hold_at: int | None = None) -> None:
+        body = {} if hold_at is None else {"hold_at": hold_at}
+        response = httpx.post(f"{worker.base_url}/admin/faults/{fault_id}/release", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+
+    try:
+        yield release
+    finally:
+        release()
 
 
 @pytest.fixture

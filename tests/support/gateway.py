@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -76,6 +76,17 @@ class RunningGateway:
         """The request's committed events, after its bookkeeping settled."""
         self.settle()
         return self.call(self.gateway.ctx.store.read(request_id))
+
+    def logged(self, request_id: str) -> list[Event]:
+        """The request's events committed so far, without waiting for it to end."""
+        return self.call(self.gateway.ctx.store.read(request_id))
+
+    def wait_logged(self, request_id: str, condition: Callable[[list[Event]], object], timeout: float = 30.0) -> None:
+        """Wait until the request's log meets ``condition``: a loaded machine only makes it later."""
+        deadline = time.monotonic() + timeout
+        while not condition(events := self.logged(request_id)):
+            assert time.monotonic() < deadline, [type(e).__name__ for e in events]
+            time.sleep(0.02)
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.gateway.ctx.metrics.registry.get_sample_value(name, labels)

@@ -5,13 +5,17 @@ comes back within it attaches to the live request and gets every delta exactly o
 one that does not come back is cancelled when the grace runs out, and the worker
 acknowledges the cancel. Each test judges by what the clients received and by the log
 (delivered against produced), and replays the log.
+
+A test that needs the request still generating when its client comes back holds the
+attempt at a token (the worker's ``hold`` fault) and releases it once the log shows the
+client attached: never a sleep that hopes the answer is not over yet (ci19).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +28,7 @@ from statemachine.invariants import violations
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
-from tests.app.conftest import add_fault
+from tests.app.conftest import add_fault, held
 from tests.support.cut_proxy import CutBeforeHeaders
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of, stream_chat
@@ -32,6 +36,7 @@ from tests.support.transcript import resume_stream as resume
 from tests.support.workers import WorkerProcess, running_worker
 
 GRACE_S = 5.0  # long enough for a loaded machine's resume; the expiry test has its own
+HELD = {"stall_s": 60.0}  # a held attempt publishes nothing: not a stall in these tests
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,7 @@ def slow_worker() -> Iterator[WorkerProcess]:
 
 @pytest.fixture
 def gateway(database_url: str, slow_worker: WorkerProcess) -> Iterator[RunningGateway]:
-    with running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as running:
+    with running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S, timeouts=HELD) as running:
         yield running
 
 
@@ -76,6 +81,15 @@ def _by_index(events: list[ev.Event], cls: type[ev.Event]) -> dict[int, str]:
     return out
 
 
+def reached(index: int) -> Callable[[list[ev.Event]], bool]:
+    """The log holds delta ``index``, delivered or produced."""
+    return lambda events: index in delivered(events) or index in produced(events)
+
+
+def resumed_times(count: int) -> Callable[[list[ev.Event]], bool]:
+    return lambda events: len(of(events, ev.ClientResumed)) == count
+
+
 def worker_attempts(worker: WorkerProcess, request_id: str) -> list[dict[str, Any]]:
     attempts = httpx.get(worker.base_url + "/admin/attempts", timeout=10).json()["attempts"]
     return [a for a in attempts if a["request_id"] == request_id]
@@ -89,12 +103,17 @@ def assert_log_sound(events: list[ev.Event]) -> None:
 
 @pytest.mark.parametrize("left_at", [0, 3, 8])
 def test_a_client_that_drops_mid_stream_and_resumes_within_the_grace_gets_every_delta_once(
-    gateway: RunningGateway, slow_worker: WorkerProcess, left_at: int
+    gateway: RunningGateway, slow_worker: WorkerProcess, left_at: int, unique_prompt: Callable[[str], str]
 ) -> None:
-    first = stream_chat(gateway.url, body(f"drop at {left_at}"), on_delta=lambda n: n == left_at + 1)
-    assert len(first.contents) == left_at + 1 and not first.done
-    time.sleep(0.3)  # ~10 deltas are produced with no client attached
-    resumed = resume(gateway.url, first.request_id, left_at)
+    prompt = unique_prompt(f"drop at {left_at}")
+    with held(slow_worker, prompt, at_token=25) as release, ThreadPoolExecutor(1) as pool:
+        first = stream_chat(gateway.url, body(prompt), on_delta=lambda n: n == left_at + 1)
+        assert len(first.contents) == left_at + 1 and not first.done
+        gateway.wait_logged(first.request_id, reached(24))  # deltas up to the hold, no client attached
+        later = pool.submit(resume, gateway.url, first.request_id, left_at)
+        gateway.wait_logged(first.request_id, resumed_times(1))
+        release()
+        resumed = later.result(timeout=60)
     assert resumed.status == 200 and resumed.done and resumed.error is None
     n = len(resumed.contents)
     assert first.event_ids[: left_at + 1] == list(range(left_at + 1))
@@ -168,14 +187,18 @@ def test_a_stop_button_ends_a_request_left_in_its_grace_at_once(gateway: Running
 
 
 def test_a_resume_that_arrives_before_the_gateway_saw_the_drop_attaches_to_the_live_request(
-    database_url: str, slow_worker: WorkerProcess
+    database_url: str, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
     """A client that reconnects at once can be ahead of its old connection's end (ci4,
     the EventSource case on a loaded machine). The resume waits for the instance to see
     the drop and attaches; followed from the log, the request would wait out its grace
     with no client attached and be cancelled under the resumed stream."""
-    with running_gateway(database_url, [slow_worker], resume_grace_s=1.0) as gateway:
-        request = {**body("not seen leaving", max_tokens=100), "stream": True}
+    prompt = unique_prompt("not seen leaving")
+    with (
+        running_gateway(database_url, [slow_worker], resume_grace_s=1.0, timeouts=HELD) as gateway,
+        held(slow_worker, prompt, at_token=50) as release,
+    ):
+        request = {**body(prompt, max_tokens=100), "stream": True}
         with httpx.Client(base_url=gateway.url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
             with http.stream("POST", "/v1/chat/completions", json=request) as old:
                 first = Transcript(old.headers["x-request-id"], old.status_code)
@@ -186,6 +209,8 @@ def test_a_resume_that_arrives_before_the_gateway_saw_the_drop_attaches_to_the_l
                 later = pool.submit(resume, gateway.url, first.request_id, first.event_ids[-1])
                 time.sleep(0.5)  # the resume is in; on a loaded machine it may come after the close, as usual
             http.close()  # the old connection ends
+            gateway.wait_logged(first.request_id, resumed_times(1))
+            release()
             resumed = later.result(timeout=60)
         events = gateway.events(first.request_id)
     assert resumed.status == 200 and resumed.done and resumed.error is None, resumed.error
@@ -200,7 +225,7 @@ def test_a_resume_that_arrives_before_the_gateway_saw_the_drop_attaches_to_the_l
 
 
 def test_a_reconnecting_sse_client_resumes_with_last_event_id_as_event_source_does(
-    gateway: RunningGateway, slow_worker: WorkerProcess
+    gateway: RunningGateway, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
     """As a browser's EventSource: on a drop it sends the same request again, with
     ``Last-Event-ID``; the Idempotency-Key binds the retries to one request."""
@@ -208,21 +233,30 @@ def test_a_reconnecting_sse_client_resumes_with_last_event_id_as_event_source_do
     got = Transcript("", 0)
     request_ids = set()
     drops = [2, 7]  # the connection drops after these many deltas
-    for attempt in range(5):
-        if got.event_ids:
-            headers["last-event-id"] = str(got.event_ids[-1])
-        with (
-            httpx.Client(base_url=gateway.url, timeout=60) as http,
-            http.stream(
-                "POST", "/v1/chat/completions", json={**body("event source"), "stream": True}, headers=headers
-            ) as response,
-        ):
-            assert response.status_code == 200, response.read()
-            request_ids.add(response.headers["x-request-id"])
-            read_stream(response, got, leave_after=drops[attempt] if attempt < len(drops) else None)
-        if got.done:
-            break
-        time.sleep(0.2)
+    prompt = unique_prompt("event source")
+
+    def release_when_attached(request_id: str) -> None:
+        gateway.wait_logged(request_id, resumed_times(len(drops)))
+        release()
+
+    with held(slow_worker, prompt, at_token=30) as release, ThreadPoolExecutor(1) as pool:
+        for attempt in range(5):
+            if got.event_ids:
+                headers["last-event-id"] = str(got.event_ids[-1])
+            with (
+                httpx.Client(base_url=gateway.url, timeout=60) as http,
+                http.stream(
+                    "POST", "/v1/chat/completions", json={**body(prompt), "stream": True}, headers=headers
+                ) as response,
+            ):
+                assert response.status_code == 200, response.read()
+                request_ids.add(response.headers["x-request-id"])
+                if attempt == len(drops):  # the last connection: the hold ends once it is attached
+                    pool.submit(release_when_attached, response.headers["x-request-id"])
+                read_stream(response, got, leave_after=drops[attempt] if attempt < len(drops) else None)
+            if got.done:
+                break
+            time.sleep(0.2)
     (request_id,) = request_ids
     assert got.done and got.error is None and len(got.contents) == 40
     assert [i for i in got.event_ids if i < 40] == list(range(40))  # every delta once, in order
@@ -271,15 +305,20 @@ def test_the_openai_client_retries_a_post_cut_before_its_headers_and_the_worker_
 
 
 def test_a_resume_that_reaches_another_instance_is_forwarded_to_the_owner_and_attaches(
-    database_url: str, slow_worker: WorkerProcess
+    database_url: str, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
+    prompt = unique_prompt("elsewhere")
     with (
-        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as owner,
-        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S) as other,
+        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S, timeouts=HELD) as owner,
+        running_gateway(database_url, [slow_worker], resume_grace_s=GRACE_S, timeouts=HELD) as other,
+        held(slow_worker, prompt, at_token=20) as release,
+        ThreadPoolExecutor(1) as pool,
     ):
-        first = stream_chat(owner.url, body("elsewhere"), on_delta=lambda n: n == 4)
-        time.sleep(0.2)
-        resumed = resume(other.url, first.request_id, 3)
+        first = stream_chat(owner.url, body(prompt), on_delta=lambda n: n == 4)
+        later = pool.submit(resume, other.url, first.request_id, 3)
+        owner.wait_logged(first.request_id, resumed_times(1))
+        release()
+        resumed = later.result(timeout=60)
         events = owner.events(first.request_id)
     assert resumed.status == 200 and resumed.done and resumed.error is None
     assert resumed.event_ids[: len(resumed.contents)] == list(range(4, 40))
@@ -293,15 +332,20 @@ def test_a_resume_that_reaches_another_instance_is_forwarded_to_the_owner_and_at
 
 
 def test_a_client_that_gives_up_before_the_first_delta_resumes_and_its_first_delta_is_the_commit_point(
-    gateway: RunningGateway, slow_worker: WorkerProcess
+    gateway: RunningGateway, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
-    prompt = "gives up in prefill"
-    add_fault(slow_worker, action="slow_prefill", prefill_ms=600, match={"prompt_contains": prompt})
-    with pytest.raises(httpx.ReadTimeout):  # no header yet: they are held back until the first delta
-        stream_chat(gateway.url, body(prompt), timeout=0.3)
-    (request_id,) = gateway.gateway.ctx.drivers  # the one request in flight, still generating
-    time.sleep(0.8)  # the prefill ends and deltas are produced with no client attached
-    resumed = resume(gateway.url, request_id)
+    prompt = unique_prompt("gives up before its first delta")
+    with held(slow_worker, prompt, at_token=0) as release, ThreadPoolExecutor(1) as pool:
+        with pytest.raises(httpx.ReadTimeout):  # no header yet: they are held back until the first delta
+            stream_chat(gateway.url, body(prompt), timeout=0.3)
+        (request_id,) = gateway.gateway.ctx.drivers  # the one request in flight, still generating
+        gateway.wait_logged(request_id, lambda events: of(events, ev.ClientDisconnected))
+        release(hold_at=10)  # deltas are produced with no client attached
+        gateway.wait_logged(request_id, reached(9))
+        later = pool.submit(resume, gateway.url, request_id)
+        gateway.wait_logged(request_id, resumed_times(1))
+        release()
+        resumed = later.result(timeout=60)
     assert resumed.status == 200 and resumed.done and resumed.error is None
     assert resumed.event_ids[:40] == list(range(40)) and len(resumed.contents) == 40
     events = gateway.events(request_id)
@@ -344,17 +388,23 @@ def test_a_replica_that_dies_while_no_client_is_attached_ends_the_request_and_a_
 
 
 def test_a_whole_answer_whose_client_left_is_answered_to_its_idempotent_retry_from_the_same_generation(
-    gateway: RunningGateway, slow_worker: WorkerProcess
+    gateway: RunningGateway, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
     key = f"whole-{uuid.uuid4().hex}"
-    request = {**body("whole answer, retried"), "stream": False}
-    with pytest.raises(httpx.ReadTimeout):  # 40 tokens take 1.2 s: the client gives up first
-        httpx.post(f"{gateway.url}/v1/chat/completions", json=request, headers={"idempotency-key": key}, timeout=0.3)
-    (request_id,) = gateway.gateway.ctx.drivers
-    time.sleep(0.2)
-    answer = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json=request, headers={"idempotency-key": key}, timeout=60
-    )
+    prompt = unique_prompt("whole answer, retried")
+    request = {**body(prompt), "stream": False}
+    url, headers = f"{gateway.url}/v1/chat/completions", {"idempotency-key": key}
+    with held(slow_worker, prompt, at_token=0) as release, ThreadPoolExecutor(1) as pool:
+        with pytest.raises(httpx.ReadTimeout):  # held: the client gives up first
+            httpx.post(url, json=request, headers=headers, timeout=0.3)
+        (request_id,) = gateway.gateway.ctx.drivers
+        gateway.wait_logged(request_id, lambda events: of(events, ev.ClientDisconnected))
+        release(hold_at=10)  # deltas are produced with no client attached
+        gateway.wait_logged(request_id, reached(9))
+        later = pool.submit(httpx.post, url, json=request, headers=headers, timeout=60)
+        gateway.wait_logged(request_id, resumed_times(1))
+        release()
+        answer = later.result(timeout=60)
     assert answer.status_code == 200 and answer.headers["x-request-id"] == request_id
     text = answer.json()["choices"][0]["message"]["content"]
     events = gateway.events(request_id)

@@ -152,6 +152,39 @@ async def test_a_stalled_attempt_is_stopped_when_its_lease_lapses(sim_worker: Wo
     assert (await attempt_state(sim_worker.base_url, rid))["generated_tokens"] == state["generated_tokens"]
 
 
+async def test_a_hold_publishes_nothing_until_released_then_goes_on_to_the_end(
+    sim_worker: WorkerProcess, sim_client: WorkerClient
+):
+    rid = request_id()
+    fault = await add_fault(sim_worker.base_url, action="hold", at_token=2, match={"request_id": rid})
+    release = f"{sim_worker.base_url}/admin/faults/{fault['id']}/release"
+    stream = await begin(sim_client, rid, params={"max_tokens": 8, "ignore_eos": True})
+    got = await collect(stream, tokens=2)
+    await asyncio.sleep(0.3)  # the sim's 8 tokens take a few ms: held, none more
+    assert (await attempt_state(sim_worker.base_url, rid))["published_tokens"] == 2
+    async with http_client() as http:
+        assert (await http.post(release, json={"hold_at": 5})).status_code == 200
+        more = await collect(stream, tokens=3)  # on to token 5, held there again
+        await asyncio.sleep(0.3)
+        assert (await attempt_state(sim_worker.base_url, rid))["published_tokens"] == 5
+        answer = await http.post(release)
+        assert answer.status_code == 200 and answer.json()["released"]["released"] is True
+    rest = await collect(stream)
+    assert rest.error is None and rest.done is not None and rest.done.finish_reason == "length"
+    assert len(got.tokens) + len(more.tokens) + len(rest.tokens) == 8
+
+
+async def test_a_release_names_a_hold_fault(sim_worker: WorkerProcess):
+    stall = await add_fault(sim_worker.base_url, action="stall", at_token=2, match={"request_id": "nobody"})
+    hold = await add_fault(sim_worker.base_url, action="hold", at_token=2, match={"request_id": "nobody"})
+    async with http_client() as http:
+        for fault_id in (stall["id"], 10_000):
+            answer = await http.post(f"{sim_worker.base_url}/admin/faults/{fault_id}/release")
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+        answer = await http.post(f"{sim_worker.base_url}/admin/faults/{hold['id']}/release", json={"hold_at": -1})
+        assert answer.status_code == 400 and answer.json()["error"]["field"] == "hold_at"
+
+
 @pytest.mark.parametrize(
     ("fault", "error", "status", "code", "kind"),
     [
