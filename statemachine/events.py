@@ -99,8 +99,8 @@ class AttemptScoped(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestAccepted(RequestScoped):
-    SCHEMA_VERSION: ClassVar[int] = 2
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",)}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",), 3: ("background",)}
     model: str
     model_revision: str
     tenant: str
@@ -122,6 +122,9 @@ class RequestAccepted(RequestScoped):
     routing: dict[str, Any] | None = None
     affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
     metadata: dict[str, Any] | None = None  # the client's metadata, recorded for audit queries, not acted on
+    # a background response (DESIGN.md §15): no disconnect grace applies; whole, it generates
+    # with no client attached from its accept on; readers attach, leave and attach again
+    background: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,8 @@ def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
         "guided": event.guided,
         "tools": event.tools,
         "max_attempts": event.max_attempts,
+        "background": event.background,
+        "client_gone": event.background and not event.stream,  # a streamed one's POST reads it
     }
 
 
@@ -241,7 +243,7 @@ def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> C
 
 
 def _on_client_resumed(state: RequestState, event: ClientResumed) -> Changes:
-    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+    if not state.client_gone or not state.awaits_a_client:
         raise illegal(state, event, "no client left within a grace that is still running")
     if event.after < -1:
         raise illegal(state, event, "after is a delta index or -1")
@@ -249,7 +251,7 @@ def _on_client_resumed(state: RequestState, event: ClientResumed) -> Changes:
 
 
 def _on_grace_expired(state: RequestState, event: ResumeGraceExpired) -> Changes:
-    if not state.client_gone or state.resume_grace_expired or state.resume_grace_s == 0:
+    if not state.client_gone or state.background or not state.awaits_a_client:
         raise illegal(state, event, "no resume grace is running")
     return {"resume_grace_expired": True}
 

@@ -51,7 +51,7 @@ from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import AttemptState, RequestState, StartRefusal
 from statemachine.routing import PoolSnapshot
 
-POLICY_VERSION = "2026-12-01.3"
+POLICY_VERSION = "2026-12-04.1"  # a background response is never cancelled for want of a client
 
 # A request that got this many server errors about itself (HTTP 500, an engine failure)
 # before any output, on any replicas, is poison: it is failing them, not they it.
@@ -77,7 +77,7 @@ def decide(state: RequestState, config: PolicyConfig, pool: PoolSnapshot | None 
     if state.phase in (Phase.NEW, Phase.TERMINATED) or state.pending:
         return []
     current = state.current_attempt
-    if state.client_gone and (state.resume_grace_expired or state.resume_grace_s == 0):
+    if state.client_gone and not state.awaits_a_client:
         return _on_client_gone(current)
     if state.phase is Phase.FENCED:
         return []  # waiting for the cancel ack or the lease expiry, observed as events

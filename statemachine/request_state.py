@@ -155,6 +155,7 @@ class RequestState:
     delivered_output_tokens: int = 0
     tool_calls: tuple[EmittedToolCall, ...] = ()
     client_gone: bool = False  # no client attached since ClientDisconnected (until ClientResumed)
+    background: bool = False  # a background response: no grace runs out for want of a client (§15)
     disconnects: int = 0  # ClientDisconnected events so far (a client may come back and leave again)
     resume_grace_s: float = 0.0  # how long a client that left may attach again (its ClientDisconnected)
     resume_grace_expired: bool = False  # the grace ran out with no client attached
@@ -166,6 +167,12 @@ class RequestState:
     error_code: str | None = None
     finish_reason: str | None = None
     last_occurred_at: datetime | None = None  # the log's times never go back
+
+    @property
+    def awaits_a_client(self) -> bool:
+        """A client may attach to it now: a background response always, else one that left
+        within a grace still running."""
+        return self.background or (self.resume_grace_s > 0 and not self.resume_grace_expired)
 
     @property
     def first_delta_sent(self) -> bool:

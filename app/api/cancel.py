@@ -57,31 +57,35 @@ class _Cancel:
             if state.outcome is not None:
                 log.info("request %s: a cancel came after it ended (%s)", request_id, state.outcome.value)
                 return JSONResponse(_answer(request_id, "ended", state.outcome.value), headers=headers)
-            driver = self.ctx.drivers.get(request_id)
-            if driver is not None:
-                log.info("request %s: cancelled by its client", request_id)
-                driver.cancel_now()
-                return JSONResponse(_answer(request_id, "cancelled", "cancelled"), headers=headers)
-            return await self._forward(request, request_id, accepted.gateway, headers)
+            forwarded = await stop(self.ctx, request, request_id, accepted.gateway)
+            if forwarded is not None:
+                return Response(
+                    forwarded.content, status_code=forwarded.status_code, headers=headers, media_type="application/json"
+                )
+            return JSONResponse(_answer(request_id, "cancelled", "cancelled"), headers=headers)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
-    async def _forward(self, request: Request, request_id: str, owner: str | None, headers: dict[str, str]) -> Response:
-        """The request is live on another instance: ask it, which alone appends to it."""
-        address = await owner_address(self.ctx, owner)
-        if address is None:
-            # no live owner: it is being swept (gateway_lost) or it just ended
-            raise ServiceUnavailable(
-                "the request's gateway is not reachable; it ends shortly", code="owner_unavailable"
-            )
-        forwarded = {"authorization": request.headers.get("authorization", "")}
-        try:
-            async with httpx.AsyncClient(timeout=FORWARD_TIMEOUT_S) as http:
-                answer = await http.post(f"{address}/v1/requests/{request_id}/cancel", headers=forwarded)
-        except httpx.HTTPError as exc:
-            log.warning("request %s: forwarding the cancel to %s failed: %r", request_id, address, exc)
-            raise ServiceUnavailable("the request's gateway did not answer", code="owner_unavailable") from None
-        return Response(answer.content, status_code=answer.status_code, headers=headers, media_type="application/json")
+
+async def stop(ctx: GatewayContext, request: Request, request_id: str, owner: str | None) -> httpx.Response | None:
+    """Cancel the live request: at once where this instance owns it (``None``), else at
+    its owner, which alone appends to it (the owner's answer)."""
+    driver = ctx.drivers.get(request_id)
+    if driver is not None:
+        log.info("request %s: cancelled by its client", request_id)
+        driver.cancel_now()
+        return None
+    address = await owner_address(ctx, owner)
+    if address is None:
+        # no live owner: it is being swept (gateway_lost) or it just ended
+        raise ServiceUnavailable("the request's gateway is not reachable; it ends shortly", code="owner_unavailable")
+    forwarded = {"authorization": request.headers.get("authorization", "")}
+    try:
+        async with httpx.AsyncClient(timeout=FORWARD_TIMEOUT_S) as http:
+            return await http.post(f"{address}/v1/requests/{request_id}/cancel", headers=forwarded)
+    except httpx.HTTPError as exc:
+        log.warning("request %s: forwarding the cancel to %s failed: %r", request_id, address, exc)
+        raise ServiceUnavailable("the request's gateway did not answer", code="owner_unavailable") from None
 
 
 def _answer(request_id: str, status: str, outcome: str) -> dict[str, str]:

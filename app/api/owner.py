@@ -37,18 +37,18 @@ async def owner_address(ctx: GatewayContext, owner: str | None) -> str | None:
     return address if isinstance(address, str) else None
 
 
-async def forward_stream(request: Request, address: str, request_id: str) -> Response | None:
-    """``GET /v1/requests/{id}/stream`` at the owner, as this client asked it (its
-    ``Last-Event-ID``, ``?after``); ``None`` if the owner does not answer."""
+async def forward_stream(request: Request, address: str, path: str) -> Response | None:
+    """``GET path`` at the owner (a request's stream, a response's), as this client asked
+    it (its ``Last-Event-ID``, its query); ``None`` if the owner does not answer."""
     headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
     http = httpx.AsyncClient(timeout=httpx.Timeout(FORWARD_TIMEOUT_S, read=None))
-    url = f"{address}/v1/requests/{request_id}/stream"
+    url = f"{address}{path}"
     try:
         answer = await http.send(
             http.build_request("GET", url, params=request.query_params, headers=headers), stream=True
         )
     except httpx.HTTPError as exc:
-        log.warning("request %s: forwarding the resume to %s failed: %r", request_id, address, exc)
+        log.warning("forwarding %s to %s failed: %r", path, address, exc)
         await http.aclose()
         return None
 

@@ -18,16 +18,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
-from app.api.from_log import deltas_of, failure_of, final_answer
+from app.api.from_log import LoggedDelta, deltas_of, failure_of, final_answer
 from app.api.request_ids import check_request_id
 from app.api.responses_input import chat_messages
 from app.api.responses_shape import ResponsesShape
+from app.api.resume import record_resumed
+from app.driver.context import GatewayContext
 from app.driver.outputs import full_usage
 from app.driver.request import RESPONSES
 from app.store.base import EventStore, RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TOOL_CALLS
+from statemachine.request_state import RequestState
 from statemachine.state import fold
 
 MAX_TURNS = 256  # previous responses followed back at most, each one read
@@ -64,48 +67,68 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
     state = fold(events)
     if isinstance(terminal, ev.RequestCompleted):
         return shape.completion(*final_answer(events, state, terminal))
-    for event in events:  # what the client was sent, before the failure
-        if isinstance(event, ev.DeltasDelivered):
-            for delta in deltas_of(event):
-                if delta.key == TOOL_CALLS:
-                    shape.tool_calls_event(delta.index, json.loads(delta.text))
-                else:
-                    shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
+    delivered = [delta for event in events if isinstance(event, ev.DeltasDelivered) for delta in deltas_of(event)]
+    for delta in [*delivered, *produced_tail(events, state)]:
+        _delta_events(shape, delta)  # what a reader gets: the output before the failure
     return shape.failed_response(failure_body(request_id, failure_of(terminal, state, events))["error"])
 
 
+def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDelta]:
+    """The final attempt's deltas after its last delivered one, produced while no client
+    was attached (a background response nobody read, a client that left): a reader of
+    the ended response gets them (DESIGN.md §12)."""
+    current = state.current_attempt
+    if current is None:
+        return []
+    produced = {
+        delta.index: delta
+        for event in events
+        if isinstance(event, ev.DeltasProduced) and event.attempt == current.attempt
+        for delta in deltas_of(event)
+    }
+    return [produced[index] for index in sorted(produced) if index >= state.delivered_deltas]
+
+
+def _delta_events(shape: ResponsesShape, delta: LoggedDelta) -> bytes:
+    if delta.key == TOOL_CALLS:
+        return shape.tool_calls_event(delta.index, json.loads(delta.text))
+    return shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
+
+
 async def follow_response(
-    store: EventStore, request_id: str, events: list[ev.Event], shape: ResponsesShape
+    ctx: GatewayContext, request_id: str, events: list[ev.Event], shape: ResponsesShape
 ) -> AsyncIterator[bytes]:
     """The response's stream read again from the log, from its first event (the shape
     leaves out those up to ``shape.after``): what its client was sent, numbered as it was,
-    reading on while the request is live, then its ending. Output produced while no client
-    was attached is not in it: it was never sent, and this stream sends nothing new."""
+    reading on while the request is live, then what was produced with no client attached
+    and the ending. Output is read only once it was delivered or the response ended, so
+    a reader never gets a delta a retry could replace; what it was sent from the log is
+    recorded (``StreamResumed``)."""
     seen = 0
     while True:
         for event in events[seen:]:
             seen += 1
             if isinstance(event, ev.DeltasDelivered):
                 for delta in deltas_of(event):
-                    if delta.key == TOOL_CALLS:
-                        yield shape.tool_calls_event(delta.index, json.loads(delta.text))
-                    else:
-                        yield shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
-            elif isinstance(event, ev.RequestCompleted):
-                state = fold(events[:seen])
-                reasons = event.finish_reasons or (event.finish_reason,)
-                yield shape.ending(
-                    state.delivered_deltas, reasons, event.stop_reasons, full_usage(event.usage, event.usage_details)
-                )
-                return
+                    yield _delta_events(shape, delta)
             elif isinstance(event, ENDED):
                 state = fold(events[:seen])
-                failed = failure_of(event, state, events[:seen])
-                yield shape.failure_event(state.delivered_deltas, failure_body(request_id, failed))
+                tail = produced_tail(events[:seen], state)
+                for delta in tail:
+                    yield _delta_events(shape, delta)
+                sent = state.delivered_deltas + len(tail)
+                if isinstance(event, ev.RequestCompleted):
+                    reasons = event.finish_reasons or (event.finish_reason,)
+                    usage = full_usage(event.usage, event.usage_details)
+                    yield shape.ending(sent, reasons, event.stop_reasons, usage)
+                else:
+                    failed = failure_of(event, state, events[:seen])
+                    yield shape.failure_event(sent, failure_body(request_id, failed))
+                await record_resumed(ctx, request_id, 0, sent)
                 return
         await asyncio.sleep(FOLLOW_EVERY_S)
         try:
-            events = await store.read(request_id)
+            events = await ctx.store.read(request_id)
         except StoreUnavailable:
             continue  # the log is away: the reader waits for it
 

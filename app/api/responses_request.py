@@ -10,8 +10,8 @@ message's ``reasoning``), and that chat body is then validated as any other
 (app/api/schemas.py). What the response object echoes (``instructions``, the tools in
 this API's form, ``text``…) is kept beside it in :class:`ResponsesParams`.
 
-A field phasegate cannot honour yet (``background``, ``store: false``, ``conversation``,
-built-in tools…) is refused with a 400 that names it, never dropped (docs/responses.md).
+A field phasegate cannot honour yet (``store: false``, ``conversation``, built-in tools…) is
+refused with a 400 that names it, never dropped (docs/responses.md).
 ``previous_response_id`` is resolved from the log before this (app/api/responses_log.py).
 """
 
@@ -98,6 +98,7 @@ class ResponsesParams:
     user: str | None
     service_tier: str
     previous_response_id: str | None
+    background: bool  # generated with no client attached; read by GET /v1/responses/{id}
 
     def echoed(self) -> dict[str, Any]:
         """The request's fields as the response object repeats them."""
@@ -115,7 +116,7 @@ class ResponsesParams:
             "metadata": self.metadata or {},
             "user": self.user,
             "service_tier": self.service_tier,
-            "background": False,
+            "background": self.background,
             "previous_response_id": self.previous_response_id,
             "store": True,
             "truncation": "disabled",
@@ -149,7 +150,9 @@ def parse_responses_request(body: Any, limits: Limits, earlier: Sequence[dict[st
             elif name == "tools":
                 error.param = error.param.replace(".function", "")
         raise
-    made = ResponsesCall(body=body, echo=params.echoed(), output_logprobs=params.output_logprobs)
+    made = ResponsesCall(
+        body=body, echo=params.echoed(), output_logprobs=params.output_logprobs, background=params.background
+    )
     return dataclasses.replace(generation, responses=made)
 
 
@@ -210,19 +213,19 @@ def chat_body_of(body: Any, earlier: Sequence[dict[str, Any]] = ()) -> tuple[dic
         user=body.get("user") if isinstance(body.get("user"), str) else None,
         service_tier=str(body.get("service_tier") or "auto"),
         previous_response_id=body.get("previous_response_id"),
+        background=body.get("background") is True,
     )
     return chat, params
 
 
 def _refuse_unserved(body: dict[str, Any]) -> None:
-    if body.get("background") not in (None, False):
-        raise UnsupportedParameter(
-            "'background' responses are not served by phasegate yet: stream the response, or send it whole",
-            param="background",
-        )
+    if body.get("background") not in (None, True, False):
+        raise InvalidRequest("'background' must be a boolean", param="background")
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+    if body.get("store") is False and body.get("background") is True:
+        raise InvalidRequest("a background response must be stored: 'store' cannot be false", param="store")
     if body.get("store") is False:
         raise UnsupportedParameter(
             "'store: false' is not served by phasegate yet: the log keeps content as its content_policy says",

@@ -4,8 +4,11 @@ the log holds it, on any instance (DESIGN.md §15, app/api/responses_log.py).
 A finished response comes back whole: its output, usage and status, or its failure
 with the output the client was sent. A live one is ``in_progress`` with no output,
 since showing output is a delivery that only its owner may record. ``?stream=true``
-reads its stream again from the log (``starting_after``: from the event after that
-one), as its client was sent it, following a live one to its end.
+reads its stream again (``starting_after``: from the event after that one): attached
+to its live loop where it waits for a reader (a background response, a client back
+within its grace), at its owner while it is live on another instance, else from the
+log, as its client was sent it, then what was produced with nobody attached.
+``POST /v1/responses/{id}/cancel`` is the stop button (app/api/cancel.py).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
+from app.api.cancel import stop
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.from_log import check_resumable
 from app.api.request_ids import id_header
 from app.api.responses_log import ENDED, body_of, follow_response, kept_body, response_events, response_from_log
 from app.api.responses_request import parse_responses_request
 from app.api.responses_shape import ResponsesShape
-from app.api.resume import ended, logged
+from app.api.resume import at_owner, attach_live, ended, logged
 from app.driver.context import GatewayContext
 from app.store.base import RequestInput
 from app.store.errors import StoreUnavailable
@@ -45,6 +49,7 @@ def responses_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[
         Route("/v1/responses/{response_id}", routes.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", routes.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", routes.input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", routes.cancel, methods=["POST"]),
     ]
 
 
@@ -61,6 +66,9 @@ class _Responses:
 
     async def delete(self, request: Request) -> Response:
         return await self._answer(request, self._delete)
+
+    async def cancel(self, request: Request) -> Response:
+        return await self._answer(request, self._cancel)
 
     async def _answer(self, request: Request, serve: Callable[[Request, _Stored], Awaitable[Response]]) -> Response:
         """``serve`` the tenant's stored response the path names; a refusal in the OpenAI shape."""
@@ -88,13 +96,24 @@ class _Responses:
     async def _retrieve(self, request: Request, stored: _Stored) -> Response:
         stream, after = _streaming(request)
         shape = shape_of(self.ctx, stored.request_id, stored.events, kept_body(stored.recorded))
-        headers = id_header(stored.request_id)
         if stream:
             check_resumable(stored.events, responses=True)
-            shape.after = after
-            body = follow_response(self.ctx.store, stored.request_id, stored.events, shape)
-            return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
-        return JSONResponse(response_from_log(stored.request_id, stored.events, shape), headers=headers)
+            return await stream_response(self.ctx, request, stored.request_id, stored.events, shape, after)
+        return JSONResponse(
+            response_from_log(stored.request_id, stored.events, shape), headers=id_header(stored.request_id)
+        )
+
+    async def _cancel(self, request: Request, stored: _Stored) -> Response:
+        """Stop a live response at once (as ``POST /v1/requests/{id}/cancel``); the answer
+        is the response as the log has it then (``cancelled``, or how it ended before)."""
+        events = stored.events
+        if not stored.ended:
+            forwarded = await stop(self.ctx, request, stored.request_id, _owner(events))
+            if forwarded is not None and forwarded.status_code != 200:
+                return Response(forwarded.content, status_code=forwarded.status_code, media_type="application/json")
+            events = await ended(self.ctx, stored.request_id, events)
+        shape = shape_of(self.ctx, stored.request_id, events, kept_body(stored.recorded))
+        return JSONResponse(response_from_log(stored.request_id, events, shape), headers=id_header(stored.request_id))
 
     async def _input_items(self, request: Request, stored: _Stored) -> Response:
         order, limit, after = _paging(request)
@@ -153,18 +172,41 @@ def shape_of(
     return ResponsesShape(generation, request_id, created, fold(events).answered_by)
 
 
-async def attach_response(ctx: GatewayContext, request_id: str, *, stream: bool) -> Response:
+async def stream_response(
+    ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event], shape: ResponsesShape, after: int
+) -> Response:
+    """The response's stream from the event after ``after``: attached to its live loop
+    here, passed through from its owner while live elsewhere, else read from the log."""
+    live = await attach_live(ctx, request_id, request, -1, stream=True, events_after=after)
+    if live is None:
+        live = await at_owner(ctx, request, events, f"/v1/responses/{shape.response_id}")
+    if live is not None:
+        return live
+    shape.after = after
+    body = follow_response(ctx, request_id, events, shape)
+    return EventSourceResponse(body, headers=id_header(request_id), ping=15, send_timeout=30, sep="\n")
+
+
+def _owner(events: list[ev.Event]) -> str | None:
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    return accepted.gateway
+
+
+async def attach_response(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
     """Answer a POST whose ``Idempotency-Key`` started the response ``request_id`` (the
-    same POST again), from the log: its stream from the start, following it while live,
-    or, whole, once it ended."""
+    same POST again), from the log: its stream from the start (attached where it waits
+    for a reader), a background one at once as it stands, or, whole, once it ended."""
     headers = id_header(request_id)
     try:
         events = await logged(ctx, request_id)
         shape = shape_of(ctx, request_id, events, kept_body(await ctx.store.read_input(request_id)))
         if stream:
             check_resumable(events, responses=True)
-            body = follow_response(ctx.store, request_id, events, shape)
-            return EventSourceResponse(body, headers=headers, ping=15, send_timeout=30, sep="\n")
+            return await stream_response(ctx, request, request_id, events, shape, -1)
+        accepted = events[0]
+        if isinstance(accepted, ev.RequestAccepted) and accepted.background:
+            return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
         events = await ended(ctx, request_id, events)
         return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
     except StoreUnavailable:

@@ -54,7 +54,8 @@ from app.api.from_log import (
 )
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
-from app.api.sse import ResponseShape, response_id
+from app.api.responses_shape import ResponsesShape, shape_for
+from app.api.sse import ResponseShape
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -103,7 +104,7 @@ class _Resume:
         log.info("request %s: its stream resumes from delta %d", request_id, after + 1)
         live = await attach_live(self.ctx, request_id, request, after, stream=True)
         if live is None:
-            live = await _at_owner(self.ctx, request, request_id, events)
+            live = await at_owner(self.ctx, request, events, f"/v1/requests/{request_id}/stream")
         if live is not None:
             return live
         shape = shape_from_log(request_id, events)
@@ -163,7 +164,7 @@ class _Follower:
                         position = index + 1
                     for chunk in ending(shape, request_id, events[:seen], state):
                         yield chunk
-                    await self._record(request_id, after + 1, max(position, after + 1))
+                    await record_resumed(self.ctx, request_id, after + 1, max(position, after + 1))
                     return
             await asyncio.sleep(FOLLOW_EVERY_S)
             try:
@@ -171,29 +172,30 @@ class _Follower:
             except StoreUnavailable:
                 continue  # the log is away: the follower waits for it
 
-    async def _record(self, request_id: str, from_index: int, to_index: int) -> None:
-        """``StreamResumed`` after the terminal event: what this resume sent."""
-        for _ in range(3):  # another resumer, or the owner's late bookkeeping, may append first
-            try:
-                events = await self.ctx.store.read(request_id)
-                state = fold(events)
-                to_index = min(to_index, max(state.delivered_deltas, state.produced_deltas))
-                _, resumed = advance(  # stamped no earlier than the log's last event, whatever our clock says
-                    state,
-                    ev.StreamResumed,
-                    self.ctx.wall_clock(),
-                    from_index=min(from_index, to_index),
-                    to_index=to_index,
-                    gateway=self.ctx.gateway_id,
-                )
-                await self.ctx.store.append(request_id, state.seq, [resumed], durable=True)
-                log.debug("request %s: resumed deltas %d..%d sent", request_id, resumed.from_index, to_index - 1)
-                return
-            except StreamConflict:
-                continue
-            except StoreError as exc:
-                log.warning("request %s: the resume was not recorded: %s", request_id, exc)
-                return
+
+async def record_resumed(ctx: GatewayContext, request_id: str, from_index: int, to_index: int) -> None:
+    """``StreamResumed`` after the terminal event: what a read from the log sent."""
+    for _ in range(3):  # another resumer, or the owner's late bookkeeping, may append first
+        try:
+            events = await ctx.store.read(request_id)
+            state = fold(events)
+            to_index = min(to_index, max(state.delivered_deltas, state.produced_deltas))
+            _, resumed = advance(  # stamped no earlier than the log's last event, whatever our clock says
+                state,
+                ev.StreamResumed,
+                ctx.wall_clock(),
+                from_index=min(from_index, to_index),
+                to_index=to_index,
+                gateway=ctx.gateway_id,
+            )
+            await ctx.store.append(request_id, state.seq, [resumed], durable=True)
+            log.debug("request %s: resumed deltas %d..%d sent", request_id, resumed.from_index, to_index - 1)
+            return
+        except StreamConflict:
+            continue
+        except StoreError as exc:
+            log.warning("request %s: the resume was not recorded: %s", request_id, exc)
+            return
 
 
 async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
@@ -211,7 +213,7 @@ async def attach(ctx: GatewayContext, request_id: str, request: Request, *, stre
     except ApiError as error:
         return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
     if stream:
-        forwarded = await _at_owner(ctx, request, request_id, events)
+        forwarded = await at_owner(ctx, request, events, f"/v1/requests/{request_id}/stream")
         if forwarded is not None:
             return forwarded
     shape = shape_from_log(request_id, events)
@@ -244,10 +246,12 @@ async def ended(ctx: GatewayContext, request_id: str, events: list[ev.Event]) ->
 
 
 async def attach_live(
-    ctx: GatewayContext, request_id: str, request: Request, after: int, *, stream: bool
+    ctx: GatewayContext, request_id: str, request: Request, after: int, *, stream: bool, events_after: int = -1
 ) -> Response | None:
     """Attach to the request's live loop on this instance, if it waits for a client
-    within its grace (DESIGN.md §12); ``None`` when it does not (follow the log)."""
+    within its grace (DESIGN.md §12) or is a background response (§15); ``None`` when it
+    does not (follow the log). A Responses API stream is read from its first delta and
+    sent from the event after ``events_after`` (its ``starting_after``)."""
     driver = ctx.drivers.get(request_id)
     if not isinstance(driver, RequestDriver):
         return None
@@ -270,7 +274,9 @@ async def attach_live(
     if first is None:
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
-    shape = ResponseShape(request_shape, response_id(request_shape, request_id), driver.created, driver.answered_by)
+    shape = shape_for(request_shape, request_id, driver.created, driver.answered_by)
+    if isinstance(shape, ResponsesShape):
+        shape.after = events_after
     gone = client_gone(request.scope, request.receive)
     body = stream_body(driver, shape, first, gone, lambda tokens: None, start, request.scope.get(CHUNK_WRITER))
     return TokenStreamResponse(body, headers=headers)
@@ -284,21 +290,29 @@ async def _attachment(driver: RequestDriver, after: int) -> AttachedClient | Non
     client that never attaches, and be cancelled under it. A second reader that is not a
     reconnect (the first connection stays) follows the log after the wait."""
     waited = 0.0
-    while (client := driver.attach(after)) is None and driver.serves_a_client() and waited < HANDOVER_WAIT_S:
+    while (client := driver.attach(after)) is None and _may_attach_soon(driver) and waited < HANDOVER_WAIT_S:
         await asyncio.sleep(FOLLOW_EVERY_S)
         waited += FOLLOW_EVERY_S
     return client
 
 
-async def _at_owner(ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event]) -> Response | None:
-    """A live request of another instance: its stream from there, which alone may attach
-    a client to it and append to its log; ``None`` for one that ended or has no live owner."""
+def _may_attach_soon(driver: RequestDriver) -> bool:
+    """The instance has yet to see the client's old connection drop, or a background
+    response with no reader is between attempts (its first not placed yet)."""
+    state = driver.state
+    return driver.serves_a_client() or (state.background and state.client_gone and state.outcome is None)
+
+
+async def at_owner(ctx: GatewayContext, request: Request, events: list[ev.Event], path: str) -> Response | None:
+    """A live request of another instance: its stream (``GET path``) from there, which
+    alone may attach a client to it and append to its log; ``None`` for one that ended
+    or has no live owner."""
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
     if fold(events).outcome is not None:
         return None
     address = await owner_address(ctx, accepted.gateway)
-    return None if address is None else await forward_stream(request, address, request_id)
+    return None if address is None else await forward_stream(request, address, path)
 
 
 async def _first(driver: RequestDriver, client: AttachedClient) -> Output:

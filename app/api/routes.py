@@ -59,7 +59,7 @@ from app.api.request_ids import new_request_id
 from app.api.responses_log import earlier_turns
 from app.api.responses_request import parse_responses_request
 from app.api.responses_routes import attach_response, responses_routes
-from app.api.responses_shape import shape_for
+from app.api.responses_shape import ResponsesShape, shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.token_stream import TokenStreamResponse, client_gone
@@ -178,7 +178,7 @@ class _Api:
             if key is not None:
                 original = await self._claim(tenant, key, request_id, generation)
                 if original is not None and generation.responses is not None:  # the same POST again
-                    return await attach_response(self.ctx, original, stream=generation.stream)
+                    return await attach_response(self.ctx, original, request, stream=generation.stream)
                 if original is not None:  # the same POST again: its request, from the log
                     return await attach(self.ctx, original, request, stream=generation.stream)
             # no await from here to driver.accept(): the admitted request is live at once
@@ -194,7 +194,7 @@ class _Api:
             log.error("request %s refused: the event log is unavailable", request_id)
             return failure_response(request_id, log_loss.failure(0), headers)
         driver = RequestDriver(self.ctx, request_id, generation, tenant)
-        driver.accept(idempotency_key=key)
+        driver.accept(idempotency_key=key, background=generation.background)
         log.debug(
             "request %s accepted: %s, model %s, tenant %s",
             request_id,
@@ -202,6 +202,8 @@ class _Api:
             generation.model,
             tenant,
         )
+        if generation.background and not generation.stream:
+            return await self._in_background(driver, headers)
         try:
             first = await unless_client_leaves(request, driver, self._until_response(driver))
         except StoreError:
@@ -227,6 +229,17 @@ class _Api:
         writer = request.scope.get(CHUNK_WRITER)
         body = stream_body(driver, shape, first, gone, charge, writer=writer, committed=committed)
         return TokenStreamResponse(body, headers=headers)
+
+    async def _in_background(self, driver: RequestDriver, headers: dict[str, str]) -> Response:
+        """A background response (DESIGN.md §15): answered ``queued`` once its accept is
+        durable, so that any instance finds it; it generates on with no client attached."""
+        try:
+            await asyncio.shield(driver.run_in_background())
+        except StoreError:
+            return log_unavailable(driver, headers)
+        shape = shape_for(driver.request, driver.request_id, driver.created)
+        assert isinstance(shape, ResponsesShape)
+        return JSONResponse(shape.response("queued"), headers=headers)
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
         """Pull until the response can start: a failure, the first delta (to commit), or

@@ -12,7 +12,9 @@ A client that leaves detaches from the loop's feed (:mod:`app.driver.feed`), whi
 runs on: ``ClientDisconnected`` records the grace in force (``resume_grace_s``), and
 until a client attaches again (``ClientResumed``) each delta is recorded as produced,
 a finish completes the request, and a timer records ``ResumeGraceExpired``, on which
-the policy cancels (DESIGN.md §12). With no grace it cancels at once.
+the policy cancels (DESIGN.md §12). With no grace it cancels at once. A background
+response (``run_in_background``, DESIGN.md §15) runs so from its accept on, with no
+grace to run out: its readers attach, leave and attach again as resumers do.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class RequestDriver(RequestLoop):
 
     # --- acceptance ------------------------------------------------------------------
 
-    def accept(self, idempotency_key: str | None = None) -> None:
+    def accept(self, idempotency_key: str | None = None, *, background: bool = False) -> None:
         """Record the request; its first pull appends it with the first attempt (group-committed)."""
         request = self.request
         routing = self.ctx.config.routing.for_model(request.model)
@@ -66,6 +68,7 @@ class RequestDriver(RequestLoop):
             routing=routing.to_params(compact=True),
             affinity_key=request.affinity_key() if affinity else None,
             metadata=request.metadata,
+            background=background,
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())
@@ -81,6 +84,15 @@ class RequestDriver(RequestLoop):
             ),
             name=f"input {self.request_id}",
         )
+
+    def run_in_background(self) -> asyncio.Future[None]:
+        """A background response, just accepted: no client is attached (a reader attaches
+        later, as a resumer does) and it generates on; the future is its accept's durable
+        append, which its POST waits for before answering."""
+        assert self.state.background and self.state.client_gone, "accepted with background=True, whole"
+        self.feed.detach()
+        self.feed.start()
+        return self.recorder.begin_durable_flush()
 
     # --- the client's side: called by the HTTP layer ---------------------------------
 
@@ -190,7 +202,7 @@ class RequestDriver(RequestLoop):
         self.recorder.record(ev.ClientDisconnected, resume_grace_s=grace)
         self._disconnects += 1
         finished = self.feed.end if isinstance(self.feed.end, Finished) else None  # the loop decides no more
-        if grace == 0:
+        if not self.state.awaits_a_client:  # no grace: the cancel is decided now
             if finished is not None:
                 self.ctx.spawn(self._decide_and_act(), name=f"client gone {self.request_id}")
             else:
@@ -202,7 +214,8 @@ class RequestDriver(RequestLoop):
         if finished is not None:  # it left between the finish and its completion
             self.ctx.spawn(self._finish_unattended(finished), name=f"finish {self.request_id}")
         self.recorder.append_in_background()
-        asyncio.get_running_loop().call_later(grace, self._grace_over, self._disconnects)
+        if not state.background:  # a background response waits for its readers with no end
+            asyncio.get_running_loop().call_later(grace, self._grace_over, self._disconnects)
         self.feed.start()
 
     def serves_a_client(self) -> bool:
@@ -218,8 +231,7 @@ class RequestDriver(RequestLoop):
         if (
             state.phase is Phase.TERMINATED
             or not state.client_gone
-            or state.resume_grace_expired
-            or state.resume_grace_s == 0
+            or not state.awaits_a_client
             or self._interrupted is not None
             or self.recorder.sealed
             or self.run is None  # between attempts: its resumer follows the log
@@ -241,7 +253,7 @@ class RequestDriver(RequestLoop):
             self.poke()
 
     def _unattended(self, output: Output) -> Awaitable[None] | None:
-        if self.state.resume_grace_s == 0:  # nobody may come back: the cancel is being decided
+        if not self.state.awaits_a_client:  # nobody may come back: the cancel is being decided
             if isinstance(output, Finished):
                 # the loop yielded its end and stopped, and the client left before the feed took
                 # it (client_gone saw no end): the loop decides nothing more, so decide here

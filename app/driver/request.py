@@ -29,6 +29,7 @@ class ResponsesCall:
     body: dict[str, Any]
     echo: dict[str, Any]
     output_logprobs: bool = False
+    background: bool = False  # generated with no client attached (DESIGN.md §15)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,11 @@ class GenerationRequest:
     def logged_endpoint(self) -> str:
         """The API the client called, as the log records it."""
         return RESPONSES if self.responses is not None else self.endpoint
+
+    @property
+    def background(self) -> bool:
+        """A background response (DESIGN.md §15): no client is attached to it from its accept on."""
+        return self.responses is not None and self.responses.background
 
     @property
     def client_body(self) -> dict[str, Any]:

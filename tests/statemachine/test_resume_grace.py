@@ -141,3 +141,56 @@ def test_the_resumed_stream_may_be_recorded_up_to_the_produced_deltas() -> None:
     driver.complete()
     driver.record(ev.StreamResumed, from_index=1, to_index=3, gateway="g")
     illegal(driver, ev.StreamResumed, "never delivered", from_index=1, to_index=4, gateway="g")
+
+
+# --- background responses (DESIGN.md §15): no grace runs out for want of a client ---------
+
+
+def test_a_whole_background_response_has_no_client_from_its_accept_and_is_never_cancelled_for_it() -> None:
+    driver = ModelDriver(background=True, stream=False)
+    assert driver.state.background and driver.state.client_gone
+    driver.first_token()
+    driver.produce(3)  # nobody attached: produced, and nothing decided
+    assert driver.step() == [] and driver.state.outcome is None and not driver.state.first_delta_sent
+    illegal(driver, ev.ResumeGraceExpired, "no resume grace is running")
+    driver.complete()
+    assert driver.state.outcome is Outcome.COMPLETED and driver.state.delivered_deltas == 0
+
+
+def test_a_background_reader_attaches_leaves_and_attaches_again_whatever_the_grace() -> None:
+    driver = ModelDriver(background=True, stream=False)
+    driver.first_token()
+    driver.produce(2)
+    assert driver.client_resumes(after=-1) == []  # a reader, from the start
+    driver.deliver(3)  # its first delta is the commit point
+    assert driver.state.first_delta_sent and driver.state.delivered_deltas == 3
+    assert driver.client_gone(resume_grace_s=0.0) == []  # no grace, and still not cancelled
+    driver.produce(1)
+    assert driver.client_resumes(after=2) == []
+    driver.deliver(1)
+    driver.complete()
+    assert driver.state.outcome is Outcome.COMPLETED
+
+
+def test_a_streamed_background_response_is_read_by_its_post_and_outlives_its_leaving() -> None:
+    driver = ModelDriver(background=True, stream=True)
+    assert driver.state.background and not driver.state.client_gone
+    driver.first_token()
+    driver.deliver(2)
+    assert driver.client_gone(resume_grace_s=0.0) == []
+    illegal(driver, ev.ResumeGraceExpired, "no resume grace is running")
+    driver.produce(1)
+    assert driver.state.outcome is None
+
+
+def test_a_background_response_failing_unread_is_retried_and_read_is_decode_interrupted() -> None:
+    unread = ModelDriver(background=True, stream=False)
+    unread.first_token()
+    unread.produce(2)
+    assert [type(a) for a in unread.fail(FailureKind.REPLICA_EXITED)] == [StartAttempt]
+    read = ModelDriver(background=True, stream=False)
+    read.first_token()
+    read.client_resumes()
+    read.deliver(2)
+    (failed,) = [a for a in read.fail(FailureKind.REPLICA_EXITED) if isinstance(a, FailRequest)]
+    assert failed.code == "upstream_decode_interrupted" and failed.delivered_output_tokens == 2

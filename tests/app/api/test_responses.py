@@ -152,7 +152,8 @@ def test_a_function_tool_is_called_and_its_output_taken_back(gateway: RunningGat
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": "yes"}, "background"),
+        ({"background": True, "store": False}, "store"),
         ({"previous_response_id": 7}, "previous_response_id"),
         ({"store": False}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -12,6 +12,7 @@ import pytest
 
 from ops import traces
 from statemachine import events as ev
+from statemachine.policy import POLICY_VERSION
 from statemachine.trace import dump_trace
 from tests.app.incident.conftest import Runner
 from tests.statemachine.model import ModelDriver
@@ -58,7 +59,7 @@ def test_a_request_replays_from_the_log(phasegate: Runner, seed: Callable[..., N
     assert any(row.split()[4:6] == ["w3", "FirstDeltaCommitted"] for row in ran.out.splitlines())
     quiet = phasegate("replay", "-q", "req_fenced")
     assert quiet.out.splitlines() == [
-        "request req_fenced: 15 events, 3 decisions (recorded by policy 2026-12-01.3;"
+        f"request req_fenced: 15 events, 3 decisions (recorded by policy {POLICY_VERSION};"
         " replayed with max_attempts=2, retry_max_prompt_tokens=None)",
         "no divergence",
     ]

@@ -1,0 +1,272 @@
+"""Background responses (DESIGN.md §15), with the real `openai` client over real sim
+workers and real gateways: answered ``queued`` at once, generated with nobody attached,
+read by polling or by streaming from the log, attached to by a reader (whose first delta
+is then the commit point), picked up with ``starting_after`` on another instance, and
+cancelled. Each test judges by what the clients received and by the log.
+
+A test that needs the response still generating when a reader comes holds its attempt at
+a token (the worker's ``hold`` fault) and releases it once the log shows the reader
+attached (tests/app/conftest.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from statemachine import events as ev
+from statemachine.invariants import violations
+from statemachine.replay import replay
+from statemachine.request_state import Outcome
+from statemachine.state import fold
+from tests.app.api.test_responses import request_id_of
+from tests.app.conftest import add_fault, held
+from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.transcript import of
+from tests.support.workers import WorkerProcess
+
+HELD = {"stall_s": 60.0}  # a held attempt publishes nothing: not a stall in these tests
+TOKENS = 16
+
+
+@pytest.fixture
+def gateway(database_url: str, sim_pair: list[WorkerProcess]) -> Iterator[RunningGateway]:
+    for worker in sim_pair:
+        httpx.delete(worker.base_url + "/admin/faults")
+    # no grace for a client that leaves: a background response needs none
+    with running_gateway(database_url, sim_pair, resume_grace_s=0, timeouts=HELD) as running:
+        yield running
+
+
+def asked(prompt: str, **more: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": prompt, "max_output_tokens": TOKENS, "temperature": 0, **more}
+
+
+def summary(events: list[Any]) -> list[tuple[str, int, str]]:
+    return [(e.type, e.sequence_number, getattr(e, "delta", "")) for e in events]
+
+
+def wait_until_ended(gateway: RunningGateway, response_id: str, timeout: float = 60.0) -> Any:
+    """Poll as a client of a background response does."""
+    deadline = time.monotonic() + timeout
+    while (response := gateway.openai().responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, response.status
+        time.sleep(0.05)
+    return response
+
+
+def reached(index: int) -> Callable[[list[ev.Event]], bool]:
+    """The log holds delta ``index``, delivered or produced."""
+    return lambda events: any(
+        isinstance(e, ev.DeltasDelivered | ev.DeltasProduced) and e.to_index > index for e in events
+    )
+
+
+def delivered_text(events: list[ev.Event]) -> str:
+    return "".join(e.text or "" for e in events if isinstance(e, ev.DeltasDelivered))
+
+
+def attached(events: list[ev.Event]) -> bool:
+    return bool(of(events, ev.ClientResumed))
+
+
+def assert_log_sound(events: list[ev.Event]) -> None:
+    assert violations(events) == [], violations(events)
+    result = replay(events)
+    assert result.ok, result.divergence and result.divergence.describe()
+
+
+def test_a_background_response_is_queued_at_once_and_generated_with_nobody_attached(
+    gateway: RunningGateway, unique_prompt: Callable[[str], str]
+) -> None:
+    client = gateway.openai()
+    prompt = unique_prompt("in the background")
+    queued = client.responses.create(**asked(prompt), background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = wait_until_ended(gateway, queued.id)
+    plain = client.responses.create(**asked(prompt))  # the same request, answered whole
+    assert (done.status, done.output_text) == (plain.status, plain.output_text) and done.output_text
+    assert done.usage is not None and done.usage.output_tokens == TOKENS and done.background is True
+    with client.responses.stream(**asked(prompt)) as stream:  # type: ignore[call-overload]
+        streamed = list(stream)
+    reread = list(client.responses.retrieve(queued.id, stream=True))  # from the log, after its end
+    assert summary(reread) == summary(streamed)
+    events = gateway.events(request_id_of(queued))
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted) and accepted.background and not accepted.stream
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(state.attempts) == 1
+    assert state.produced_deltas == TOKENS and not of(events, ev.DeltasDelivered)  # nobody read it live
+    assert not of(events, ev.ClientDisconnected) and not of(events, ev.FirstDeltaCommitted)
+    (resumed,) = of(events, ev.StreamResumed)  # the stream read from the log, as the log says
+    assert (resumed.from_index, resumed.to_index) == (0, TOKENS)  # type: ignore[attr-defined]
+    assert_log_sound(events)
+
+
+def test_a_reader_attaches_to_a_live_background_response_and_its_first_delta_is_the_commit_point(
+    gateway: RunningGateway, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    client = gateway.openai()
+    prompt = unique_prompt("read while live")
+    with held(sim_pair[0], prompt, at_token=5) as release, ThreadPoolExecutor(1) as pool:
+        queued = client.responses.create(**asked(prompt), background=True)
+        request_id = request_id_of(queued)
+        gateway.wait_logged(request_id, reached(4))  # produced with nobody attached
+        assert client.responses.retrieve(queued.id).status == "in_progress"  # a poll shows no output
+        reading = pool.submit(lambda: list(client.responses.retrieve(queued.id, stream=True)))
+        gateway.wait_logged(request_id, attached)
+        release()
+        read = reading.result(timeout=60)
+    with client.responses.stream(**asked(prompt)) as stream:  # type: ignore[call-overload]
+        streamed = list(stream)
+    assert summary(read) == summary(streamed)  # every event, numbered as a stream of its own
+    events = gateway.events(request_id)
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(state.attempts) == 1
+    order = [type(e).__name__ for e in events]
+    assert order.index("DeltasProduced") < order.index("ClientResumed") < order.index("FirstDeltaCommitted")
+    (back,) = of(events, ev.ClientResumed)
+    assert back.after == -1  # type: ignore[attr-defined]  # a reader from the start
+    assert state.delivered_deltas == TOKENS  # everything it read is in the log as delivered
+    assert delivered_text(events) == read[-1].response.output_text
+    assert_log_sound(events)
+
+
+def test_a_dropped_background_stream_is_picked_up_with_starting_after_on_another_instance(
+    database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("dropped and picked up")
+    with (
+        running_gateway(database_url, sim_pair, resume_grace_s=0, timeouts=HELD) as owner,
+        running_gateway(database_url, sim_pair, resume_grace_s=0, timeouts=HELD) as other,
+        held(sim_pair[0], prompt, at_token=10) as release,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        first: list[Any] = []
+        stream = owner.openai().responses.create(**asked(prompt), background=True, stream=True)
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta" and event.delta and len(first) > 6:
+                break
+        stream.close()  # the connection drops; with no grace, a background response goes on
+        response_id = first[0].response.id
+        request_id = "req_" + response_id.removeprefix("resp_")
+        owner.wait_logged(request_id, lambda events: of(events, ev.ClientDisconnected) and reached(9)(events))
+        client = other.openai()
+        after = first[-1].sequence_number
+        later = pool.submit(lambda: list(client.responses.retrieve(response_id, stream=True, starting_after=after)))
+        owner.wait_logged(request_id, attached)
+        release()
+        rest = later.result(timeout=60)
+        whole = list(client.responses.retrieve(response_id, stream=True))  # from the log, after the end
+        events = owner.events(request_id)
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))  # none missing, none twice
+    assert summary(first + rest) == summary(whole) and rest[-1].type == "response.completed"
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(state.attempts) == 1
+    (back,) = of(events, ev.ClientResumed)
+    assert back.gateway == owner.gateway.instance_id  # type: ignore[attr-defined]  # attached at the owner
+    assert not of(events, ev.ResumeGraceExpired) and not of(events, ev.CancelSent)
+    assert state.delivered_deltas == TOKENS
+    assert_log_sound(events)
+
+
+def test_a_background_response_is_cancelled_through_another_instance(
+    database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("cancel me")
+    with (
+        running_gateway(database_url, sim_pair, timeouts=HELD) as owner,
+        running_gateway(database_url, sim_pair, timeouts=HELD) as other,
+        held(sim_pair[0], prompt, at_token=3),
+    ):
+        queued = owner.openai().responses.create(**asked(prompt), background=True)
+        owner.wait_logged(request_id_of(queued), reached(2))
+        cancelled = other.openai().responses.cancel(queued.id)  # forwarded to the owner
+        assert cancelled.status == "cancelled" and cancelled.error is not None
+        assert cancelled.error.code == "request_cancelled"  # type: ignore[comparison-overlap]
+        again = other.openai().responses.cancel(queued.id)  # ended: answered as it stands
+        assert again.status == "cancelled"
+        events = owner.events(request_id_of(queued))
+    (ended,) = of(events, ev.RequestCancelled)
+    assert ended.reason == "cancelled_by_client"  # type: ignore[attr-defined]
+    assert_log_sound(events)
+
+
+def test_a_background_response_whose_replica_dies_before_anyone_read_it_is_retried(
+    database_url: str, fresh_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("dies unread")
+    for worker in fresh_pair:
+        add_fault(
+            worker, action="die", point="after_frame", at_token=4, match={"prompt_contains": prompt, "attempt": 1}
+        )
+    with running_gateway(database_url, fresh_pair) as gateway:
+        client = gateway.openai()
+        queued = client.responses.create(**asked(prompt), background=True)
+        done = wait_until_ended(gateway, queued.id)
+        plain = client.responses.create(**asked(prompt))
+        events = gateway.events(request_id_of(queued))
+    assert (done.status, done.output_text) == (plain.status, plain.output_text)  # one answer, not a splice
+    state = fold(events)
+    assert state.outcome is Outcome.COMPLETED and len(state.attempts) == 2
+    produced_by = {e.attempt for e in of(events, ev.DeltasProduced)}  # type: ignore[attr-defined]
+    assert produced_by == {1, 2} and not of(events, ev.DeltasDelivered)  # attempt 1's output nobody read
+    assert_log_sound(events)
+
+
+def test_a_background_response_read_in_part_then_failed_ends_failed_with_what_was_read(
+    database_url: str, fresh_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("read then dies")
+    with (
+        running_gateway(database_url, fresh_pair, timeouts=HELD) as gateway,
+        held(fresh_pair[0], prompt, at_token=3) as release,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        client = gateway.openai()
+        queued = client.responses.create(**asked(prompt), background=True)
+        request_id = request_id_of(queued)
+        gateway.wait_logged(request_id, reached(2))
+        reading = pool.submit(lambda: list(client.responses.retrieve(queued.id, stream=True)))
+        gateway.wait_logged(request_id, attached)
+        release(hold_at=6)  # the reader gets deltas 0..5, then the replica dies
+        gateway.wait_logged(request_id, lambda events: fold(events).delivered_deltas == 6)
+        fresh_pair[0].kill()
+        read = reading.result(timeout=60)
+        polled = client.responses.retrieve(queued.id)
+        events = gateway.events(request_id)
+    assert read[-1].type == "response.failed"
+    error = read[-1].response.error
+    assert error.code == "upstream_decode_interrupted"
+    state = fold(events)
+    assert state.outcome is Outcome.FAILED and len(state.attempts) == 1  # never retried after a delivery
+    (failed,) = of(events, ev.RequestFailed)
+    assert failed.delivered_output_tokens == 6  # type: ignore[attr-defined]
+    sent = "".join(e.delta for e in read if e.type == "response.output_text.delta")
+    assert sent == delivered_text(events)
+    assert polled.status == "failed" and polled.output_text == sent
+    assert_log_sound(events)
+
+
+def test_a_background_response_is_answered_once_to_its_idempotent_retry_and_refused_unstored(
+    gateway: RunningGateway, unique_prompt: Callable[[str], str]
+) -> None:
+    client = gateway.openai()
+    key = {"Idempotency-Key": unique_prompt("background key")}
+    one = client.responses.create(**asked("once"), background=True, extra_headers=key)
+    two = client.responses.create(**asked("once"), background=True, extra_headers=key)
+    assert two.id == one.id and two.status in ("queued", "in_progress", "completed")
+    assert wait_until_ended(gateway, one.id).status == "incomplete"  # cut at max_output_tokens
+    events = gateway.events(request_id_of(one))
+    assert len(of(events, ev.RequestAccepted)) == 1 and len(of(events, ev.AttemptStarted)) == 1
+    with gateway.http() as http:
+        unstored = http.post("/v1/responses", json={**asked("x"), "background": True, "store": False})
+        odd = http.post("/v1/responses", json={**asked("x"), "background": "yes"})
+    assert unstored.status_code == 400 and unstored.json()["error"]["param"] == "store"
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "background"
