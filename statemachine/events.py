@@ -100,7 +100,7 @@ class AttemptScoped(RequestScoped):
 @dataclass(frozen=True, slots=True)
 class RequestAccepted(RequestScoped):
     SCHEMA_VERSION: ClassVar[int] = 3
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",), 3: ("background",)}
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",), 3: ("background", "content_policy")}
     model: str
     model_revision: str
     tenant: str
@@ -125,6 +125,9 @@ class RequestAccepted(RequestScoped):
     # a background response (DESIGN.md §15): no disconnect grace applies; whole, it generates
     # with no client attached from its accept on; readers attach, leave and attach again
     background: bool = False
+    # the request's own content policy, where stricter than the gateway's (a response's
+    # ``store: false``: ``digest``, or ``none`` under a gateway that keeps none); None: the gateway's
+    content_policy: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

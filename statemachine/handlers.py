@@ -62,6 +62,8 @@ def illegal(state: RequestState, event: RequestScoped, why: str) -> IllegalTrans
 def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
     if event.max_attempts < 1 or event.n < 1 or event.prompt_tokens < 0:
         raise illegal(state, event, "max_attempts and n must be at least 1")
+    if event.content_policy not in (None, "none", "digest", "full"):
+        raise illegal(state, event, f"unknown content policy {event.content_policy!r}")
     try:
         routing = RoutingConfig() if event.routing is None else RoutingConfig.from_params(event.routing)
     except (TypeError, ValueError) as exc:

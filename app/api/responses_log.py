@@ -55,6 +55,10 @@ async def response_events(store: EventStore, tenant: str, response_id: str, para
     accepted = events[0] if events else None
     if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant or accepted.endpoint != RESPONSES:
         raise NotFound(f"no response '{response_id}'", param=param, code="response_not_found")
+    if accepted.content_policy is not None:  # store: false
+        raise NotFound(
+            f"response '{response_id}' was not stored (store: false)", param=param, code="response_not_found"
+        )
     return request_id, events
 
 

@@ -10,8 +10,8 @@ message's ``reasoning``), and that chat body is then validated as any other
 (app/api/schemas.py). What the response object echoes (``instructions``, the tools in
 this API's form, ``text``…) is kept beside it in :class:`ResponsesParams`.
 
-A field phasegate cannot honour yet (``store: false``, ``conversation``, built-in tools…) is
-refused with a 400 that names it, never dropped (docs/responses.md).
+A field phasegate cannot honour (``conversation``, built-in tools…) is refused with a 400
+that names it, never dropped (docs/responses.md).
 ``previous_response_id`` is resolved from the log before this (app/api/responses_log.py).
 """
 
@@ -99,6 +99,7 @@ class ResponsesParams:
     service_tier: str
     previous_response_id: str | None
     background: bool  # generated with no client attached; read by GET /v1/responses/{id}
+    store: bool  # false: the log keeps no content of it, and it cannot be read back or continued
 
     def echoed(self) -> dict[str, Any]:
         """The request's fields as the response object repeats them."""
@@ -118,7 +119,7 @@ class ResponsesParams:
             "service_tier": self.service_tier,
             "background": self.background,
             "previous_response_id": self.previous_response_id,
-            "store": True,
+            "store": self.store,
             "truncation": "disabled",
         }
 
@@ -214,6 +215,7 @@ def chat_body_of(body: Any, earlier: Sequence[dict[str, Any]] = ()) -> tuple[dic
         service_tier=str(body.get("service_tier") or "auto"),
         previous_response_id=body.get("previous_response_id"),
         background=body.get("background") is True,
+        store=body.get("store") is not False,
     )
     return chat, params
 
@@ -226,11 +228,6 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
         raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
     if body.get("store") is False and body.get("background") is True:
         raise InvalidRequest("a background response must be stored: 'store' cannot be false", param="store")
-    if body.get("store") is False:
-        raise UnsupportedParameter(
-            "'store: false' is not served by phasegate yet: the log keeps content as its content_policy says",
-            param="store",
-        )
     if body.get("store") not in (None, True, False):
         raise InvalidRequest("'store' must be a boolean", param="store")
     if body.get("truncation") not in (None, "disabled"):

@@ -201,8 +201,8 @@ async def attach_response(ctx: GatewayContext, request_id: str, request: Request
     try:
         events = await logged(ctx, request_id)
         shape = shape_of(ctx, request_id, events, kept_body(await ctx.store.read_input(request_id)))
+        check_resumable(events, responses=True)  # the log keeps its text (content_policy)
         if stream:
-            check_resumable(events, responses=True)
             return await stream_response(ctx, request, request_id, events, shape, -1)
         accepted = events[0]
         if isinstance(accepted, ev.RequestAccepted) and accepted.background:

@@ -69,6 +69,7 @@ class RequestDriver(RequestLoop):
             affinity_key=request.affinity_key() if affinity else None,
             metadata=request.metadata,
             background=background,
+            content_policy=self.recorder.content_policy if not request.stored else None,
         )
         assert accepted is not None
         self.created = int(accepted.occurred_at.timestamp())
@@ -81,6 +82,7 @@ class RequestDriver(RequestLoop):
                 request.client_body,
                 model_revision=self.ctx.config.model_revision(request.model),
                 seed=request.seed,
+                content_policy=self.recorder.content_policy,
             ),
             name=f"input {self.request_id}",
         )

@@ -38,6 +38,7 @@ from app.driver.request import GenerationRequest
 from app.driver.shielded import shielded
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
+from app.store.content import stricter
 from statemachine import events as ev
 from statemachine.actions import (
     CancelRequest,
@@ -62,7 +63,8 @@ class RequestLoop(LoopActions):
         self.ctx = ctx
         self.request = request
         self.tenant = tenant
-        self.recorder = Recorder(ctx, RequestState(request_id=request_id))
+        policy = ctx.config.content_policy if request.stored else stricter(ctx.config.content_policy, "digest")
+        self.recorder = Recorder(ctx, RequestState(request_id=request_id), content_policy=policy)
         self.run: AttemptRun | None = None
         self.accepted_at = ctx.clock()
         self.created = 0  # the response's "created": when it was accepted, as the log tells it

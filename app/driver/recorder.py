@@ -59,10 +59,13 @@ STORE_OUTAGE_GRACE_S = 10.0
 
 
 class Recorder:
-    def __init__(self, ctx: GatewayContext, state: RequestState) -> None:
-        """Record onward from ``state``: a new request's, or what the log already holds."""
+    def __init__(self, ctx: GatewayContext, state: RequestState, *, content_policy: str | None = None) -> None:
+        """Record onward from ``state``: a new request's, or what the log already holds.
+        ``content_policy``: what its content events keep, where stricter than the
+        gateway's (a response's ``store: false``)."""
         self.ctx = ctx
         self.state = state
+        self.content_policy = content_policy or ctx.config.content_policy
         self.appended_version = state.seq
         self._queued: list[Event] = []
         self._lock = asyncio.Lock()
@@ -286,7 +289,7 @@ class Recorder:
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        cls, fields = batch.event(self.ctx.config.content_policy)
+        cls, fields = batch.event(self.content_policy)
         # stamped when its first delta was written (any other event closes a batch first,
         # so the log's times still only move forward)
         self._queue(cls, fields, occurred_at=batch.first_at)

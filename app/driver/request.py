@@ -79,6 +79,12 @@ class GenerationRequest:
         return self.responses is not None and self.responses.background
 
     @property
+    def stored(self) -> bool:
+        """Its content may be kept (a Responses request's ``store: false`` says not: the
+        log keeps digests of it at most, DESIGN.md §15)."""
+        return self.responses is None or self.responses.body.get("store") is not False
+
+    @property
     def client_body(self) -> dict[str, Any]:
         """The body the client sent, as the log records its input."""
         return self.responses.body if self.responses is not None else self.raw

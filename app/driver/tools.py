@@ -63,7 +63,7 @@ class ToolCalls:
         self._occurrences[content] = occurrence + 1
         tool_call_id = call_id(request_id, *content, occurrence)
         key = f"{request_id}:{tool_call_id}"
-        policy = self.ctx.config.content_policy
+        policy = self.recorder.content_policy
         arguments, arguments_sha256 = kept_text(frame.arguments, policy)  # the log keeps what the policy says
         self.recorder.record(
             ev.ToolCallEmitted,
@@ -86,7 +86,7 @@ class ToolCalls:
 
     async def _execute(self, runner: ToolRunner, key: str, call: dict[str, Any]) -> None:
         """Run the call (with its arguments in full); the ledger keeps what the content policy says."""
-        policy = self.ctx.config.content_policy
+        policy = self.recorder.content_policy
         try:
             result = await runner({"idempotency_key": key, "request_id": self.recorder.request_id, **call})
         except Exception as exc:

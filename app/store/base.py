@@ -149,8 +149,10 @@ class EventStore(abc.ABC):
         *,
         model_revision: str | None = None,
         seed: int | None = None,
+        content_policy: str | None = None,
     ) -> None:
-        """Keep the request's input; recording it again is a no-op."""
+        """Keep the request's input, as ``content_policy`` (the store's own where ``None``)
+        says; recording it again is a no-op."""
 
     @abc.abstractmethod
     async def read_input(self, request_id: str) -> RequestInput | None:

@@ -19,6 +19,13 @@ from typing import Any
 
 from sqlalchemy import text
 
+POLICIES = ("none", "digest", "full")  # from keeping the least to the most
+
+
+def stricter(content_policy: str, other: str) -> str:
+    """The policy of the two that keeps less (a request's own, under the gateway's)."""
+    return min(content_policy, other, key=POLICIES.index)
+
 
 def kept_input(body: dict[str, Any], content_policy: str) -> dict[str, Any] | None:
     """What ``request_inputs`` keeps of a request's body: all of it (``full``), the

@@ -16,6 +16,7 @@ from typing import Any
 
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
 from app.store.codec import to_row
+from app.store.content import kept_input
 from app.store.errors import StoreClosed, StoreError, StreamConflict
 from statemachine.events import (
     TERMINAL_EVENT_TYPES,
@@ -179,9 +180,12 @@ class InMemoryEventStore(EventStore):
         *,
         model_revision: str | None = None,
         seed: int | None = None,
+        content_policy: str | None = None,
     ) -> None:
         self._check_open()
-        self._inputs.setdefault(request_id, RequestInput(request_id, dict(body), model_revision, seed))
+        kept = kept_input(body, content_policy or "full")
+        if kept is not None:
+            self._inputs.setdefault(request_id, RequestInput(request_id, dict(kept), model_revision, seed))
 
     async def read_input(self, request_id: str) -> RequestInput | None:
         self._check_open()

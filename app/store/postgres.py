@@ -291,10 +291,11 @@ class PostgresEventStore(EventStore):
         *,
         model_revision: str | None = None,
         seed: int | None = None,
+        content_policy: str | None = None,
     ) -> None:
         if self._closed:
             raise StoreClosed("the event store is closed")
-        kept = kept_input(body, self.content_policy)
+        kept = kept_input(body, content_policy or self.content_policy)
         if kept is not None:
             await self._inputs.record(request_id, kept, model_revision, seed)
 

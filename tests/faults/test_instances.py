@@ -241,6 +241,37 @@ def test_a_killed_gateways_requests_are_swept_by_a_survivor(
             stop(gateway.process, signal.SIGKILL)
 
 
+def test_a_killed_gateways_background_responses_are_swept_and_a_survivor_answers_their_poll(
+    database_url: str, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """Nobody reads a background response (DESIGN.md §15): its owner's death is found by the
+    sweep as any request's, and its client, polling another instance, learns how it ended."""
+    with gateways(database_url, worker, tmp_path, 2) as (doomed, survivor):
+        body = {"model": MODEL, "input": "count slowly", "max_output_tokens": 2000, "background": True}
+        response_ids = []
+        for _ in range(3):
+            answer = httpx.post(doomed.url + "/v1/responses", json=body, timeout=30)
+            assert answer.status_code == 200 and answer.json()["status"] == "queued", answer.text
+            response_ids.append(answer.json()["id"])
+        ids = ["req_" + response_id.removeprefix("resp_") for response_id in response_ids]
+
+        def generating() -> bool:
+            return all(
+                any(isinstance(e, ev.DeltasProduced) for e in log) for log in read_logs(database_url, ids).values()
+            )
+
+        wait_for(generating, 60, "every response to be generating")
+        stop(doomed.process, signal.SIGKILL)
+        wait_for(lambda: all(map(terminal, read_logs(database_url, ids).values())), 30, "the sweep")
+        for response_id, (request_id, events) in zip(response_ids, read_logs(database_url, ids).items(), strict=True):
+            assert violations(events) == [], (request_id, violations(events))
+            (failed,) = [e for e in events if isinstance(e, ev.RequestFailed)]
+            assert (failed.code, failed.partial_output, failed.delivered_output_tokens) == ("gateway_lost", False, 0)
+            polled = httpx.get(f"{survivor.url}/v1/responses/{response_id}", timeout=30).json()
+            assert polled["status"] == "failed" and polled["background"] is True
+            assert polled["error"]["code"] == "gateway_lost" and polled["error"]["request_id"] == request_id
+
+
 def test_a_stopped_gateway_is_swept_and_once_resumed_appends_nothing(
     database_url: str, worker: WorkerProcess, tmp_path: Path
 ) -> None:

@@ -207,3 +207,37 @@ def test_a_deleted_response_is_gone_and_its_events_stay_without_content(
     assert delivered and all(e.text is None for e in delivered)  # type: ignore[attr-defined]
     assert sum(e.tokens for e in delivered) == response.usage.output_tokens  # type: ignore[attr-defined,union-attr]
     assert isinstance(events[-1], ev.RequestCompleted)  # the skeleton, whole
+
+
+def test_an_unstored_response_is_answered_and_the_log_keeps_only_digests_of_it(gateway: RunningGateway) -> None:
+    client = gateway.openai()
+    asked: dict[str, Any] = {"model": MODEL, "input": "keep nothing of this", "max_output_tokens": 8, "store": False}
+    whole = client.responses.create(**asked)
+    with client.responses.stream(**asked) as stream:
+        list(stream)
+        streamed = stream.get_final_response()
+    lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    called = client.responses.create(**asked | {"tools": [lookup], "tool_choice": "required"})
+    assert whole.store is False and whole.output_text and streamed.output_text == whole.output_text
+    assert [item.type for item in called.output] == ["function_call"]
+    for response in (whole, streamed, called):
+        request_id = request_id_of(response)
+        events = gateway.events(request_id)
+        accepted = events[0]
+        assert isinstance(accepted, ev.RequestAccepted) and accepted.content_policy == "digest"
+        deltas = [e for e in events if isinstance(e, ev.DeltasDelivered | ev.DeltasProduced)]
+        assert deltas and all(e.text is None and e.text_sha256 for e in deltas)
+        assert all(e.arguments == "" and e.arguments_sha256 for e in of(events, ev.ToolCallEmitted))  # type: ignore[attr-defined]
+        recorded = gateway.call(gateway.gateway.ctx.store.read_input(request_id))
+        assert recorded is not None and set(recorded.body) == {"sha256"}  # its digest, never the input
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve(response.id)
+        assert missing.value.code == "response_not_found" and "not stored" in missing.value.message
+    assert len(of(gateway.events(request_id_of(called)), ev.ToolCallEmitted)) == 1
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="go on", previous_response_id=whole.id)
+    stored = client.responses.create(model=MODEL, input="keep this", max_output_tokens=4)  # the gateway's own policy
+    kept = gateway.events(request_id_of(stored))
+    assert kept[0].content_policy is None and all(  # type: ignore[attr-defined]
+        e.text for e in kept if isinstance(e, ev.DeltasDelivered)
+    )
