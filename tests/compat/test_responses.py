@@ -12,6 +12,7 @@ response the SDK's stream helper accumulates. Ids and timestamps aside.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,3 +131,20 @@ def test_a_streamed_response_is_vllms(clients: tuple[openai.OpenAI, openai.OpenA
     assert through_types == direct_types
     for events in (direct_events, through_events):
         assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("case", ["a string input", "cut by max_output_tokens"])
+def test_a_background_response_is_vllms(clients: tuple[openai.OpenAI, openai.OpenAI], case: str) -> None:
+    """Queued at once, then polled to its end (vLLM keeps it with VLLM_ENABLE_RESPONSES_API_STORE)."""
+    asked = {"model": MODEL, "temperature": 0, **CASES[case], "background": True}
+    ended = []
+    for client in clients:
+        queued = client.responses.create(**asked)
+        assert queued.status in ("queued", "in_progress") and queued.background is True
+        deadline = time.monotonic() + 120
+        while (response := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, response.status
+            time.sleep(0.05)
+        ended.append(response)
+    direct, through = ended
+    assert read(through) == read(direct) and through.background is direct.background is True

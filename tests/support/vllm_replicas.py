@@ -84,10 +84,13 @@ def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
 def shared_vllm(env: VllmEnv) -> Iterator[SharedVllm]:
     """The server started, the worker on demand; on exit both stopped, and the server's
     whole process group (vLLM's engine core among it) checked gone."""
-    with running_vllm_openai_server(env, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, args=SERVER_ARGS) as (
-        process,
-        url,
-    ):
+    with running_vllm_openai_server(
+        env,
+        served_model_name=MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        args=SERVER_ARGS,
+        extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},  # its /v1/responses keeps responses (background)
+    ) as (process, url):
         shared = SharedVllm(env, process, url)
         try:
             yield shared

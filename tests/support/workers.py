@@ -251,6 +251,7 @@ def running_vllm_openai_server(
     max_model_len: int = 512,
     args: Sequence[str] = (),
     ready_timeout: float = 240.0,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[ManagedProcess, str]]:
     """vLLM's own OpenAI server on the tiny model (a plain replica): yields (process, base_url).
 
@@ -261,7 +262,11 @@ def running_vllm_openai_server(
     cmd += ["--max-model-len", str(max_model_len), *vllm_dtype_args(), *args]
     for tries_left in reversed(range(3)):
         port = free_port()
-        process = _spawn([*cmd, "--port", str(port)], VLLM_ENV, tempfile.TemporaryDirectory(prefix="phasegate-vllm-"))
+        process = _spawn(
+            [*cmd, "--port", str(port)],
+            {**VLLM_ENV, **(env or {})},
+            tempfile.TemporaryDirectory(prefix="phasegate-vllm-"),
+        )
         try:
             _wait_ready(process, f"http://127.0.0.1:{port}/health", ready_timeout, "vLLM api_server")
             break

@@ -65,6 +65,12 @@ def stream(gateway: RunningGateway, prompt: str, max_tokens: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def timed_stream(gateway: RunningGateway, prompt: str, max_tokens: int) -> float:
+    """``stream``, then when it ended (the clock of log records)."""
+    assert stream(gateway, prompt, max_tokens)
+    return time.time()
+
+
 def test_a_replica_too_busy_for_its_probes_but_streaming_is_not_ejected(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -74,15 +80,18 @@ def test_a_replica_too_busy_for_its_probes_but_streaming_is_not_ejected(
     with busy as worker, gateway_over(database_url, worker, eject_after_failures=1) as gateway:
         a = replica(gateway)
         with ThreadPoolExecutor(2) as clients:
-            first = clients.submit(stream, gateway, "busy", 80)  # a few seconds of frames
+            first = clients.submit(timed_stream, gateway, "busy", 80)  # a few seconds of frames
             assert wait_for(lambda: a.frames_read > 0, 10)
             shorten_the_probes(gateway)  # from now on every probe times out
             assert wait_for(lambda: len(not_counted(caplog)) >= 2, 10)
-            second = clients.submit(stream, gateway, "while its probes time out", 8)
-            assert first.result(60) and second.result(60)  # both served by the only replica: no 503
+            second = clients.submit(timed_stream, gateway, "while its probes time out", 8)
+            streamed_until = max(first.result(60), second.result(60))  # both served by the only replica: no 503
             excused = not_counted(caplog)
             assert len(excused) >= 3, excused  # without the frames, the first of them ejected it
-            assert a.consecutive_failures == 0 and a.healthy is True and gateway.gateway.ctx.pool.available(a)
+            # never ejected while it streamed; once it is idle, a probe that times out counts
+            # again and may eject it by now (ci21), as the next test wants
+            ejected = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
+            assert all(r.created > streamed_until for r in caplog.records if "ejected" in r.getMessage()), ejected
 
 
 def test_a_stopped_worker_is_still_ejected_by_its_probes(database_url: str, caplog: pytest.LogCaptureFixture) -> None:
