@@ -264,7 +264,7 @@ def running_vllm_openai_server(
         port = free_port()
         process = _spawn(
             [*cmd, "--port", str(port)],
-            {**VLLM_ENV, **(env or {})},
+            {**VLLM_ENV, **(extra_env or {})},
             tempfile.TemporaryDirectory(prefix="phasegate-vllm-"),
         )
         try:
