@@ -63,8 +63,8 @@ async def response_events(store: EventStore, tenant: str, response_id: str, para
 
 
 def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesShape) -> dict[str, Any]:
-    """The response object as the log has it. A live one shows no output: showing it would
-    be a delivery, which only its owner may record (DESIGN.md §15)."""
+    """The response object as the log has it. A live one shows no output here: showing it
+    is a delivery, which only its owner may record (app/api/responses_poll.py)."""
     terminal = next((e for e in events if isinstance(e, ENDED)), None)
     if terminal is None:
         return shape.response("in_progress")

@@ -2,8 +2,9 @@
 the log holds it, on any instance (DESIGN.md §15, app/api/responses_log.py).
 
 A finished response comes back whole: its output, usage and status, or its failure
-with the output the client was sent. A live one is ``in_progress`` with no output,
-since showing output is a delivery that only its owner may record. ``?stream=true``
+with the output the client was sent. A live one is ``in_progress``, with the output its
+owner shows, and records as delivered, since showing output is a delivery
+(app/api/responses_poll.py; another instance passes the poll on). ``?stream=true``
 reads its stream again (``starting_after``: from the event after that one): attached
 to its live loop where it waits for a reader (a background response, a client back
 within its grace), at its owner while it is live on another instance, else from the
@@ -29,6 +30,7 @@ from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailabl
 from app.api.from_log import check_resumable
 from app.api.request_ids import id_header
 from app.api.responses_log import ENDED, body_of, follow_response, kept_body, response_events, response_from_log
+from app.api.responses_poll import poll_live
 from app.api.responses_request import parse_responses_request
 from app.api.responses_shape import ResponsesShape
 from app.api.resume import at_owner, attach_live, ended, logged
@@ -99,9 +101,15 @@ class _Responses:
         if stream:
             check_resumable(stored.events, responses=True)
             return await stream_response(self.ctx, request, stored.request_id, stored.events, shape, after)
-        return JSONResponse(
-            response_from_log(stored.request_id, stored.events, shape), headers=id_header(stored.request_id)
-        )
+        headers = id_header(stored.request_id)
+        if not stored.ended:  # its owner shows its output, and records that it did
+            polled = await poll_live(self.ctx, stored.request_id, shape)
+            if polled is not None:
+                return JSONResponse(polled, headers=headers)
+            forwarded = await at_owner(self.ctx, request, stored.events, f"/v1/responses/{stored.response_id}")
+            if forwarded is not None:
+                return forwarded
+        return JSONResponse(response_from_log(stored.request_id, stored.events, shape), headers=headers)
 
     async def _cancel(self, request: Request, stored: _Stored) -> Response:
         """Stop a live response at once (as ``POST /v1/requests/{id}/cancel``); the answer

@@ -124,7 +124,12 @@ class ResponsesShape:
         incomplete: str | None = None,
     ) -> dict[str, Any]:
         output = [
-            item if isinstance(item, dict) else item.body("completed", logprobs=self.logprobs) for item in self.items
+            item
+            if isinstance(item, dict)
+            else item.body(
+                "in_progress" if item is self.open and status == "in_progress" else "completed", logprobs=self.logprobs
+            )
+            for item in self.items
         ]
         return {
             "id": self.response_id,

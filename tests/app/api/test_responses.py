@@ -155,7 +155,7 @@ def test_a_function_tool_is_called_and_its_output_taken_back(gateway: RunningGat
         ({"background": "yes"}, "background"),
         ({"background": True, "store": False}, "store"),
         ({"previous_response_id": 7}, "previous_response_id"),
-        ({"store": False}, "store"),
+        ({"store": "no"}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format"),

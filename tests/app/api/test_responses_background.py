@@ -51,6 +51,13 @@ def summary(events: list[Any]) -> list[tuple[str, int, str]]:
     return [(e.type, e.sequence_number, getattr(e, "delta", "")) for e in events]
 
 
+def when_ended(gateway: RunningGateway, response_id: str) -> Any:
+    """The response once the log says it ended, read then: no poll while it ran (a poll
+    that shows output is a delivery)."""
+    gateway.wait_logged("req_" + response_id.removeprefix("resp_"), lambda events: fold(events).outcome is not None)
+    return gateway.openai().responses.retrieve(response_id)
+
+
 def wait_until_ended(gateway: RunningGateway, response_id: str, timeout: float = 60.0) -> Any:
     """Poll as a client of a background response does."""
     deadline = time.monotonic() + timeout
@@ -88,7 +95,7 @@ def test_a_background_response_is_queued_at_once_and_generated_with_nobody_attac
     prompt = unique_prompt("in the background")
     queued = client.responses.create(**asked(prompt), background=True)
     assert (queued.status, queued.background, queued.output) == ("queued", True, [])
-    done = wait_until_ended(gateway, queued.id)
+    done = when_ended(gateway, queued.id)
     plain = client.responses.create(**asked(prompt))  # the same request, answered whole
     assert (done.status, done.output_text) == (plain.status, plain.output_text) and done.output_text
     assert done.usage is not None and done.usage.output_tokens == TOKENS and done.background is True
@@ -117,7 +124,6 @@ def test_a_reader_attaches_to_a_live_background_response_and_its_first_delta_is_
         queued = client.responses.create(**asked(prompt), background=True)
         request_id = request_id_of(queued)
         gateway.wait_logged(request_id, reached(4))  # produced with nobody attached
-        assert client.responses.retrieve(queued.id).status == "in_progress"  # a poll shows no output
         reading = pool.submit(lambda: list(client.responses.retrieve(queued.id, stream=True)))
         gateway.wait_logged(request_id, attached)
         release()
@@ -209,7 +215,7 @@ def test_a_background_response_whose_replica_dies_before_anyone_read_it_is_retri
     with running_gateway(database_url, fresh_pair) as gateway:
         client = gateway.openai()
         queued = client.responses.create(**asked(prompt), background=True)
-        done = wait_until_ended(gateway, queued.id)
+        done = when_ended(gateway, queued.id)
         plain = client.responses.create(**asked(prompt))
         events = gateway.events(request_id_of(queued))
     assert (done.status, done.output_text) == (plain.status, plain.output_text)  # one answer, not a splice
@@ -254,6 +260,46 @@ def test_a_background_response_read_in_part_then_failed_ends_failed_with_what_wa
     assert_log_sound(events)
 
 
+def test_a_poll_of_a_live_background_response_on_another_instance_shows_its_output_and_delivers_it(
+    database_url: str, fresh_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    """A poll is a delivery (DESIGN.md §15): passed on to the owner, which records it; the
+    first one that shows output is the commit point, so a failure after it is no retry."""
+    prompt = unique_prompt("polled then dies")
+    with (
+        running_gateway(database_url, fresh_pair, timeouts=HELD) as owner,
+        running_gateway(database_url, fresh_pair, timeouts=HELD) as other,
+        held(fresh_pair[0], prompt, at_token=0) as release,
+    ):
+        client = other.openai()
+        queued = owner.openai().responses.create(**asked(prompt), background=True)
+        request_id = request_id_of(queued)
+        owner.wait_logged(request_id, lambda events: of(events, ev.AttemptStarted))
+        nothing_yet = client.responses.retrieve(queued.id)  # held before its first token
+        assert (nothing_yet.status, nothing_yet.output) == ("in_progress", [])
+        release(hold_at=5)
+        owner.wait_logged(request_id, reached(4))
+        first = client.responses.retrieve(queued.id)  # passed on to the owner
+        again = client.responses.retrieve(queued.id)  # nothing new: recorded as nothing
+        assert first.status == "in_progress" and first.output_text and again.output_text == first.output_text
+        assert first.output[0].status == "in_progress"  # type: ignore[union-attr]
+        fresh_pair[0].kill()  # the replica dies after the poll showed part of the answer
+        failed = wait_until_ended(other, queued.id)
+        events = owner.events(request_id)
+    state = fold(events)
+    assert state.outcome is Outcome.FAILED and len(state.attempts) == 1  # the poll was a delivery: no retry
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error.code == "upstream_decode_interrupted"  # type: ignore[comparison-overlap]
+    assert failed.output_text.startswith(first.output_text)
+    assert delivered_text(events) == first.output_text and state.delivered_deltas == 5
+    order = [type(e).__name__ for e in events]
+    assert order.count("ClientResumed") == order.count("ClientDisconnected") == 1  # one poll with output
+    assert order.index("ClientResumed") < order.index("FirstDeltaCommitted") < order.index("DeltasDelivered")
+    (back,) = of(events, ev.ClientResumed)
+    assert back.gateway == owner.gateway.instance_id  # type: ignore[attr-defined]
+    assert_log_sound(events)
+
+
 def test_a_background_response_is_answered_once_to_its_idempotent_retry_and_refused_unstored(
     gateway: RunningGateway, unique_prompt: Callable[[str], str]
 ) -> None:
@@ -261,7 +307,7 @@ def test_a_background_response_is_answered_once_to_its_idempotent_retry_and_refu
     key = {"Idempotency-Key": unique_prompt("background key")}
     one = client.responses.create(**asked("once"), background=True, extra_headers=key)
     two = client.responses.create(**asked("once"), background=True, extra_headers=key)
-    assert two.id == one.id and two.status in ("queued", "in_progress", "completed")
+    assert two.id == one.id and two.status in ("queued", "in_progress", "incomplete")  # as it stands
     assert wait_until_ended(gateway, one.id).status == "incomplete"  # cut at max_output_tokens
     events = gateway.events(request_id_of(one))
     assert len(of(events, ev.RequestAccepted)) == 1 and len(of(events, ev.AttemptStarted)) == 1
