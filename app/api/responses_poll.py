@@ -8,7 +8,9 @@ response ``failed``, never a retry), the new deltas are recorded as delivered, a
 poller leaves (``ClientDisconnected``); the answer is the response ``in_progress`` with
 everything delivered so far. A poll that would show nothing new records nothing; one
 that finds the request not waiting for a reader (its stream's client still attached,
-its attempt between two tries) shows the output delivered so far.
+its attempt between two tries) shows the output delivered so far. Under
+``content_policy`` ``digest`` or ``none`` a poll with output is 409 ``resume_unavailable``,
+as a stream read again is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.api.errors import ServiceUnavailable
+from app.api.from_log import ResumeUnavailable
 from app.api.responses_shape import ResponsesShape
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -30,6 +33,11 @@ async def poll_live(ctx: GatewayContext, request_id: str, shape: ResponsesShape)
         return None
     deltas = driver.feed.deltas
     delivered = driver.recorder.delivered_deltas
+    if deltas and driver.recorder.content_policy != "full":  # a delivery the log could not hold
+        raise ResumeUnavailable(
+            "the log keeps no text of this response (content_policy), so its output is shown once it ended"
+            "; its outcome: still running"
+        )
     if len(deltas) > delivered and (client := driver.attach(delivered - 1)) is not None:
         taken = client.ready_deltas(len(deltas))
         if taken and not driver.state.first_delta_sent:

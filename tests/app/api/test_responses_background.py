@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from statemachine import events as ev
@@ -316,3 +317,24 @@ def test_a_background_response_is_answered_once_to_its_idempotent_retry_and_refu
         odd = http.post("/v1/responses", json={**asked("x"), "background": "yes"})
     assert unstored.status_code == 400 and unstored.json()["error"]["param"] == "store"
     assert odd.status_code == 400 and odd.json()["error"]["param"] == "background"
+
+
+def test_without_the_text_in_the_log_a_poll_with_output_is_refused_until_the_end(
+    database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
+) -> None:
+    prompt = unique_prompt("digest only")
+    with (
+        running_gateway(database_url, sim_pair, content_policy="digest", timeouts=HELD) as gateway,
+        held(sim_pair[0], prompt, at_token=3) as release,
+    ):
+        client = gateway.openai()
+        queued = client.responses.create(**asked(prompt), background=True)
+        gateway.wait_logged(request_id_of(queued), reached(2))
+        with pytest.raises(openai.ConflictError) as refused:
+            gateway.openai(max_retries=0).responses.retrieve(queued.id)  # the SDK retries a 409 by default
+        assert refused.value.code == "resume_unavailable"
+        release()
+        ended = when_ended(gateway, queued.id)
+        events = gateway.events(request_id_of(queued))
+    assert ended.status == "incomplete" and not of(events, ev.DeltasDelivered)  # the refused poll delivered nothing
+    assert_log_sound(events)
