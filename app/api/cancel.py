@@ -57,24 +57,30 @@ class _Cancel:
             if state.outcome is not None:
                 log.info("request %s: a cancel came after it ended (%s)", request_id, state.outcome.value)
                 return JSONResponse(_answer(request_id, "ended", state.outcome.value), headers=headers)
-            forwarded = await stop(self.ctx, request, request_id, accepted.gateway)
-            if forwarded is not None:
+            stopped = await stop(self.ctx, request, request_id, accepted.gateway)
+            if isinstance(stopped, httpx.Response):  # the owner's answer
                 return Response(
-                    forwarded.content, status_code=forwarded.status_code, headers=headers, media_type="application/json"
+                    stopped.content, status_code=stopped.status_code, headers=headers, media_type="application/json"
                 )
+            if not stopped:  # it ended here between the read and the cancel
+                log.info("request %s: a cancel came as it ended", request_id)
+                return JSONResponse(_answer(request_id, "ended", "ended"), headers=headers)
             return JSONResponse(_answer(request_id, "cancelled", "cancelled"), headers=headers)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
 
-async def stop(ctx: GatewayContext, request: Request, request_id: str, owner: str | None) -> httpx.Response | None:
-    """Cancel the live request: at once where this instance owns it (``None``), else at
-    its owner, which alone appends to it (the owner's answer)."""
+async def stop(ctx: GatewayContext, request: Request, request_id: str, owner: str | None) -> bool | httpx.Response:
+    """Cancel the live request: at once where this instance owns it (``True``; ``False``
+    if it ended here meanwhile), else at its owner, which alone appends to it (the
+    owner's answer)."""
     driver = ctx.drivers.get(request_id)
     if driver is not None:
         log.info("request %s: cancelled by its client", request_id)
         driver.cancel_now()
-        return None
+        return True
+    if owner == ctx.gateway_id:
+        return False
     address = await owner_address(ctx, owner)
     if address is None:
         # no live owner: it is being swept (gateway_lost) or it just ended

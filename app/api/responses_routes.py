@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -116,9 +117,9 @@ class _Responses:
         is the response as the log has it then (``cancelled``, or how it ended before)."""
         events = stored.events
         if not stored.ended:
-            forwarded = await stop(self.ctx, request, stored.request_id, _owner(events))
-            if forwarded is not None and forwarded.status_code != 200:
-                return Response(forwarded.content, status_code=forwarded.status_code, media_type="application/json")
+            stopped = await stop(self.ctx, request, stored.request_id, _owner(events))
+            if isinstance(stopped, httpx.Response) and stopped.status_code != 200:
+                return Response(stopped.content, status_code=stopped.status_code, media_type="application/json")
             events = await ended(self.ctx, stored.request_id, events)
         shape = shape_of(self.ctx, stored.request_id, events, kept_body(stored.recorded))
         return JSONResponse(response_from_log(stored.request_id, events, shape), headers=id_header(stored.request_id))

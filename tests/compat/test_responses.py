@@ -148,3 +148,33 @@ def test_a_background_response_is_vllms(clients: tuple[openai.OpenAI, openai.Ope
         ended.append(response)
     direct, through = ended
     assert read(through) == read(direct) and through.background is direct.background is True
+
+
+def test_a_dropped_background_stream_is_picked_up_with_starting_after_as_vllm_does(
+    clients: tuple[openai.OpenAI, openai.OpenAI],
+) -> None:
+    """``background`` with ``stream``: the connection drops after a few events, and the SDK's
+    documented pattern picks the stream up by sequence number; then the response is deleted
+    (phasegate; vLLM has no DELETE) and a second one is cancelled."""
+    asked = {"model": MODEL, "temperature": 0, "input": "tell me a long story", "max_output_tokens": 48}
+    got = []
+    for client in clients:
+        stream = client.responses.create(**asked, background=True, stream=True)
+        first = [event for _, event in zip(range(6), stream, strict=False)]
+        stream.close()  # the client drops; a background response goes on
+        response_id = first[0].response.id  # type: ignore[union-attr]
+        rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+        got.append((first + rest, client.responses.retrieve(response_id)))
+    (direct_events, direct), (through_events, through) = got
+    for events in (direct_events, through_events):
+        assert [e.sequence_number for e in events] == list(range(len(events)))  # none missing, none twice
+        assert events[-1].type == "response.completed"
+    assert read(through) == read(direct) and event_types(through_events) == event_types(direct_events)
+    phasegate = clients[1]
+    phasegate.responses.delete(through.id)
+    with pytest.raises(openai.NotFoundError):
+        phasegate.responses.retrieve(through.id)
+    queued = phasegate.responses.create(**asked, background=True)
+    cancelled = phasegate.responses.cancel(queued.id)
+    assert cancelled.status in ("cancelled", "incomplete")  # or it ended first, on a fast machine
+    assert phasegate.responses.retrieve(queued.id).status == cancelled.status

@@ -214,10 +214,12 @@ def evidence(request: pytest.FixtureRequest) -> Iterator[Evidence]:
 # --- the token-loop tests' gateways (tests/faults/token_loop.py) ------------------------------------
 
 
-def _timeouts(request: pytest.FixtureRequest) -> Timeouts:
-    """The test module's own ``TIMEOUTS``, else the token-loop tests' generous ones."""
+def _timeouts(request: pytest.FixtureRequest, kind: str | None = None) -> Timeouts:
+    """The test module's own ``TIMEOUTS`` (``TIMEOUTS_BY_KIND[kind]`` where it names the
+    fleet's replica kind), else the token-loop tests' generous ones."""
     timeouts: Timeouts = getattr(request.module, "TIMEOUTS", TIMEOUTS)
-    return timeouts
+    by_kind: dict[str, Timeouts] = getattr(request.module, "TIMEOUTS_BY_KIND", {})
+    return by_kind.get(kind, timeouts) if kind is not None else timeouts
 
 
 @pytest.fixture
@@ -239,6 +241,10 @@ def slow_gateway(database_url: str, slow_fleet: Fleet, request: pytest.FixtureRe
     slow_fleet.revive()
     # test 7: a client that leaves is cancelled at once (tests/app/api/test_disconnect_grace.py: the grace)
     with running_gateway(
-        database_url, slow_fleet.configs, timeouts=_timeouts(request), health_interval_s=30, resume_grace_s=0
+        database_url,
+        slow_fleet.configs,
+        timeouts=_timeouts(request, slow_fleet.kind),
+        health_interval_s=30,
+        resume_grace_s=0,
     ) as running:
         yield running

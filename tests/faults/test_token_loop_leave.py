@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from app.config import Timeouts
@@ -25,7 +27,8 @@ from tests.support.transcript import Transcript, released_by, stream_chat
 # An openai replica's attempt is released when its lease lapses (it acknowledges no
 # cancel): short here, but not so short that a loaded machine starves a worker's renewals
 # before the client leaves (2 s did: ci18). A worker acknowledges the cancel, however long
-# a loaded machine takes.
+# a loaded machine takes, so its lease is long: a machine that stopped the gateway for 8 s
+# let a 4 s one lapse before the client left (ci23).
 TIMEOUTS = Timeouts(
     stall_s=10.0,
     lease_ttl_s=4.0,
@@ -34,6 +37,7 @@ TIMEOUTS = Timeouts(
     first_token_hard_s=30.0,
     upstream_response_s=30.0,
 )
+TIMEOUTS_BY_KIND = {"worker": dataclasses.replace(TIMEOUTS, lease_ttl_s=30.0)}
 
 
 @pytest.mark.parametrize("k", INDICES)
