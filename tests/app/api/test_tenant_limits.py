@@ -47,11 +47,13 @@ def two_gateways(
     with ExitStack() as stack:
         pair = tuple(
             stack.enter_context(
-                running_gateway(database_url, sim_pair, api_keys=KEYS, tenant_limits=limits, instance_lease_ttl_s=0.9)
+                # heartbeats every 2 s: each learns of the other soon; 0.9 s let a loaded
+                # machine fence one mid-test (ci24: "lost its place in the log")
+                running_gateway(database_url, sim_pair, api_keys=KEYS, tenant_limits=limits, instance_lease_ttl_s=6.0)
             )
             for _ in range(2)
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while any(g.gateway.ctx.budget.share != 0.5 for g in pair):  # both heard of the other
             assert time.monotonic() < deadline, "the gateways never saw each other"
             time.sleep(0.05)
