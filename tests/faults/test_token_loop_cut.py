@@ -100,7 +100,10 @@ def wait_released(gateway: RunningGateway, request_id: str, attempt: int, timeou
             return
         # seen once (ci15, k = 5 on a worker): the log's shape and the gateway's own tasks
         # say where the release waits, should it happen again
-        shape = [(type(e).__name__, getattr(e, "attempt", None)) for e in events]
+        shape = [
+            (type(e).__name__, getattr(e, "attempt", None), getattr(e, "kind", None), getattr(e, "detail", None))
+            for e in events
+        ]
         tasks = sorted(gateway.gateway.ctx.background, key=str)
         assert time.monotonic() < deadline, (
             f"attempt {attempt} of {request_id} not released in {timeout:g} s: {shape} {tasks}"

@@ -42,12 +42,20 @@ class TcpProxy:
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         assert self._open is not None
-        await self._open.wait()
+        accepting = asyncio.current_task()
+        assert accepting is not None
+        self._tasks.add(accepting)  # close() ends a connection still waiting for the cut to end (ci26)
         try:
+            await self._open.wait()
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
         except OSError:
             client_writer.close()
             return
+        except asyncio.CancelledError:
+            client_writer.close()
+            raise
+        finally:
+            self._tasks.discard(accepting)
         for reader, writer, kept in ((client_reader, upstream_writer, True), (upstream_reader, client_writer, False)):
             task = asyncio.ensure_future(self._pump(reader, writer, kept))
             self._tasks.add(task)
