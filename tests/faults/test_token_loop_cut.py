@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -37,6 +38,11 @@ TIMEOUTS = Timeouts(
     first_token_hard_s=5.0,
     upstream_response_s=5.0,  # k = 0 may cut before the start request reached the replica
 )
+# A worker keeps the lease itself: a gateway that a loaded machine stops for longer than
+# the lease before the cut (8 s was seen: ci23) finds the attempt ended by the worker
+# (its lease_expired frame: a death, so no fence), not cut (ci15, ci26). 10 s outlasts
+# that; the fence then waits it out after the cut.
+TIMEOUTS_BY_KIND = {"worker": dataclasses.replace(TIMEOUTS, lease_ttl_s=10.0)}
 
 
 @pytest.mark.parametrize("k", INDICES)
