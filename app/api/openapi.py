@@ -300,6 +300,9 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
                     "security": security,
                     "responses": {
                         "200": _json(_REF + "ModelList", "the served models"),
+                        # the HTTP layer's refusal of a request that is not valid HTTP/1.1
+                        # (a bad Content-Length), on every route (the fuzz suite's finding)
+                        "400": _json(_REF + "Error", "a request that is not valid HTTP/1.1"),
                         "401": _json(_REF + "Error", _REFUSALS["401"]),
                     },
                 }
