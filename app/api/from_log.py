@@ -97,6 +97,22 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
         offset += chars
 
 
+def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDelta]:
+    """The final attempt's deltas after its last delivered one, produced while no client
+    was attached (a background response nobody read, a client that left): a reader of
+    the ended response gets them (DESIGN.md §12)."""
+    current = state.current_attempt
+    if current is None:
+        return []
+    produced = {
+        delta.index: delta
+        for event in events
+        if isinstance(event, ev.DeltasProduced) and event.attempt == current.attempt
+        for delta in deltas_of(event)
+    }
+    return [produced[index] for index in sorted(produced) if index >= state.delivered_deltas]
+
+
 def delta_event(shape: ResponseShape, delta: LoggedDelta) -> bytes:
     """The delta's SSE event, as it was sent."""
     if delta.key == TOOL_CALLS:  # a choice's tool calls, as their JSON

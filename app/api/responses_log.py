@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
-from app.api.from_log import LoggedDelta, deltas_of, failure_of, final_answer
+from app.api.from_log import LoggedDelta, deltas_of, failure_of, final_answer, produced_tail
 from app.api.request_ids import check_request_id
 from app.api.responses_input import chat_messages
 from app.api.responses_shape import ResponsesShape
@@ -30,7 +30,6 @@ from app.store.base import EventStore, RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.events import TOOL_CALLS
-from statemachine.request_state import RequestState
 from statemachine.state import fold
 
 MAX_TURNS = 256  # previous responses followed back at most, each one read
@@ -75,22 +74,6 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
     for delta in [*delivered, *produced_tail(events, state)]:
         _delta_events(shape, delta)  # what a reader gets: the output before the failure
     return shape.failed_response(failure_body(request_id, failure_of(terminal, state, events))["error"])
-
-
-def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDelta]:
-    """The final attempt's deltas after its last delivered one, produced while no client
-    was attached (a background response nobody read, a client that left): a reader of
-    the ended response gets them (DESIGN.md §12)."""
-    current = state.current_attempt
-    if current is None:
-        return []
-    produced = {
-        delta.index: delta
-        for event in events
-        if isinstance(event, ev.DeltasProduced) and event.attempt == current.attempt
-        for delta in deltas_of(event)
-    }
-    return [produced[index] for index in sorted(produced) if index >= state.delivered_deltas]
 
 
 def _delta_events(shape: ResponsesShape, delta: LoggedDelta) -> bytes:

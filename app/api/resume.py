@@ -49,6 +49,7 @@ from app.api.from_log import (
     delta_event,
     deltas_of,
     ending,
+    produced_tail,
     shape_from_log,
     whole_from_log,
 )
@@ -133,7 +134,6 @@ class _Follower:
         """Deltas after ``after`` from the log, reading on while the request is live."""
         position = after + 1  # the next delta index to send
         seen = 0  # events of the log taken into account
-        produced: dict[int, dict[int, LoggedDelta]] = {}  # by attempt, by index
         if position == 0:
             shape.from_the_start()  # each chat choice's first delta after its role
 
@@ -150,18 +150,13 @@ class _Follower:
                             position = delta.index + 1
                         elif delta.key != TOOL_CALLS:
                             shape.passed(delta.text, delta.choice)  # where the next tokens start in its text
-                elif isinstance(event, ev.DeltasProduced):
-                    into = produced.setdefault(event.attempt, {})
-                    for delta in deltas_of(event):
-                        into[delta.index] = delta
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
                     # then what the last attempt produced with no client attached (DESIGN.md §12)
-                    current = state.current_attempt
-                    tail = produced.get(current.attempt, {}) if current is not None else {}
-                    for index in sorted(i for i in tail if i >= position):
-                        yield sent(tail[index])
-                        position = index + 1
+                    for delta in produced_tail(events[:seen], state):
+                        if delta.index >= position:
+                            yield sent(delta)
+                            position = delta.index + 1
                     for chunk in ending(shape, request_id, events[:seen], state):
                         yield chunk
                     await record_resumed(self.ctx, request_id, after + 1, max(position, after + 1))

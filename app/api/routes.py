@@ -237,8 +237,7 @@ class _Api:
             await asyncio.shield(driver.run_in_background())
         except StoreError:
             return log_unavailable(driver, headers)
-        shape = shape_for(driver.request, driver.request_id, driver.created)
-        assert isinstance(shape, ResponsesShape)
+        shape = ResponsesShape(driver.request, driver.request_id, driver.created)
         return JSONResponse(shape.response("queued"), headers=headers)
 
     async def _until_response(self, driver: RequestDriver) -> Output | JSONResponse:
