@@ -1,5 +1,6 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of the OpenAI routes phasegate serves
-(chat completions, completions, models), for client generators and API fuzzers.
+(chat completions, completions, models, and the Responses API's routes:
+app/api/openapi_responses.py), for client generators and API fuzzers.
 
 It is built from what the gateway checks, not written beside it: the fields each endpoint
 takes are vLLM's (app/contract/request_fields.py: a passed-on field is described by its
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
+from app.api.openapi_responses import responses_paths, responses_request
 from app.config import GatewayConfig
 from app.contract.engine_inputs import MAX_NAME_CHARS, RESPONSE_FORMATS, ROLES, TOOL_CHOICES
 from app.contract.request_fields import FIELD_TYPES, OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED, WHOLE_ONLY
@@ -294,6 +297,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": {"post": _generation("createChatCompletion", "ChatCompletion", security)},
             "/v1/completions": {"post": _generation("createCompletion", "Completion", security)},
+            **responses_paths(_generation("createResponse", "Response", security), security),
             "/v1/models": {
                 "get": {
                     "operationId": "listModels",
@@ -322,10 +326,12 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
                         "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}},
                     },
                 },
+                "CreateResponseRequest": responses_request(chat, max_tokens),
                 "ChatCompletion": _CHAT_COMPLETION,
                 "Completion": _TEXT_COMPLETION,
                 "ModelList": _MODEL_LIST,
                 "Error": _ERROR,
+                **RESPONSES_SCHEMAS,
             },
         },
     }
@@ -352,7 +358,7 @@ def _json(ref: str, description: str) -> dict[str, Any]:
 
 
 def _generation(operation_id: str, answer: str, security: list[dict[str, list[str]]]) -> dict[str, Any]:
-    name = "Chat" if answer == "ChatCompletion" else ""
+    """A POST that generates ``answer`` (``Create<answer>Request``), whole or streamed."""
     ok = _json(_REF + answer, "the whole answer; with stream: true, server-sent events ending with data: [DONE]")
     ok["content"]["text/event-stream"] = {"schema": _EVENT}
     return {
@@ -369,7 +375,7 @@ def _generation(operation_id: str, answer: str, security: list[dict[str, list[st
         ],
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"{_REF}Create{name}CompletionRequest"}}},
+            "content": {"application/json": {"schema": {"$ref": f"{_REF}Create{answer}Request"}}},
         },
         "responses": {"200": ok} | {status: _json(_REF + "Error", why) for status, why in _REFUSALS.items()},
     }

@@ -61,8 +61,7 @@ def chat_messages(instructions: str | None, given: Any, earlier: Sequence[dict[s
         elif kind == "reasoning":
             if item.get("encrypted_content"):
                 raise InvalidRequest("encrypted reasoning content is not supported", param=f"{param}.encrypted_content")
-            parts = item.get("content") or item.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            text = _reasoning_text(item, param)
             previous = _open_assistant(messages)
             if previous is not None and "reasoning" not in previous:
                 previous["reasoning"] = text
@@ -104,6 +103,17 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
                 f"'{where}' must be an input_text, output_text or input_image (by URL) part", param=where
             )
     return {"role": role, "content": parts}
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its content's parts, else its summary's."""
+    name = "content" if item.get("content") else "summary"
+    parts = item.get(name) or []
+    if not isinstance(parts, list) or not all(
+        isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in parts
+    ):
+        raise InvalidRequest(f"'{param}.{name}' must be a list of text parts", param=f"{param}.{name}")
+    return "".join(part.get("text", "") for part in parts)
 
 
 def _field_str(item: dict[str, Any], name: str, param: str) -> str:

@@ -187,7 +187,7 @@ def chat_body_of(body: Any, earlier: Sequence[dict[str, Any]] = ()) -> tuple[dic
         if not isinstance(max_output_tokens, int) or isinstance(max_output_tokens, bool) or max_output_tokens < 1:
             raise InvalidRequest("'max_output_tokens' must be a positive integer", param="max_output_tokens")
         chat["max_tokens"] = max_output_tokens
-    top_logprobs = body.get("top_logprobs") or 0
+    top_logprobs = 0 if body.get("top_logprobs") is None else body["top_logprobs"]
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
     include = _include(body.get("include"))

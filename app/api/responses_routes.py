@@ -262,6 +262,6 @@ def _paging(request: Request) -> tuple[str, int, str | None]:
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be asc or desc", param="order")
     raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_ITEMS:  # "²" is a digit, not an int
         raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_ITEMS}", param="limit")
     return order, int(raw), request.query_params.get("after")

@@ -1,6 +1,7 @@
 """schemathesis against the running gateway, from the ``/openapi.json`` it serves.
 
-Each operation of the description (chat completions, completions, models) gets cases that
+Each operation of the description (chat completions, completions, models, the Responses
+API's create, read, list, cancel and delete) gets cases that
 fit it (positive) and cases that break it (negative), sent to the live ``phasegate serve``
 with a tenant's key. schemathesis judges each answer: no 5xx, a status and a content type
 the description lists, a body that fits its schema, and every negative case refused. The
@@ -32,7 +33,15 @@ from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, Stack, Tally, fuzz_s
 pytestmark = pytest.mark.slow
 
 KEY = {"authorization": f"Bearer {API_KEY}"}
-FAMILIES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+FAMILIES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/v1/responses": "responses",
+    "/v1/responses/{response_id}": "responses.stored",
+    "/v1/responses/{response_id}/input_items": "responses.input_items",
+    "/v1/responses/{response_id}/cancel": "responses.cancel",
+}
 CHECKS: list[CheckFunction] = [
     not_a_server_error,
     status_code_conformance,
@@ -48,7 +57,10 @@ def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
     request = document["components"]["schemas"]["CreateChatCompletionRequest"]
     assert request["properties"]["model"]["enum"] == [MODEL]
     assert request["properties"]["max_tokens"]["anyOf"][0]["maximum"] == MAX_TOKENS
-    assert sorted(document["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/models"]
+    assert sorted(document["paths"]) == sorted(FAMILIES)
+    responses = document["components"]["schemas"]["CreateResponseRequest"]
+    assert responses["properties"]["model"]["enum"] == [MODEL]
+    assert responses["properties"]["conversation"] == {"type": "null"}  # not served: refused unless null
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
@@ -59,7 +71,7 @@ def test_schemathesis(stack: Stack, tally: Tally, mode: GenerationMode) -> None:
     before = stack.log_apart_from(set(tally.accepted))
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 3
+    assert len(operations) == 8
     for operation in operations:
         run_operation(stack, tally, operation, mode, checks)
     assert stack.log_apart_from(tally.accepted) == before, "refused requests changed the log"
@@ -69,7 +81,7 @@ def test_schemathesis(stack: Stack, tally: Tally, mode: GenerationMode) -> None:
 def run_operation(
     stack: Stack, tally: Tally, operation: APIOperation, mode: GenerationMode, checks: list[CheckFunction]
 ) -> None:
-    family = f"schemathesis.{mode.value}.{FAMILIES[operation.path]}"
+    family = f"schemathesis.{mode.value}.{FAMILIES[operation.path]}.{operation.method.lower()}"
 
     @fuzz_settings()
     @given(case=operation.as_strategy(generation_mode=mode))

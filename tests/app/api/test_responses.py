@@ -164,6 +164,9 @@ def test_a_function_tool_is_called_and_its_output_taken_back(gateway: RunningGat
         ({"conversation": "conv_1"}, "conversation"),
         ({"temperature": "hot"}, "temperature"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"top_logprobs": False}, "top_logprobs"),  # not taken for 0
+        ({"input": [{"type": "reasoning", "content": 5}]}, "input[0].content"),  # was a 500
+        ({"input": [{"type": "reasoning", "summary": [{"text": 1}]}]}, "input[0].summary"),
     ],
 )
 def test_a_field_phasegate_cannot_honour_is_refused_naming_it(

@@ -40,6 +40,10 @@ def test_a_stored_response_is_retrieved_from_the_log_on_another_instance_as_it_w
         items = client.responses.input_items.list(created.id, order="asc")
         listed = [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items.data]  # type: ignore[union-attr]
         assert listed == [("message", "user", "input_text", "keep this one")]
+        for limit in ("0", "101", "²", "x"):  # "²" is a digit to str.isdigit, and no int
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.input_items.list(created.id, extra_query={"limit": limit})
+            assert refused.value.body["param"] == "limit"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError) as missing:
             client.responses.retrieve("resp_" + "0" * 24)
         assert missing.value.code == "response_not_found"

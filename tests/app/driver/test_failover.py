@@ -25,7 +25,11 @@ from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of
 from tests.support.workers import WorkerProcess, running_worker
 
-FAST = Timeouts(stall_s=1.5, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
+# a worker's lease of 10 s: none of these tests waits one out (a fenced attempt's cancel is
+# acknowledged), and a 1 s lease let a gateway stopped by the load for longer than that
+# find the attempt ended by the worker itself (its own lease_expired, a death the policy
+# does not fence), as the cut cases did (tests/faults/test_token_loop_cut.py)
+FAST = Timeouts(stall_s=1.5, lease_ttl_s=10.0, cancel_ack_s=1.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
 # for faults the gateway sees at once (a killed process): the default timers, so that a
 # loaded machine starving an attempt cannot add a failure the test did not script
 PATIENT = Timeouts()
