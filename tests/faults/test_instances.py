@@ -39,6 +39,7 @@ from statemachine import events as ev
 from statemachine.invariants import violations
 from statemachine.request_state import Outcome
 from statemachine.state import fold
+from tests.app.conftest import held
 from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
@@ -107,7 +108,8 @@ class Gateway:
 
 @pytest.fixture
 def worker() -> Iterator[WorkerProcess]:
-    with running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "40", "--max-running", "256"]) as w:
+    args = ["--model", MODEL, "--sim-decode-ms-per-token", "40", "--max-running", "256"]
+    with running_worker(faults=True, args=args) as w:
         yield w
 
 
@@ -246,10 +248,18 @@ def test_a_killed_gateways_background_responses_are_swept_and_a_survivor_answers
 ) -> None:
     """Nobody reads a background response (DESIGN.md §15): its owner's death is found by the
     sweep as any request's, and its client, polling another instance, learns how it ended."""
-    with gateways(database_url, worker, tmp_path, 2) as (doomed, survivor):
-        body = {"model": MODEL, "input": "count slowly", "max_output_tokens": 2000, "background": True}
+    prompts = [f"count slowly {n} {os.getpid()} {time.monotonic_ns()}" for n in range(3)]
+    with (
+        gateways(database_url, worker, tmp_path, 2) as (doomed, survivor),
+        contextlib.ExitStack() as holds,
+    ):
+        # each held at token 3 until the end (full3: a sim answer of its own length, over in
+        # a second, could complete before the kill on a loaded machine)
+        for prompt in prompts:
+            holds.enter_context(held(worker, prompt, at_token=3))
         response_ids = []
-        for _ in range(3):
+        for prompt in prompts:
+            body = {"model": MODEL, "input": prompt, "max_output_tokens": 2000, "background": True}
             answer = httpx.post(doomed.url + "/v1/responses", json=body, timeout=30)
             assert answer.status_code == 200 and answer.json()["status"] == "queued", answer.text
             response_ids.append(answer.json()["id"])
