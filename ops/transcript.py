@@ -21,7 +21,7 @@ class Transcript:
     event_ids: list[int] = field(default_factory=list)
     contents: list[str] = field(default_factory=list)  # every delta's text: content, reasoning, or none
     kinds: list[str] = field(default_factory=list)  # the field each of them came in
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the pieces, as they came
     error: dict[str, Any] | None = None
     done: bool = False
     finish_reason: str | None = None
@@ -36,6 +36,18 @@ class Transcript:
     def content(self) -> str:
         """The answer's content alone."""
         return "".join(t for t, kind in zip(self.contents, self.kinds, strict=True) if kind == "content")
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """The tool calls, their pieces joined by ``index`` (as a client's accumulator does)."""
+        joined: dict[int, dict[str, Any]] = {}
+        for piece in self.tool_calls:
+            call = joined.setdefault(piece.get("index", 0), {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or piece.get("id")
+            function = piece.get("function") or {}
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
+        return [joined[index] for index in sorted(joined)]
 
     def read(self, line: str) -> bool:
         """Take one SSE line; ``True`` when it added a text delta."""

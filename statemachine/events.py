@@ -303,15 +303,22 @@ class ToolCallEmitted(AttemptScoped):
     """A tool call of the attempt; ``idempotency_key`` = ``{request_id}:{tool_call_id}``.
 
     ``arguments`` holds the call's arguments under the "full" content policy, else "";
-    ``arguments_sha256`` their digest under "digest", else ``None``.
+    ``arguments_sha256`` their digest under "digest", else ``None``. ``tool_call_id`` is
+    the ledger's, made from the call's content; the client got the call under it, or,
+    where the call's pieces were streamed to the client as the replica streamed them
+    (before its content was whole), under the replica's id, ``client_tool_call_id``
+    (version 2; ``None``: the ledger's).
     """
 
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("client_tool_call_id",)}
     index: int
     tool_call_id: str
     name: str
     arguments: str
     idempotency_key: str
     arguments_sha256: str | None = None
+    client_tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,11 +115,9 @@ def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDel
 
 def delta_event(shape: ResponseShape, delta: LoggedDelta) -> bytes:
     """The delta's SSE event, as it was sent."""
-    if delta.key == TOOL_CALLS:  # a choice's tool calls, as their JSON
-        return sse_event(delta.index, shape.tool_calls_chunk(json.loads(delta.text), delta.choice))
     logprobs = delta.logprobs
-    if shape.request.logprobs is None:
-        logprobs = None
+    if shape.request.logprobs is None or (delta.key == TOOL_CALLS and not delta.tokens):
+        logprobs = None  # (a choice's whole tool calls, or the rest of a chunk: none of their own)
     elif logprobs is None:
         logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
     return shape.content_event(delta.index, delta.text, delta.choice, key=delta.key, logprobs=logprobs)
@@ -193,8 +191,5 @@ def final_answer(
     answers = [ChoiceAnswer() for _ in reasons]
     for index in sorted(answer):
         delta = answer[index]
-        if delta.key == TOOL_CALLS:
-            answers[delta.choice].tool_calls = json.loads(delta.text)
-        else:
-            answers[delta.choice].add(delta.key, delta.text, delta.logprobs)
+        answers[delta.choice].add(delta.key, delta.text, delta.logprobs)
     return answers, reasons, full_usage(terminal.usage, terminal.usage_details), terminal.stop_reasons

@@ -13,7 +13,6 @@ conversation cannot be continued (400, saying why).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +28,6 @@ from app.driver.request import RESPONSES
 from app.store.base import EventStore, RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
-from statemachine.events import TOOL_CALLS
 from statemachine.state import fold
 
 MAX_TURNS = 256  # previous responses followed back at most, each one read
@@ -77,8 +75,6 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
 
 
 def _delta_events(shape: ResponsesShape, delta: LoggedDelta) -> bytes:
-    if delta.key == TOOL_CALLS:
-        return shape.tool_calls_event(delta.index, json.loads(delta.text))
     return shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
 
 

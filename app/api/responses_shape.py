@@ -27,7 +27,7 @@ import orjson
 from app.api.sse import ChoiceAnswer, ResponseShape, response_id
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
-from statemachine.events import CONTENT, REASONING_FIELDS
+from statemachine.events import CONTENT, REASONING_FIELDS, TOOL_CALLS
 
 MESSAGE = "message"
 REASONING = "reasoning"
@@ -112,6 +112,7 @@ class ResponsesShape:
         self.started = False  # response.created and response.in_progress went out
         self.items: list[_Item | dict[str, Any]] = []  # the output: open or closed items, function calls
         self.open: _Item | None = None
+        self.calling: tuple[int, dict[str, Any]] | None = None  # the open function call: its index, its item
 
     # --- the response object -------------------------------------------------------------
 
@@ -220,6 +221,8 @@ class ResponsesShape:
     ) -> bytes:
         """The events of one delta: its text's delta event, after the events that close
         the open item and open the delta's own when its kind changes."""
+        if key == TOOL_CALLS:
+            return self.tool_calls_event(event_id, orjson.loads(text), choice)
         events = self._start()
         kind = _item_kind(key)
         if kind is None:
@@ -227,6 +230,7 @@ class ResponsesShape:
         item = self.open
         if item is None or item.kind != kind:
             events += self._close()
+            events += self._close_call()
             item = self.open = self._add(kind)
             events += self._opened(item)
         item.pieces.append(text)
@@ -277,26 +281,47 @@ class ResponsesShape:
         ]
 
     def tool_calls_event(self, event_id: int, calls: list[dict[str, Any]], choice: int = 0) -> bytes:
-        """Each tool call as a ``function_call`` item, its arguments in one delta."""
+        """A delta of tool calls, as the chat delta's ``tool_calls`` carry them: each
+        piece adds to the call its ``index`` names (a call whole: its place), a new one
+        opened as a ``function_call`` item, its arguments' pieces as deltas; a call is
+        done once the next item opens or the response ends."""
         events = self._start() + self._close()
-        for call in calls:
-            item = self._function_call(call)
-            index = len(self.items)
-            self.items.append(item)
-            where = {"item_id": item["id"], "output_index": index}
-            events += [
-                self._event(
-                    "response.output_item.added",
-                    {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
-                ),
-                self._event("response.function_call_arguments.delta", {**where, "delta": item["arguments"]}),
-                self._event(
-                    "response.function_call_arguments.done",
-                    {**where, "name": item["name"], "arguments": item["arguments"]},
-                ),
-                self._event("response.output_item.done", {"output_index": index, "item": item}),
-            ]
+        for place, call in enumerate(calls):
+            index = call.get("index", place)
+            function = call.get("function") or {}
+            if self.calling is None or self.calling[0] != index:
+                events += self._close_call()
+                item = self._function_call(call)
+                item["arguments"], item["status"] = "", "in_progress"
+                self.calling = (index, item)
+                self.items.append(item)
+                events.append(
+                    self._event("response.output_item.added", {"output_index": len(self.items) - 1, "item": {**item}})
+                )
+            item = self.calling[1]
+            if "arguments" in function:  # a piece of them (a call sent whole: all, even none)
+                item["arguments"] += function["arguments"] or ""
+                where = {"item_id": item["id"], "output_index": self.items.index(item)}
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta", {**where, "delta": function["arguments"] or ""}
+                    )
+                )
         return b"".join(events)
+
+    def _close_call(self) -> list[bytes]:
+        if self.calling is None:
+            return []
+        item = self.calling[1]
+        self.calling = None
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        return [
+            self._event(
+                "response.function_call_arguments.done", {**where, "name": item["name"], "arguments": item["arguments"]}
+            ),
+            self._event("response.output_item.done", {"output_index": where["output_index"], "item": item}),
+        ]
 
     def ending(
         self,
@@ -307,7 +332,7 @@ class ResponsesShape:
     ) -> bytes:
         """The open item closed, then ``response.completed`` with the whole response (its
         status ``incomplete`` when ``max_output_tokens`` cut it)."""
-        events = self._start() + self._close()
+        events = self._start() + self._close() + self._close_call()
         # one event whatever the status, as vLLM sends it: the SDK's stream helper takes
         # its final response from ``response.completed`` alone
         events.append(self._event("response.completed", {"response": self._final(finish_reasons[0], usage)}))
@@ -327,6 +352,9 @@ class ResponsesShape:
         if self.open is not None:
             response["output"][self.items.index(self.open)]["status"] = "incomplete"
             self.open = None
+        if self.calling is not None:
+            response["output"][self.items.index(self.calling[1])]["status"] = "incomplete"
+            self.calling = None
         return response
 
 

@@ -24,7 +24,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
-from statemachine.events import CONTENT, NO_TEXT, REASONING_FIELDS
+from statemachine.events import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
 
 DONE = b"data: [DONE]\n\n"
 
@@ -108,7 +108,9 @@ class ResponseShape:
         logprobs: Sequence[TokenLogprob] | None = None,
     ) -> str:
         """A chunk carrying generated text under ``key`` (and its tokens' log
-        probabilities, when asked for)."""
+        probabilities, when asked for); under ``tool_calls``, their JSON."""
+        if key == TOOL_CALLS:
+            return self.tool_calls_chunk(orjson.loads(text), choice, logprobs)
         delta = f'"delta":{{{_dumps(key)}:{_dumps(text)}}}' if self.chat else f'"text":{_dumps(text)}'
         if self.chat and key == NO_TEXT:
             delta = '"delta":{}'
@@ -133,7 +135,7 @@ class ResponseShape:
     ) -> bytes:
         """The SSE event of ``content_chunk``: the same bytes as ``sse_event(event_id,
         content_chunk(...))``, built from the choice's pre-encoded prefix and suffix."""
-        if logprobs is not None:
+        if logprobs is not None or key == TOOL_CALLS:
             return sse_event(event_id, self.content_chunk(text, choice, key=key, logprobs=logprobs))
         template = self._content_templates.get((choice, key))
         if template is None:
@@ -148,9 +150,14 @@ class ResponseShape:
         """Text of ``choice`` sent before (a resumed stream): later tokens' offsets follow it."""
         self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
 
-    def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], choice: int = 0) -> str:
+    def tool_calls_chunk(
+        self, tool_calls: list[dict[str, Any]], choice: int = 0, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> str:
+        """A chunk of a choice's tool calls: whole, or a piece of them as the replica
+        streamed it, each naming the call it adds to by its ``index`` (a whole one: its place)."""
         delta: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
-        choices = [{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}]
+        rendered = None if logprobs is None else render_logprobs(logprobs, chat=True, text_offset=0)
+        choices = [{"index": choice, "delta": delta, "logprobs": rendered, "finish_reason": None}]
         return f'{self._head},"choices":{_dumps(choices)}{self._usage_tail}'
 
     def finish_chunk(self, finish_reason: str, choice: int = 0, stop_reason: str | int | None = None) -> str:
@@ -245,10 +252,23 @@ class ChoiceAnswer:
     texts: dict[str, list[str]] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by their index
 
     def add(self, key: str, text: str, logprobs: Sequence[TokenLogprob] | None) -> None:
-        self.texts.setdefault(key, []).append(text)
         self.logprobs.extend(logprobs or ())
+        if key != TOOL_CALLS:
+            self.texts.setdefault(key, []).append(text)
+            return
+        for place, piece in enumerate(orjson.loads(text)):  # whole calls, or a piece of them
+            index = piece.get("index", place)
+            function = piece.get("function") or {}
+            call = self._calls.get(index)
+            if call is None:
+                call = self._calls[index] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                self.tool_calls.append(call)
+            call["id"] = call["id"] or piece.get("id")
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
 
 
 def _nth(stop_reasons: Sequence[str | int | None], choice: int) -> str | int | None:

@@ -75,9 +75,11 @@ class ToolCalls:
             arguments=arguments or "",
             idempotency_key=key,
             arguments_sha256=arguments_sha256,
+            client_tool_call_id=frame.id if frame.streamed else None,
         )
         call = {"id": tool_call_id, "type": "function", "function": {"name": frame.name, "arguments": frame.arguments}}
-        self.by_choice.setdefault(frame.choice, []).append(call)
+        if not frame.streamed:  # the client gets it whole, with the answer's end
+            self.by_choice.setdefault(frame.choice, []).append(call)
         runner = self.ctx.tool_runner
         if runner is not None and await self.ctx.store.claim_tool_execution(
             key, request_id, attempt, tool_call_id, frame.name, kept_tool_text(frame.arguments, policy) or ""

@@ -60,11 +60,16 @@ class Token:
 
 @dataclass(slots=True)
 class ToolCall:
+    """A choice's whole tool call, for the tool ledger. ``streamed``: its pieces already
+    went to the client as the replica streamed them (tokens under ``tool_calls``,
+    with the replica's id); otherwise the client gets it whole, under the gateway's id."""
+
     choice: int
     index: int
-    id: str  # the replica's id for it; the gateway names tool calls itself
+    id: str  # the replica's id for it
     name: str
     arguments: str
+    streamed: bool = False
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ import orjson
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
-from statemachine.events import CONTENT, FINISH_REASONS, NO_TEXT, REASONING_FIELDS, FailureKind
+from statemachine.events import CONTENT, FINISH_REASONS, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
@@ -110,6 +110,9 @@ class OpenAIStream:
                     number = choice.get("index", 0)
                     delta = choice.get("delta") or {}
                     pieces = _pieces(delta) if "delta" in choice else _completion_text(choice)
+                    calls = delta.get("tool_calls")
+                    if calls:  # a piece of the choice's tool calls, passed on as vLLM streamed it
+                        pieces.append((TOOL_CALLS, _tool_call_piece(calls)))
                     logprobs = _logprobs(choice.get("logprobs"))
                     if not pieces and logprobs:  # a token with no text of its own: its logprobs go on
                         pieces = [(_key_of_no_text(delta) if "delta" in choice else CONTENT, "")]
@@ -138,7 +141,7 @@ class OpenAIStream:
         if len(finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
         for (number, call_index), call in sorted(pending_calls.items()):
-            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"])
+            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"], streamed=True)
         reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
         stops = [stop_reasons.get(number) for number in sorted(finish_reasons)]
         yield Done(reasons[0], reasons, usage or {}, stops if any(s is not None for s in stops) else [], usage_details)
@@ -208,6 +211,21 @@ def _pieces(delta: dict[str, Any]) -> list[tuple[str, str]]:
     if len(pieces) > 1:
         pieces.sort(key=lambda piece: (piece[0] == CONTENT, piece[0] not in REASONING_FIELDS))
     return pieces
+
+
+def _tool_call_piece(calls: Any) -> str:
+    """A chat delta's ``tool_calls`` as the client's delta carries them (their JSON): a
+    list of objects, each naming the call it adds to by ``index``."""
+    if not isinstance(calls, list) or not all(
+        isinstance(call, dict)
+        and type(call.get("index", 0)) is int
+        and isinstance(call.get("id") or "", str)
+        and isinstance(call.get("function") or {}, dict)
+        and all(type(part) is str for part in (call.get("function") or {}).values() if part is not None)
+        for call in calls
+    ):
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed tool_calls in a chunk: {calls!r:.200}")
+    return orjson.dumps(calls).decode()
 
 
 def _key_of_no_text(delta: dict[str, Any]) -> str:

@@ -275,10 +275,6 @@ def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="phasegate sends a choice's tool calls whole, once the stream completes them (docs/compatibility.md)",
-)
 def test_tool_calls_are_streamed_in_pieces_as_vllm_streams_them(pair: Pair) -> None:
     path, body = CASES["tools, tool_choice required"]
     body = {**body, "stream": True}

@@ -15,7 +15,8 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 "lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
-``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}``, ``{"tool_call_then_die": true}``,
+``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}`` (with ``"pieces": n``:
+streamed as vLLM streams a call, its name, then its arguments in n parts), ``{"tool_call_then_die": true}``,
 ``{"reasoning": k}`` (chat: the first k words are reasoning, as vLLM's reasoning parser
 streams them, then the think block's end, a token with no text: ``delta: {}``, with its
 log probabilities when asked for, as vLLM sends it; then content),
@@ -207,15 +208,26 @@ class Upstream:
             yield b"data: [DONE]\n\n"
 
     async def _tool_call(self, head: dict[str, Any], behaviour: dict[str, Any]) -> AsyncIterator[bytes]:
-        function = {"name": behaviour["tool"], "arguments": behaviour.get("arguments", "{}")}
-        call = {"index": 0, "id": "call_upstream", "type": "function", "function": function}
-        yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]})
+        arguments = behaviour.get("arguments", "{}")
+        for piece in _call_pieces(behaviour["tool"], arguments, int(behaviour.get("pieces", 0))):
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}]})
         if behaviour.get("tool_call_then_die"):
             await asyncio.sleep(0.05)
             os._exit(1)
         yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
         yield _sse({**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
         yield b"data: [DONE]\n\n"
+
+
+def _call_pieces(name: str, arguments: str, pieces: int) -> list[dict[str, Any]]:
+    """A tool call's deltas: whole in one (``pieces`` 0), or as vLLM's tool parsers stream
+    it, its id and name first, then its arguments in ``pieces`` parts."""
+    call = {"index": 0, "id": "call_upstream", "type": "function"}
+    if not pieces:
+        return [{**call, "function": {"name": name, "arguments": arguments}}]
+    size = -(-len(arguments) // pieces)
+    parts = [arguments[n : n + size] for n in range(0, len(arguments), size)]
+    return [{**call, "function": {"name": name}}] + [{"index": 0, "function": {"arguments": p}} for p in parts]
 
 
 def _logprobs(word: str, chat: bool) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 
+from app.api.from_log import deltas_of
 from ops.transcript import Transcript
 from statemachine import events as ev
-from statemachine.events import ReleaseReason
+from statemachine.events import TOOL_CALLS, ReleaseReason
 from statemachine.invariants import violations
 from statemachine.request_state import RequestState
 from statemachine.state import fold
@@ -83,7 +84,13 @@ def check_request(events: list[ev.Event], transcript: Transcript | None = None, 
     assert violations(events) == []
     state = fold(events)
     if transcript is not None:
-        delivered = "".join(e.text or "" for e in events if isinstance(e, ev.DeltasDelivered) and e.tokens)
+        delivered = "".join(  # the text deltas (a tool-call delta's JSON is not text)
+            delta.text
+            for e in events
+            if isinstance(e, ev.DeltasDelivered)
+            for delta in deltas_of(e)
+            if delta.key != TOOL_CALLS
+        )
         if left:
             assert delivered.startswith(transcript.text), "the log's deliveries do not begin with the client's"
         else:

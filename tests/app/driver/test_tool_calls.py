@@ -3,8 +3,8 @@
 The first attempt, on a sim worker, asks for one call and its worker dies; the retry,
 on a scripted OpenAI-compatible upstream, asks for another. A different call is a
 different action: it gets its own id and ledger entry and runs, and the client
-receives the retry's call under the retry's id, never under an id whose ledger entry
-holds the first attempt's call. (An identical call on a retry reusing its one
+receives the retry's call, streamed under its upstream's id, never under an id whose
+ledger entry holds the first attempt's call. (An identical call on a retry reusing its one
 execution is tests/faults/test_token_loop.py's test 5.)
 """
 
@@ -54,10 +54,12 @@ def test_a_retry_that_asks_for_another_call_runs_it_under_its_own_id(
             assert json.loads(second.arguments) == {"city": "somewhere else"}  # type: ignore[attr-defined]
             assert first.arguments != second.arguments  # type: ignore[attr-defined]
             assert first.tool_call_id != second.tool_call_id  # type: ignore[attr-defined]
-            # the client got the retry's call, under the retry's id
-            (delivered,) = transcript.tool_calls
-            assert delivered["id"] == second.tool_call_id  # type: ignore[attr-defined]
-            assert delivered["function"]["arguments"] == second.arguments  # type: ignore[attr-defined]
+            # the client got the retry's call, as its upstream streamed it and under its id,
+            # which the log names beside the ledger's (never the first attempt's)
+            (delivered,) = transcript.calls
+            assert delivered["id"] == second.client_tool_call_id == "call_upstream"  # type: ignore[attr-defined]
+            assert first.client_tool_call_id is None  # type: ignore[attr-defined]  # a worker's: sent whole
+            assert delivered["arguments"] == second.arguments  # type: ignore[attr-defined]
             assert fold(events).outcome is Outcome.COMPLETED
             # each call has its own ledger entry, holding its own call, and ran once
             for emitted in (first, second):
