@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-VERSION = 2  # 2: a start request carries the client's fields as vLLM's server takes them (vllm)
+# 2: a start request carries the client's fields as vLLM's server takes them (vllm);
+# 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``)
+VERSION = 3
 HEADER = "x-phasegate-protocol"
 
 

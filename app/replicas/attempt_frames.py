@@ -25,10 +25,10 @@ from collections.abc import Callable
 import httpx
 
 from app.contract.logprobs import from_wire
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, usage_of
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
-from statemachine.events import CONTENT, FINISH_REASONS, REASONING_FIELDS
+from statemachine.events import CONTENT, FINISH_REASONS, REASONING_FIELDS, TOOL_CALLS
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done
@@ -140,13 +140,18 @@ class AttemptFrames:
                 if logprobs is not None:
                     logprobs = from_wire(logprobs)
                 key = obj.get("key", CONTENT)
-                if key != CONTENT and key not in REASONING_FIELDS:
+                if key == TOOL_CALLS:  # a piece of the choice's tool calls, their JSON
+                    problem = tool_call_piece_problem(json.loads(obj["text"]))
+                    if problem is not None:
+                        raise ValueError(problem)
+                elif key != CONTENT and key not in REASONING_FIELDS:
                     raise ValueError(f"a token frame's text under {key!r}")
                 return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs, key)
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
-                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"])
+                streamed = obj.get("streamed", False) is True  # its pieces went out as token frames
+                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"], streamed)
             if kind == "done":
                 usage, details = usage_of(obj["usage"])  # a reasoning parser's completion_tokens_details
                 stops = obj.get("stop_reasons", [])

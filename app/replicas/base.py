@@ -58,6 +58,24 @@ class Token:
     tokens: int | None = None
 
 
+def tool_call_piece_problem(calls: Any) -> str | None:
+    """Why ``calls`` is not a chat delta's ``tool_calls`` (a list of objects, each naming the
+    call it adds to by ``index``, its id, name and arguments strings), or None."""
+    if not isinstance(calls, list) or not calls:
+        return f"tool_calls that are not a non-empty list: {calls!r:.200}"
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or type(call.get("index", 0)) is not int
+            or not isinstance(call.get("id") or "", str)
+            or not isinstance(function or {}, dict)
+            or any(part is not None and type(part) is not str for part in (function or {}).values())
+        ):
+            return f"a malformed tool call piece: {call!r:.200}"
+    return None
+
+
 @dataclass(slots=True)
 class ToolCall:
     """A choice's whole tool call, for the tool ledger. ``streamed``: its pieces already

@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire
-from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, usage_of
+from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from statemachine.events import CONTENT, FINISH_REASONS, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, FailureKind
 
@@ -214,17 +214,10 @@ def _pieces(delta: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _tool_call_piece(calls: Any) -> str:
-    """A chat delta's ``tool_calls`` as the client's delta carries them (their JSON): a
-    list of objects, each naming the call it adds to by ``index``."""
-    if not isinstance(calls, list) or not all(
-        isinstance(call, dict)
-        and type(call.get("index", 0)) is int
-        and isinstance(call.get("id") or "", str)
-        and isinstance(call.get("function") or {}, dict)
-        and all(type(part) is str for part in (call.get("function") or {}).values() if part is not None)
-        for call in calls
-    ):
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed tool_calls in a chunk: {calls!r:.200}")
+    """A chat delta's ``tool_calls`` as the client's delta carries them (their JSON)."""
+    problem = tool_call_piece_problem(calls)
+    if problem is not None:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, problem)
     return orjson.dumps(calls).decode()
 
 

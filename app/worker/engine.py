@@ -19,10 +19,14 @@ from app.worker.protocol import AttemptSpec, Code, Refusal
 
 @dataclass(frozen=True, slots=True)
 class ToolCallOutput:
+    """A choice's whole tool call; ``streamed``: its pieces went out before it, as token
+    frames under ``tool_calls`` (app/worker/vllm_parsing.py)."""
+
     index: int
     tool_call_id: str
     name: str
     arguments: str
+    streamed: bool = False
 
 
 class EngineOutput:

@@ -45,8 +45,12 @@ def token_frame(
     return frame + b"}\n"
 
 
-def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, arguments: str) -> bytes:
-    frame = {
+def tool_call_frame(
+    choice: int, index: int, tool_call_id: str, name: str, arguments: str, *, streamed: bool = False
+) -> bytes:
+    """A whole tool call; ``streamed``: its pieces went out before it (token frames under
+    ``tool_calls``), so it is for the gateway's tool ledger only."""
+    frame: dict[str, Any] = {
         "type": "tool_call",
         "choice": choice,
         "index": index,
@@ -54,6 +58,8 @@ def tool_call_frame(choice: int, index: int, tool_call_id: str, name: str, argum
         "name": name,
         "arguments": arguments,
     }
+    if streamed:
+        frame["streamed"] = True
     return _dumps(frame).encode() + b"\n"
 
 

@@ -201,7 +201,9 @@ async def _decode(
         die_after = False
         if output.tool_call is not None:
             call = output.tool_call
-            frame = tool_call_frame(choice, call.index, call.tool_call_id, call.name, call.arguments)
+            frame = tool_call_frame(
+                choice, call.index, call.tool_call_id, call.name, call.arguments, streamed=call.streamed
+            )
             # the engine's own tool call, reached after k tokens: publish it, then die
             die_after = (
                 fault is not None

@@ -12,9 +12,10 @@ request gets one of vLLM's ``Parser`` objects per choice (``vllm.parser``: the c
   structured output (a structural tag) that forces the call, which the request's sampling
   parameters then carry;
 - each engine output goes through ``parse_delta``: its text comes back as content,
-  reasoning or pieces of tool calls. Content and reasoning become token frames under their
-  field's name; a tool call's pieces are gathered, and the whole call is published once its
-  choice has finished (the gateway relays tool calls whole: docs/compatibility.md).
+  reasoning or pieces of tool calls. Each becomes a token frame under its field's name (a
+  tool call's piece: under ``tool_calls``, its JSON as vLLM's server streams it); a tool
+  call's pieces are also gathered, and the whole call is published for the gateway's tool
+  ledger once its choice has finished.
   A choice that called a tool by ``auto`` or ``required`` finishes as ``tool_calls``, as
   vLLM's server says; a named call keeps the engine's reason (``stop``).
 
@@ -24,6 +25,7 @@ is refused as vLLM's server refuses it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from app.worker.engine import EngineOutput, ToolCallOutput
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
 REASONING = "reasoning"  # the delta field vLLM 0.32's server puts reasoning under
+TOOL_CALLS = "tool_calls"  # the delta field of a tool call's pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,10 @@ class AttemptParsing:
             for key, piece in ((REASONING, delta.reasoning), (None, delta.content)):
                 if piece:
                     pieces.append(EngineOutput(choice, [], piece, key=key))
-            for call in delta.tool_calls or ():
+            for call in delta.tool_calls or ():  # the piece as vLLM's server sends it, gathered for the ledger
+                pieces.append(
+                    EngineOutput(choice, [], json.dumps([call.model_dump(exclude_unset=True)]), key=TOOL_CALLS)
+                )
                 gathered = self._calls[choice].setdefault(call.index, ["", "", ""])
                 function = call.function
                 gathered[0] = call.id or gathered[0]
@@ -166,7 +172,7 @@ class AttemptParsing:
         calls = self._calls[choice]
         for index in sorted(calls):
             call_id, name, arguments = calls[index]
-            call = ToolCallOutput(index, call_id, name, arguments)
+            call = ToolCallOutput(index, call_id, name, arguments, streamed=True)
             pieces.append(EngineOutput(choice, held[:], "", tool_call=call))  # the call's tokens with it
             held.clear()
         if held:  # the answer ended on tokens of no text: counted in a last frame of none

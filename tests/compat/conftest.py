@@ -37,9 +37,8 @@ def through_worker(package_database_url: str, vllm: SharedVllm) -> Iterator[Runn
 class Pair:
     """Send a request to both targets and compare what a client gets."""
 
-    def __init__(self, vllm: SharedVllm, gateway: RunningGateway, kind: str) -> None:
+    def __init__(self, vllm: SharedVllm, gateway: RunningGateway) -> None:
         self.direct_url, self.gateway_url = vllm.server_url, gateway.url
-        self.kind = kind  # of the replica behind the gateway: openai (vllm serve) or worker
         self.http = httpx.Client(timeout=120)
 
     def both(self, path: str, body: dict[str, object]) -> tuple[Answer, Answer]:
@@ -51,14 +50,14 @@ class Pair:
 
 @pytest.fixture(scope="package")
 def pair(vllm: SharedVllm, through_gateway: RunningGateway) -> Iterator[Pair]:
-    made = Pair(vllm, through_gateway, "openai")
+    made = Pair(vllm, through_gateway)
     yield made
     made.http.close()
 
 
 @pytest.fixture(scope="package")
 def worker_pair(vllm: SharedVllm, through_worker: RunningGateway) -> Iterator[Pair]:
-    made = Pair(vllm, through_worker, "worker")
+    made = Pair(vllm, through_worker)
     yield made
     made.http.close()
 

@@ -75,14 +75,13 @@ def test_langchain_bind_tools_with_a_named_tool_streamed(target: Pair) -> None:
         return [(c["name"], c["args"]) for c in whole.tool_call_chunks]  # type: ignore[attr-defined]
 
     direct, through = on_both(target, calls)
-    # the call is cut by max_tokens before any argument: vLLM streamed none (None), as
-    # phasegate passes its pieces on from an openai replica; a worker sends a choice's calls
-    # whole, their arguments a string, here the empty one; or '{}', on either side, when the
-    # engine handed vLLM's parser the last tokens with the finish (its named-call parser
-    # then closes the arguments it never streamed: under load, seen through the worker and
-    # from vllm serve itself)
+    # the call is cut by max_tokens before any argument: vLLM streamed none (None), and
+    # phasegate passes its pieces on as they came; or '{}', on either side, when the engine
+    # handed vLLM's parser the last tokens with the finish (its named-call parser then
+    # closes the arguments it never streamed: under load, seen through the worker and from
+    # vllm serve itself)
     assert [name for name, _ in direct] == [name for name, _ in through] == ["get_weather"]
-    assert direct[0][1] in (None, "{}") and through[0][1] in ((None, "{}") if target.kind == "openai" else ("", "{}"))
+    assert direct[0][1] in (None, "{}") and through[0][1] in (None, "{}")
 
 
 def test_langchain_structured_output_by_json_schema(target: Pair) -> None:

@@ -1,8 +1,9 @@
 """A tool call through a ``phasegate worker --engine vllm`` goes through the tool ledger like
 any other (DESIGN.md §8, §10 case 5): the run's vLLM worker is forced by a named
-``tool_choice`` to call a tool, its stream ends before ``done``, the request is retried
-before anything reached the client on the run's ``vllm serve`` (the same model and
-parsers), which asks for the same call, and the ledger runs it once.
+``tool_choice`` to call a tool, which it streams in pieces as vLLM's server does; its
+stream then ends before ``done``. The pieces reached the client, so there is no retry
+(the first was the commit point): the client gets them and the structured error, and the
+call, which the worker completed, ran once through the ledger.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import pytest
 from app.config import ReplicaConfig
 from statemachine import events as ev
 from statemachine.request_state import Outcome
-from statemachine.state import fold
 from tests.app.conftest import add_fault
 from tests.compat.test_differential import TOOLS
 from tests.faults.token_loop import tool_webhook
 from tests.support.gateway import running_gateway
-from tests.support.transcript import of, stream_chat
+from tests.support.transcript import check_request, of, stream_chat
 from tests.support.vllm_replicas import MODEL, SharedVllm
 
 pytestmark = pytest.mark.vllm
@@ -27,12 +27,12 @@ pytestmark = pytest.mark.vllm
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-def test_a_forced_call_retried_before_the_first_delta_runs_once_through_the_ledger(
+def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through_the_ledger(
     database_url: str, vllm: SharedVllm
 ) -> None:
     prompt = f"the weather, {uuid.uuid4().hex[:12]}"
     worker = vllm.worker()
-    # every frame of attempt 1 (the call among them), then the stream ends with no done
+    # every frame of attempt 1 (the call's pieces, then the call whole), then the stream ends with no done
     add_fault(worker, action="close_without_done", at_token=1_000_000, match={"prompt_contains": prompt})
     replicas = [
         ReplicaConfig(id="r1", url=worker.base_url, kind="worker"),  # ties go to the lower id: attempt 1
@@ -55,18 +55,16 @@ def test_a_forced_call_retried_before_the_first_delta_runs_once_through_the_ledg
     ):
         transcript = stream_chat(gateway.url, body, timeout=120)
         events = gateway.events(transcript.request_id)
-        assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["r1", "r2"]  # type: ignore[attr-defined]
-        emitted = of(events, ev.ToolCallEmitted)
-        assert [e.attempt for e in emitted] == [1, 2]  # type: ignore[attr-defined]
-        (key,) = {e.idempotency_key for e in emitted}  # type: ignore[attr-defined]  # the same call
-        ledger = gateway.call(gateway.gateway.ctx.store.tool_execution(key))
-        assert ledger is not None and ledger.attempt == 1
-        assert runs() == {key: 1}  # executed once, through the ledger
-        assert fold(events).outcome is Outcome.COMPLETED
-        # the client got the call once, in the pieces vllm serve streamed (attempt 2), under
-        # the id it gave, which the log names beside the ledger's
-        (delivered,) = transcript.calls
+        assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["r1"]  # type: ignore[attr-defined]
+        state = check_request(events, transcript)  # the client's deltas are the log's
+        assert state.outcome is Outcome.FAILED and transcript.error is not None
+        assert (transcript.error["code"], transcript.error["partial_output"]) == ("upstream_decode_interrupted", True)
+        (emitted,) = of(events, ev.ToolCallEmitted)
+        (delivered,) = transcript.calls  # the pieces, joined
         assert len(transcript.tool_calls) > 1
-        assert delivered["id"] == emitted[-1].client_tool_call_id  # type: ignore[attr-defined]
-        assert delivered["name"] == "get_weather"
-        assert delivered["arguments"] == emitted[-1].arguments  # type: ignore[attr-defined]
+        assert delivered["id"] == emitted.client_tool_call_id  # type: ignore[attr-defined]
+        assert delivered["name"] == emitted.name == "get_weather"  # type: ignore[attr-defined]
+        assert delivered["arguments"] == emitted.arguments  # type: ignore[attr-defined]
+        ledger = gateway.call(gateway.gateway.ctx.store.tool_execution(emitted.idempotency_key))  # type: ignore[attr-defined]
+        assert ledger is not None and ledger.attempt == 1
+        assert runs() == {emitted.idempotency_key: 1}  # type: ignore[attr-defined]  # executed once, through the ledger
