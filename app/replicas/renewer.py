@@ -5,9 +5,12 @@ and leaves when it is released. While any attempt is held, the renewer wakes eve
 third of the lease TTL and renews all of them in one request (``/v1/leases/renew``
 on a worker), then tells each renewed attempt (``lease_renewed``), which stamps the
 time the answer came: no earlier than the worker read it, so the gateway's view of a
-lease never ends before the worker's does. A renewal the replica refuses is not told
-(the lease then lapses on both sides); a round unanswered within a TTL is logged and the
-next round tries again.
+lease ends no earlier than the worker's, for every renewal whose answer came. A renewal
+the replica refuses is not told (the lease then lapses on both sides); a round unanswered
+within a TTL is logged and the next round tries again. The one gap: a round the worker
+read whose answer was lost (a network cut between the two) renewed the worker's lease
+and not the gateway's view, which may then end up to a third of a TTL before the
+worker's (tests/faults/test_token_loop_cut.py waits for the worker's own end).
 
 Why one call per round and not one per attempt: per-attempt renewals were the limit
 on held streams (1,000 streams at a 5 s lease are 600 renewals a second, and leases

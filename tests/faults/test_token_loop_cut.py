@@ -70,6 +70,12 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         asked = body(prompt, max_tokens=LONG, ignore_eos=True)
         transcript = stream_chat(slow_gateway.url, asked, on_delta=lambda n: n == k and cut())
     wait_released(slow_gateway, transcript.request_id, 1)  # by its cancel's acknowledgement or its lease
+    if slow_fleet.kind == "worker" and k > 0:
+        # A renewal the worker read just before the cut, whose answer the cut held, extends
+        # the worker's lease past the gateway's view of it by up to a third of a TTL (ci33:
+        # the network came back first, and the worker stopped on the closed stream instead):
+        # the worker's own lease ends the attempt, later, before the network comes back
+        wait_worker_over(first.direct_url, transcript.request_id)
     first.proxy.restore()  # the network comes back: the old attempt must stay silent
     events, state = settle(slow_gateway, transcript, evidence)
     order = [type(e).__name__ for e in events]
@@ -94,6 +100,17 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         attempts = httpx.get(first.direct_url + "/admin/attempts").json()["attempts"]
         (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
         assert mine["engine_over"] and mine["stop"] in ("lease_expired", "cancelled", None)
+
+
+def wait_worker_over(worker_url: str, request_id: str, timeout: float = 30.0) -> None:
+    """Until the worker (asked directly, not through the cut) has ended its attempt of ``request_id``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        attempts = httpx.get(worker_url + "/admin/attempts", timeout=10).json()["attempts"]
+        if all(a["engine_over"] for a in attempts if a["request_id"] == request_id):
+            return
+        assert time.monotonic() < deadline, f"the worker still runs {request_id} {timeout:g} s after its release"
+        time.sleep(0.05)
 
 
 def wait_released(gateway: RunningGateway, request_id: str, attempt: int, timeout: float = 60.0) -> None:
