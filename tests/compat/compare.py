@@ -90,7 +90,7 @@ def accumulated(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             fields.sort(key=lambda field: field[0] not in REASONING)  # generated first, whatever the JSON order
             for key, value in fields:
                 if key == "tool_calls":
-                    _add_tool_calls(got["tool_calls"], value or ())
+                    add_tool_calls(got["tool_calls"], value or ())
                 elif isinstance(value, str) and key != "role":
                     _add_text(got["texts"], key, value)
                 elif value is not None:
@@ -119,7 +119,7 @@ def _add_text(texts: list[list[str]], key: str, text: str) -> None:
         texts.append([key, text])
 
 
-def _add_tool_calls(calls: dict[int, dict[str, Any]], pieces: Any) -> None:
+def add_tool_calls(calls: dict[int, dict[str, Any]], pieces: Any) -> None:
     for piece in pieces:
         call = calls.setdefault(piece.get("index", 0), {"function": {"name": "", "arguments": ""}})
         for key in ("id", "type"):
