@@ -13,6 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.api.sse import ChoiceAnswer
+from statemachine.events import TOOL_CALLS
+
 
 @dataclass
 class Transcript:
@@ -39,15 +42,11 @@ class Transcript:
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        """The tool calls, their pieces joined by ``index`` (as a client's accumulator does)."""
-        joined: dict[int, dict[str, Any]] = {}
-        for piece in self.tool_calls:
-            call = joined.setdefault(piece.get("index", 0), {"id": None, "name": "", "arguments": ""})
-            call["id"] = call["id"] or piece.get("id")
-            function = piece.get("function") or {}
-            call["name"] += function.get("name") or ""
-            call["arguments"] += function.get("arguments") or ""
-        return [joined[index] for index in sorted(joined)]
+        """The tool calls, their pieces joined by ``index`` as a whole answer joins them."""
+        answer = ChoiceAnswer()
+        if self.tool_calls:
+            answer.add(TOOL_CALLS, json.dumps(self.tool_calls), None)
+        return answer.tool_calls
 
     def read(self, line: str) -> bool:
         """Take one SSE line; ``True`` when it added a text delta."""

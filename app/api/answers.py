@@ -52,8 +52,9 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
             driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, key=delta.key)
             answers[choice].add(delta.key, delta.text, delta.logprobs)
     for choice, calls in sorted(output.tool_calls.items()):  # the calls a replica sent whole
-        driver.delivered(json.dumps(calls), tokens=0, choice=choice, key=TOOL_CALLS)
-        answers[choice].add(TOOL_CALLS, json.dumps(calls), None)
+        text = json.dumps(calls)
+        driver.delivered(text, tokens=0, choice=choice, key=TOOL_CALLS)
+        answers[choice].add(TOOL_CALLS, text, None)
     await driver.complete(output)
     shape = shape_for(driver.request, driver.request_id, driver.created, driver.answered_by)
     body = shape.completion(answers, output.finish_reasons, output.full_usage, output.stop_reasons)

@@ -232,39 +232,42 @@ def responses_paths(create: dict[str, Any], security: list[dict[str, list[str]]]
         },
         {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
     ]
-    conflict = ("409", "a live response's output read under content_policy digest or none")
+
+    def operation(
+        operation_id: str, parameters: list[dict[str, Any]], ok: dict[str, Any], *extra: tuple[str, str]
+    ) -> dict[str, Any]:
+        return {
+            "operationId": operation_id,
+            "security": security,
+            "parameters": [_ID, *parameters],
+            "responses": {"200": ok} | refusals(*extra),
+        }
+
     return {
         "/v1/responses": {"post": create},
         "/v1/responses/{response_id}": {
-            "get": {
-                "operationId": "getResponse",
-                "security": security,
-                "parameters": [_ID, *query],
-                "responses": {"200": streamed} | refusals(conflict),
-            },
-            "delete": {
-                "operationId": "deleteResponse",
-                "security": security,
-                "parameters": [_ID],
-                "responses": {"200": json_("ResponseDeleted", "deleted")}
-                | refusals(("400", "a response still in progress: cancel it first")),
-            },
+            "get": operation(
+                "getResponse",
+                query,
+                streamed,
+                ("409", "a live response's output read under content_policy digest or none"),
+            ),
+            "delete": operation(
+                "deleteResponse",
+                [],
+                json_("ResponseDeleted", "deleted"),
+                ("400", "a response still in progress: cancel it first"),
+            ),
         },
         "/v1/responses/{response_id}/input_items": {
-            "get": {
-                "operationId": "listInputItems",
-                "security": security,
-                "parameters": [_ID, *paging],
-                "responses": {"200": json_("ResponseInputItemList", "the input items")} | refusals(),
-            }
+            "get": operation("listInputItems", paging, json_("ResponseInputItemList", "the input items"))
         },
         "/v1/responses/{response_id}/cancel": {
-            "post": {
-                "operationId": "cancelResponse",
-                "security": security,
-                "parameters": [_ID],
-                "responses": {"200": json_("Response", "the response as the cancel left it")}
-                | refusals(("400", "not a background response")),
-            }
+            "post": operation(
+                "cancelResponse",
+                [],
+                json_("Response", "the response as the cancel left it"),
+                ("400", "not a background response"),
+            )
         },
     }

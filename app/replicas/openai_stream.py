@@ -120,7 +120,7 @@ class OpenAIStream:
                     for n, (key, text) in enumerate(pieces):
                         index, self._index = self._index, self._index + 1
                         yield Token(number, index, text, (), logprobs if n == 0 else None, key, 0 if n else None)
-                    for call in delta.get("tool_calls") or ():
+                    for call in calls or ():
                         slot = pending_calls.setdefault(
                             (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
                         )

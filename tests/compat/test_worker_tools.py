@@ -63,8 +63,8 @@ def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through
         (delivered,) = transcript.calls  # the pieces, joined
         assert len(transcript.tool_calls) > 1
         assert delivered["id"] == emitted.client_tool_call_id  # type: ignore[attr-defined]
-        assert delivered["name"] == emitted.name == "get_weather"  # type: ignore[attr-defined]
-        assert delivered["arguments"] == emitted.arguments  # type: ignore[attr-defined]
+        assert delivered["function"]["name"] == emitted.name == "get_weather"  # type: ignore[attr-defined]
+        assert delivered["function"]["arguments"] == emitted.arguments  # type: ignore[attr-defined]
         ledger = gateway.call(gateway.gateway.ctx.store.tool_execution(emitted.idempotency_key))  # type: ignore[attr-defined]
         assert ledger is not None and ledger.attempt == 1
         assert runs() == {emitted.idempotency_key: 1}  # type: ignore[attr-defined]  # executed once, through the ledger

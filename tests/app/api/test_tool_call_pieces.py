@@ -52,7 +52,9 @@ def test_each_piece_is_a_delta_as_the_upstream_streamed_it(gateway: RunningGatew
         {"index": 0, "id": "call_upstream", "type": "function", "function": {"name": "lookup"}},
         *({"index": 0, "function": {"arguments": part}} for part in ('{"city": "Pa', 'ris", "unit"', ': "celsius"}')),
     ]
-    assert transcript.calls == [{"id": "call_upstream", "name": "lookup", "arguments": ARGUMENTS}]
+    assert transcript.calls == [
+        {"id": "call_upstream", "type": "function", "function": {"name": "lookup", "arguments": ARGUMENTS}}
+    ]
     events = gateway.events(transcript.request_id)
     check_request(events, transcript)  # ids in order, the log's deltas the client's
     logged = [d for e in of(events, ev.DeltasDelivered) for d in deltas_of(e)]  # type: ignore[arg-type]

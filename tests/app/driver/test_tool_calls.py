@@ -59,7 +59,7 @@ def test_a_retry_that_asks_for_another_call_runs_it_under_its_own_id(
             (delivered,) = transcript.calls
             assert delivered["id"] == second.client_tool_call_id == "call_upstream"  # type: ignore[attr-defined]
             assert first.client_tool_call_id is None  # type: ignore[attr-defined]  # a worker's: sent whole
-            assert delivered["arguments"] == second.arguments  # type: ignore[attr-defined]
+            assert delivered["function"]["arguments"] == second.arguments  # type: ignore[attr-defined]
             assert fold(events).outcome is Outcome.COMPLETED
             # each call has its own ledger entry, holding its own call, and ran once
             for emitted in (first, second):
