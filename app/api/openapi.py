@@ -2,15 +2,15 @@
 (chat completions, completions, models, and the Responses API's routes:
 app/api/openapi_responses.py), for client generators and API fuzzers.
 
-It is built from what the gateway checks, not written beside it: the fields each endpoint
-takes are vLLM's (app/contract/request_fields.py: a passed-on field is described by its
-JSON type there, or as any value; phasegate's own are described as refused; a field vLLM
-does not declare is allowed, as vLLM allows it), the models are the configured ones and
-``max_tokens`` and ``n`` go to the configured limits. Messages, tools, ``tool_choice`` and
-``response_format`` are described to the depth app/contract/engine_inputs.py checks them;
-what JSON Schema cannot say (a named tool_choice must name one of the tools, tool names
-are unique, ``stream_options`` only with ``stream``) is left to the 400 that names the
-``param``. Served behind the same key as ``/v1/models``: it lists the models.
+The request bodies are the JSON schemas of the models the gateway validates them with
+(app/contract/requests.py, under the configured limits of ``max_tokens`` and ``n``), not
+written beside them: every field vLLM declares with its type, phasegate's own described as
+refused, any other field allowed, as vLLM allows it; ``model`` lists the configured models.
+Messages, tools, ``tool_choice`` and ``response_format`` are described to the depth the
+engines read them (app/contract/engine_inputs.py). What JSON Schema cannot say (a named
+tool_choice must name one of the tools, tool names are unique, ``stream_options`` only
+with ``stream``) is left to the 400 that names the ``param``. Served behind the same key
+as ``/v1/models``: it lists the models.
 """
 
 from __future__ import annotations
@@ -20,93 +20,9 @@ from typing import Any
 from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
 from app.api.openapi_responses import responses_paths, responses_request
 from app.config import GatewayConfig
-from app.contract.engine_inputs import MAX_NAME_CHARS, RESPONSE_FORMATS, ROLES, TOOL_CHOICES
-from app.contract.request_fields import FIELD_TYPES, OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED, WHOLE_ONLY
+from app.contract.requests import request_models
 
 _REF = "#/components/schemas/"
-_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
-_TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-_TOOL_CALL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"type": ["string", "null"]},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {"name": _NAME, "arguments": {"type": ["string", "object", "null"]}},
-        },
-    },
-}
-_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"enum": sorted(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-        "name": {"type": ["string", "null"]},
-        "tool_call_id": {"type": ["string", "null"]},
-    },
-}
-_ASSISTANT_CALLING = {  # an assistant message may carry tool calls instead of content
-    "type": "object",
-    "required": ["role", "tool_calls"],
-    "properties": {
-        "role": {"const": "assistant"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
-        "tool_calls": {"type": "array", "minItems": 1, "items": _TOOL_CALL},
-    },
-}
-_TOOL = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": _NAME,
-                "description": {"type": ["string", "null"]},
-                "strict": {"type": ["boolean", "null"]},
-                "parameters": {
-                    "type": ["object", "null"],
-                    "properties": {"properties": {"type": ["object", "null"]}},
-                },
-            },
-        },
-    },
-}
-_RESPONSE_FORMAT = {
-    "anyOf": [
-        {
-            "type": "object",
-            "required": ["type"],
-            "properties": {"type": {"enum": [kind for kind in RESPONSE_FORMATS if kind != "json_schema"]}},
-        },
-        {
-            "type": "object",
-            "required": ["type", "json_schema"],
-            "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {
-                    "type": "object",
-                    "required": ["schema"],
-                    "properties": {
-                        "schema": {"type": "object"},
-                        "name": {"type": ["string", "null"]},
-                        "strict": {"type": ["boolean", "null"]},
-                    },
-                },
-            },
-        },
-    ]
-}
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -232,64 +148,16 @@ _REFUSALS = {
 def openapi_document(config: GatewayConfig) -> dict[str, Any]:
     """The description of this gateway's OpenAI routes."""
 
-    def nullable(schema: dict[str, Any]) -> dict[str, Any]:
-        return {"anyOf": [schema, {"type": "null"}]}
-
-    number = {"type": "number"}
-    limit = {"maximum": config.limits.max_tokens} if config.limits.max_tokens is not None else {}
-    max_tokens = nullable({"type": "integer", "minimum": 1, **limit})
-    common: dict[str, Any] = {name: nullable(kind.schema) for name, kind in FIELD_TYPES.items()}
-    common |= {
-        "model": {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"},
-        "stream": nullable({"type": "boolean"}),
-        "stream_options": nullable(
-            {
-                "type": "object",
-                "properties": {
-                    "include_usage": nullable({"type": "boolean"}),
-                    "continuous_usage_stats": nullable({"type": "boolean"}),
-                },
-            }
-        ),
-        "max_tokens": max_tokens,
-        "temperature": nullable(number | {"minimum": 0}),
-        "top_p": nullable(number | {"exclusiveMinimum": 0, "maximum": 1}),
-        "n": nullable({"type": "integer", "minimum": 1, "maximum": config.limits.max_n}),
-        "stop": nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
-        "metadata": nullable(
-            {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string", "maxLength": 512}}
-        ),
-        "seed": nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
-        "presence_penalty": nullable(number | {"minimum": -2, "maximum": 2}),
-        "frequency_penalty": nullable(number | {"minimum": -2, "maximum": 2}),
-        "user": nullable({"type": "string"}),
-        "ignore_eos": nullable({"type": "boolean"}),
-    }
-    chat = common | {
-        "messages": {"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _ASSISTANT_CALLING]}},
-        "max_completion_tokens": max_tokens,
-        "tools": nullable({"type": "array", "items": _TOOL}),
-        "tool_choice": nullable({"anyOf": [{"enum": list(TOOL_CHOICES)}, {"$ref": _REF + "NamedToolChoice"}]}),
-        "response_format": nullable(_RESPONSE_FORMAT),
-    }
-    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-    completion = common | {
-        "prompt": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-                token_ids,
-                {"type": "array", "minItems": 1, "items": token_ids},
-            ]
-        },
-        # instead of a prompt: base64 tensors, passed on (a replica may refuse them)
-        "prompt_embeds": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string"}},
-            ]
-        },
-    }
+    chat_model, completion_model = request_models(config.limits.max_tokens, config.limits.max_n)
+    schemas: dict[str, Any] = {}
+    requests = {}
+    for declared in (chat_model, completion_model):
+        schema = declared.model_json_schema(ref_template=_REF + "{model}")
+        schemas |= schema.pop("$defs")
+        served = {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
+        schema["properties"]["model"] = served
+        requests[declared.__name__] = schema
+    chat = requests["CreateChatCompletionRequest"]["properties"]
     security: list[dict[str, list[str]]] = [{"bearer": []}] if _keys_required(config) else []
     return {
         "openapi": "3.1.0",
@@ -315,18 +183,9 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
-                "CreateChatCompletionRequest": _request(chat, PASSED_CHAT | RECORDED, ["model", "messages"]),
-                "CreateCompletionRequest": _request(completion, PASSED_COMPLETIONS | RECORDED, ["model"])
-                | {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]},
-                "NamedToolChoice": {
-                    "type": "object",
-                    "required": ["function"],
-                    "properties": {
-                        "type": {"const": "function"},
-                        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}},
-                    },
-                },
-                "CreateResponseRequest": responses_request(chat, max_tokens),
+                **schemas,
+                **requests,
+                "CreateResponseRequest": responses_request(chat, chat["max_tokens"]),
                 "ChatCompletion": _CHAT_COMPLETION,
                 "Completion": _TEXT_COMPLETION,
                 "ModelList": _MODEL_LIST,
@@ -339,18 +198,6 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
 
 def _keys_required(config: GatewayConfig) -> bool:
     return bool(config.api_keys)  # keys made with `phasegate keys` also apply; the description cannot know
-
-
-def _request(properties: dict[str, Any], fields: frozenset[str], required: list[str]) -> dict[str, Any]:
-    """A request body: each field described (any value where no schema is given), phasegate's
-    own refused (``false``: not allowed), ``stream`` and ``stream_options`` as the client may
-    give them, and any other field allowed, as vLLM allows it."""
-    described: dict[str, Any] = {
-        name: properties.get(name, {}) for name in sorted(fields | {"stream", "stream_options"})
-    }
-    described |= dict.fromkeys(sorted(OWN), False)
-    described |= {name: {"type": "null"} for name in sorted(WHOLE_ONLY)}  # refused unless null
-    return {"type": "object", "required": required, "properties": described}
 
 
 def _json(ref: str, description: str) -> dict[str, Any]:

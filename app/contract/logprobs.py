@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from app.contract.engine_inputs import BadInput
+from app.contract.declared import BadInput
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI and vLLM's default max_logprobs
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.contract.engine_inputs import BadInput, check_message, check_response_format, check_tool_choice, check_tools
+from app.contract.declared import BadInput
+from app.contract.engine_inputs import check_message, check_response_format, check_tool_choice, check_tools
 from app.contract.logprobs import requested_logprobs
 from app.contract.vllm_extras import SAMPLING_EXTRAS, check_sampling_extras, check_structured_outputs
 
@@ -231,10 +232,6 @@ def _str(value: Any, field: str, max_len: int = 256) -> str:
     return value
 
 
-def _engine_input(bad: BadInput, prefix: str = "") -> Refusal:
-    return _bad(prefix + bad.param, bad.why)
-
-
 def parse_ref(body: Mapping[str, Any], *, with_ttl: bool) -> AttemptRef:
     """The body of renew (``with_ttl``) or cancel."""
     allowed = {"request_id", "attempt", "lease_epoch"} | ({"lease_ttl_ms"} if with_ttl else set())
@@ -351,7 +348,7 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
         try:
             check_message(message, f"messages[{i}]")
         except BadInput as bad:
-            raise _engine_input(bad) from None
+            raise _bad(bad.param, bad.why) from None
     return tuple(value)
 
 
@@ -396,5 +393,5 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
             out["structured_outputs"] = check_structured_outputs(params["structured_outputs"])
         out["logprobs"] = requested_logprobs(params, chat=None)
     except BadInput as bad:
-        raise _engine_input(bad, p) from None
+        raise _bad(p + bad.param, bad.why) from None
     return Sampling(**out)

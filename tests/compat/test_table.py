@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from app.contract.request_fields import OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED, WHOLE_ONLY
+from app.contract.request_fields import OWN, RECORDED, WHOLE_ONLY
+from app.contract.requests import PASSED_CHAT, PASSED_COMPLETIONS
 from tests.compat.test_differential import CASES, DIVERGENCES, WORKER_DIVERGENCES
 
 PAGE = (Path(__file__).parents[2] / "docs" / "compatibility.md").read_text()

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.contract.request_fields import OWN, PASSED_CHAT, PASSED_COMPLETIONS, RECORDED
+from app.contract.request_fields import OWN, RECORDED
+from app.contract.requests import PASSED_CHAT, PASSED_COMPLETIONS
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 

@@ -185,7 +185,7 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(seed=2**63), "seed", "invalid_request", "64-bit signed integer"),
         (CHAT, chat(seed=-(2**63) - 1), "seed", "invalid_request", "64-bit signed integer"),
         (CHAT, chat(presence_penalty=-3), "presence_penalty", "invalid_request", "in"),
-        (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function", "invalid_request", "must be an object"),
+        (CHAT, chat(tools=[{"type": "function"}]), "tools[0].function", "invalid_request", "is required"),
         (CHAT, chat(tool_choice="sometimes"), "tool_choice", "invalid_request", "named function"),
         (CHAT, chat(response_format={"type": "yaml"}), "response_format.type", "invalid_request", "json_schema"),
         (CHAT, chat(logit_bias={"1": "x"}), "logit_bias", "invalid_request", "object of numbers"),
@@ -195,8 +195,8 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(request_id="mine"), "request_id", "unsupported_parameter", "set by phasegate"),
         (CHAT, chat(prompt_logprobs=1), "prompt_logprobs", "unsupported_parameter", "phasegate streams every answer"),
         (COMPLETIONS, {"model": "m"}, "prompt", "invalid_request", "'prompt' is required"),
-        (COMPLETIONS, {"model": "m", "prompt": ["a", 2]}, "prompt", "invalid_request", "'prompt' is required"),
-        (COMPLETIONS, {"model": "m", "prompt": [[1], []]}, "prompt", "invalid_request", "'prompt' is required"),
+        (COMPLETIONS, {"model": "m", "prompt": ["a", 2]}, "prompt", "invalid_request", "'prompt' must be a non-empty"),
+        (COMPLETIONS, {"model": "m", "prompt": [[1], []]}, "prompt", "invalid_request", "'prompt' must be a non-empty"),
     ],
 )
 def test_bad_input_is_named(endpoint: str, body: Any, param: str | None, code: str, message: str) -> None:
