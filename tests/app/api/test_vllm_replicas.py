@@ -255,9 +255,10 @@ def test_a_vllm_worker_killed_mid_answer_ends_the_stream_with_the_final_error(
     assert (error["code"], error["partial_output"], error["retryable"]) == ("upstream_decode_interrupted", True, False)
     assert error["request_id"] == transcript.request_id
     # four frames at most; vLLM merges the outputs a busy consumer has not read yet, so a
-    # frame may carry more than one token
+    # frame may carry more than one token, and under load four frames have held the whole
+    # text (the full suite, this stop): then only the finish is what the kill cut
     assert 1 <= len(transcript.contents) <= 4 and error["delivered_output_tokens"] >= len(transcript.contents)
-    assert reference.startswith(transcript.text) and transcript.text != reference
+    assert reference.startswith(transcript.text) and transcript.finish_reason is None
     # the log: one attempt on the worker, no retry decided, the terminal event as the client was told
     assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["a-worker"]  # type: ignore[attr-defined]
     assert not [d for d in of(events, ev.Decided) if d.action == "start_attempt" and d.params["attempt"] > 1]  # type: ignore[attr-defined]
