@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
-from app.api.openapi_responses import responses_paths, responses_request
+from app.api.openapi_responses import responses_paths
 from app.config import GatewayConfig
 from app.contract.requests import request_models
+from app.contract.responses import responses_model
 
 _REF = "#/components/schemas/"
 _ERROR = {
@@ -148,16 +149,18 @@ _REFUSALS = {
 def openapi_document(config: GatewayConfig) -> dict[str, Any]:
     """The description of this gateway's OpenAI routes."""
 
-    chat_model, completion_model = request_models(config.limits.max_tokens, config.limits.max_n)
+    limits = config.limits
     schemas: dict[str, Any] = {}
-    requests = {}
-    for declared in (chat_model, completion_model):
+    for declared in (
+        *request_models(limits.max_tokens, limits.max_n),
+        responses_model(limits.max_tokens, limits.max_n),
+    ):
         schema = declared.model_json_schema(ref_template=_REF + "{model}")
-        schemas |= schema.pop("$defs")
+        for name, part in schema.pop("$defs").items():
+            assert schemas.setdefault(name, part) == part, f"two request models declare {name} apart"
         served = {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
         schema["properties"]["model"] = served
-        requests[declared.__name__] = schema
-    chat = requests["CreateChatCompletionRequest"]["properties"]
+        schemas[declared.__name__] = schema
     security: list[dict[str, list[str]]] = [{"bearer": []}] if _keys_required(config) else []
     return {
         "openapi": "3.1.0",
@@ -184,8 +187,6 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 **schemas,
-                **requests,
-                "CreateResponseRequest": responses_request(chat, chat["max_tokens"]),
                 "ChatCompletion": _CHAT_COMPLETION,
                 "Completion": _TEXT_COMPLETION,
                 "ModelList": _MODEL_LIST,

@@ -16,14 +16,16 @@ value's constraint its own words.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import BaseModel, ConfigDict, Discriminator, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
 # a tag of one branch of a union (pydantic puts it in an error's path): left out of the path
 TAG = "~"
 SAID = "phasegate"  # the error type of a constraint said in its own words
+NOT_SERVED = "phasegate_not_served"  # … of a value phasegate does not serve (NotServed)
 
 # pydantic's error types that say only that a value is of the wrong JSON type
 _WRONG_TYPE = {
@@ -49,16 +51,21 @@ class BadInput(ValueError):
         self.why = why
 
 
+class NotServed(BadInput):
+    """A value phasegate understands and does not serve (a client's 400 ``unsupported_parameter``)."""
+
+
 class Declared(BaseModel):
     """A request, or a part of one, as JSON gives it."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", frozen=True)
 
 
-def says(why: str, *, wrong_type_too: bool = False) -> WrapValidator:
+def says(why: str, *, wrong_type_too: bool = False, not_served: bool = False) -> WrapValidator:
     """A constraint's refusal in words (``must be in [0, 1]``); a value of the wrong JSON
     type keeps the plain ``must be a number`` unless ``wrong_type_too`` (a union, whose
-    branches' problems would not say what it takes)."""
+    branches' problems would not say what it takes). ``not_served``: what the constraint
+    leaves out is understood and not served (:class:`NotServed`)."""
 
     def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
@@ -66,9 +73,15 @@ def says(why: str, *, wrong_type_too: bool = False) -> WrapValidator:
         except ValidationError as error:
             if not wrong_type_too and all(problem["type"] in _WRONG_TYPE for problem in error.errors()):
                 raise
-            raise PydanticCustomError(SAID, why) from None
+            raise PydanticCustomError(NOT_SERVED if not_served else SAID, why) from None
 
     return WrapValidator(check)
+
+
+def tagged(kind: Callable[[Any], str | None], refusal: str) -> Discriminator:
+    """A union whose branch ``kind`` picks by the value's tag (:data:`TAG` first); a value it
+    tags ``None`` is refused in words (``must be an object``)."""
+    return Discriminator(kind, custom_error_type=SAID, custom_error_message=refusal)
 
 
 def problem(error: ValidationError, prefix: str = "") -> BadInput:
@@ -83,7 +96,9 @@ def problem(error: ValidationError, prefix: str = "") -> BadInput:
             path = f"{path}.{part}" if path else part
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, BadInput):
-        return BadInput(joined(path, cause.param), cause.why)
+        return type(cause)(joined(path, cause.param), cause.why)
+    if first["type"] == NOT_SERVED:
+        return NotServed(path, str(first["msg"]))
     return BadInput(path, _why(first))
 
 
@@ -106,6 +121,8 @@ def _why(first: Any) -> str:
         return "must not be empty"
     if kind == "extra_forbidden":
         return "is not allowed"
+    if kind == "none_required":
+        return "must be null"
     if kind == SAID:
         return str(first["msg"])
     message = str(first["msg"])

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
-from app.contract.declared import TAG, BadInput, Declared, problem, says
+from app.contract.declared import TAG, BadInput, Declared, problem, says, tagged
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -127,11 +127,7 @@ ToolChoice = Annotated[
         Tag(TAG + "mode"),
     ]
     | Annotated[NamedToolChoice, Tag(TAG + "named")],
-    Discriminator(
-        _choice_kind,
-        custom_error_type="phasegate",
-        custom_error_message="must be none, auto, required or a named function",
-    ),
+    tagged(_choice_kind, "must be none, auto, required or a named function"),
 ]
 
 
@@ -160,7 +156,7 @@ def _format_kind(value: Any) -> str | None:
 
 ResponseFormat = Annotated[
     Annotated[PlainFormat, Tag(TAG + "plain")] | Annotated[JsonSchemaFormat, Tag(TAG + "schema")],
-    Discriminator(_format_kind, custom_error_type="phasegate", custom_error_message="must be an object"),
+    tagged(_format_kind, "must be an object"),
 ]
 
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)

@@ -8,7 +8,8 @@ Each tree's ``app.api.schemas.parse_request`` is timed in a process of its own (
 first on its ``sys.path``), on the bodies below, already decoded from JSON as the route
 gives them: a minimal chat request, an agent's turn (a system prompt, a tool call and its
 result, two tools, sampling fields and vLLM extras), a structured-output request and a
-completions request. The trees run in turn, ``--rounds`` times, so that each sees the
+completions request, and a Responses API request (an agent's turn again; it is checked,
+then made the chat request it asks for, which is checked too). The trees run in turn, ``--rounds`` times, so that each sees the
 machine as it was; the best of each tree's rounds is printed, in microseconds a request.
 """
 
@@ -73,23 +74,45 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "completions": ("completions", {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "stop": ["\n"]}),
+    "responses, an agent's turn": (
+        "responses",
+        {
+            "model": "tiny",
+            "instructions": "You answer briefly.",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "What is the weather?"}]},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                {"role": "user", "content": "and tomorrow?"},
+            ],
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "temperature": 0.7,
+            "max_output_tokens": 256,
+            "stream": True,
+        },
+    ),
 }
 
 
 def measure(number: int) -> dict[str, float]:
     """Microseconds a request for each body, in this process's tree (the best of five)."""
+    from app.api.responses_request import parse_responses_request
     from app.api.schemas import parse_request
     from app.config import Limits
     from app.driver.request import CHAT, COMPLETIONS
 
     limits = Limits()
-    endpoints = {"chat": CHAT, "completions": COMPLETIONS}
+    endpoints = {"chat": CHAT, "completions": COMPLETIONS, "responses": "responses"}
     figures = {}
     for name, (endpoint, body) in BODIES.items():
-        parse_request(endpoints[endpoint], body, limits)  # it is valid in every tree compared
 
         def parse(endpoint: str = endpoints[endpoint], body: dict[str, Any] = body) -> None:
-            parse_request(endpoint, body, limits)
+            if endpoint == "responses":
+                parse_responses_request(body, limits)
+            else:
+                parse_request(endpoint, body, limits)
+
+        parse()  # it is valid in every tree compared
 
         figures[name] = min(timeit.repeat(parse, number=number, repeat=5)) / number * 1e6
     return figures

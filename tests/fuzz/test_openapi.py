@@ -60,7 +60,7 @@ def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
     assert sorted(document["paths"]) == sorted(FAMILIES)
     responses = document["components"]["schemas"]["CreateResponseRequest"]
     assert responses["properties"]["model"]["enum"] == [MODEL]
-    assert responses["properties"]["conversation"] == {"type": "null"}  # not served: refused unless null
+    assert responses["properties"]["conversation"]["type"] == "null"  # not served: refused unless null
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])

@@ -158,7 +158,12 @@ def test_a_function_tool_is_called_and_its_output_taken_back(gateway: RunningGat
         ({"store": "no"}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": [{"role": "user", "content": [{"type": "video"}]}]}, "input[0].content[0]"),
+        (
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+            "tool_choice.name",
+        ),
         ({"input": [{"type": "computer_call"}]}, "input[0].type"),
         ({"colour": "blue"}, "colour"),
         ({"conversation": "conv_1"}, "conversation"),
