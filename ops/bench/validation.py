@@ -9,8 +9,9 @@ first on its ``sys.path``), on the bodies below, already decoded from JSON as th
 gives them: a minimal chat request, an agent's turn (a system prompt, a tool call and its
 result, two tools, sampling fields and vLLM extras), a structured-output request and a
 completions request, and a Responses API request (an agent's turn again; it is checked,
-then made the chat request it asks for, which is checked too). The trees run in turn, ``--rounds`` times, so that each sees the
-machine as it was; the best of each tree's rounds is printed, in microseconds a request.
+then made the chat request it asks for, which is checked too). The trees run in turn,
+``--rounds`` times, so that each sees the machine as it was; the best of each tree's
+rounds is printed, in microseconds a request.
 """
 
 from __future__ import annotations
