@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from app.store.database import asyncpg_dsn
-from app.store.embedded import DEFAULT_DATA_DIR, EmbeddedPostgres, EmbeddedPostgresError
+from app.store.embedded import DEFAULT_DATA_DIR, SERVER_DEFAULTS, EmbeddedPostgres, EmbeddedPostgresError
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLDER = """
@@ -64,6 +64,17 @@ def answers(url: str) -> bool:
     return asyncio.run(ask())
 
 
+def setting(url: str, name: str) -> str:
+    async def show() -> str:
+        connection = await asyncpg.connect(asyncpg_dsn(url))
+        try:
+            return str(await connection.fetchval(f"SHOW {name}"))
+        finally:
+            await connection.close()
+
+    return asyncio.run(show())
+
+
 def holder(data_dir: Path, mode: str = "plain") -> subprocess.Popen[str]:
     process = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(data_dir), mode], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -89,6 +100,7 @@ def test_start_stop_and_restart(server: EmbeddedPostgres) -> None:
     url = server.start()
     assert url == f"postgresql+asyncpg://postgres@/postgres?host={server.socket_dir}"
     assert answers(url) and server.is_running() and server.owns_server
+    assert setting(url, "max_locks_per_transaction") == SERVER_DEFAULTS["max_locks_per_transaction"]
     assert server.last_start_seconds is not None and server.last_start_seconds < 30
     first = postmaster(server)
     server.restart()
