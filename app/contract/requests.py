@@ -45,6 +45,14 @@ Metadata = Annotated[
         wrong_type_too=True,
     ),
 ]
+TopLogprobs = Annotated[
+    int, Field(ge=0, le=MAX_TOP_LOGPROBS), says(f"must be an integer from 0 to {MAX_TOP_LOGPROBS}", wrong_type_too=True)
+]
+CompletionLogprobs = Annotated[
+    int,
+    Field(ge=0, le=MAX_COMPLETION_LOGPROBS),
+    says(f"must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}", wrong_type_too=True),
+]
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 PROMPT_FORMS = "a non-empty string, an array of them, an array of token ids, or an array of those"
@@ -122,14 +130,7 @@ class _Request(SamplingExtras):
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool | None = None
-    top_logprobs: (
-        Annotated[
-            int,
-            Field(ge=0, le=MAX_TOP_LOGPROBS),
-            says(f"must be an integer from 0 to {MAX_TOP_LOGPROBS}", wrong_type_too=True),
-        ]
-        | None
-    ) = None
+    top_logprobs: TopLogprobs | None = None
     max_completion_tokens: int | None = None  # bounded by request_models
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
@@ -157,14 +158,7 @@ class CompletionRequest(_Request):
     # instead of a prompt: base64 tensors, passed on (a replica may refuse them)
     prompt_embeds: NonEmpty | Annotated[list[str], Field(min_length=1)] | None = None
     suffix: str | None = None
-    logprobs: (
-        Annotated[
-            int,
-            Field(ge=0, le=MAX_COMPLETION_LOGPROBS),
-            says(f"must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}", wrong_type_too=True),
-        ]
-        | None
-    ) = None
+    logprobs: CompletionLogprobs | None = None
     response_format: Any = None  # vLLM declares it; phasegate passes it on unread
 
 

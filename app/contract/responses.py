@@ -29,8 +29,7 @@ from pydantic import (
 )
 
 from app.contract.declared import TAG, BadInput, Declared, NotServed, says, tagged
-from app.contract.logprobs import MAX_TOP_LOGPROBS
-from app.contract.requests import request_models
+from app.contract.requests import TopLogprobs, request_models
 
 ROLES = ("assistant", "developer", "system", "user")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -264,14 +263,7 @@ class ResponsesRequest(Declared):
     tool_choice: ToolChoice | None = None
     text: Text | None = None
     max_output_tokens: int | None = None  # bounded by responses_model, as the chat's max_tokens
-    top_logprobs: (
-        Annotated[
-            int,
-            Field(ge=0, le=MAX_TOP_LOGPROBS),
-            says(f"must be an integer from 0 to {MAX_TOP_LOGPROBS}", wrong_type_too=True),
-        ]
-        | None
-    ) = None
+    top_logprobs: TopLogprobs | None = None
     include: (
         list[Annotated[Literal[INCLUDE_SERVED], says("is not served by phasegate", not_served=True)]]  # type: ignore[valid-type]
         | None
