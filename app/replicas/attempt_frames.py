@@ -146,7 +146,11 @@ class AttemptFrames:
                         raise ValueError(problem)
                 elif key != CONTENT and key not in REASONING_FIELDS:
                     raise ValueError(f"a token frame's text under {key!r}")
-                return Token(obj["choice"], obj["index"], obj["text"], obj["token_ids"], logprobs, key)
+                ids = obj["token_ids"]
+                if type(ids) is not list:
+                    raise ValueError(f"token ids that are not a list: {ids!r}")
+                # a frame names its tokens: one whose text a parser split off another's names none
+                return Token(obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids))
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
@@ -191,4 +195,4 @@ def _plain_token(line: bytes) -> Token | None:
     choice, index, text, token_ids = obj.get("choice"), obj.get("index"), obj.get("text"), obj.get("token_ids")
     if type(choice) is not int or type(index) is not int or type(text) is not str or type(token_ids) is not list:
         return None
-    return Token(choice, index, text, token_ids, None)
+    return Token(choice, index, text, token_ids, None, tokens=len(token_ids))

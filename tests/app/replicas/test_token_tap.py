@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
+from app.driver.loop import delta_of
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import Done, Frame, Token
 from app.replicas.openai_stream import OpenAIStream, _Template
@@ -267,3 +268,22 @@ async def test_a_workers_token_frames_declined_are_returned_in_order() -> None:
         await asyncio.wait_for(reading.task, 5)
     assert reading.offered == [["b"], ["c"]]
     assert reading.yielded_texts() == ["a", "b", "d"] and [t.text for t in reading.taken] == ["c"]
+
+
+async def test_a_workers_token_frame_counts_the_token_ids_it_names_none_when_a_parser_split_it_off() -> None:
+    """One engine output a reasoning parser split in two is two frames, the token ids in the
+    first (docs/worker-protocol.md): the second is no token of its own, whether it is read
+    by the frames or taken as it arrives."""
+    server = Stepped()
+    async with server as connections:
+        frames = await worker_frames(server, connections)
+        reading = Reading(frames, accept=[True, False])
+        split = frame(type="token", choice=0, index=1, text="</th", token_ids=[7, 8], key="reasoning")
+        await send(server, chunk(split + frame(type="token", choice=0, index=2, text="ink>Hi", token_ids=[])))
+        await send(server, chunk(frame(type="token", choice=0, index=3, text=" you", token_ids=[])))
+        await send(server, chunk(frame(type="token", choice=0, index=4, text="!", token_ids=[9, 10, 11])))
+        await send(server, WORKER_END)
+        await asyncio.wait_for(reading.task, 5)
+    tokens = [token for token in [*reading.yielded, *reading.taken] if isinstance(token, Token)]
+    by_text = {token.text: delta_of(token).tokens for token in tokens}
+    assert by_text == {"a": 1, "</th": 2, "ink>Hi": 0, " you": 0, "!": 3}
