@@ -127,12 +127,14 @@ class VllmEngine:
         return Prepared(
             spec=spec,
             prompt_tokens=len(read.prompt_token_ids),
-            payload=(read.engine_input, params, parsing, engine_kwargs, top),
+            payload=(read.engine_input, params, parsing, engine_kwargs, top, read.echo),
             usage_details=parsing.usage_details if parsing is not None else None,
         )
 
     async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
-        engine_input, params, parsing, engine_kwargs, top = prepared.payload
+        engine_input, params, parsing, engine_kwargs, top, echo = prepared.payload
+        for choice in range(prepared.spec.sampling.n) if echo else ():
+            yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected

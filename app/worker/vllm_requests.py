@@ -33,20 +33,25 @@ from app.worker.protocol import AttemptSpec, Code, Refusal
 # fields vLLM takes whose effect is in the answer's shape, which a worker's frames do not
 # carry: refused by name rather than dropped (docs/compatibility.md)
 NOT_SERVED: dict[str, str] = {
-    "echo": "the worker's frames carry the generated text only, not the prompt echoed before it",
     "use_beam_search": "the worker runs vLLM's sampling engine, not its beam search",
     "return_tokens_as_token_ids": "the worker's log probabilities name tokens by their text",
 }
 
 
+# a completion's echo is its prompt, with the prompt's own log probabilities and token ids
+COMPLETION_ECHO = "a completion's echo (its prompt, with their log probabilities) is not in the worker's frames"
+
+
 @dataclass(slots=True)
 class VllmRequest:
     """What vLLM's server makes of one attempt's request: its request model (adjusted by
-    the parsers, for chat), the engine's input and the prompt's token ids."""
+    the parsers, for chat), the engine's input and the prompt's token ids, and the text
+    it sends before the answer (a chat request's ``echo``)."""
 
     request: Any
     engine_input: Any
     prompt_token_ids: list[int]
+    echo: str = ""
 
 
 class VllmRequests:
@@ -73,6 +78,8 @@ class VllmRequests:
         for name in NOT_SERVED:
             if fields.get(name):
                 raise Refusal(400, Code.UNSUPPORTED_FIELD, f"{name}: {NOT_SERVED[name]}", field=name)
+        if spec.messages is None and fields.get("echo"):
+            raise Refusal(400, Code.UNSUPPORTED_FIELD, f"echo: {COMPLETION_ECHO}", field="echo")
         try:
             if spec.messages is not None:
                 return self._chat(spec, fields, adjust)
@@ -101,8 +108,8 @@ class VllmRequests:
         except Exception as exc:
             raise vllm_refusal(exc) from None
 
-    def render_chat(self, request: Any) -> Any:
-        """The engine's input for a chat request of vLLM's (an attempt's, or ``/tokenize``'s),
+    def render_chat(self, request: Any) -> tuple[list[dict[str, Any]], Any]:
+        """The conversation and the engine's input of a chat request of vLLM's (an attempt's, or ``/tokenize``'s),
         as vLLM's ``OnlineRenderer.preprocess_chat`` renders it: the chat template (the
         worker's ``--chat-template``, else the tokenizer's) with the request's tools and
         arguments, tokenized with the request's limits."""
@@ -111,8 +118,8 @@ class VllmRequests:
             {"tools": tools, "tokenize": False}
         )
         tok_params = request.build_tok_params(self._model_config)
-        (_conversation,), (engine_input,) = self._renderer.render_chat([request.messages], chat_params, tok_params)
-        return engine_input
+        (conversation,), (engine_input,) = self._renderer.render_chat([request.messages], chat_params, tok_params)
+        return conversation, engine_input
 
     def render_prompt(self, request: Any, prompt: str | list[int]) -> Any:
         """The engine's input for a completion's prompt (text or token ids) of a request of vLLM's."""
@@ -130,10 +137,10 @@ class VllmRequests:
         request = ChatCompletionRequest.model_validate(
             {**fields, "model": spec.model, "messages": list(spec.messages or ()), "stream": True}
         )
-        engine_input = self.render_chat(request)
+        conversation, engine_input = self.render_chat(request)
         if adjust is not None:
             request = adjust(request)
-        return VllmRequest(request, engine_input, token_ids(engine_input))
+        return VllmRequest(request, engine_input, token_ids(engine_input), echoed(request, conversation))
 
     def _completion(self, spec: AttemptSpec, fields: dict[str, Any]) -> VllmRequest:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # type: ignore[import-not-found, unused-ignore]
@@ -166,3 +173,17 @@ def vllm_refusal(exc: Exception) -> Refusal:
     if status >= 500:  # not the request's fault: the worker's own internal error
         raise exc
     return Refusal(status, Code(code_for(status, error.message)), error.message, field=error.param)
+
+
+def echoed(request: Any, conversation: list[dict[str, Any]]) -> str:
+    """What vLLM's server sends before a chat answer when asked to ``echo``: the last
+    message's content, when that message is in the answer's role (the assistant's, or,
+    without a generation prompt, the last message's own: a continued message)."""
+    if not request.echo or not conversation:
+        return ""
+    role = "assistant" if request.add_generation_prompt else request.messages[-1]["role"]
+    last = conversation[-1]
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)

@@ -28,7 +28,7 @@ def tokenize(requests: VllmRequests, tokenizer: Any, max_model_len: int, body: d
     try:
         if "messages" in body:
             request = TokenizeChatRequest.model_validate(body)
-            engine_input = requests.render_chat(request)
+            _, engine_input = requests.render_chat(request)
         else:
             request = TokenizeCompletionRequest.model_validate(body)
             engine_input = requests.render_prompt(request, request.prompt)

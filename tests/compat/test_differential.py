@@ -133,7 +133,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
         ]
     ),
-    "echo": chat(echo=True),
+    "echo": chat(echo=True),  # the last message is the user's: nothing to echo
+    "echo of a continued message": chat(
+        messages=[*HI, {"role": "assistant", "content": "Hello"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+        echo=True,
+        n=2,
+    ),
     "prompt_logprobs": chat(prompt_logprobs=1),
     "return_token_ids": chat(return_token_ids=True),
     # completions
@@ -195,7 +202,6 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 _NOT_IN_FRAMES = "refused by name (400 unsupported_parameter): the worker's frames do not carry its effect"
 _ONE_PROMPT = "the worker serves one prompt a request: a batch is refused (400 unsupported_parameter)"
 WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
-    ("echo", "both"): _NOT_IN_FRAMES,
     ("completions echo", "both"): _NOT_IN_FRAMES,
     ("use_beam_search, length_penalty", "both"): _NOT_IN_FRAMES,
     ("completions: a batch of prompts", "both"): _ONE_PROMPT,

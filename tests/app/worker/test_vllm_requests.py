@@ -44,16 +44,17 @@ hi = [{"role": "user", "content": "hi"}]
 
 def tokens(requests, body):
     if "messages" in body:
-        return token_ids(requests.render_chat(TokenizeChatRequest.model_validate(body)))
+        return token_ids(requests.render_chat(TokenizeChatRequest.model_validate(body))[1])
     request = TokenizeCompletionRequest.model_validate(body)
     return token_ids(requests.render_prompt(request, request.prompt))
 
 
-def attempt(requests, messages, **fields):
-    spec = AttemptSpec("r", 1, 1, 5.0, "m", tuple(messages), None, Sampling(), 0.25, fields=fields)
+def attempt(requests, messages, prompt=None, **fields):
+    spec = AttemptSpec("r", 1, 1, 5.0, "m", messages and tuple(messages), prompt, Sampling(), 0.25, fields=fields)
     try:
         read = requests.read(spec)
-        return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": requests.sampling_params(read).max_tokens}
+        return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": requests.sampling_params(read).max_tokens,
+                "echo": read.echo}
     except Refusal as refusal:
         return {"status": refusal.status, "code": refusal.code.value, "message": refusal.message,
                 "field": refusal.field}
@@ -67,6 +68,11 @@ print(json.dumps({
     "attempt, default": attempt(default, hi),
     "max_tokens over the context": attempt(default, hi, max_tokens=100_000),
     "echo": attempt(default, hi, echo=True),
+    "echo, continued": attempt(default, [*hi, {"role": "assistant", "content": "Hel"}], echo=True,
+                               add_generation_prompt=False, continue_final_message=True),
+    "echo, not asked": attempt(default, [*hi, {"role": "assistant", "content": "Hel"}],
+                               add_generation_prompt=False, continue_final_message=True),
+    "completions echo": attempt(default, None, "hi", echo=True),
 }))
 """
 
@@ -106,5 +112,14 @@ def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, A
         "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
         " (parameter=max_tokens, value=100000)"
     )
-    echo = found["echo"]
+    echo = found["completions echo"]
     assert (echo["status"], echo["code"], echo["field"]) == (400, "unsupported_parameter", "echo")
+
+
+def test_a_chat_echo_is_the_last_message_when_it_is_the_answers_role(found: dict[str, Any]) -> None:
+    """As vLLM's server echoes: the continued assistant message, and nothing after a user's."""
+    assert (found["echo, continued"]["echo"], found["echo"]["echo"], found["echo, not asked"]["echo"]) == (
+        "Hel",
+        "",
+        "",
+    )
