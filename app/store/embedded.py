@@ -44,13 +44,10 @@ from typing import Any
 logger = logging.getLogger("phasegate.store.embedded")
 
 DATA_DIR_ENV = "PHASEGATE_DATA_DIR"
-# The server's settings beside PostgreSQL's own defaults (a caller's ``settings`` win):
-# every statement of the projection trigger locks each day's partition of the read
-# models it could touch, and a transaction's locks past its fast-path slots go through
-# the shared lock table. Since PostgreSQL 18 the slots follow this setting: 1,024 holds a
-# year of days, and takes a third of what a year adds to an append back (the commit
-# point +147 -> +98 us at 367 days; ops/bench/days_kept.py, docs/scaling.md), for ~50 MB
-# more shared memory. Larger values gave no more.
+# Beside PostgreSQL's defaults (a caller's ``settings`` win): the projection trigger locks
+# every day's partition it could touch, and since PostgreSQL 18 a transaction's fast-path
+# lock slots follow this setting; 1,024 holds a year of days and takes a third of what a
+# year adds to an append back, for ~50 MB of shared memory (docs/scaling.md).
 SERVER_DEFAULTS = {"max_locks_per_transaction": "1024"}
 DEFAULT_DATA_DIR = Path("/var/lib/phasegate")  # as root
 
