@@ -139,6 +139,8 @@ _REFUSALS = {
     "404": "an unknown model",
     "413": "the body is over max_body_bytes",
     "415": "a body not sent as application/json",
+    "409": "an Idempotency-Key's earlier request replayed from a log that keeps no text of it"
+    " (resume_unavailable: content_policy digest or none, or a response with store: false)",
     "422": "an Idempotency-Key already used with another body",
     "429": "the tenant is over one of its limits (Retry-After)",
     "502": "every attempt failed before any output",

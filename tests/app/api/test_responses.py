@@ -264,6 +264,23 @@ def test_reasoning_is_its_own_output_item_before_the_message(
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
 
 
+def test_a_keyed_retry_of_an_unstored_response_is_409_as_the_description_says(gateway: RunningGateway) -> None:
+    """``store: false`` leaves the log no text to replay: the same POST under the same
+    Idempotency-Key is 409 ``resume_unavailable`` (not a second generation), a status
+    /openapi.json lists for the route (schemathesis found it undocumented, ci40)."""
+    body = {"model": MODEL, "input": "forget me", "store": False, "max_output_tokens": 4}
+    key = {"idempotency-key": "unstored-1"}
+    with gateway.http() as http:
+        first = http.post("/v1/responses", json=body, headers=key)
+        again = http.post("/v1/responses", json=body, headers=key)
+        described = http.get("/openapi.json").json()["paths"]["/v1/responses"]["post"]["responses"]
+    assert first.status_code == 200 and first.json()["status"] in ("completed", "incomplete")  # 4 tokens
+    assert again.status_code == 409 and again.json()["error"]["code"] == "resume_unavailable"
+    assert "409" in described
+    events = gateway.events("req_" + first.json()["id"].removeprefix("resp_"))
+    assert len(of(events, ev.AttemptStarted)) == 1 and fold(events).outcome is Outcome.COMPLETED  # once
+
+
 def test_the_openapi_stream_route_of_a_response_is_refused_not_shaped_as_chat(gateway: RunningGateway) -> None:
     response = gateway.openai().responses.create(model=MODEL, input="keep me", max_output_tokens=4)
     with gateway.http() as http:
