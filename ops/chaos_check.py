@@ -11,6 +11,7 @@ The table it prints:
                   openai client retries these); each is checked against the log below
     gateway lost  its gateway was killed under it: the log ends it gateway_lost, at
                   most two delivery batches behind what the client received, never ahead
+                  (or, killed after it recorded the end it was about to send, as it says)
     violations    requests breaking a rule of statemachine.invariants, or left open (must be 0)
     events lost   a client and its log disagree: the text, the outcome, or the final error's
                   code, partial_output and delivered tokens; or output the log delivered to
@@ -125,9 +126,10 @@ def _disagreement(transcript: Transcript, events: list[ev.Event], batch_deltas: 
     got = "".join(transcript.contents)
     if transcript.cut:  # the gateway died: the log may lag two batches, never lead
         behind = len(transcript.contents) - state.delivered_deltas
-        # ... or it died between recording the completion (durable, before the last bytes)
-        # and sending the finish: every delta was logged, the log says completed
-        ended = state.error_code == "gateway_lost" or (state.outcome is Outcome.COMPLETED and behind == 0)
+        # ... or it died between recording the request's end (durable, before the last
+        # bytes: the completion, or a failure such as a worker that died under it) and
+        # sending the finish or the final error: every delta was logged, the log ends it
+        ended = state.error_code == "gateway_lost" or (state.outcome is not None and behind == 0)
         if not ended or not got.startswith(logged) or not 0 <= behind <= 2 * batch_deltas:
             return f"cut after {got!r}; the log says {logged!r} ({state.error_code}, {behind} deltas behind)"
         return None
