@@ -24,13 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.api.responses_input import chat_messages
-from app.api.schemas import parse_request
+from app.api.schemas import as_refusal, parse_request
 from app.config import Limits
-from app.contract.declared import BadInput, NotServed, problem
+from app.contract.declared import BadInput, checked
 from app.contract.responses import NOT_SERVED, PASSED_AS_IS, ResponsesRequest, responses_model
 from app.driver.request import CHAT, GenerationRequest, ResponsesCall
 
@@ -130,13 +128,9 @@ def chat_body_of(
         if name not in PASSED_AS_IS and name not in TRANSLATED and name not in NOT_SERVED:
             raise InvalidRequest(f"unknown field '{name}' for /v1/responses", param=name, code="unknown_field")
     limits = limits or Limits()
-    try:
-        declared = responses_model(limits.max_tokens, limits.max_n).model_validate(body)
+    with as_refusal():
+        declared = checked(responses_model(limits.max_tokens, limits.max_n).model_validate, body)
         _rules(declared)
-    except ValidationError as error:
-        raise _refusal(problem(error)) from None
-    except BadInput as bad:
-        raise _refusal(bad) from None
     chat: dict[str, Any] = {name: body[name] for name in PASSED_AS_IS if body.get(name) is not None}
     chat["messages"] = chat_messages(declared.instructions, body["input"], earlier)
     tools = tuple(body.get("tools") or ())
@@ -187,11 +181,6 @@ def _rules(declared: ResponsesRequest) -> None:
         raise BadInput("store", "cannot be false for a background response: it must be stored")
     if declared.stream_options is not None and getattr(declared, "stream", None) is not True:
         raise BadInput("stream_options", "is only allowed when 'stream' is true")
-
-
-def _refusal(bad: BadInput) -> InvalidRequest:
-    kind = UnsupportedParameter if isinstance(bad, NotServed) else InvalidRequest
-    return kind(str(bad), param=bad.param)
 
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -17,11 +17,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
-from app.contract.declared import BadInput, problem
+from app.contract.declared import BadInput, NotServed, checked
 from app.contract.engine_inputs import choice_among
 from app.contract.logprobs import requested_logprobs
 from app.contract.request_fields import OWN, WHOLE_ONLY
@@ -45,11 +43,8 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
             raise UnsupportedParameter(f"'{name}' is not served through phasegate: {WHOLE_ONLY[name]}", param=name)
     chat = endpoint == CHAT
     chat_model, completion_model = request_models(limits.max_tokens, limits.max_n)
-    with _as_refusal():
-        try:
-            declared = (chat_model if chat else completion_model).model_validate(body)
-        except ValidationError as error:
-            raise problem(error) from None
+    with as_refusal():
+        declared = checked((chat_model if chat else completion_model).model_validate, body)
         stream = bool(declared.stream)
         if declared.stream_options is not None and not stream:
             raise BadInput("stream_options", "is only allowed when 'stream' is true")
@@ -97,12 +92,14 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
 
 
 @contextlib.contextmanager
-def _as_refusal() -> Iterator[None]:
-    """A problem with the request (app/contract/declared.py), as the client's 400 naming the param."""
+def as_refusal() -> Iterator[None]:
+    """A problem with the request (app/contract/declared.py), as the client's 400 naming
+    the param: ``unsupported_parameter`` for a value phasegate does not serve."""
     try:
         yield
     except BadInput as bad:
-        raise InvalidRequest(str(bad), param=bad.param) from None
+        kind = UnsupportedParameter if isinstance(bad, NotServed) else InvalidRequest
+        raise kind(str(bad), param=bad.param) from None
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -17,13 +17,14 @@ value's constraint its own words.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
 # a tag of one branch of a union (pydantic puts it in an error's path): left out of the path
 TAG = "~"
+T = TypeVar("T")
 SAID = "phasegate"  # the error type of a constraint said in its own words
 NOT_SERVED = "phasegate_not_served"  # … of a value phasegate does not serve (NotServed)
 
@@ -84,6 +85,36 @@ def tagged(kind: Callable[[Any], str | None], refusal: str) -> Discriminator:
     return Discriminator(kind, custom_error_type=SAID, custom_error_message=refusal)
 
 
+def by_json_type(*types: type) -> Callable[[Any], str | None]:
+    """Tags a value by its JSON type among ``types`` (``~str``, ``~list``, ``~dict``); ``None`` otherwise."""
+
+    def kind(value: Any) -> str | None:
+        return TAG + type(value).__name__ if isinstance(value, types) else None
+
+    return kind
+
+
+def by_type(kinds: dict[str, str], default: str | None = None, other: str = "other") -> Callable[[Any], str | None]:
+    """Tags an object by its ``type`` field (``default`` when it has none; a type not in
+    ``kinds``: ``other``); ``None`` for a value that is not an object."""
+
+    def kind(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return None
+        return TAG + kinds.get(str(value.get("type", default)), other)
+
+    return kind
+
+
+def checked(validate: Callable[[Any], T], value: Any, param: str = "") -> T:
+    """``validate(value)`` (a model's or an adapter's), its first problem raised as a
+    :class:`BadInput` named by its path under ``param``."""
+    try:
+        return validate(value)
+    except ValidationError as error:
+        raise problem(error, param) from None
+
+
 def problem(error: ValidationError, prefix: str = "") -> BadInput:
     """The first problem of ``error``, named by its path in the request (``prefix``: the path
     of what was validated, as ``messages[0]``)."""
@@ -123,7 +154,5 @@ def _why(first: Any) -> str:
         return "is not allowed"
     if kind == "none_required":
         return "must be null"
-    if kind == SAID:
-        return str(first["msg"])
-    message = str(first["msg"])
+    message = str(first["msg"])  # said in words (SAID, NOT_SERVED), or pydantic's own
     return "must " + message.removeprefix("Input should ") if message.startswith("Input should ") else message

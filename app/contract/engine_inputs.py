@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, Field, Tag, TypeAdapter, model_validator
 
-from app.contract.declared import TAG, BadInput, Declared, problem, says, tagged
+from app.contract.declared import TAG, BadInput, Declared, by_json_type, by_type, checked, says, tagged
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -115,19 +115,13 @@ class NamedToolChoice(Declared):
     function: ChosenFunction
 
 
-def _choice_kind(value: Any) -> str | None:
-    if isinstance(value, str):
-        return TAG + "mode"
-    return TAG + "named" if isinstance(value, dict) else None
-
-
 ToolChoice = Annotated[
     Annotated[
         Annotated[Literal[TOOL_CHOICES], says("must be none, auto, required or a named function")],  # type: ignore[valid-type]
-        Tag(TAG + "mode"),
+        Tag(TAG + "str"),
     ]
-    | Annotated[NamedToolChoice, Tag(TAG + "named")],
-    tagged(_choice_kind, "must be none, auto, required or a named function"),
+    | Annotated[NamedToolChoice, Tag(TAG + "dict")],
+    tagged(by_json_type(str, dict), "must be none, auto, required or a named function"),
 ]
 
 
@@ -148,15 +142,9 @@ class JsonSchemaFormat(Declared):
     json_schema: JsonSchema
 
 
-def _format_kind(value: Any) -> str | None:
-    if not isinstance(value, dict):
-        return None
-    return TAG + ("schema" if value.get("type") == "json_schema" else "plain")
-
-
 ResponseFormat = Annotated[
     Annotated[PlainFormat, Tag(TAG + "plain")] | Annotated[JsonSchemaFormat, Tag(TAG + "schema")],
-    tagged(_format_kind, "must be an object"),
+    tagged(by_type({"json_schema": "schema"}, other="plain"), "must be an object"),
 ]
 
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
@@ -165,21 +153,14 @@ _TOOL_CHOICE: TypeAdapter[Any] = TypeAdapter(ToolChoice)
 _RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(ResponseFormat)
 
 
-def _checked(adapter: TypeAdapter[Any], value: Any, param: str) -> Any:
-    try:
-        return adapter.validate_python(value)
-    except ValidationError as error:
-        raise problem(error, param) from None
-
-
 def check_message(message: Any, param: str) -> None:
     """One chat message (``param`` is its path, e.g. ``messages[0]``)."""
-    _checked(_MESSAGE, message, param)
+    checked(_MESSAGE.validate_python, message, param)
 
 
 def check_tools(value: Any, param: str = "tools") -> tuple[dict[str, Any], ...]:
     """``[{"type": "function", "function": {"name", "description"?, "parameters"?}}, …]``."""
-    _checked(_TOOLS, value, param)
+    checked(_TOOLS.validate_python, value, param)
     return tuple(value)
 
 
@@ -188,7 +169,7 @@ def check_tool_choice(
 ) -> str | dict[str, Any]:
     """``none``, ``auto``, ``required`` (with tools) or ``{"type": "function", "function": {"name"}}``
     naming one of ``tools`` (already checked)."""
-    _checked(_TOOL_CHOICE, value, param)
+    checked(_TOOL_CHOICE.validate_python, value, param)
     choice_among(value, [tool["function"]["name"] for tool in tools], param)
     return value  # type: ignore[no-any-return]
 
@@ -203,5 +184,5 @@ def choice_among(choice: Any, names: list[str], param: str = "tool_choice") -> N
 
 def check_response_format(value: Any, param: str = "response_format") -> dict[str, Any]:
     """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {…}}}``."""
-    _checked(_RESPONSE_FORMAT, value, param)
+    checked(_RESPONSE_FORMAT.validate_python, value, param)
     return value  # type: ignore[no-any-return]

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.contract.declared import TAG, BadInput, Declared, NotServed, says, tagged
+from app.contract.declared import TAG, BadInput, Declared, NotServed, by_json_type, by_type, says, tagged
 from app.contract.requests import TopLogprobs, request_models
 
 ROLES = ("assistant", "developer", "system", "user")
@@ -64,26 +64,6 @@ NOT_SERVED = {
 }
 
 
-def _by_type(kinds: dict[str, str], default: str | None = None, other: str = "other") -> Any:
-    """A discriminator that tags an object by its ``type`` (``default`` when it has none;
-    a type not in ``kinds``: ``other``)."""
-
-    def kind(value: Any) -> str | None:
-        if not isinstance(value, dict):
-            return None
-        return TAG + kinds.get(str(value.get("type", default)), other)
-
-    return kind
-
-
-def _of_json_type(value: Any) -> str | None:
-    return TAG + type(value).__name__ if isinstance(value, str | list) else None
-
-
-def _str_or_object(value: Any) -> str | None:
-    return TAG + type(value).__name__ if isinstance(value, str | dict) else None
-
-
 class InputText(Declared):
     type: Literal["input_text", "output_text"]
     text: str
@@ -108,7 +88,7 @@ Part = Annotated[
     Annotated[InputText, Tag(TAG + "text")]
     | Annotated[InputImage, Tag(TAG + "image")]
     | Annotated[OtherPart, Tag(TAG + "other")],
-    tagged(_by_type({"input_text": "text", "output_text": "text", "input_image": "image"}), _PART),
+    tagged(by_type({"input_text": "text", "output_text": "text", "input_image": "image"}), _PART),
 ]
 
 
@@ -117,7 +97,7 @@ class MessageItem(Declared):
     role: Annotated[Literal[ROLES], says(f"must be one of {', '.join(ROLES)}", wrong_type_too=True)]  # type: ignore[valid-type]
     content: Annotated[
         Annotated[str, Tag(TAG + "str")] | Annotated[list[Part], Tag(TAG + "list")],
-        tagged(_of_json_type, "must be a string or a list of parts"),
+        tagged(by_json_type(str, list), "must be a string or a list of parts"),
     ]
 
 
@@ -164,7 +144,7 @@ Item = Annotated[
     | Annotated[FunctionCallOutputItem, Tag(TAG + "function_call_output")]
     | Annotated[ReasoningItem, Tag(TAG + "reasoning")]
     | Annotated[OtherItem, Tag(TAG + "other")],
-    tagged(_by_type({kind: kind for kind in ITEMS}, "message"), "must be an object"),
+    tagged(by_type({kind: kind for kind in ITEMS}, "message"), "must be an object"),
 ]
 _INPUT = "must be a string or a non-empty list of input items"
 
@@ -178,7 +158,7 @@ def _not_empty(items: list[Any]) -> list[Any]:
 Input = Annotated[
     Annotated[str, Tag(TAG + "str")]
     | Annotated[list[Item], Field(json_schema_extra={"minItems": 1}), AfterValidator(_not_empty), Tag(TAG + "list")],
-    tagged(_of_json_type, _INPUT),
+    tagged(by_json_type(str, list), _INPUT),
 ]
 
 
@@ -205,7 +185,7 @@ class NamedFunction(Declared):
 
 ToolChoice = Annotated[
     Annotated[Literal["auto", "none", "required"], Tag(TAG + "str")] | Annotated[NamedFunction, Tag(TAG + "dict")],
-    tagged(_str_or_object, "must be 'auto', 'none', 'required' or {'type': 'function', 'name': …}"),
+    tagged(by_json_type(str, dict), "must be 'auto', 'none', 'required' or {'type': 'function', 'name': …}"),
 ]
 
 
@@ -225,7 +205,7 @@ class JsonSchemaTextFormat(Declared):
 
 TextFormat = Annotated[
     Annotated[PlainTextFormat, Tag(TAG + "plain")] | Annotated[JsonSchemaTextFormat, Tag(TAG + "json_schema")],
-    tagged(_by_type({"json_schema": "json_schema"}, other="plain"), "must be an object"),
+    tagged(by_type({"json_schema": "json_schema"}, other="plain"), "must be an object"),
 ]
 
 

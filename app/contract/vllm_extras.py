@@ -24,9 +24,9 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, model_validator
 
-from app.contract.declared import BadInput, Declared, problem, says
+from app.contract.declared import BadInput, Declared, checked, says
 
 SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens")
 LEGACY_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -155,16 +155,10 @@ _STRUCTURED: TypeAdapter[StructuredOutputs] = TypeAdapter(StructuredOutputs)
 
 def check_sampling_extras(params: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
     """The extras present in ``params`` (a worker's sampling parameters), checked."""
-    try:
-        return _EXTRAS.validate_python({name: params.get(name) for name in SAMPLING_EXTRAS}).extras(max_tokens)
-    except ValidationError as error:
-        raise problem(error) from None
+    return checked(_EXTRAS.validate_python, {name: params.get(name) for name in SAMPLING_EXTRAS}).extras(max_tokens)
 
 
 def check_structured_outputs(value: Any, param: str = "structured_outputs") -> dict[str, Any]:
     """``{"json" | "regex" | "choice" | "grammar" | "json_object": …, "disable_any_whitespace"?: bool}``."""
-    try:
-        _STRUCTURED.validate_python(value)
-    except ValidationError as error:
-        raise problem(error, param) from None
+    checked(_STRUCTURED.validate_python, value, param)
     return {name: given for name, given in value.items() if given is not None}
