@@ -12,8 +12,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from statemachine.actions import Action, FailRequest, FenceAttempt
+from statemachine.deltas import CONTENT
 from statemachine.events import (
-    CONTENT,
     AttemptFenced,
     AttemptReleased,
     AttemptStarted,

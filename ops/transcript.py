@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.sse import ChoiceAnswer
-from statemachine.events import TOOL_CALLS
+from statemachine.deltas import TOOL_CALLS
 
 
 @dataclass

@@ -8,7 +8,8 @@ per-delta shapes add up to its indexes, tokens and text.
 
 from __future__ import annotations
 
-from statemachine.events import CONTENT, NO_TEXT, TOOL_CALLS, DeltasDelivered, DeltasProduced
+from statemachine.deltas import CONTENT, NO_TEXT, TOOL_CALLS
+from statemachine.events import DeltasDelivered, DeltasProduced
 
 
 def delta_keys(event: DeltasDelivered | DeltasProduced) -> tuple[str, ...]:

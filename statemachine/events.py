@@ -16,21 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-# A token's log probability and the likeliest tokens at its place:
-# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order.
-TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
-DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
-
-
-# The field of a client's delta that carries a delta's text (DESIGN.md §14): its content;
-# reasoning, under the name the replica gave it (vLLM 0.32 says "reasoning", earlier ones
-# "reasoning_content"); a choice's tool calls (their JSON, no tokens). Any other field a
-# replica streams as text is passed through under its own name.
-CONTENT = "content"
-TOOL_CALLS = "tool_calls"
-NO_TEXT = ""  # a token whose chat delta carries no text field (``delta: {}``), only its logprobs
-REASONING_FIELDS = frozenset({"reasoning", "reasoning_content"})
-
+from statemachine.deltas import DeltaLogprobs
 
 # Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
 FINISH_REASONS = frozenset(

@@ -20,8 +20,9 @@ import typing
 from datetime import datetime
 from typing import Any
 
+from statemachine.deltas import DeltaLogprobs, TokenLogprob
 from statemachine.errors import MalformedEvent, UnknownEventType
-from statemachine.events import EVENT_TYPES, DeltaLogprobs, Event, TokenLogprob, is_attempt_scoped
+from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 
 _ENVELOPE = ("request_id", "seq", "occurred_at")
 _ATTEMPT_SCOPE = ("attempt", "lease_epoch")

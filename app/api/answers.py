@@ -28,7 +28,7 @@ from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.http_cycle import ChunkWriter
 from app.store.errors import StoreError
-from statemachine.events import TOOL_CALLS
+from statemachine.deltas import TOOL_CALLS
 
 log = logging.getLogger("phasegate.api")
 

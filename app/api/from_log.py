@@ -22,7 +22,7 @@ from app.driver.outputs import Failed, full_usage
 from app.driver.request import RESPONSES, GenerationRequest
 from statemachine import events as ev
 from statemachine.batches import delta_keys
-from statemachine.events import CONTENT, TOOL_CALLS, TokenLogprob
+from statemachine.deltas import CONTENT, TOOL_CALLS, TokenLogprob
 from statemachine.request_state import RequestState
 from statemachine.state import fold
 

@@ -27,7 +27,7 @@ import orjson
 from app.api.sse import ChoiceAnswer, ResponseShape, response_id
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
-from statemachine.events import CONTENT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
 
 MESSAGE = "message"
 REASONING = "reasoning"

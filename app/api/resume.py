@@ -66,7 +66,7 @@ from app.http_cycle import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
-from statemachine.events import TOOL_CALLS
+from statemachine.deltas import TOOL_CALLS
 from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")

@@ -24,7 +24,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
-from statemachine.events import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
 
 DONE = b"data: [DONE]\n\n"
 

@@ -12,7 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from app.store.content import kept_text
-from statemachine.events import CONTENT, DeltasDelivered, DeltasProduced, Event, TokenLogprob
+from statemachine.deltas import CONTENT, TokenLogprob
+from statemachine.events import DeltasDelivered, DeltasProduced, Event
 
 
 @dataclass(slots=True)

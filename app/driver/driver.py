@@ -30,7 +30,7 @@ from app.driver.loop import RequestLoop
 from app.driver.outputs import Delta, Finished, Output
 from app.store.errors import StoreError
 from statemachine import events as ev
-from statemachine.events import CONTENT, TokenLogprob
+from statemachine.deltas import CONTENT, TokenLogprob
 from statemachine.phases import Phase
 from statemachine.routing import Strategy
 

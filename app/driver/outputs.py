@@ -11,7 +11,7 @@ from typing import Any
 
 from app.contract.logprobs import TokenLogprob
 from statemachine.actions import FailRequest
-from statemachine.events import CONTENT
+from statemachine.deltas import CONTENT
 
 
 @dataclass(slots=True)  # not frozen: one a token, and frozen fields are set one slow call each

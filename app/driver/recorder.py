@@ -40,15 +40,8 @@ from app.driver.shielded import begun, shielded
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
-from statemachine.events import (
-    CONTENT,
-    TERMINAL_EVENT_TYPES,
-    DeltasDelivered,
-    Event,
-    FirstDeltaCommitted,
-    ReleaseReason,
-    TokenLogprob,
-)
+from statemachine.deltas import CONTENT, TokenLogprob
+from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
 from statemachine.policy import decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance

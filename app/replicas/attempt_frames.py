@@ -28,7 +28,8 @@ from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
-from statemachine.events import CONTENT, FINISH_REASONS, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.events import FINISH_REASONS
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done

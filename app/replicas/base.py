@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.contract.logprobs import TokenLogprob
-from statemachine.events import CONTENT, FailureKind
+from statemachine.deltas import CONTENT
+from statemachine.events import FailureKind
 
 
 class ProbeAnswer(enum.Enum):

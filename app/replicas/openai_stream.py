@@ -32,7 +32,8 @@ import orjson
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
-from statemachine.events import CONTENT, FINISH_REASONS, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, FailureKind
+from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.

@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine import events as ev
+from statemachine.deltas import DeltaLogprobs
 from statemachine.errors import MalformedEvent, UnknownEventType
-from statemachine.events import EVENT_TYPES, DeltaLogprobs, Event, is_attempt_scoped
+from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
 from tests.statemachine.model import T0
 

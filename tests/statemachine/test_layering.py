@@ -2,9 +2,9 @@
 may import the modules ``BELOW`` lists for it, and no two import each other.
 
     replay, invariants, trace → policy → placing → actions → request_state → events
-                                state → handlers → batches, evolve, phases → events
+                                state → handlers → batches, evolve, phases → events → deltas
 
-Leaves (``events``, ``errors``, ``evolve``, ``routing``, ``policy_config``) import nothing of
+Leaves (``deltas``, ``errors``, ``evolve``, ``routing``, ``policy_config``) import nothing of
 the package. A new module or a new arrow is a line here, where a circle would show.
 """
 
@@ -25,17 +25,18 @@ def _of(*names: str) -> frozenset[str]:
 
 BELOW: dict[str, frozenset[str]] = {
     "statemachine": _of(),
-    # leaves: the vocabulary, the errors, the evolve helper, placement's data, the policy's knobs
-    "statemachine.events": _of(),
+    # leaves: a delta's words, the errors, the evolve helper, placement's data, the policy's knobs
+    "statemachine.deltas": _of(),
     "statemachine.errors": _of(),
     "statemachine.evolve": _of(),
     "statemachine.routing": _of(),
     "statemachine.policy_config": _of(),
-    # the phase table, its diagram, the JSON form of events, delivery batches
+    # the vocabulary, the phase table, its diagram, the JSON form of events, delivery batches
+    "statemachine.events": _of("deltas"),
     "statemachine.phases": _of("errors", "events"),
     "statemachine.diagram": _of("phases"),
-    "statemachine.jsonform": _of("errors", "events"),
-    "statemachine.batches": _of("events"),
+    "statemachine.jsonform": _of("deltas", "errors", "events"),
+    "statemachine.batches": _of("deltas", "events"),
     # the fold: a request's state, its handlers, apply
     "statemachine.request_state": _of("events", "phases", "routing"),
     "statemachine.handlers": _of("batches", "errors", "events", "evolve", "phases", "request_state", "routing"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from statemachine import events as ev
+from statemachine.deltas import DeltaLogprobs
 from statemachine.diagram import render_phases_markdown
 from statemachine.errors import IllegalTransition
 from statemachine.events import EVENT_TYPES, FailureKind, ReleaseReason
@@ -306,7 +307,7 @@ A_LOGPROB = ("a", -0.5, (("a", -0.5),))
         ("ab", ((A_LOGPROB,),)),  # one entry for two deltas
     ],
 )
-def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None, logprobs: ev.DeltaLogprobs) -> None:
+def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None, logprobs: DeltaLogprobs) -> None:
     driver = running()
     driver.deliver(1)
     fields = {"from_index": 1, "to_index": 3, "tokens": 2, "text_sha256": None, "deltas": ((0, 1, 1), (0, 1, 1))}

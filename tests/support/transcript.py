@@ -20,7 +20,8 @@ import httpx
 from app.api.from_log import deltas_of
 from ops.transcript import Transcript
 from statemachine import events as ev
-from statemachine.events import TOOL_CALLS, ReleaseReason
+from statemachine.deltas import TOOL_CALLS
+from statemachine.events import ReleaseReason
 from statemachine.invariants import violations
 from statemachine.request_state import RequestState
 from statemachine.state import fold

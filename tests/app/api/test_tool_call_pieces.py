@@ -15,7 +15,7 @@ import pytest
 from app.api.from_log import deltas_of
 from app.config import ReplicaConfig
 from statemachine import events as ev
-from statemachine.events import TOOL_CALLS
+from statemachine.deltas import TOOL_CALLS
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway

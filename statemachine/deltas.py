@@ -1,0 +1,20 @@
+"""What one delta of an answer holds, in the log's words (DESIGN.md §3, §14): the field of
+the client's delta that carried its text, its tokens' log probabilities, their ids, and
+what the replica said of the prompt before a choice's first delta."""
+
+from __future__ import annotations
+
+# A token's log probability and the likeliest tokens at its place:
+# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order.
+TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
+DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
+
+
+# The field of a client's delta that carries a delta's text (DESIGN.md §14): its content;
+# reasoning, under the name the replica gave it (vLLM 0.32 says "reasoning", earlier ones
+# "reasoning_content"); a choice's tool calls (their JSON, no tokens). Any other field a
+# replica streams as text is passed through under its own name.
+CONTENT = "content"
+TOOL_CALLS = "tool_calls"
+NO_TEXT = ""  # a token whose chat delta carries no text field (``delta: {}``), only its logprobs
+REASONING_FIELDS = frozenset({"reasoning", "reasoning_content"})
