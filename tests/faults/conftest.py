@@ -111,6 +111,16 @@ class Fleet:
             else:
                 replica.process.script({**_upstream_fault(fault, k, point, extra), "attempt": 1})  # type: ignore[union-attr]
 
+    def clear_faults(self) -> None:
+        """Drop every scripted fault not met yet, on every replica still up (one armed for a
+        first attempt on every replica waits on those the request never reached)."""
+        for replica in self.replicas:
+            with contextlib.suppress(httpx.HTTPError):
+                if self.kind == "worker":
+                    httpx.delete(replica.direct_url + "/admin/faults", timeout=5)
+                else:
+                    replica.process.script()  # type: ignore[union-attr]
+
     def close(self) -> None:
         for replica in self.replicas:
             replica.stack.close()

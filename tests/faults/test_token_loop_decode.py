@@ -37,4 +37,4 @@ def test_3_death_after_delta_k_ends_the_stream(
     error = transcript.error
     assert (error["code"], error["partial_output"], error["retryable"]) == ("upstream_decode_interrupted", True, False)
     assert error["delivered_output_tokens"] == len(transcript.contents) == k + 1
-    assert transcript.contents == list(tokens_of(reference(loop_gateway, prompt), k + 1))
+    assert transcript.contents == list(tokens_of(reference(loop_gateway, live_fleet, prompt), k + 1))

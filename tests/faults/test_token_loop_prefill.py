@@ -33,7 +33,7 @@ def test_1_death_in_prefill_gives_one_complete_answer(
     events, state = settle(loop_gateway, transcript, evidence)
     assert state.outcome is Outcome.COMPLETED and transcript.done
     assert replicas_of(events) == ["r1", "r2"]
-    assert transcript.text == reference(loop_gateway, prompt) != ""  # the second replica's own answer
+    assert transcript.text == reference(loop_gateway, live_fleet, prompt) != ""  # the second replica's own answer
     assert of(events, ev.UpstreamFailed)[0].kind is FailureKind.REPLICA_EXITED  # type: ignore[attr-defined]
 
 
@@ -48,7 +48,7 @@ def test_2_death_before_token_k_is_written(
     live_fleet.fault_first_attempt(prompt, "die", k=k, point="before_frame")
     transcript = stream_chat(loop_gateway.url, body(prompt))
     events, state = settle(loop_gateway, transcript, evidence)
-    answer = reference(loop_gateway, prompt)
+    answer = reference(loop_gateway, live_fleet, prompt)
     if k == 0:  # nothing reached the client: retried into one clean answer
         assert state.outcome is Outcome.COMPLETED and replicas_of(events) == ["r1", "r2"]
         assert transcript.text == answer

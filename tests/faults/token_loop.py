@@ -35,7 +35,7 @@ from tests.support.scripted_upstream import running_scripted_upstream
 from tests.support.transcript import Transcript, check_request, of, stream_chat
 
 if TYPE_CHECKING:  # the fixtures in conftest use this module's timeouts
-    from tests.faults.conftest import Evidence
+    from tests.faults.conftest import Evidence, Fleet
 
 N = 8  # token indices 0…N
 LONG = 200  # tokens: 30 s on the slow fleet, an answer that outlasts any lag of the client before a cut
@@ -74,8 +74,11 @@ def replicas_of(events: list[ev.Event]) -> list[str]:
     return [e.replica_id for e in of(events, ev.AttemptStarted)]  # type: ignore[attr-defined]
 
 
-def reference(gateway: RunningGateway, prompt: str) -> str:
-    """What a healthy replica answers to ``prompt`` (every replica answers the same)."""
+def reference(gateway: RunningGateway, fleet: Fleet, prompt: str) -> str:
+    """What a healthy replica answers to ``prompt`` (every replica answers the same), asked
+    once the faults scripted for it are dropped: one armed on a replica the faulted request
+    never reached would meet this request instead (a died replica not back yet: ci)."""
+    fleet.clear_faults()
     return stream_chat(gateway.url, body(prompt)).text
 
 
