@@ -38,7 +38,11 @@ def batch_problem(event: DeltasDelivered | DeltasProduced, *, follows: int) -> s
         or any(key == NO_TEXT and shape[1] for key, shape in zip(event.fields, event.deltas, strict=False))
     ):
         return "the deltas' keys disagree with the indexes or the text"
-    logprobs = event.logprobs if isinstance(event, DeltasDelivered) else None
-    if logprobs is not None and (event.text is None or len(logprobs) != event.to_index - event.from_index):
+    count = event.to_index - event.from_index
+    if event.logprobs is not None and (event.text is None or len(event.logprobs) != count):
         return "log probabilities are kept with the text, one entry per delta"
+    if event.token_ids and (event.text is None or len(event.token_ids) != count):
+        return "token ids are kept with the text, one entry per delta"
+    if event.prompts and (event.text is None or len({choice for choice, _, _ in event.prompts}) != len(event.prompts)):
+        return "a prompt's token ids and text are kept with the text, once per choice"
     return None

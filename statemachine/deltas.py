@@ -18,3 +18,14 @@ CONTENT = "content"
 TOOL_CALLS = "tool_calls"
 NO_TEXT = ""  # a token whose chat delta carries no text field (``delta: {}``), only its logprobs
 REASONING_FIELDS = frozenset({"reasoning", "reasoning_content"})
+
+# Per delta, the ids of its tokens, where the client asked for them (vLLM's
+# ``return_token_ids``): the ids the replica sent with the delta, in order.
+DeltaTokenIds = tuple[tuple[int, ...], ...]
+
+# What the replica said of a choice's prompt before the choice's first delta, where the
+# client asked (``return_token_ids``, a completion's ``echo``; ``return_prompt_text``): the
+# prompt's token ids and its rendered text, each ``None`` where not said.
+Prompt = tuple[tuple[int, ...] | None, str | None]
+# per choice opened in a batch that was said one: (choice, token ids, text)
+ChoicePrompts = tuple[tuple[int, tuple[int, ...] | None, str | None], ...]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from statemachine.deltas import DeltaLogprobs
+from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds
 
 # Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
 FINISH_REASONS = frozenset(
@@ -85,8 +85,12 @@ class AttemptScoped(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class RequestAccepted(RequestScoped):
-    SCHEMA_VERSION: ClassVar[int] = 3
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("metadata",), 3: ("background", "content_policy")}
+    SCHEMA_VERSION: ClassVar[int] = 4
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {
+        2: ("metadata",),
+        3: ("background", "content_policy"),
+        4: ("return_token_ids",),
+    }
     model: str
     model_revision: str
     tenant: str
@@ -114,6 +118,7 @@ class RequestAccepted(RequestScoped):
     # the request's own content policy, where stricter than the gateway's (a response's
     # ``store: false``: ``digest``, or ``none`` under a gateway that keeps none); None: the gateway's
     content_policy: str | None = None
+    return_token_ids: bool = False  # the answer carries its token ids and the prompt's (vLLM's extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,11 +257,14 @@ class DeltasDelivered(AttemptScoped):
     got them (a tool-calls delta: none). ``fields`` (version 2) says per delta which
     field of the client's delta carried its text (:data:`CONTENT`, a reasoning field,
     :data:`TOOL_CALLS`, :data:`NO_TEXT` or another the replica sent): empty when all
-    are content, as in logs written before.
+    are content, as in logs written before. Version 3, for a request that asked for
+    them and only with the text: ``token_ids`` per delta, and ``prompts``, what the
+    replica said of the prompt of each choice whose first delta the batch holds
+    (:mod:`statemachine.deltas`); empty otherwise.
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 2
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",)}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts")}
     from_index: int
     to_index: int
     tokens: int
@@ -265,16 +273,19 @@ class DeltasDelivered(AttemptScoped):
     deltas: tuple[tuple[int, int, int], ...] = ()
     logprobs: DeltaLogprobs | None = None
     fields: tuple[str, ...] = ()
+    token_ids: DeltaTokenIds = ()
+    prompts: ChoicePrompts = ()
 
 
 @dataclass(frozen=True, slots=True)
 class DeltasProduced(AttemptScoped):
     """Deltas ``[from_index, to_index)`` the attempt produced while no client was
     attached (DESIGN.md §12): recorded, not delivered. The fields are those of
-    :class:`DeltasDelivered`; a client that receives them later records them delivered."""
+    :class:`DeltasDelivered` (``logprobs`` since version 3); a client that receives them
+    later records them delivered."""
 
-    SCHEMA_VERSION: ClassVar[int] = 2
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",)}
+    SCHEMA_VERSION: ClassVar[int] = 3
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("logprobs", "token_ids", "prompts")}
     from_index: int
     to_index: int
     tokens: int
@@ -282,6 +293,9 @@ class DeltasProduced(AttemptScoped):
     text_sha256: str | None
     deltas: tuple[tuple[int, int, int], ...] = ()
     fields: tuple[str, ...] = ()
+    logprobs: DeltaLogprobs | None = None
+    token_ids: DeltaTokenIds = ()
+    prompts: ChoicePrompts = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import typing
 from datetime import datetime
 from typing import Any
 
-from statemachine.deltas import DeltaLogprobs, TokenLogprob
+from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds, TokenLogprob
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 
@@ -187,6 +187,31 @@ def _parse_int_triples(value: Any) -> tuple[tuple[int, int, int], ...]:
     return tuple((item[0], item[1], item[2]) for item in value)
 
 
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        raise TypeError(f"expected a list of token ids, got {value!r:.80}")
+    return tuple(value)
+
+
+def _parse_delta_token_ids(value: Any) -> DeltaTokenIds:
+    if not isinstance(value, list):
+        raise TypeError("expected per delta a list of token ids")
+    return tuple(_token_ids(delta) for delta in value)
+
+
+def _parse_choice_prompts(value: Any) -> ChoicePrompts:
+    if not isinstance(value, list) or not all(
+        isinstance(item, list)
+        and len(item) == 3
+        and type(item[0]) is int
+        and item[0] >= 0
+        and (item[2] is None or isinstance(item[2], str))
+        for item in value
+    ):
+        raise TypeError("expected a list of [choice, token ids or null, prompt text or null]")
+    return tuple((item[0], None if item[1] is None else _token_ids(item[1]), item[2]) for item in value)
+
+
 def _parse_delta_logprobs(value: Any) -> DeltaLogprobs:
     if not isinstance(value, list) or not all(isinstance(delta, list) for delta in value):
         raise TypeError("expected per delta a list of [token, logprob, [[alternative, logprob], …]]")
@@ -260,6 +285,10 @@ def _parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_int_triples
     if annotation == DeltaLogprobs:
         return _parse_delta_logprobs
+    if annotation == DeltaTokenIds:
+        return _parse_delta_token_ids
+    if annotation == ChoicePrompts:
+        return _parse_choice_prompts
     if annotation == dict[str, Any]:
         return _parse_object
     raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard

@@ -169,19 +169,19 @@ def trace_line(event: Event, *, redact: bool = False) -> str:
         body["usage"] = _ordered(event.usage, _USAGE_ORDER)
     if redact:
         for name in _REDACTED.get(type(event), ()):
-            body[name] = _REDACTED_VALUE[name]
+            if name in body:  # (a field added later is absent from an event written before it)
+                body[name] = _REDACTED_VALUE[name]
     return json.dumps(form, ensure_ascii=False) + "\n"
 
 
 # What a redacted trace drops: everything the client was sent.
+_DELTA_CONTENT = ("text", "logprobs", "token_ids", "prompts")
 REDACTED_FIELDS = (
-    "DeltasDelivered.text",
-    "DeltasDelivered.logprobs",
-    "DeltasProduced.text",
+    *(f"{cls}.{name}" for cls in ("DeltasDelivered", "DeltasProduced") for name in _DELTA_CONTENT),
     "ToolCallEmitted.arguments",
 )
-_REDACTED = {DeltasDelivered: ("text", "logprobs"), DeltasProduced: ("text",), ToolCallEmitted: ("arguments",)}
-_REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "arguments": ""}
+_REDACTED = {DeltasDelivered: _DELTA_CONTENT, DeltasProduced: _DELTA_CONTENT, ToolCallEmitted: ("arguments",)}
+_REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "token_ids": [], "prompts": [], "arguments": ""}
 _USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 

@@ -49,12 +49,12 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     answers = [ChoiceAnswer() for _ in output.finish_reasons]
     for choice in sorted(deltas):
         for delta in deltas[choice]:
-            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, key=delta.key)
-            answers[choice].add(delta.key, delta.text, delta.logprobs)
+            driver.delivered(delta)
+            answers[choice].add(delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt)
     for choice, calls in sorted(output.tool_calls.items()):  # the calls a replica sent whole
-        text = json.dumps(calls)
-        driver.delivered(text, tokens=0, choice=choice, key=TOOL_CALLS)
-        answers[choice].add(TOOL_CALLS, text, None)
+        called = Delta(json.dumps(calls), choice, 0, key=TOOL_CALLS)
+        driver.delivered(called)
+        answers[choice].add(TOOL_CALLS, called.text, None)
     await driver.complete(output)
     shape = shape_for(driver.request, driver.request_id, driver.created, driver.answered_by)
     body = shape.completion(answers, output.finish_reasons, output.full_usage, output.stop_reasons)
@@ -89,20 +89,24 @@ class _Stream:
         shape = self.shape
         if shape.unopened is None and len(deltas) == 1:  # the per-token path
             d = deltas[0]
-            return shape.content_event(self.event_id, d.text, d.choice, key=d.key, logprobs=d.logprobs)
+            return shape.content_event(
+                self.event_id, d.text, d.choice, key=d.key, logprobs=d.logprobs, token_ids=d.token_ids, prompt=d.prompt
+            )
         events = []
         for n, d in enumerate(deltas, start=self.event_id):
-            events.append(shape.opening(d.choice))
-            events.append(shape.content_event(n, d.text, d.choice, key=d.key, logprobs=d.logprobs))
+            events.append(shape.opening(d.choice, d.prompt))
+            events.append(
+                shape.content_event(
+                    n, d.text, d.choice, key=d.key, logprobs=d.logprobs, token_ids=d.token_ids, prompt=d.prompt
+                )
+            )
         return b"".join(events)
 
     def sent(self, deltas: list[Delta]) -> None:
         """``deltas`` were written to the client, which is still there: recorded delivered."""
         self.started = True
         for delta in deltas:
-            self.driver.delivered(
-                delta.text, delta.tokens, delta.choice, delta.logprobs, index=self.event_id, key=delta.key
-            )
+            self.driver.delivered(delta, index=self.event_id)
             self.event_id += 1
             self.delivered_tokens += delta.tokens
 
@@ -171,7 +175,7 @@ async def stream_body(
                 event_id = stream.event_id
                 for choice, calls in sorted(output.tool_calls.items()):
                     yield shape.tool_calls_event(event_id, calls, choice)
-                    driver.delivered(json.dumps(calls), tokens=0, choice=choice, index=event_id, key=TOOL_CALLS)
+                    driver.delivered(Delta(json.dumps(calls), choice, 0, key=TOOL_CALLS), index=event_id)
                     event_id = stream.event_id = event_id + 1
                 await driver.complete(output)
                 yield shape.ending(event_id, output.finish_reasons, output.stop_reasons, output.full_usage)

@@ -22,7 +22,7 @@ from app.driver.outputs import Failed, full_usage
 from app.driver.request import RESPONSES, GenerationRequest
 from statemachine import events as ev
 from statemachine.batches import delta_keys
-from statemachine.deltas import CONTENT, TOOL_CALLS, TokenLogprob
+from statemachine.deltas import CONTENT, TOOL_CALLS, Prompt, TokenLogprob
 from statemachine.request_state import RequestState
 from statemachine.state import fold
 
@@ -67,6 +67,7 @@ def shape_from_log(request_id: str, events: list[ev.Event]) -> ResponseShape:
         max_tokens=0,
         n=accepted.n,
         logprobs=accepted.logprobs,
+        return_token_ids=accepted.return_token_ids,
     )
     created = int(accepted.occurred_at.timestamp())
     return ResponseShape(request, response_id(request, request_id), created, fold(events).answered_by)
@@ -82,6 +83,8 @@ class LoggedDelta:
     text: str
     tokens: int
     logprobs: tuple[TokenLogprob, ...] | None
+    token_ids: tuple[int, ...] = ()
+    prompt: Prompt | None = None  # what the replica said of the choice's prompt, with its first delta
 
 
 def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedDelta]:
@@ -89,11 +92,15 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
     text = event.text or ""
     shapes = event.deltas or ((0, len(text), event.tokens),)  # a log before shapes: one delta a batch
     keys = delta_keys(event) if event.deltas else (CONTENT,)
-    kept = event.logprobs if isinstance(event, ev.DeltasDelivered) else None
+    kept, ids = event.logprobs, event.token_ids
+    prompts = {choice: (token_ids, prompt_text) for choice, token_ids, prompt_text in event.prompts}
     offset = 0
     for n, ((choice, chars, tokens), key) in enumerate(zip(shapes, keys, strict=True)):
         logprobs = kept[n] if kept is not None else None
-        yield LoggedDelta(event.from_index + n, choice, key, text[offset : offset + chars], tokens, logprobs)
+        said = text[offset : offset + chars]
+        yield LoggedDelta(
+            event.from_index + n, choice, key, said, tokens, logprobs, ids[n] if ids else (), prompts.pop(choice, None)
+        )
         offset += chars
 
 
@@ -120,7 +127,15 @@ def delta_event(shape: ResponseShape, delta: LoggedDelta) -> bytes:
         logprobs = None  # (a choice's whole tool calls, or the rest of a chunk: none of their own)
     elif logprobs is None:
         logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
-    return shape.content_event(delta.index, delta.text, delta.choice, key=delta.key, logprobs=logprobs)
+    return shape.content_event(
+        delta.index,
+        delta.text,
+        delta.choice,
+        key=delta.key,
+        logprobs=logprobs,
+        token_ids=delta.token_ids,
+        prompt=delta.prompt,
+    )
 
 
 def ending(shape: ResponseShape, request_id: str, events: list[ev.Event], state: RequestState) -> Iterator[bytes]:
@@ -191,5 +206,5 @@ def final_answer(
     answers = [ChoiceAnswer() for _ in reasons]
     for index in sorted(answer):
         delta = answer[index]
-        answers[delta.choice].add(delta.key, delta.text, delta.logprobs)
+        answers[delta.choice].add(delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt)
     return answers, reasons, full_usage(terminal.usage, terminal.usage_details), terminal.stop_reasons

@@ -47,7 +47,7 @@ async def poll_live(ctx: GatewayContext, request_id: str, shape: ResponsesShape)
                 driver.log_lost(output_delivered=False)
                 raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
         for delta in taken:
-            driver.delivered(delta.text, delta.tokens, delta.choice, delta.logprobs, key=delta.key)
+            driver.delivered(delta)
         driver.client_gone()  # the poller leaves; the response goes on
         delivered = driver.recorder.delivered_deltas
     for index, delta in enumerate(deltas[:delivered]):

@@ -213,11 +213,19 @@ class ResponsesShape:
     def from_the_start(self) -> None:
         """(The chat shape's role chunks: none here; the stream's first events open it.)"""
 
-    def opening(self, choice: int) -> bytes:
+    def opening(self, choice: int, prompt: Any = None) -> bytes:
         return b""
 
     def content_event(
-        self, event_id: int, text: str, choice: int = 0, *, key: str = CONTENT, logprobs: Any = None
+        self,
+        event_id: int,
+        text: str,
+        choice: int = 0,
+        *,
+        key: str = CONTENT,
+        logprobs: Any = None,
+        token_ids: Any = (),  # (vLLM's token ids and prompt fields: not in the Responses API)
+        prompt: Any = None,
     ) -> bytes:
         """The events of one delta: its text's delta event, after the events that close
         the open item and open the delta's own when its kind changes."""

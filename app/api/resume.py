@@ -138,7 +138,7 @@ class _Follower:
             shape.from_the_start()  # each chat choice's first delta after its role
 
         def sent(delta: LoggedDelta) -> bytes:
-            return shape.opening(delta.choice) + delta_event(shape, delta)
+            return shape.opening(delta.choice, delta.prompt) + delta_event(shape, delta)
 
         while True:
             for event in events[seen:]:

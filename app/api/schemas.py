@@ -72,6 +72,7 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
             "sampling_extras": declared.extras(max_tokens),
             "structured_outputs": declared.constraint(),
             "logprobs": requested_logprobs(body, chat=chat),
+            "return_token_ids": body.get("return_token_ids") is True,
         }
         if not chat:
             assert isinstance(declared, CompletionRequest)

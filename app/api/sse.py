@@ -24,7 +24,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
-from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
 
 DONE = b"data: [DONE]\n\n"
 
@@ -86,9 +86,10 @@ class ResponseShape:
         if self.chat:
             self.unopened = set(range(self.request.choices))
 
-    def opening(self, choice: int) -> bytes:
+    def opening(self, choice: int, prompt: Prompt | None = None) -> bytes:
         """The chunk that opens ``choice`` before its first delta, its role and no text,
-        once (after ``from_the_start``); empty otherwise."""
+        and what the replica said of the prompt there, once (after ``from_the_start``);
+        empty otherwise."""
         unopened = self.unopened
         if unopened is None or choice not in unopened:
             return b""
@@ -97,7 +98,8 @@ class ResponseShape:
             self.unopened = None  # every choice is open: nothing more to look at a delta
         body = {"index": choice, "delta": {"role": self.request.response_role, "content": ""}}
         body |= {"logprobs": None, "finish_reason": None}
-        return f'data: {self._head},"choices":[{_dumps(body)}]{self._usage_tail}\n\n'.encode()
+        said = _prompt_fields(prompt)
+        return f'data: {self._head},"choices":[{_dumps(body)}]{said}{self._usage_tail}\n\n'.encode()
 
     def content_chunk(
         self,
@@ -106,11 +108,14 @@ class ResponseShape:
         *,
         key: str = CONTENT,
         logprobs: Sequence[TokenLogprob] | None = None,
+        token_ids: Sequence[int] = (),
+        prompt: Prompt | None = None,
     ) -> str:
         """A chunk carrying generated text under ``key`` (and its tokens' log
-        probabilities, when asked for); under ``tool_calls``, their JSON."""
+        probabilities and ids, when asked for; a completion's first, what the replica said
+        of its prompt); under ``tool_calls``, their JSON."""
         if key == TOOL_CALLS:
-            return self.tool_calls_chunk(orjson.loads(text), choice, logprobs)
+            return self.tool_calls_chunk(orjson.loads(text), choice, logprobs, token_ids)
         delta = f'"delta":{{{_dumps(key)}:{_dumps(text)}}}' if self.chat else f'"text":{_dumps(text)}'
         if self.chat and key == NO_TEXT:
             delta = '"delta":{}'
@@ -119,10 +124,17 @@ class ResponseShape:
             offset = self._text_offsets.get(choice, 0)
             rendered = _dumps(render_logprobs(logprobs, chat=self.chat, text_offset=offset))
             self._text_offsets[choice] = offset + len(text)
+        more = self._ids_field(token_ids)
+        if prompt is not None and prompt[0] is not None and not self.chat:  # (chat's: in its opening)
+            more += f',"prompt_token_ids":{_dumps(prompt[0])}'
         return (
-            f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":{rendered},"finish_reason":null}}]'
+            f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":{rendered},"finish_reason":null{more}}}]'
             f"{self._usage_tail}"
         )
+
+    def _ids_field(self, token_ids: Sequence[int]) -> str:
+        """A choice's ``token_ids`` field, where the client asked for them (vLLM's return_token_ids)."""
+        return f',"token_ids":{_dumps(list(token_ids))}' if self.request.return_token_ids else ""
 
     def content_event(
         self,
@@ -132,11 +144,14 @@ class ResponseShape:
         *,
         key: str = CONTENT,
         logprobs: Sequence[TokenLogprob] | None = None,
+        token_ids: Sequence[int] = (),
+        prompt: Prompt | None = None,
     ) -> bytes:
         """The SSE event of ``content_chunk``: the same bytes as ``sse_event(event_id,
         content_chunk(...))``, built from the choice's pre-encoded prefix and suffix."""
-        if logprobs is not None or key == TOOL_CALLS:
-            return sse_event(event_id, self.content_chunk(text, choice, key=key, logprobs=logprobs))
+        if logprobs is not None or key == TOOL_CALLS or token_ids or prompt is not None:
+            chunk = self.content_chunk(text, choice, key=key, logprobs=logprobs, token_ids=token_ids, prompt=prompt)
+            return sse_event(event_id, chunk)
         template = self._content_templates.get((choice, key))
         if template is None:
             before, _, after = self.content_chunk("\0", choice, key=key).rpartition('"\\u0000"')
@@ -151,14 +166,20 @@ class ResponseShape:
         self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
 
     def tool_calls_chunk(
-        self, tool_calls: list[dict[str, Any]], choice: int = 0, logprobs: Sequence[TokenLogprob] | None = None
+        self,
+        tool_calls: list[dict[str, Any]],
+        choice: int = 0,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        token_ids: Sequence[int] = (),
     ) -> str:
         """A chunk of a choice's tool calls: whole, or a piece of them as the replica
         streamed it, each naming the call it adds to by its ``index`` (a whole one: its place)."""
         delta: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
         rendered = None if logprobs is None else render_logprobs(logprobs, chat=True, text_offset=0)
-        choices = [{"index": choice, "delta": delta, "logprobs": rendered, "finish_reason": None}]
-        return f'{self._head},"choices":{_dumps(choices)}{self._usage_tail}'
+        body: dict[str, Any] = {"index": choice, "delta": delta, "logprobs": rendered, "finish_reason": None}
+        if self.request.return_token_ids:
+            body["token_ids"] = list(token_ids)
+        return f'{self._head},"choices":[{_dumps(body)}]{self._usage_tail}'
 
     def finish_chunk(self, finish_reason: str, choice: int = 0, stop_reason: str | int | None = None) -> str:
         body: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": finish_reason}
@@ -233,8 +254,12 @@ class ResponseShape:
             choice |= {"logprobs": rendered, "finish_reason": finish_reason}
             if _nth(stop_reasons, index) is not None:
                 choice["stop_reason"] = stop_reasons[index]
+            if self.request.return_token_ids:
+                choice["token_ids"] = answer.token_ids
+                if not self.chat and answer.prompt is not None:
+                    choice["prompt_token_ids"] = answer.prompt[0]
             choices.append(choice)
-        return {
+        body = {
             "id": self.response_id,
             "object": self._object(stream=False),
             "created": self.created,
@@ -242,6 +267,14 @@ class ResponseShape:
             "choices": choices,
             "usage": usage,
         }
+        said = next((answer.prompt for answer in answers if answer.prompt is not None), None)
+        if self.chat and said is not None:  # the prompt's, once for the answer
+            prompt_token_ids, prompt_text = said
+            if self.request.return_token_ids and prompt_token_ids is not None:
+                body["prompt_token_ids"] = prompt_token_ids
+            if prompt_text is not None:
+                body["prompt_text"] = prompt_text
+        return body
 
 
 @dataclass
@@ -252,10 +285,21 @@ class ChoiceAnswer:
     texts: dict[str, list[str]] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    prompt: Prompt | None = None  # what the replica said of the choice's prompt
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by their index
 
-    def add(self, key: str, text: str, logprobs: Sequence[TokenLogprob] | None) -> None:
+    def add(
+        self,
+        key: str,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        token_ids: Sequence[int] = (),
+        prompt: Prompt | None = None,
+    ) -> None:
         self.logprobs.extend(logprobs or ())
+        self.token_ids.extend(token_ids)
+        self.prompt = prompt or self.prompt
         if key != TOOL_CALLS:
             self.texts.setdefault(key, []).append(text)
             return
@@ -269,6 +313,16 @@ class ChoiceAnswer:
             call["id"] = call["id"] or piece.get("id")
             call["function"]["name"] += function.get("name") or ""
             call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def _prompt_fields(prompt: Prompt | None) -> str:
+    """A chat chunk's fields of what the replica said of the prompt (JSON members, each
+    led by a comma), as vLLM puts them in a choice's opening chunk."""
+    if prompt is None:
+        return ""
+    token_ids, text = prompt
+    fields = "" if token_ids is None else f',"prompt_token_ids":{_dumps(token_ids)}'
+    return fields if text is None else f'{fields},"prompt_text":{_dumps(text)}'
 
 
 def _nth(stop_reasons: Sequence[str | int | None], choice: int) -> str | int | None:

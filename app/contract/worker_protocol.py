@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 # 2: a start request carries the client's fields as vLLM's server takes them (vllm);
-# 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``)
-VERSION = 3
+# 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``);
+# 4: a choice's first token frame says what vLLM's server says of the prompt, where asked
+VERSION = 4
 HEADER = "x-phasegate-protocol"
 
 

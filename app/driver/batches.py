@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from app.driver.outputs import Delta
 from app.store.content import kept_text
 from statemachine.deltas import CONTENT, TokenLogprob
 from statemachine.events import DeltasDelivered, DeltasProduced, Event
@@ -31,16 +32,12 @@ class OpenBatch:
     shapes: list[tuple[int, int, int]] = field(default_factory=list)  # per delta: choice, characters, tokens
     produced: bool = False  # recorded as produced, not delivered (no client attached)
     logprobs: list[tuple[TokenLogprob, ...]] | None = None  # per delta, once one carried them
-    keys: list[str] | None = None  # per delta, once one was not content (statemachine.events: CONTENT …)
+    keys: list[str] | None = None  # per delta, once one was not content (statemachine.deltas: CONTENT …)
+    token_ids: list[tuple[int, ...]] | None = None  # per delta, once one carried them
+    prompts: list[tuple[int, tuple[int, ...] | None, str | None]] = field(default_factory=list)
 
-    def add(
-        self,
-        tokens: int,
-        text: str,
-        choice: int,
-        logprobs: tuple[TokenLogprob, ...] | None,
-        key: str = CONTENT,
-    ) -> None:
+    def add(self, delta: Delta) -> None:
+        tokens, text, choice, logprobs, key = delta.tokens, delta.text, delta.choice, delta.logprobs, delta.key
         self.tokens += tokens
         self.texts.append(text)
         self.shapes.append((choice, len(text), tokens))
@@ -54,6 +51,12 @@ class OpenBatch:
             self.keys = [CONTENT] * (len(self.shapes) - 1)
         if self.keys is not None:
             self.keys.append(key)
+        if delta.token_ids and self.token_ids is None:
+            self.token_ids = [()] * (len(self.shapes) - 1)
+        if self.token_ids is not None:
+            self.token_ids.append(tuple(delta.token_ids))
+        if delta.prompt is not None:
+            self.prompts.append((choice, *delta.prompt))
 
     @property
     def deltas(self) -> int:
@@ -73,8 +76,8 @@ class OpenBatch:
             "deltas": tuple(self.shapes),
             "fields": tuple(self.keys) if self.keys is not None else (),
         }
-        if self.produced:
-            return DeltasProduced, fields
-        # with the delivered text only: log probabilities are content (DESIGN.md §13)
-        fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None and content_policy == "full" else None
-        return DeltasDelivered, fields
+        if content_policy == "full":  # with the text only: they are content too (DESIGN.md §13)
+            fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None else None
+            fields["token_ids"] = tuple(self.token_ids) if self.token_ids is not None else ()
+            fields["prompts"] = tuple(self.prompts)
+        return (DeltasProduced if self.produced else DeltasDelivered), fields

@@ -30,7 +30,7 @@ from app.driver.loop import RequestLoop
 from app.driver.outputs import Delta, Finished, Output
 from app.store.errors import StoreError
 from statemachine import events as ev
-from statemachine.deltas import CONTENT, TokenLogprob
+from statemachine.deltas import TOOL_CALLS
 from statemachine.phases import Phase
 from statemachine.routing import Strategy
 
@@ -65,6 +65,7 @@ class RequestDriver(RequestLoop):
             gateway=self.ctx.gateway_id,
             trace_id=self.ctx.tracing.trace_id(),
             logprobs=request.logprobs,
+            return_token_ids=request.return_token_ids,
             routing=routing.to_params(compact=True),
             affinity_key=request.affinity_key() if affinity else None,
             metadata=request.metadata,
@@ -133,19 +134,11 @@ class RequestDriver(RequestLoop):
     def _observe_ttft(self) -> None:
         self.ctx.metrics.ttft.labels(model=self.request.model).observe(self.ctx.clock() - self.accepted_at)
 
-    def delivered(
-        self,
-        text: str,
-        tokens: int = 1,
-        choice: int = 0,
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-        index: int | None = None,
-        key: str = CONTENT,
-    ) -> None:
-        """A delta of ``choice`` was written to the client, its text under ``key`` of the
-        client's delta (``tool_calls``: their JSON, no tokens), with its tokens' log
-        probabilities when the request asked for them; one sent again to a resumed client
-        (``index`` below the delivered count) was recorded before."""
+    def delivered(self, delta: Delta, index: int | None = None) -> None:
+        """``delta`` was written to the client (a choice's text under its key, or its tool
+        calls' JSON, no tokens), with its tokens' log probabilities and ids when the
+        request asked for them; one sent again to a resumed client (``index`` below the
+        delivered count) was recorded before."""
         if index is not None and index < self.recorder.delivered_deltas:
             return
         run = self.run
@@ -155,7 +148,7 @@ class RequestDriver(RequestLoop):
         if self.last_delivery_at is not None:
             self._inter_token.observe(now - self.last_delivery_at)
         self.last_delivery_at = now
-        self.recorder.delivered(run.attempt, run.lease_epoch, tokens, text, choice, logprobs, key)
+        self.recorder.delivered(run.attempt, run.lease_epoch, delta)
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out. A response's
@@ -270,7 +263,7 @@ class RequestDriver(RequestLoop):
     def _produced(self, delta: Delta) -> None:
         run = self.run
         if run is not None:
-            self.recorder.produced(run.attempt, run.lease_epoch, delta.tokens, delta.text, delta.choice, delta.key)
+            self.recorder.produced(run.attempt, run.lease_epoch, delta)
 
     async def _finish_unattended(self, finished: Finished) -> None:
         """The answer finished with no client attached: its tool calls recorded as
@@ -282,7 +275,9 @@ class RequestDriver(RequestLoop):
             calls_at = len(self.feed.deltas)  # each choice's tool calls follow the content deltas
             for offset, (choice, calls) in enumerate(sorted(finished.tool_calls.items())):
                 if calls_at + offset >= self.recorder.recorded_deltas:
-                    self.recorder.produced(run.attempt, run.lease_epoch, 0, json.dumps(calls), choice)
+                    self.recorder.produced(
+                        run.attempt, run.lease_epoch, Delta(json.dumps(calls), choice, 0, key=TOOL_CALLS)
+                    )
         try:
             await self.complete(finished)
         except StoreError as exc:

@@ -44,6 +44,7 @@ from statemachine.actions import (
     CancelRequest,
     Wait,
 )
+from statemachine.deltas import NO_TEXT
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
 from statemachine.policy import decide, ended_by_gateway, needs_pool
@@ -146,7 +147,7 @@ class RequestLoop(LoopActions):
                 run.generated_tokens += 1
                 if carries_delta(frame):
                     run.deltas += 1
-                    yield delta_of(frame)
+                    yield delta_of(frame, self.request.return_token_ids)
             elif type(frame) is Heartbeat:  # queued or in prefill: slow, not failed
                 if frame.queue_position:
                     self.ctx.pool.queued_at(run.replica, frame.queue_position)
@@ -197,7 +198,8 @@ class RequestLoop(LoopActions):
         ):
             return False
         run.generated_tokens += len(tokens)
-        deltas = [delta_of(token) for token in tokens if carries_delta(token)]
+        with_ids = self.request.return_token_ids
+        deltas = [delta_of(token, with_ids) for token in tokens if carries_delta(token)]
         if deltas:
             run.deltas += len(deltas)
             self.feed.offer(deltas)
@@ -349,17 +351,20 @@ class RequestLoop(LoopActions):
 
 
 def carries_delta(token: Token) -> bool:
-    """Whether a token frame has anything for the client: text, or log probabilities. One
-    with neither (a worker's frame of a tool call's markup tokens, sent as the decode's
-    liveness) is read and counted, and sends nothing, as vLLM's server sends no delta for
-    such tokens; it is no commit point either: nothing of the answer reached the client."""
-    return bool(token.text) or token.logprobs is not None
+    """Whether a token frame has anything for the client: text, log probabilities, or (a
+    delta of no text field, :data:`NO_TEXT`) token ids the client asked for. One with none
+    (a worker's frame of a tool call's markup tokens, sent as the decode's liveness) is
+    read and counted, and sends nothing, as vLLM's server sends no delta for such tokens;
+    it is no commit point either: nothing of the answer reached the client."""
+    return bool(token.text) or token.logprobs is not None or token.key == NO_TEXT
 
 
-def delta_of(token: Token) -> Delta:
-    """The client's delta of a token (one token when it names no token ids)."""
+def delta_of(token: Token, with_ids: bool) -> Delta:
+    """The client's delta of a token (one token when it names no token ids), with its token
+    ids where the client asked for them (``with_ids``)."""
     tokens = token.tokens if token.tokens is not None else len(token.token_ids) or 1
-    return Delta(token.text, token.choice, tokens, token.logprobs, token.key)
+    ids = token.token_ids if with_ids else ()
+    return Delta(token.text, token.choice, tokens, token.logprobs, token.key, ids, token.prompt)
 
 
 class Interruption(NamedTuple):

@@ -6,12 +6,13 @@ The driver says what happened in the domain's words; how it looks on the wire
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.contract.logprobs import TokenLogprob
 from statemachine.actions import FailRequest
-from statemachine.deltas import CONTENT
+from statemachine.deltas import CONTENT, Prompt
 
 
 @dataclass(slots=True)  # not frozen: one a token, and frozen fields are set one slow call each
@@ -21,6 +22,8 @@ class Delta:
     tokens: int = 1  # engine tokens in it (DESIGN.md §11: delivered_output_tokens counts these)
     logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
     key: str = CONTENT  # the key of the client's delta that carries the text (reasoning, …)
+    token_ids: Sequence[int] = ()  # its tokens' ids, where the client asked for them (return_token_ids)
+    prompt: Prompt | None = None  # what the replica said of the choice's prompt, before its first delta
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,11 +36,11 @@ from typing import Any
 
 from app.driver.batches import OpenBatch
 from app.driver.context import GatewayContext
+from app.driver.outputs import Delta
 from app.driver.shielded import begun, shielded
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
-from statemachine.deltas import CONTENT, TokenLogprob
 from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
 from statemachine.policy import decided_fields
 from statemachine.request_state import RequestState
@@ -125,38 +125,16 @@ class Recorder:
         self.ctx.tracing.recorded(self.state, event)
         return event
 
-    def delivered(
-        self,
-        attempt: int,
-        lease_epoch: int,
-        tokens: int,
-        text: str,
-        choice: int = 0,
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-        key: str = CONTENT,
-    ) -> None:
-        """One delta written to the client, with its tokens' log probabilities when asked
-        for; recorded in batches."""
-        self._add(attempt, lease_epoch, tokens, text, choice, logprobs, key, produced=False)
+    def delivered(self, attempt: int, lease_epoch: int, delta: Delta) -> None:
+        """One delta written to the client, with its tokens' log probabilities (and ids)
+        when asked for; recorded in batches."""
+        self._add(attempt, lease_epoch, delta, produced=False)
 
-    def produced(
-        self, attempt: int, lease_epoch: int, tokens: int, text: str, choice: int = 0, key: str = CONTENT
-    ) -> None:
+    def produced(self, attempt: int, lease_epoch: int, delta: Delta) -> None:
         """One delta produced while no client is attached; recorded in batches, as produced."""
-        self._add(attempt, lease_epoch, tokens, text, choice, None, key, produced=True)
+        self._add(attempt, lease_epoch, delta, produced=True)
 
-    def _add(
-        self,
-        attempt: int,
-        lease_epoch: int,
-        tokens: int,
-        text: str,
-        choice: int,
-        logprobs: tuple[TokenLogprob, ...] | None,
-        key: str,
-        *,
-        produced: bool,
-    ) -> None:
+    def _add(self, attempt: int, lease_epoch: int, delta: Delta, *, produced: bool) -> None:
         if self._sealed:
             return
         batch = self._batch
@@ -171,7 +149,7 @@ class Recorder:
                 attempt, lease_epoch, start, self.ctx.clock(), self.ctx.wall_clock(), produced=produced
             )
             self.ctx.batch_ages.watch(self.batch_aged, batch, config.delivery_batch_ms / 1000)
-        batch.add(tokens, text, choice, logprobs, key)
+        batch.add(delta)
         if batch.deltas >= config.delivery_batch_tokens or (
             self.ctx.clock() - batch.opened_at >= config.delivery_batch_ms / 1000
         ):

@@ -63,6 +63,7 @@ class GenerationRequest:
     structured_outputs: dict[str, Any] | None = None
     logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     metadata: dict[str, str] | None = None  # recorded in the log, not acted on
+    return_token_ids: bool = False  # vLLM's extra: each delta's token ids, and the prompt's, go to the client
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
     # a Responses API request (app/api/responses_request.py): its attempts are the chat
     # completion ``raw`` holds

@@ -21,6 +21,7 @@ import contextlib
 import json
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -28,7 +29,7 @@ from app.contract.logprobs import from_wire
 from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
-from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt
 from statemachine.events import FINISH_REASONS
 
 _loads = json.loads
@@ -151,7 +152,7 @@ class AttemptFrames:
                 if type(ids) is not list:
                     raise ValueError(f"token ids that are not a list: {ids!r}")
                 # a frame names its tokens: one whose text a parser split off another's names none
-                return Token(obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids))
+                return Token(obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids), _prompt(obj))
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
@@ -184,6 +185,19 @@ class AttemptFrames:
         raise AttemptEnded(message, code=code, generated_tokens=generated)
 
 
+def _prompt(obj: dict[str, Any]) -> Prompt | None:
+    """What a choice's first token frame says of the prompt, where the client asked: its
+    token ids and rendered text (each null where not asked); None in any other frame."""
+    if "prompt_token_ids" not in obj:
+        return None
+    ids, text = obj["prompt_token_ids"], obj.get("prompt_text")
+    if (ids is not None and (type(ids) is not list or not all(type(n) is int for n in ids))) or (
+        text is not None and type(text) is not str
+    ):
+        raise ValueError(f"a malformed prompt in a token frame: {ids!r:.80} {text!r:.80}")
+    return (None if ids is None else tuple(ids)), text
+
+
 def _plain_token(line: bytes) -> Token | None:
     """The token of a token frame without log probabilities, as ``_frame`` builds it;
     ``None`` for any other line (which ``_frame`` then reads, and judges)."""
@@ -191,7 +205,13 @@ def _plain_token(line: bytes) -> Token | None:
         obj = _loads(line)
     except ValueError:
         return None
-    if type(obj) is not dict or obj.get("type") != "token" or obj.get("logprobs") is not None or "key" in obj:
+    if (
+        type(obj) is not dict
+        or obj.get("type") != "token"
+        or obj.get("logprobs") is not None
+        or "key" in obj
+        or "prompt_token_ids" in obj
+    ):
         return None
     choice, index, text, token_ids = obj.get("choice"), obj.get("index"), obj.get("text"), obj.get("token_ids")
     if type(choice) is not int or type(index) is not int or type(text) is not str or type(token_ids) is not list:

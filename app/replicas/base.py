@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.contract.logprobs import TokenLogprob
-from statemachine.deltas import CONTENT
+from statemachine.deltas import CONTENT, Prompt
 from statemachine.events import FailureKind
 
 
@@ -57,6 +57,9 @@ class Token:
     # engine tokens in it, where not one a chunk or its token ids: 0 for the rest of a chunk
     # whose token another key took (a reasoning parser splits one token's text in two)
     tokens: int | None = None
+    # what the replica said of the choice's prompt before this, its first text (return_token_ids,
+    # return_prompt_text, a completion's echo); None for any later token
+    prompt: Prompt | None = None
 
 
 def tool_call_piece_problem(calls: Any) -> str | None:

@@ -32,7 +32,7 @@ import orjson
 from app.contract.logprobs import TokenLogprob, from_wire
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
-from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS
+from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
 from statemachine.events import FINISH_REASONS, FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
@@ -71,6 +71,7 @@ class OpenAIStream:
         usage: dict[str, int] | None = None
         usage_details: dict[str, Any] | None = None
         pending_calls: dict[tuple[int, int], dict[str, str]] = {}
+        prompts: dict[int, Prompt] = {}  # what the replica said of a choice's prompt, until its first token
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -109,18 +110,29 @@ class OpenAIStream:
                     usage, usage_details = usage_of(chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
+                    said = _prompt_of(chunk, choice)
+                    if said is not None:
+                        prompts[number] = said
                     delta = choice.get("delta") or {}
                     pieces = _pieces(delta) if "delta" in choice else _completion_text(choice)
                     calls = delta.get("tool_calls")
                     if calls:  # a piece of the choice's tool calls, passed on as vLLM streamed it
                         pieces.append((TOOL_CALLS, _tool_call_piece(calls)))
                     logprobs = _logprobs(choice.get("logprobs"))
+                    ids = _token_ids(choice.get("token_ids"))
                     if not pieces and logprobs:  # a token with no text of its own: its logprobs go on
                         pieces = [(_key_of_no_text(delta) if "delta" in choice else CONTENT, "")]
-                    # the chunk's token, and its logprobs, go with the first piece
+                    elif not pieces and ids:  # its ids only (the client asked for them): a delta of no text
+                        pieces = [(NO_TEXT, "")]
+                    # the chunk's token, its logprobs and ids, and what was said of its prompt,
+                    # go with the first piece (counted one token, as any chunk: an echo's ids
+                    # name the prompt's tokens too)
                     for n, (key, text) in enumerate(pieces):
                         index, self._index = self._index, self._index + 1
-                        yield Token(number, index, text, (), logprobs if n == 0 else None, key, 0 if n else None)
+                        if n:
+                            yield Token(number, index, text, (), None, key, 0)
+                        else:
+                            yield Token(number, index, text, ids, logprobs, key, 1, prompts.pop(number, None))
                     for call in calls or ():
                         slot = pending_calls.setdefault(
                             (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
@@ -203,6 +215,27 @@ def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
         return from_wire(entries)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
+
+
+def _token_ids(given: Any) -> tuple[int, ...]:
+    """A chunk's token ids (vLLM's ``return_token_ids``): none where it sent none."""
+    if given is None:
+        return ()
+    if type(given) is not list or not all(type(n) is int for n in given):
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed token ids in a chunk: {given!r:.80}")
+    return tuple(given)
+
+
+def _prompt_of(chunk: dict[str, Any], choice: dict[str, Any]) -> Prompt | None:
+    """What a chunk says of a choice's prompt: its token ids (a chat chunk's own, a
+    completion choice's) and its rendered text (``return_prompt_text``); None if nothing."""
+    token_ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
+    text = chunk.get("prompt_text")
+    if token_ids is None and text is None:
+        return None
+    if text is not None and type(text) is not str:
+        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed prompt_text in a chunk: {text!r:.80}")
+    return (None if token_ids is None else _token_ids(token_ids)), text
 
 
 def _pieces(delta: dict[str, Any]) -> list[tuple[str, str]]:

@@ -211,10 +211,8 @@ class InMemoryEventStore(EventStore):
 
 def _without_content(event: Event) -> Event:
     """``event`` as if recorded under the "none" content policy."""
-    if isinstance(event, DeltasDelivered):
-        return dataclasses.replace(event, text=None, text_sha256=None, logprobs=None)
-    if isinstance(event, DeltasProduced):
-        return dataclasses.replace(event, text=None, text_sha256=None)
+    if isinstance(event, DeltasDelivered | DeltasProduced):
+        return dataclasses.replace(event, text=None, text_sha256=None, logprobs=None, token_ids=(), prompts=())
     if isinstance(event, ToolCallEmitted):
         return dataclasses.replace(event, arguments="", arguments_sha256=None)
     return event

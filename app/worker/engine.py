@@ -36,7 +36,17 @@ class EngineOutput:
     reasoning parser's ``reasoning`` (app/worker/vllm_parsing.py). ``stop_reason``: with the
     finish, the stop string or token id that ended the choice, as vLLM says it."""
 
-    __slots__ = ("choice", "finish_reason", "key", "logprobs", "stop_reason", "text", "token_ids", "tool_call")
+    __slots__ = (
+        "choice",
+        "finish_reason",
+        "key",
+        "logprobs",
+        "prompt",
+        "stop_reason",
+        "text",
+        "token_ids",
+        "tool_call",
+    )
 
     def __init__(
         self,
@@ -57,6 +67,9 @@ class EngineOutput:
         self.logprobs = logprobs
         self.key = key
         self.stop_reason = stop_reason
+        # with a choice's first delta, what vLLM's server says of the prompt there, where asked
+        # (its token ids, its rendered text: app/worker/vllm_requests.py)
+        self.prompt: tuple[list[int] | None, str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

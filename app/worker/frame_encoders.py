@@ -29,9 +29,11 @@ def token_frame(
     token_ids: list[int] | tuple[int, ...],
     logprobs: list[Any] | None = None,
     key: str | None = None,
+    prompt: tuple[list[int] | None, str | None] | None = None,
 ) -> bytes:
     """A token frame; ``logprobs`` (asked for: app/contract/logprobs.py) one entry per token id;
-    ``key`` the delta field of a text that is not the content (``reasoning``)."""
+    ``key`` the delta field of a text that is not the content (``reasoning``); ``prompt``,
+    with a choice's first delta where asked, the prompt's token ids and rendered text."""
     frame = b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]' % (
         choice,
         index,
@@ -42,6 +44,8 @@ def token_frame(
         frame += b',"logprobs":%s' % _dumps(logprobs).encode()
     if key is not None:
         frame += b',"key":%s' % _dumps(key).encode()
+    if prompt is not None:
+        frame += b',"prompt_token_ids":%s,"prompt_text":%s' % (_dumps(prompt[0]).encode(), _dumps(prompt[1]).encode())
     return frame + b"}\n"
 
 

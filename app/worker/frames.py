@@ -244,7 +244,9 @@ async def _decode(
                     yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
                     await asyncio.sleep(0.02)  # let the frame leave
                     die()
-            frame = token_frame(choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key)
+            frame = token_frame(
+                choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
+            )
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count

@@ -35,7 +35,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,12 +127,19 @@ class VllmEngine:
         return Prepared(
             spec=spec,
             prompt_tokens=len(read.prompt_token_ids),
-            payload=(read.engine_input, params, parsing, engine_kwargs, top, read.echo),
+            payload=(read.engine_input, params, parsing, engine_kwargs, top, read.echo, read.prompt_said()),
             usage_details=parsing.usage_details if parsing is not None else None,
         )
 
-    async def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
-        engine_input, params, parsing, engine_kwargs, top, echo = prepared.payload
+    def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs; where the client asked, each choice's first delta says what
+        vLLM's server says of the prompt there (``VllmRequest.prompt_said``)."""
+        outputs = self._generated(engine_request_id, prepared)
+        said = prepared.payload[-1]
+        return outputs if said is None else _saying(outputs, said, prepared.spec.sampling.n)
+
+    async def _generated(self, engine_request_id: str, prepared: Prepared) -> AsyncGenerator[EngineOutput, None]:
+        engine_input, params, parsing, engine_kwargs, top, echo, _ = prepared.payload
         for choice in range(prepared.spec.sampling.n) if echo else ():
             yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
@@ -200,6 +207,20 @@ class VllmEngine:
         await self._llm.abort(engine_request_id)
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
+
+
+async def _saying(
+    outputs: AsyncGenerator[EngineOutput, None], said: tuple[list[int] | None, str | None], choices: int
+) -> AsyncIterator[EngineOutput]:
+    """``outputs``, with ``said`` on each choice's first that carries a delta (text, or log
+    probabilities); closed with them (vLLM aborts its request when its generator closes)."""
+    unsaid = set(range(choices))
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            if unsaid and output.choice in unsaid and (output.text or output.logprobs is not None):
+                unsaid.discard(output.choice)
+                output.prompt = said
+            yield output
 
 
 def with_cpu_kv_cache(engine_args: dict[str, Any], environ: Mapping[str, str], available: int) -> dict[str, Any]:

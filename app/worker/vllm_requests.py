@@ -53,6 +53,14 @@ class VllmRequest:
     prompt_token_ids: list[int]
     echo: str = ""
 
+    def prompt_said(self) -> tuple[list[int] | None, str | None] | None:
+        """What vLLM's server says of the prompt before each choice's first delta, where
+        the client asked: its token ids (``return_token_ids``) and the rendered prompt
+        (``return_prompt_text``); None when neither."""
+        ids = self.prompt_token_ids if getattr(self.request, "return_token_ids", None) else None
+        text = self.engine_input.get("prompt") if getattr(self.request, "return_prompt_text", None) else None
+        return None if ids is None and text is None else (ids, text)
+
 
 class VllmRequests:
     """vLLM's request handling over one engine (an ``AsyncLLM``'s renderer and model config)."""

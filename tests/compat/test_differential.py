@@ -172,7 +172,6 @@ _STOP_STRINGS_SPLIT_THE_THINK_END = (
     " '</think>' in two (content 'k>Hello')"
 )
 _CUT_TOOL_CALL = _FROM_THE_STREAM + ": a tool call cut by max_tokens is a tool call streamed, text whole"
-_NO_TOKEN_IDS = "token ids are not relayed: the log keeps each delta's text, not its token ids"
 _PARAM_NAMED = "the same status; phasegate's error names the field in param, where vLLM's names none"
 DIVERGENCES: dict[tuple[str, str], str] = {
     ("no sampling field at all", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
@@ -187,11 +186,8 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
     ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
     ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
-    ("return_token_ids", "both"): _NO_TOKEN_IDS,
-    ("completions echo", "stream"): _NO_TOKEN_IDS + " (vLLM's echo stream names the prompt's)",
     ("return_tokens_as_token_ids", "both"): "a log probability's bytes are its token's as sent ('token_id:918'),"
     " where vLLM gives the bytes of the token's text: the log keeps the token, not its bytes",
-    ("return fields", "both"): "a chunk's prompt_text (return_prompt_text) is not relayed",
     ("n of the wrong type", "both"): _PARAM_NAMED,
     ("no messages", "both"): _PARAM_NAMED,
     ("temperature of the wrong type", "both"): "param is the field's name, as OpenAI says it, not 'body.temperature'",

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine import events as ev
-from statemachine.deltas import DeltaLogprobs
+from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
@@ -39,6 +39,10 @@ def sample_value(annotation: Any) -> Any:
         return ((0, 4, 1), (1, 6, 2))
     if annotation == DeltaLogprobs:
         return ((("sa", -0.25, (("sa", -0.25), ("mp", -1.0))),), ())
+    if annotation == DeltaTokenIds:
+        return ((918, 705), ())
+    if annotation == ChoicePrompts:
+        return ((0, (1, 4, 78), "<|user|>hi"), (1, None, None))
     if annotation == tuple[str | int | None, ...]:
         return ("stop string", 7, None)
     return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,6 +315,33 @@ def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None
     batch = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text=text, logprobs=logprobs)
     assert_illegal(driver, batch, "log probabilities are kept with the text, one entry per delta")
     kept = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text="ab", logprobs=((A_LOGPROB,), ()))
+    driver.state = apply(driver.state, kept)
+    assert driver.state.delivered_deltas == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "more", "why"),
+    [
+        (None, {"token_ids": ((7,), (8,))}, "token ids are kept with the text, one entry per delta"),
+        ("ab", {"token_ids": ((7,),)}, "token ids are kept with the text, one entry per delta"),
+        (
+            None,
+            {"prompts": ((0, (1, 2), None),)},
+            "a prompt's token ids and text are kept with the text, once per choice",
+        ),
+        ("ab", {"prompts": ((0, (1,), None), (0, (1,), None))}, "a prompt's token ids and text are kept with the text"),
+    ],
+)
+def test_token_ids_and_the_prompts_fields_come_with_the_text(text: str | None, more: dict[str, Any], why: str) -> None:
+    """Token ids are content (DESIGN.md §13, §14): kept with the text, one entry a delta;
+    what the replica said of a prompt, once a choice."""
+    driver = running()
+    driver.deliver(1)
+    fields = {"from_index": 1, "to_index": 3, "tokens": 2, "text_sha256": None, "deltas": ((0, 1, 1), (1, 1, 1))}
+    refused = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text=text, **more)
+    assert_illegal(driver, refused, why)
+    both = {"token_ids": ((7,), ()), "prompts": ((0, (1, 2), "hi"), (1, None, "hi"))}
+    kept = next_event(driver, ev.DeltasDelivered, **driver.scoped(), **fields, text="ab", **both)
     driver.state = apply(driver.state, kept)
     assert driver.state.delivered_deltas == 3
 

@@ -23,6 +23,11 @@ log probabilities when asked for, as vLLM sends it; then content),
 ``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
 ends with), ``{"burst": n}`` (the tokens' chunks written n at a time, so that a gateway
 reads several at once). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
+One asking for ``return_token_ids`` gets each word's id (:func:`token_id`) in its chunk, the
+prompt's (:func:`prompt_token_ids`) where vLLM puts them (a chat stream's role chunk, a
+completion choice's first chunk) and, with a ``stop`` finish, the end-of-sequence id
+(:data:`EOS`) in a chunk of no text, as vLLM sends it; ``return_prompt_text`` gets the prompt
+as its rendered text (chat: in the role chunk).
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
 runs per ``Idempotency-Key`` (``GET /admin/tools``).
 """
@@ -53,6 +58,18 @@ from starlette.routing import Route
 from ops.processes import listening_socket
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+EOS = 2
+
+
+def token_id(word: str) -> int:
+    """A word's token id, as a request asking for ``return_token_ids`` gets it."""
+    return 100 + WORDS.index(word.strip())
+
+
+def prompt_token_ids(prompt: str) -> list[int]:
+    return [len(word) for word in prompt.split()]
 
 
 def answer(prompt: str, max_tokens: int) -> list[str]:
@@ -107,6 +124,10 @@ class Upstream:
             behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
         if body.get("logprobs") is not None:  # as vLLM: -0.5 for each word, -1.5 for one alternative
             behaviour = {**behaviour, "logprobs": True}
+        if body.get("return_token_ids"):
+            behaviour = {**behaviour, "prompt_token_ids": prompt_token_ids(prompt)}
+        if body.get("return_prompt_text"):
+            behaviour = {**behaviour, "prompt_text": f"<|user|>{prompt}<|assistant|>"}
         chunks = self._chunks(chat, body["model"], words, behaviour)
         return StreamingResponse(
             self._noting_abort(chunks, request.headers.get("x-request-id", "")), media_type="text/event-stream"
@@ -150,11 +171,13 @@ class Upstream:
         }
         if behaviour.get("delay_first_s"):
             await asyncio.sleep(behaviour["delay_first_s"])  # a long queue or prefill, in silence
+        said = {key: behaviour[key] for key in ("prompt_token_ids", "prompt_text") if key in behaviour}
         if chat:
             yield _sse(
                 {
                     **head,
                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                    **said,
                 }
             )
         if behaviour.get("die_at") is not None and behaviour.get("point") == "prefill":
@@ -182,6 +205,10 @@ class Upstream:
             choice = {"index": 0, "delta": {field: word}} if chat else {"index": 0, "text": word}
             if behaviour.get("logprobs"):
                 choice["logprobs"] = _logprobs(word, chat)
+            if "prompt_token_ids" in behaviour:
+                choice["token_ids"] = [token_id(word)]
+                if not chat and index == 0:
+                    choice["prompt_token_ids"] = behaviour["prompt_token_ids"]
             if chat and index == behaviour.get("reasoning", 0) > 0 and behaviour.get("logprobs"):
                 think_end = {"index": 0, "delta": {}, "logprobs": _logprobs("</think>", chat)}
                 written.append(_sse({**head, "choices": [{**think_end, "finish_reason": None}]}))
@@ -193,7 +220,9 @@ class Upstream:
             if behaviour.get("die_at") == index and behaviour.get("point") == "after_frame":
                 await asyncio.sleep(0.05)  # let the chunk leave, then die
                 os._exit(1)
-        last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        last: dict[str, Any] = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        if "prompt_token_ids" in behaviour and behaviour.get("finish_reason") == "stop":
+            last["token_ids"] = [EOS]  # the end-of-sequence token: ids, no text
         yield _sse({**head, "choices": [{**last, "finish_reason": behaviour.get("finish_reason", "length")}]})
         yield _sse(
             {

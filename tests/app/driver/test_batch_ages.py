@@ -11,6 +11,7 @@ from app.config import GatewayConfig
 from app.driver.batch_ages import BatchAges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
+from app.driver.outputs import Delta
 from app.driver.recorder import Recorder
 from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
@@ -90,12 +91,12 @@ async def test_a_paused_streams_open_batch_is_recorded_by_its_age(event_store: P
         return [(e.from_index, e.to_index, e.text) for e in events if type(e) is ev.DeltasDelivered]
 
     for text in ("Hel", "lo"):
-        recorder.delivered(attempt.attempt, attempt.lease_epoch, 1, text)
+        recorder.delivered(attempt.attempt, attempt.lease_epoch, Delta(text))
     await asyncio.sleep(PAUSE_S)  # no delta comes to close the batch
     await event_store.flush()
     events = await event_store.read("req_paused")
     assert logged() == [(0, 2, "Hello")]
-    recorder.delivered(attempt.attempt, attempt.lease_epoch, 1, "!")  # after the pause: a new batch, aged too
+    recorder.delivered(attempt.attempt, attempt.lease_epoch, Delta("!"))  # after the pause: a new batch, aged too
     await asyncio.sleep(PAUSE_S)
     await event_store.flush()
     events = await event_store.read("req_paused")

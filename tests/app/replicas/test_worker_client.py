@@ -177,6 +177,17 @@ async def test_frames_split_across_reads_and_packed_into_one(connect: Connect) -
     assert [f.text for f in frames if isinstance(f, Token)] == [" w0", " w1"]
 
 
+async def test_a_choices_first_token_frame_says_what_vllm_says_of_the_prompt(connect: Connect) -> None:
+    """Where the client asked (``return_token_ids``, ``return_prompt_text``), the worker's
+    first token frame of a choice names the prompt's token ids and rendered text."""
+    said = b'{"type":"token","choice":0,"index":0,"text":" w0","token_ids":[7],'
+    said += b'"prompt_token_ids":[1,2],"prompt_text":null}\n'
+    frames, error = await run(connect, [said + TOKEN % (1, 1, 1) + DONE])
+    assert error is None
+    assert [f.prompt for f in frames if isinstance(f, Token)] == [((1, 2), None), None]
+    assert [list(f.token_ids) for f in frames if isinstance(f, Token)] == [[7], [1]]
+
+
 async def test_an_end_without_done_is_a_broken_stream(connect: Connect) -> None:
     frames, error = await run(connect, [TOKEN % (0, 0, 0)])
     assert len(frames) == 1 and isinstance(error, StreamBroken)
@@ -196,8 +207,16 @@ async def test_an_end_inside_a_frame_is_malformed(connect: Connect) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    [b"not json\n", b'{"type":"token","index":0}\n', b'{"type":"wormhole"}\n', b"[1]\n", b"\n"],
-    ids=["not-json", "missing-keys", "unknown-type", "not-an-object", "empty-line"],
+    [
+        b"not json\n",
+        b'{"type":"token","index":0}\n',
+        b'{"type":"wormhole"}\n',
+        b"[1]\n",
+        b"\n",
+        b'{"type":"token","choice":0,"index":1,"text":"a","token_ids":[1],"prompt_token_ids":"1 2"}\n',
+        b'{"type":"token","choice":0,"index":1,"text":"a","token_ids":[1],"prompt_token_ids":null,"prompt_text":3}\n',
+    ],
+    ids=["not-json", "missing-keys", "unknown-type", "not-an-object", "empty-line", "prompt-ids", "prompt-text"],
 )
 async def test_a_line_that_is_not_a_frame_is_malformed(connect: Connect, line: bytes) -> None:
     frames, error = await run(connect, [TOKEN % (0, 0, 0), line, DONE])

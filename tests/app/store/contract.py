@@ -30,6 +30,17 @@ async def collect(store: EventStore, after: int, count: int, timeout: float = 10
     return seen
 
 
+def with_token_ids(events: list[Event]) -> list[Event]:
+    """``events`` whose deliveries carry token ids and the prompt's fields (version 3), as
+    a request that asked for them (``return_token_ids``) records them."""
+    return [
+        dataclasses.replace(e, token_ids=((7,),) * (e.to_index - e.from_index), prompts=((0, (1, 2), "hi"),))
+        if isinstance(e, DeltasDelivered)
+        else e
+        for e in events
+    ]
+
+
 def other_delivery(trace: traces.Trace, seq: int) -> DeltasDelivered:
     """A delivery that differs from whatever the trace holds at ``seq``."""
     return DeltasDelivered(trace.request_id, seq, traces.T0, 1, 1, 0, 1, 1, "someone else's text", None)
@@ -266,7 +277,7 @@ class EventStoreContract:
     async def test_one_requests_content_is_erased_for_its_tenant_only(self, store: EventStore) -> None:
         for request_id in ("req_erase", "req_keep"):
             trace = traces.completed(request_id)
-            await store.append(request_id, 0, trace.events, durable=True)
+            await store.append(request_id, 0, with_token_ids(trace.events), durable=True)
             await store.record_input(request_id, {"model": "tiny-llm", "input": "secret"})
         await store.flush()
         assert await store.erase_request("another-tenant", "req_erase") == 0
@@ -276,7 +287,8 @@ class EventStoreContract:
         assert [type(e) for e in erased] == [type(e) for e in kept]  # the skeleton, whole
         delivered = [e for e in erased if isinstance(e, DeltasDelivered)]
         assert delivered and all(e.text is None and e.text_sha256 is None for e in delivered)
-        assert all(e.text for e in kept if isinstance(e, DeltasDelivered))
+        assert all(not e.token_ids and not e.prompts and e.logprobs is None for e in delivered)  # content too
+        assert all(e.text and e.token_ids and e.prompts for e in kept if isinstance(e, DeltasDelivered))
         assert await store.read_input("req_erase") is None and await store.read_input("req_keep") is not None
 
     # --- closing -------------------------------------------------------------------------
