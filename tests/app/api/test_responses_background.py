@@ -12,6 +12,7 @@ attached (tests/app/conftest.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +23,12 @@ import openai
 import pytest
 
 from statemachine import events as ev
+from statemachine.deltas import TOOL_CALLS
 from statemachine.invariants import violations
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
-from tests.app.api.test_responses import request_id_of
+from tests.app.api.test_responses import LOOKUP, request_id_of
 from tests.app.conftest import add_fault, held
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import of
@@ -204,6 +206,22 @@ def test_a_background_response_is_cancelled_through_another_instance(
     (ended,) = of(events, ev.RequestCancelled)
     assert ended.reason == "cancelled_by_client"  # type: ignore[attr-defined]
     assert_log_sound(events)
+
+
+def test_a_background_response_that_calls_a_tool_gives_the_call_once_ended(gateway: RunningGateway) -> None:
+    """Generated with no client attached, a choice's tool calls are recorded produced under
+    ``tool_calls``: the ended response read from the log has the call, not its JSON as text."""
+    client = gateway.openai()
+    tool_choice = {"type": "function", "name": "lookup"}
+    queued = client.responses.create(
+        model=MODEL, input="what does ephemeral mean", tools=[LOOKUP], tool_choice=tool_choice, background=True
+    )  # type: ignore[call-overload]
+    done = when_ended(gateway, queued.id)
+    calls = [item for item in done.output if item.type == "function_call"]
+    assert done.status == "completed" and len(calls) == 1 and calls[0].name == "lookup"
+    assert done.output_text == "" and isinstance(json.loads(calls[0].arguments).get("word"), str)
+    produced = [e for e in gateway.events(request_id_of(queued)) if isinstance(e, ev.DeltasProduced)]
+    assert produced and produced[-1].fields[-1] == TOOL_CALLS
 
 
 def test_a_background_response_whose_replica_dies_before_anyone_read_it_is_retried(
