@@ -5,8 +5,9 @@ what the replica said of the prompt before a choice's first delta."""
 from __future__ import annotations
 
 # A token's log probability and the likeliest tokens at its place:
-# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order.
-TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
+# (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order. An echoed
+# prompt's first token has none: (token, None, ()), as vLLM gives it (null).
+TokenLogprob = tuple[str, float | None, tuple[tuple[str, float], ...]]
 DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
 
 

@@ -222,6 +222,8 @@ def _token_logprob(entry: Any) -> TokenLogprob:
     if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[2], list):
         raise TypeError(f"expected [token, logprob, [[alternative, logprob], …]], got {entry!r}")
     token, logprob, top = entry
+    if logprob is None and not top:  # an echoed prompt's first token: none, as vLLM gives it
+        return (_token(token), None, ())
     return (_token(token), _logprob(logprob), tuple(_alternative(item) for item in top))
 
 

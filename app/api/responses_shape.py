@@ -59,7 +59,7 @@ def _item_kind(key: str) -> str | None:
 
 
 def _logprobs(entries: Sequence[TokenLogprob], *, with_bytes: bool) -> list[dict[str, Any]]:
-    def one(token: str, logprob: float) -> dict[str, Any]:
+    def one(token: str, logprob: float | None) -> dict[str, Any]:
         entry: dict[str, Any] = {"token": token, "logprob": logprob}
         if with_bytes:
             entry["bytes"] = list(token.encode("utf-8", "replace"))

@@ -354,6 +354,6 @@ def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset:
     return {
         "tokens": [token for token, _, _ in entries],
         "token_logprobs": [logprob for _, logprob, _ in entries],
-        "top_logprobs": [dict(top) for _, _, top in entries],
+        "top_logprobs": [None if logprob is None else dict(top) for _, logprob, top in entries],
         "text_offset": offsets,
     }

@@ -8,7 +8,9 @@ On the way from an engine to the client each generated token carries one
 :data:`TokenLogprob`, as a worker's token frame holds it (``"logprobs": [[token,
 logprob, [[alternative, logprob], …]], …]``, one per token of the frame): the token's
 text, its log probability, and the most likely tokens at its place, best first. The
-end-of-sequence token that stopped a choice has none, as vLLM's server gives none.
+end-of-sequence token that stopped a choice has none, as vLLM's server gives none; an
+echoed prompt's first token has a log probability of ``None`` and no alternatives (vLLM's
+server gives ``null`` for both: nothing came before it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI and vLLM's default max_l
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI
 LOWEST_LOGPROB = -9999.0  # what vLLM's server sends for -inf
 
-TokenLogprob = tuple[str, float, tuple[tuple[str, float], ...]]
+TokenLogprob = tuple[str, float | None, tuple[tuple[str, float], ...]]
 
 
 def requested_logprobs(params: Mapping[str, Any], *, chat: bool | None, prefix: str = "") -> int | None:
@@ -72,7 +74,10 @@ def _entry(item: Any) -> TokenLogprob:
     if not isinstance(item, list | tuple) or len(item) != 3 or not isinstance(item[2], list | tuple):
         raise ValueError(f"not a [token, logprob, alternatives] entry: {item!r}")
     token, logprob, top = item
-    return (_token(token), _logprob(logprob), tuple((_token(t), _logprob(lp)) for t, lp in top))
+    if logprob is None and top:
+        raise ValueError(f"a token with no log probability has no alternatives either: {item!r}")
+    said = None if logprob is None else _logprob(logprob)
+    return (_token(token), said, tuple((_token(t), _logprob(lp)) for t, lp in top))
 
 
 def _token(value: Any) -> str:

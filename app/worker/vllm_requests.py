@@ -38,8 +38,8 @@ NOT_SERVED: dict[str, str] = {
 }
 
 
-# a completion's echo is its prompt, with the prompt's own log probabilities and token ids
-COMPLETION_ECHO = "a completion's echo (its prompt, with their log probabilities) is not in the worker's frames"
+# a completion's echo with log probabilities has the prompt's own first
+ECHOED_LOGPROBS = "a completion's echo with logprobs (the prompt's own, the first null) is not in the worker's frames"
 
 
 @dataclass(slots=True)
@@ -57,7 +57,8 @@ class VllmRequest:
         """What vLLM's server says of the prompt before each choice's first delta, where
         the client asked: its token ids (``return_token_ids``) and the rendered prompt
         (``return_prompt_text``); None when neither."""
-        ids = self.prompt_token_ids if getattr(self.request, "return_token_ids", None) else None
+        echoed = self.echo and not hasattr(self.request, "messages")  # a completion's echo names them too
+        ids = self.prompt_token_ids if echoed or getattr(self.request, "return_token_ids", None) else None
         text = self.engine_input.get("prompt") if getattr(self.request, "return_prompt_text", None) else None
         return None if ids is None and text is None else (ids, text)
 
@@ -86,8 +87,8 @@ class VllmRequests:
         for name in NOT_SERVED:
             if fields.get(name):
                 raise Refusal(400, Code.UNSUPPORTED_FIELD, f"{name}: {NOT_SERVED[name]}", field=name)
-        if spec.messages is None and fields.get("echo"):
-            raise Refusal(400, Code.UNSUPPORTED_FIELD, f"echo: {COMPLETION_ECHO}", field="echo")
+        if spec.messages is None and fields.get("echo") and fields.get("logprobs") is not None:
+            raise Refusal(400, Code.UNSUPPORTED_FIELD, f"echo: {ECHOED_LOGPROBS}", field="echo")
         try:
             if spec.messages is not None:
                 return self._chat(spec, fields, adjust)
@@ -159,7 +160,10 @@ class VllmRequests:
             raise Refusal(400, Code.UNSUPPORTED_FIELD, "suffix: the worker does not render FIM prompts", field="suffix")
         assert prompt is not None
         engine_input = self.render_prompt(request, prompt)
-        return VllmRequest(request, engine_input, token_ids(engine_input))
+        # a completion's echo is its prompt's text before the answer (none where the client
+        # asked for token ids: they name the prompt's instead, as vLLM's server sends them)
+        echo = "" if not request.echo or request.return_token_ids else engine_input.get("prompt") or ""
+        return VllmRequest(request, engine_input, token_ids(engine_input), echo)
 
 
 def token_ids(engine_input: Any) -> list[int]:

@@ -147,6 +147,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "completions": completion(),
     "completions logprobs": completion(logprobs=2),
     "completions echo": completion(echo=True),
+    "completions echo, logprobs": completion(echo=True, logprobs=1),
     "completions suffix-free, n": completion(n=2),
     "completions: a batch of prompts": completion(prompt=["hello", "world"]),
     "completions: token ids": completion(prompt=[5, 9, 14]),
@@ -185,6 +186,8 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
     ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
     ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
+    ("completions echo, logprobs", "whole"): _FROM_THE_STREAM
+    + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
     ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
     ("return_tokens_as_token_ids", "both"): "a log probability's bytes are its token's as sent ('token_id:918'),"
     " where vLLM gives the bytes of the token's text: the log keeps the token, not its bytes",
@@ -198,7 +201,7 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 _NOT_IN_FRAMES = "refused by name (400 unsupported_parameter): the worker's frames do not carry its effect"
 _ONE_PROMPT = "the worker serves one prompt a request: a batch is refused (400 unsupported_parameter)"
 WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
-    ("completions echo", "both"): _NOT_IN_FRAMES,
+    ("completions echo, logprobs", "both"): _NOT_IN_FRAMES + ": the prompt's own log probabilities",
     ("use_beam_search, length_penalty", "both"): _NOT_IN_FRAMES,
     ("completions: a batch of prompts", "both"): _ONE_PROMPT,
     ("completions: a batch of token ids", "both"): _ONE_PROMPT,

@@ -38,7 +38,8 @@ def sample_value(annotation: Any) -> Any:
     if annotation == tuple[tuple[int, int, int], ...]:
         return ((0, 4, 1), (1, 6, 2))
     if annotation == DeltaLogprobs:
-        return ((("sa", -0.25, (("sa", -0.25), ("mp", -1.0))),), ())
+        # an echoed prompt's first token has none: (token, None, ())
+        return ((("sa", -0.25, (("sa", -0.25), ("mp", -1.0))), ("echo", None, ())), ())
     if annotation == DeltaTokenIds:
         return ((918, 705), ())
     if annotation == ChoicePrompts:

@@ -54,7 +54,7 @@ def attempt(requests, messages, prompt=None, **fields):
     try:
         read = requests.read(spec)
         return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": requests.sampling_params(read).max_tokens,
-                "echo": read.echo}
+                "echo": read.echo, "said": read.prompt_said()}
     except Refusal as refusal:
         return {"status": refusal.status, "code": refusal.code.value, "message": refusal.message,
                 "field": refusal.field}
@@ -73,6 +73,9 @@ print(json.dumps({
     "echo, not asked": attempt(default, [*hi, {"role": "assistant", "content": "Hel"}],
                                add_generation_prompt=False, continue_final_message=True),
     "completions echo": attempt(default, None, "hi", echo=True),
+    "completions echo, logprobs": attempt(default, None, "hi", echo=True, logprobs=1),
+    "completions echo, token ids": attempt(default, None, "hi", echo=True, return_token_ids=True),
+    "return_prompt_text": attempt(default, hi, return_prompt_text=True),
 }))
 """
 
@@ -112,8 +115,21 @@ def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, A
         "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
         " (parameter=max_tokens, value=100000)"
     )
-    echo = found["completions echo"]
+    echo = found["completions echo, logprobs"]  # the prompt's own log probabilities: not in the frames
     assert (echo["status"], echo["code"], echo["field"]) == (400, "unsupported_parameter", "echo")
+
+
+def test_what_vllms_server_says_of_the_prompt_is_said_where_asked(found: dict[str, Any]) -> None:
+    """A completion's echo is its prompt's text before the answer, with the prompt's token
+    ids (vLLM's echo stream names them unasked); with ``return_token_ids`` the echo is no
+    text, the ids say it. ``return_prompt_text`` gives the rendered chat prompt; nothing
+    asked, nothing said."""
+    echo, ids = found["completions echo"], found["completions echo, token ids"]
+    assert (echo["echo"], echo["said"]) == ("hi", [echo["prompt_token_ids"], None])
+    assert (ids["echo"], ids["said"]) == ("", [ids["prompt_token_ids"], None])
+    prompt_ids, text = found["return_prompt_text"]["said"]
+    assert prompt_ids is None and text.endswith("hi<|end|><|assistant|><think>")
+    assert found["attempt, default"]["said"] is None
 
 
 def test_a_chat_echo_is_the_last_message_when_it_is_the_answers_role(found: dict[str, Any]) -> None:
