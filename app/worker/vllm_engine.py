@@ -124,10 +124,11 @@ class VllmEngine:
         # the alternatives a token's log probability comes with: as many as asked, or every
         # one vLLM gives for the client's logprob_token_ids, as vLLM's server gives them all
         top = ALL_ALTERNATIVES if getattr(read.request, "logprob_token_ids", None) else spec.sampling.logprobs
+        as_ids = bool(getattr(read.request, "return_tokens_as_token_ids", None))  # tokens named by their ids
         return Prepared(
             spec=spec,
             prompt_tokens=len(read.prompt_token_ids),
-            payload=(read.engine_input, params, parsing, engine_kwargs, top, read.echo, read.prompt_said()),
+            payload=(read.engine_input, params, parsing, engine_kwargs, top, as_ids, read.echo, read.prompt_said()),
             usage_details=parsing.usage_details if parsing is not None else None,
         )
 
@@ -139,7 +140,7 @@ class VllmEngine:
         return outputs if said is None else _saying(outputs, said, prepared.spec.sampling.n)
 
     async def _generated(self, engine_request_id: str, prepared: Prepared) -> AsyncGenerator[EngineOutput, None]:
-        engine_input, params, parsing, engine_kwargs, top, echo, _ = prepared.payload
+        engine_input, params, parsing, engine_kwargs, top, as_ids, echo, _ = prepared.payload
         for choice in range(prepared.spec.sampling.n) if echo else ():
             yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
@@ -149,7 +150,7 @@ class VllmEngine:
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
-                        logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top)
+                        logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top, as_ids)
                         stop = _stop_reason(c)
                         if parsing is None:
                             yield EngineOutput(
@@ -164,10 +165,13 @@ class VllmEngine:
         except Exception as exc:
             raise EngineFailed(repr(exc)) from exc
 
-    def _logprobs(self, output: Any, top: int) -> list[Any]:
+    def _logprobs(self, output: Any, top: int, as_ids: bool) -> list[Any]:
         """vLLM's log probabilities of an output's new tokens, as a token frame carries them
-        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does. The end of
-        sequence that stopped it has none: vLLM's server leaves it out of the answer too."""
+        (app/contract/logprobs.py), chosen and clamped as vLLM's own server does; each token
+        named ``token_id:<id>`` where the client asked (``return_tokens_as_token_ids``), as
+        vLLM's server names them. The end of sequence that stopped it has none: vLLM's server
+        leaves it out of the answer too."""
+        decoded = _as_id if as_ids else self._decoded
         entries: list[Any] = []
         token_ids = list(output.token_ids)
         if (
@@ -181,14 +185,14 @@ class VllmEngine:
             step = output.logprobs[position]
             chosen = step.get(token_id) if step is not None else None
             if chosen is None:  # vLLM's server sends such a token without a log probability
-                entries.append([self._decoded(token_id, None), LOWEST_LOGPROB, []])
+                entries.append([decoded(token_id, None), LOWEST_LOGPROB, []])
                 continue
             alternatives = [
-                [self._decoded(tid, p.decoded_token), clamped(p.logprob)]
+                [decoded(tid, p.decoded_token), clamped(p.logprob)]
                 for rank, (tid, p) in enumerate(step.items())
                 if top == ALL_ALTERNATIVES or rank < top
             ]
-            entries.append([self._decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
+            entries.append([decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
         return entries
 
     def _decoded(self, token_id: int, decoded: str | None) -> str:
@@ -207,6 +211,10 @@ class VllmEngine:
         await self._llm.abort(engine_request_id)
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
+
+
+def _as_id(token_id: int, _decoded: str | None) -> str:
+    return f"token_id:{token_id}"  # vLLM's own placeholder for a token named by its id
 
 
 async def _saying(

@@ -34,7 +34,6 @@ from app.worker.protocol import AttemptSpec, Code, Refusal
 # carry: refused by name rather than dropped (docs/compatibility.md)
 NOT_SERVED: dict[str, str] = {
     "use_beam_search": "the worker runs vLLM's sampling engine, not its beam search",
-    "return_tokens_as_token_ids": "the worker's log probabilities name tokens by their text",
 }
 
 

@@ -205,7 +205,6 @@ WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
     ("use_beam_search, length_penalty", "both"): _NOT_IN_FRAMES,
     ("completions: a batch of prompts", "both"): _ONE_PROMPT,
     ("completions: a batch of token ids", "both"): _ONE_PROMPT,
-    ("return_tokens_as_token_ids", "both"): _NOT_IN_FRAMES + ": its log probabilities name tokens by their text",
 }
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
 
