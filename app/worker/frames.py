@@ -170,7 +170,7 @@ async def _decode(
     worker: AttemptHost, attempt: Attempt, output: EngineOutput, outputs: AsyncIterator[EngineOutput]
 ) -> AsyncGenerator[bytes | None, None]:
     """Frames for engine outputs; ``None`` means 'stalled: end without a word'."""
-    n = attempt.spec.sampling.n
+    n = attempt.spec.choices
     finish_reasons: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
     next_index = [0] * n

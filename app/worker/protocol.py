@@ -1,9 +1,8 @@
 """The worker protocol's vocabulary: error codes and request parsing.
 
 Everything the worker reads from the network (once ``json_body.py`` decoded it) is
-parsed here into frozen dataclasses, and every refusal is a :class:`Refusal` with an
-HTTP status and a stable code from :class:`Code`. The frames it writes are encoded in ``frame_encoders.py``
-(``docs/worker-protocol.md`` is the contract; the worker and the client follow it).
+parsed here into frozen dataclasses, and every refusal is a :class:`Refusal` with an HTTP status and
+a stable code from :class:`Code`; its frames are in ``frame_encoders.py`` (``docs/worker-protocol.md``).
 """
 
 from __future__ import annotations
@@ -169,6 +168,14 @@ class AttemptSpec:
     # the request's fields as vLLM's server takes them: the start request's ``vllm``, else
     # its ``params`` (app/worker/vllm_requests.py); the sim reads ``sampling`` only
     fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # a completion's batch of prompts, ``prompt`` the first (empty: one prompt); prompt k's
+    # choices are k·n … k·n + n − 1, as vLLM's server numbers them
+    batch: tuple[str | tuple[int, ...], ...] = ()
+
+    @property
+    def choices(self) -> int:
+        """The answer's choices: ``n`` for each prompt."""
+        return self.sampling.n * max(len(self.batch), 1)
 
     def prompt_text(self) -> str:
         """The prompt as plain text, for fault matchers and the sim engine's seed."""
@@ -295,8 +302,7 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
     if messages is not None and prompt is not None:
         raise _bad("prompt", "give messages or prompt, not both")
-    if prompt is not None:
-        prompt = _one_prompt(prompt)
+    batch = _prompts(prompt) if prompt is not None else ()
     heartbeat_s = default_heartbeat_s
     if body.get("heartbeat_ms") is not None:
         heartbeat_s = _int(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
@@ -310,18 +316,23 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         lease_ttl_s=lease_ttl_s,
         model=model,
         messages=None if messages is None else _messages(messages),
-        prompt=prompt,
+        prompt=batch[0] if batch else None,
         sampling=parse_sampling(params),
         heartbeat_s=heartbeat_s,
         fields=params if fields is None else fields,
+        batch=batch if len(batch) > 1 else (),
     )
 
 
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A completion's prompts: a string or token ids, or a batch of them (as vLLM's server
+    takes them: a list of strings, or of token-id lists)."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        return tuple(_one_prompt(p) for p in value)
+    return (_one_prompt(value),)
+
+
 def _one_prompt(value: Any) -> str | tuple[int, ...]:
-    """A completion's prompt: a string or token ids, or a batch of one of them. A batch of
-    several is refused: the worker serves one prompt an attempt (docs/compatibility.md)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
     if isinstance(value, str) and value:
         return value
     if (
@@ -330,15 +341,7 @@ def _one_prompt(value: Any) -> str | tuple[int, ...]:
         and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
     ):
         return tuple(value)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
-        raise Refusal(
-            400,
-            Code.UNSUPPORTED_FIELD,
-            f"prompt: a batch of {len(value)} prompts; this worker serves one prompt a request"
-            " (an openai replica takes a batch)",
-            field="prompt",
-        )
-    raise _bad("prompt", "must be a non-empty string or a list of token ids")
+    raise _bad("prompt", "must be a non-empty string, a list of token ids, or a batch of them")
 
 
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:

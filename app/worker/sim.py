@@ -20,6 +20,7 @@ ids derive from the request id, so two attempts of one request emit the same id 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import random
@@ -102,11 +103,13 @@ class SimEngine:
             await self.abort(rid)
 
     def prepare(self, spec: AttemptSpec) -> Prepared:
-        text = render_prompt(spec)
-        prompt_tokens = max(1, len(text.split()))
-        if prompt_tokens >= self.max_model_len:
-            raise prompt_too_long(prompt_tokens, self.max_model_len)
-        return Prepared(spec=spec, prompt_tokens=prompt_tokens, payload=text)
+        # each prompt of a batch on its own (its text and tokens), as one prompt is
+        texts = [render_prompt(dataclasses.replace(spec, prompt=p)) for p in spec.batch] or [render_prompt(spec)]
+        prompts = [(text, max(1, len(text.split()))) for text in texts]
+        for _, prompt_tokens in prompts:
+            if prompt_tokens >= self.max_model_len:
+                raise prompt_too_long(prompt_tokens, self.max_model_len)
+        return Prepared(spec=spec, prompt_tokens=sum(tokens for _, tokens in prompts), payload=prompts)
 
     def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         running = _Running()
@@ -158,9 +161,11 @@ class SimEngine:
         put = running.queue.put_nowait
         if timing.prefill_s_per_token:
             await asyncio.sleep(timing.prefill_s_per_token * prepared.prompt_tokens)
+        n = spec.sampling.n
         choices = [
-            _Choice(spec, prepared.payload, c, self.max_model_len - prepared.prompt_tokens)
-            for c in range(spec.sampling.n)
+            _Choice(spec, text, c, self.max_model_len - prompt_tokens, k * n)
+            for k, (text, prompt_tokens) in enumerate(prepared.payload)
+            for c in range(n)
         ]
         live = choices
         while live:
@@ -199,16 +204,17 @@ def _logprob(token_id: int, text: str, top: int) -> list[Any]:
 
 
 class _Choice:
-    """One choice's deterministic token stream."""
+    """One choice's deterministic token stream: choice ``choice`` of ``prompt``, the answer's
+    choice ``first + choice`` (a batch's prompt k answers as that prompt alone)."""
 
-    def __init__(self, spec: AttemptSpec, prompt: str, choice: int, room: int) -> None:
+    def __init__(self, spec: AttemptSpec, prompt: str, choice: int, room: int, first: int = 0) -> None:
         s: Sampling = spec.sampling
         material = f"{spec.model}\0{prompt}\0{s.seed}\0{s.temperature}\0{s.top_p}\0{choice}"
         extras = (s.top_k, s.min_p, s.repetition_penalty)
         if extras != (None, None, None):  # given only: the text of a request without them stays as it was
             material += "\0" + "\0".join(map(str, extras))
         self.rng = random.Random(hashlib.sha256(material.encode()).digest())
-        self.choice = choice
+        self.choice = first + choice
         self.stop = s.stop
         self.top_logprobs = s.logprobs
         natural = max(self.rng.randint(16, 128), s.min_tokens)

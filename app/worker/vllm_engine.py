@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,7 @@ class VllmEngine:
         self._special_ids: frozenset[int] = frozenset()
         self._requests: VllmRequests | None = None
         self._parsers: Parsers | None = None
+        self._batches: dict[str, list[str]] = {}  # a running batch's engine requests, by the attempt's
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
@@ -117,36 +120,54 @@ class VllmEngine:
 
     def prepare(self, spec: AttemptSpec) -> Prepared:
         assert self._requests is not None and self._parsers is not None
-        parsing = self._parsers.for_attempt(spec)
-        read = self._requests.read(spec, adjust=parsing.adjust if parsing is not None else None)
-        params = self._requests.sampling_params(read)
+        parsing = self._parsers.for_attempt(spec)  # (chat only: a batch is a completion's)
+        adjust = parsing.adjust if parsing is not None else None
+        reads = [self._requests.read(dataclasses.replace(spec, prompt=p)) for p in spec.batch] or [
+            self._requests.read(spec, adjust=adjust)
+        ]
+        read = reads[0]
         engine_kwargs = parsing.engine_kwargs(read.prompt_token_ids) if parsing is not None else {}
         # the alternatives a token's log probability comes with: as many as asked, or every
         # one vLLM gives for the client's logprob_token_ids, as vLLM's server gives them all
         top = ALL_ALTERNATIVES if getattr(read.request, "logprob_token_ids", None) else spec.sampling.logprobs
         as_ids = bool(getattr(read.request, "return_tokens_as_token_ids", None))  # tokens named by their ids
+        prompts = [(r.engine_input, self._requests.sampling_params(r), r.echo, r.prompt_said()) for r in reads]
         return Prepared(
             spec=spec,
-            prompt_tokens=len(read.prompt_token_ids),
-            payload=(read.engine_input, params, parsing, engine_kwargs, top, as_ids, read.echo, read.prompt_said()),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reads),
+            payload=_Plan(prompts, parsing, engine_kwargs, top, as_ids),
             usage_details=parsing.usage_details if parsing is not None else None,
         )
 
     def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
-        """The engine's outputs; where the client asked, each choice's first delta says what
-        vLLM's server says of the prompt there (``VllmRequest.prompt_said``)."""
-        outputs = self._generated(engine_request_id, prepared)
-        said = prepared.payload[-1]
-        return outputs if said is None else _saying(outputs, said, prepared.spec.sampling.n)
+        """The engine's outputs: one engine request a prompt (a batch's prompt k as
+        ``<id>-k``, its choices numbered from k·n, as vLLM's server runs a batch); where the
+        client asked, each choice's first delta says what vLLM's server says of its prompt
+        (``VllmRequest.prompt_said``)."""
+        plan: _Plan = prepared.payload
+        n = prepared.spec.sampling.n
+        if len(plan.prompts) == 1:
+            outputs = self._generated(engine_request_id, plan, 0, n)
+        else:
+            ids = [f"{engine_request_id}-{k}" for k in range(len(plan.prompts))]
+            self._batches[engine_request_id] = ids
+            streams = [self._generated(rid, plan, k, n) for k, rid in enumerate(ids)]
+            outputs = _merged(streams, lambda: self._batches.pop(engine_request_id, None))
+        said = {k * n + c: p[3] for k, p in enumerate(plan.prompts) if p[3] is not None for c in range(n)}
+        return outputs if not said else _saying(outputs, said)
 
-    async def _generated(self, engine_request_id: str, prepared: Prepared) -> AsyncGenerator[EngineOutput, None]:
-        engine_input, params, parsing, engine_kwargs, top, as_ids, echo, _ = prepared.payload
-        for choice in range(prepared.spec.sampling.n) if echo else ():
+    async def _generated(
+        self, engine_request_id: str, plan: _Plan, k: int, n: int
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Prompt ``k``'s outputs, its choices numbered from k·n."""
+        engine_input, params, echo, _ = plan.prompts[k]
+        parsing, top, as_ids, first = plan.parsing, plan.top, plan.as_ids, k * n
+        for choice in range(first, first + n) if echo else ():
             yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
-            generating = self._llm.generate(engine_input, params, engine_request_id, **engine_kwargs)
+            generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     for c in request_output.outputs:
@@ -154,7 +175,12 @@ class VllmEngine:
                         stop = _stop_reason(c)
                         if parsing is None:
                             yield EngineOutput(
-                                c.index, c.token_ids, c.text, c.finish_reason, logprobs=logprobs, stop_reason=stop
+                                first + c.index,
+                                c.token_ids,
+                                c.text,
+                                c.finish_reason,
+                                logprobs=logprobs,
+                                stop_reason=stop,
                             )
                             continue
                         ids = list(c.token_ids)
@@ -208,7 +234,7 @@ class VllmEngine:
         return vllm_utility.detokenize(self._tokenizer, body)
 
     async def abort(self, engine_request_id: str) -> int | None:
-        await self._llm.abort(engine_request_id)
+        await self._llm.abort(self._batches.pop(engine_request_id, None) or engine_request_id)
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
 
@@ -217,17 +243,62 @@ def _as_id(token_id: int, _decoded: str | None) -> str:
     return f"token_id:{token_id}"  # vLLM's own placeholder for a token named by its id
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What ``prepare`` made of an attempt for ``generate``: per prompt, the engine's input,
+    its sampling parameters, its echo and what is said of it; the chat parsers' part."""
+
+    prompts: list[tuple[Any, Any, str, tuple[list[int] | None, str | None] | None]]
+    parsing: Any
+    engine_kwargs: dict[str, Any]
+    top: int | None
+    as_ids: bool
+
+
+async def _merged(
+    streams: list[AsyncGenerator[EngineOutput, None]], ended: Callable[[], object]
+) -> AsyncGenerator[EngineOutput, None]:
+    """A batch's streams as one, each output as it comes; all closed when it is (each
+    engine request aborted then), and ``ended`` called."""
+    queue: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[EngineOutput, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    queue.put_nowait(output)
+            queue.put_nowait(None)
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        live = len(tasks)
+        while live:
+            got = await queue.get()
+            if got is None:
+                live -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ended()
+
+
 async def _saying(
-    outputs: AsyncGenerator[EngineOutput, None], said: tuple[list[int] | None, str | None], choices: int
+    outputs: AsyncGenerator[EngineOutput, None], said: dict[int, tuple[list[int] | None, str | None]]
 ) -> AsyncIterator[EngineOutput]:
-    """``outputs``, with ``said`` on each choice's first that carries a delta (text, or log
-    probabilities); closed with them (vLLM aborts its request when its generator closes)."""
-    unsaid = set(range(choices))
+    """``outputs``, each choice's first that carries a delta (text, or log probabilities)
+    with what is said of its prompt; closed with them (vLLM aborts its request when its
+    generator closes)."""
     async with contextlib.aclosing(outputs):
         async for output in outputs:
-            if unsaid and output.choice in unsaid and (output.text or output.logprobs is not None):
-                unsaid.discard(output.choice)
-                output.prompt = said
+            if said and output.choice in said and (output.text or output.logprobs is not None):
+                output.prompt = said.pop(output.choice)
             yield output
 
 

@@ -199,12 +199,9 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 
 # Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above
 _NOT_IN_FRAMES = "refused by name (400 unsupported_parameter): the worker's frames do not carry its effect"
-_ONE_PROMPT = "the worker serves one prompt a request: a batch is refused (400 unsupported_parameter)"
 WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
     ("completions echo, logprobs", "both"): _NOT_IN_FRAMES + ": the prompt's own log probabilities",
     ("use_beam_search, length_penalty", "both"): _NOT_IN_FRAMES,
-    ("completions: a batch of prompts", "both"): _ONE_PROMPT,
-    ("completions: a batch of token ids", "both"): _ONE_PROMPT,
 }
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
 

@@ -86,13 +86,15 @@ def test_a_whole_answer_posted_again_is_the_same_body(database_url: str, worker:
 
 def test_a_refusal_by_the_replica_posted_again_is_the_same_refusal(database_url: str, worker: WorkerProcess) -> None:
     """The answer from the log says what the first did: the status the policy decided and the
-    param the replica named (a worker serves one prompt a request: a batch is refused)."""
-    batch = {"model": MODEL, "prompt": ["one", "two"], "max_tokens": 2}
+    param the replica named (a worker takes a prompt as text or token ids, not as embeddings)."""
+    embedded = {"model": MODEL, "prompt_embeds": "AAAA", "max_tokens": 2}
     with running_gateway(database_url, [worker]) as gateway, httpx.Client(base_url=gateway.url, timeout=60) as http:
-        answers = [http.post("/v1/completions", json=batch, headers={"idempotency-key": "key-refused"}) for _ in "ab"]
+        answers = [
+            http.post("/v1/completions", json=embedded, headers={"idempotency-key": "key-refused"}) for _ in "ab"
+        ]
     first, again = answers
     assert first.status_code == again.status_code == 400
-    assert again.json() == first.json() and first.json()["error"]["param"] == "prompt"
+    assert again.json() == first.json() and first.json()["error"]["param"] == "prompt_embeds"
     assert first.json()["error"]["code"] == "unsupported_parameter"
 
 
