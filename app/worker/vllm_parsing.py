@@ -17,7 +17,9 @@ request gets one of vLLM's ``Parser`` objects per choice (``vllm.parser``: the c
   call's pieces are also gathered, and the whole call is published for the gateway's tool
   ledger once its choice has finished.
   A choice that called a tool by ``auto`` or ``required`` finishes as ``tool_calls``, as
-  vLLM's server says; a named call keeps the engine's reason (``stop``).
+  vLLM's server says; a named call keeps the engine's reason (``stop``). With
+  ``parallel_tool_calls`` false only a choice's first call is sent and taken, as vLLM's
+  server filters them.
 
 Without parsers, tools only reach the chat template and a tool choice that needs a parser
 is refused as vLLM's server refuses it.
@@ -123,6 +125,13 @@ class AttemptParsing:
         counted = sum(p.count_reasoning_tokens(ids) for p, ids in zip(self._parsers, self._generated, strict=True))
         return {"completion_tokens_details": {"reasoning_tokens": counted}}
 
+    def _allowed(self, calls: Any) -> Any:
+        """A delta's tool-call pieces as vLLM's server sends them: with ``parallel_tool_calls``
+        false, only the first call's (``maybe_filter_parallel_tool_calls``)."""
+        if self.request.parallel_tool_calls is False:
+            return [call for call in calls if call.index == 0]
+        return calls
+
     def outputs(
         self,
         choice: int,
@@ -144,7 +153,7 @@ class AttemptParsing:
             for key, piece in ((REASONING, delta.reasoning), (None, delta.content)):
                 if piece:
                     pieces.append(EngineOutput(choice, [], piece, key=key))
-            for call in delta.tool_calls or ():  # the piece as vLLM's server sends it, gathered for the ledger
+            for call in self._allowed(delta.tool_calls or ()):  # as vLLM's server sends it, gathered for the ledger
                 pieces.append(
                     EngineOutput(choice, [], json.dumps([call.model_dump(exclude_unset=True)]), key=TOOL_CALLS)
                 )
