@@ -39,6 +39,7 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from app.contract.logprobs import LOWEST_LOGPROB, clamped
@@ -130,6 +131,8 @@ class VllmEngine:
         # the alternatives a token's log probability comes with: as many as asked, or every
         # one vLLM gives for the client's logprob_token_ids, as vLLM's server gives them all
         top = ALL_ALTERNATIVES if getattr(read.request, "logprob_token_ids", None) else spec.sampling.logprobs
+        if top is not None and top != ALL_ALTERNATIVES and spec.messages is None:
+            top += 1  # a completion's: the first logprobs + 1 of vLLM's, as its server shows them
         as_ids = bool(getattr(read.request, "return_tokens_as_token_ids", None))  # tokens named by their ids
         prompts = [(r.engine_input, self._requests.sampling_params(r), r.echo, r.prompt_said()) for r in reads]
         return Prepared(
@@ -162,7 +165,11 @@ class VllmEngine:
         """Prompt ``k``'s outputs, its choices numbered from k·n."""
         engine_input, params, echo, _ = plan.prompts[k]
         parsing, top, as_ids, first = plan.parsing, plan.top, plan.as_ids, k * n
-        for choice in range(first, first + n) if echo else ():
+        # a completion's echo with logprobs carries the prompt's own (vLLM sets prompt_logprobs
+        # for it; its text is none with return_token_ids): it waits for the engine's first
+        # output, which has them
+        echo_later = top is not None and getattr(params, "prompt_logprobs", None) is not None
+        for choice in range(first, first + n) if echo and not echo_later else ():
             yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
@@ -170,6 +177,12 @@ class VllmEngine:
             generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
+                    if echo_later:
+                        echo_later = False
+                        assert top is not None
+                        said = self._prompt_logprobs(request_output, top, as_ids)
+                        for choice in range(first, first + n):
+                            yield EngineOutput(choice, [], echo, logprobs=said)
                     for c in request_output.outputs:
                         logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top, as_ids)
                         stop = _stop_reason(c)
@@ -191,7 +204,18 @@ class VllmEngine:
         except Exception as exc:
             raise EngineFailed(repr(exc)) from exc
 
-    def _logprobs(self, output: Any, top: int, as_ids: bool) -> list[Any]:
+    def _prompt_logprobs(self, request_output: Any, top: int, as_ids: bool) -> list[Any]:
+        """The log probabilities of an echoed prompt's tokens, as vLLM's server gives them:
+        the first has none (nothing came before it: ``None``, no alternatives)."""
+        prompt = SimpleNamespace(
+            token_ids=request_output.prompt_token_ids or [],
+            logprobs=request_output.prompt_logprobs or [],
+            finish_reason=None,
+            stop_reason=None,
+        )
+        return self._logprobs(prompt, top, as_ids, missing=None)
+
+    def _logprobs(self, output: Any, top: int, as_ids: bool, missing: float | None = LOWEST_LOGPROB) -> list[Any]:
         """vLLM's log probabilities of an output's new tokens, as a token frame carries them
         (app/contract/logprobs.py), chosen and clamped as vLLM's own server does; each token
         named ``token_id:<id>`` where the client asked (``return_tokens_as_token_ids``), as
@@ -211,7 +235,7 @@ class VllmEngine:
             step = output.logprobs[position]
             chosen = step.get(token_id) if step is not None else None
             if chosen is None:  # vLLM's server sends such a token without a log probability
-                entries.append([decoded(token_id, None), LOWEST_LOGPROB, []])
+                entries.append([decoded(token_id, None), missing, []])
                 continue
             alternatives = [
                 [decoded(tid, p.decoded_token), clamped(p.logprob)]

@@ -37,10 +37,6 @@ NOT_SERVED: dict[str, str] = {
 }
 
 
-# a completion's echo with log probabilities has the prompt's own first
-ECHOED_LOGPROBS = "a completion's echo with logprobs (the prompt's own, the first null) is not in the worker's frames"
-
-
 @dataclass(slots=True)
 class VllmRequest:
     """What vLLM's server makes of one attempt's request: its request model (adjusted by
@@ -86,8 +82,6 @@ class VllmRequests:
         for name in NOT_SERVED:
             if fields.get(name):
                 raise Refusal(400, Code.UNSUPPORTED_FIELD, f"{name}: {NOT_SERVED[name]}", field=name)
-        if spec.messages is None and fields.get("echo") and fields.get("logprobs") is not None:
-            raise Refusal(400, Code.UNSUPPORTED_FIELD, f"echo: {ECHOED_LOGPROBS}", field="echo")
         try:
             if spec.messages is not None:
                 return self._chat(spec, fields, adjust)

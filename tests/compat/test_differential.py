@@ -200,7 +200,6 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 # Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above
 _NOT_IN_FRAMES = "refused by name (400 unsupported_parameter): the worker's frames do not carry its effect"
 WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
-    ("completions echo, logprobs", "both"): _NOT_IN_FRAMES + ": the prompt's own log probabilities",
     ("use_beam_search, length_penalty", "both"): _NOT_IN_FRAMES,
 }
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
