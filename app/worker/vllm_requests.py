@@ -30,10 +30,13 @@ from typing import Any
 from app.contract.refusal_codes import code_for
 from app.worker.protocol import AttemptSpec, Code, Refusal
 
-# fields vLLM takes whose effect is in the answer's shape, which a worker's frames do not
-# carry: refused by name rather than dropped (docs/compatibility.md)
+# fields vLLM takes that a worker cannot serve as it serves the rest: refused by name rather
+# than dropped (docs/compatibility.md). vLLM's beam search runs one engine request a beam and
+# a step, under ids it draws itself, so the worker could not confirm its abort (a cancel's
+# acknowledgement is what a worker replica promises, DESIGN.md §7)
 NOT_SERVED: dict[str, str] = {
-    "use_beam_search": "the worker runs vLLM's sampling engine, not its beam search",
+    "use_beam_search": "vLLM's beam search runs engine requests the worker cannot confirm aborted"
+    " (an openai replica serves it)",
 }
 
 
