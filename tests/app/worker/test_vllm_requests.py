@@ -74,6 +74,7 @@ print(json.dumps({
                                add_generation_prompt=False, continue_final_message=True),
     "completions echo": attempt(default, None, "hi", echo=True),
     "completions echo, logprobs": attempt(default, None, "hi", echo=True, logprobs=1),
+    "beam search": attempt(default, hi, use_beam_search=True, n=2),
     "completions echo, token ids": attempt(default, None, "hi", echo=True, return_token_ids=True),
     "return_prompt_text": attempt(default, hi, return_prompt_text=True),
 }))
@@ -115,8 +116,8 @@ def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, A
         "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
         " (parameter=max_tokens, value=100000)"
     )
-    echo = found["completions echo, logprobs"]  # the prompt's own log probabilities: not in the frames
-    assert (echo["status"], echo["code"], echo["field"]) == (400, "unsupported_parameter", "echo")
+    beams = found["beam search"]  # its engine requests could not be confirmed aborted: refused by name
+    assert (beams["status"], beams["code"], beams["field"]) == (400, "unsupported_parameter", "use_beam_search")
 
 
 def test_what_vllms_server_says_of_the_prompt_is_said_where_asked(found: dict[str, Any]) -> None:
@@ -126,6 +127,7 @@ def test_what_vllms_server_says_of_the_prompt_is_said_where_asked(found: dict[st
     asked, nothing said."""
     echo, ids = found["completions echo"], found["completions echo, token ids"]
     assert (echo["echo"], echo["said"]) == ("hi", [echo["prompt_token_ids"], None])
+    assert found["completions echo, logprobs"]["echo"] == "hi"  # the prompt's log probabilities come with it
     assert (ids["echo"], ids["said"]) == ("", [ids["prompt_token_ids"], None])
     prompt_ids, text = found["return_prompt_text"]["said"]
     assert prompt_ids is None and text.endswith("hi<|end|><|assistant|><think>")
