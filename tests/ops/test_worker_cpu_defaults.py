@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from app.worker.vllm_engine import (
+from app.worker.vllm_memory import (
     MIB,
     MIN_CPU_KV_CACHE_BYTES,
     available_memory_bytes,

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from app.api.responses_input import chat_messages
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.replay import replay
@@ -147,6 +148,22 @@ def test_a_function_tool_is_called_and_its_output_taken_back(gateway: RunningGat
     events = gateway.events(request_id_of(response))
     assert [e.name for e in of(events, ev.ToolCallEmitted)] == ["lookup"]  # type: ignore[attr-defined]
     assert fold(events).outcome is Outcome.COMPLETED and replay(events).ok
+
+
+def test_a_reasoning_item_after_a_tools_output_is_an_assistant_turn_of_that_reasoning(gateway: RunningGateway) -> None:
+    """An agent's history handed back: the model reasoned after a tool's output. As vLLM
+    builds it, the reasoning item is an assistant message of that reasoning and no content
+    (it was refused: an assistant message needed content or tool calls)."""
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "what does ephemeral mean"},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"word": "ephemeral"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "lasting a very short time"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "brief"}]},
+        {"role": "user", "content": "say it in a word"},
+    ]
+    assert chat_messages(None, history)[3] == {"role": "assistant", "content": None, "reasoning": "brief"}
+    response = gateway.openai().responses.create(model=MODEL, input=history, max_output_tokens=6)  # type: ignore[arg-type]
+    assert response.status in ("completed", "incomplete") and response.output_text != ""
 
 
 @pytest.mark.parametrize(
