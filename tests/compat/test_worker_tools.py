@@ -3,7 +3,8 @@ any other (DESIGN.md §8, §10 case 5): the run's vLLM worker is forced by a nam
 ``tool_choice`` to call a tool, which it streams in pieces as vLLM's server does; its
 stream then ends before ``done``. The pieces reached the client, so there is no retry
 (the first was the commit point): the client gets them and the structured error, and the
-call, which the worker completed, ran once through the ledger.
+call, which the worker completed, ran once through the ledger. An attempt that broke before
+its first piece is asked again, and the call runs once.
 """
 
 from __future__ import annotations
@@ -68,3 +69,44 @@ def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through
         ledger = gateway.call(gateway.gateway.ctx.store.tool_execution(emitted.idempotency_key))  # type: ignore[attr-defined]
         assert ledger is not None and ledger.attempt == 1
         assert runs() == {emitted.idempotency_key: 1}  # type: ignore[attr-defined]  # executed once, through the ledger
+
+
+def test_a_forced_call_whose_attempt_broke_before_its_first_piece_is_asked_again_and_runs_once(
+    database_url: str, vllm: SharedVllm
+) -> None:
+    """The worker's attempt ends before it sent anything of the call (its stream closes at
+    the first engine output): nothing reached the client, so the gateway asks again, on
+    ``vllm serve``; the client gets that attempt's call whole in pieces, and the ledger runs
+    it once, under the attempt that made it."""
+    prompt = f"the weather, {uuid.uuid4().hex[:12]}"
+    worker = vllm.worker()
+    add_fault(worker, action="close_without_done", at_token=0, match={"prompt_contains": prompt, "attempt": 1})
+    replicas = [
+        ReplicaConfig(id="r1", url=worker.base_url, kind="worker"),  # ties go to the lower id: attempt 1
+        ReplicaConfig(id="r2", url=vllm.server_url, kind="openai"),
+    ]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "</think>"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "tools": TOOLS,
+        "tool_choice": NAMED,
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    with (
+        tool_webhook() as (url, runs),
+        running_gateway(database_url, replicas, models={MODEL: "compat"}, tool_webhook_url=url) as gateway,
+    ):
+        transcript = stream_chat(gateway.url, body, timeout=120)
+        events = gateway.events(transcript.request_id)
+        assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["r1", "r2"]  # type: ignore[attr-defined]
+        state = check_request(events, transcript)
+        assert state.outcome is Outcome.COMPLETED and transcript.error is None
+        assert not [e for e in of(events, ev.DeltasDelivered) if e.attempt == 1]  # type: ignore[attr-defined]
+        (emitted,) = of(events, ev.ToolCallEmitted)
+        assert emitted.attempt == 2 and emitted.name == "get_weather"  # type: ignore[attr-defined]
+        (delivered,) = transcript.calls
+        assert delivered["function"]["arguments"] == emitted.arguments  # type: ignore[attr-defined]
+        assert runs() == {emitted.idempotency_key: 1}  # type: ignore[attr-defined]  # asked twice, run once

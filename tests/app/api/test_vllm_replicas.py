@@ -9,9 +9,6 @@ overrides the engines' dtype where bfloat16 cannot run.
 
 from __future__ import annotations
 
-import json
-import socket
-import time
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -276,39 +273,3 @@ def ask_long(gateway: RunningGateway) -> tuple[str, str]:
     transcript: Transcript = stream_chat(gateway.url, long_body(32), timeout=120.0)
     assert transcript.done and transcript.error is None
     return transcript.request_id, transcript.text
-
-
-def test_a_beam_search_cancelled_midway_is_acknowledged_once_its_engine_requests_stopped(
-    database_url: str, vllm: SharedVllm
-) -> None:
-    """vLLM's beam search sends nothing until its end and runs one engine request a beam and
-    a step, under ids it draws itself (app/worker/vllm_beams.py). A client that leaves while
-    it runs: the gateway cancels, and the worker acknowledges only once the search's task
-    ended, so no engine request of it runs after the acknowledgement (the engine then serves
-    the next request at once)."""
-    body = {**long_body(400), "use_beam_search": True, "n": 2, "stream": True}
-    with gateway_over(database_url, vllm, worker_only=True) as gateway:
-        payload = json.dumps(body).encode()
-        head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        head += f"content-length: {len(payload)}\r\n\r\n"
-        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), 30) as sock:
-            sock.sendall(head.encode() + payload)
-            deadline = time.monotonic() + 60
-            while not gateway.gateway.ctx.drivers:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            (request_id,) = list(gateway.gateway.ctx.drivers)
-            gateway.wait_logged(request_id, lambda events: of(events, ev.AttemptStarted))
-            time.sleep(0.5)  # the search runs its first steps; the client leaves with nothing read
-        gateway.wait_logged(request_id, lambda events: fold(events).outcome is not None, timeout=60)
-        events = gateway.events(request_id)
-        assert_sound(gateway, database_url, events)
-        after = ask(gateway.openai(max_retries=0), stream=False)  # the engine is free: served at once
-    assert fold(events).outcome is Outcome.CANCELLED and not of(events, ev.DeltasDelivered)
-    (released,) = of(events, ev.AttemptReleased)
-    assert released.because is ReleaseReason.CANCEL_ACKED, timeline(events)  # type: ignore[attr-defined]
-    attempts = httpx.get(vllm.worker().base_url + "/admin/attempts", timeout=10).json()["attempts"]
-    (mine,) = [a for a in attempts if a["request_id"] == request_id]
-    assert mine["engine_over"] and mine["stop"] in {"cancelled", "disconnected"}, mine
-    assert after[1] != ""
