@@ -9,7 +9,10 @@ its first piece is asked again, and the call runs once.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -19,7 +22,7 @@ from statemachine.request_state import Outcome
 from tests.app.conftest import add_fault
 from tests.compat.test_differential import TOOLS
 from tests.faults.token_loop import tool_webhook
-from tests.support.gateway import running_gateway
+from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.transcript import check_request, of, stream_chat
 from tests.support.vllm_replicas import MODEL, SharedVllm
 
@@ -28,20 +31,11 @@ pytestmark = pytest.mark.vllm
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through_the_ledger(
-    database_url: str, vllm: SharedVllm
-) -> None:
-    prompt = f"the weather, {uuid.uuid4().hex[:12]}"
-    worker = vllm.worker()
-    # every frame of attempt 1 (the call's pieces, then the call whole), then the stream ends with no done
-    add_fault(worker, action="close_without_done", at_token=1_000_000, match={"prompt_contains": prompt})
-    replicas = [
-        ReplicaConfig(id="r1", url=worker.base_url, kind="worker"),  # ties go to the lower id: attempt 1
-        ReplicaConfig(id="r2", url=vllm.server_url, kind="openai"),
-    ]
-    body = {
+def forced_call(prompt: str) -> dict[str, Any]:
+    """A chat request whose answer is the named tool's call: it goes on after a closed
+    think block, and the forced call is all it says."""
+    return {
         "model": MODEL,
-        # the answer goes on after a closed think block: the forced call is all it says
         "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "</think>"}],
         "add_generation_prompt": False,
         "continue_final_message": True,
@@ -50,11 +44,33 @@ def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through
         "max_tokens": 200,
         "temperature": 0,
     }
+
+
+@contextlib.contextmanager
+def through_the_worker_then_vllm_serve(
+    database_url: str, vllm: SharedVllm
+) -> Iterator[tuple[RunningGateway, Callable[[], dict[str, int]]]]:
+    """A gateway over the run's vLLM worker (attempt 1: ties go to the lower id) and then
+    ``vllm serve``, with a real tool webhook; the gateway and the webhook's runs per key."""
+    replicas = [
+        ReplicaConfig(id="r1", url=vllm.worker().base_url, kind="worker"),
+        ReplicaConfig(id="r2", url=vllm.server_url, kind="openai"),
+    ]
     with (
         tool_webhook() as (url, runs),
         running_gateway(database_url, replicas, models={MODEL: "compat"}, tool_webhook_url=url) as gateway,
     ):
-        transcript = stream_chat(gateway.url, body, timeout=120)
+        yield gateway, runs
+
+
+def test_a_forced_call_cut_after_its_pieces_is_not_retried_and_runs_once_through_the_ledger(
+    database_url: str, vllm: SharedVllm
+) -> None:
+    prompt = f"the weather, {uuid.uuid4().hex[:12]}"
+    # every frame of attempt 1 (the call's pieces, then the call whole), then the stream ends with no done
+    add_fault(vllm.worker(), action="close_without_done", at_token=1_000_000, match={"prompt_contains": prompt})
+    with through_the_worker_then_vllm_serve(database_url, vllm) as (gateway, runs):
+        transcript = stream_chat(gateway.url, forced_call(prompt), timeout=120)
         events = gateway.events(transcript.request_id)
         assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["r1"]  # type: ignore[attr-defined]
         state = check_request(events, transcript)  # the client's deltas are the log's
@@ -79,27 +95,9 @@ def test_a_forced_call_whose_attempt_broke_before_its_first_piece_is_asked_again
     ``vllm serve``; the client gets that attempt's call whole in pieces, and the ledger runs
     it once, under the attempt that made it."""
     prompt = f"the weather, {uuid.uuid4().hex[:12]}"
-    worker = vllm.worker()
-    add_fault(worker, action="close_without_done", at_token=0, match={"prompt_contains": prompt, "attempt": 1})
-    replicas = [
-        ReplicaConfig(id="r1", url=worker.base_url, kind="worker"),  # ties go to the lower id: attempt 1
-        ReplicaConfig(id="r2", url=vllm.server_url, kind="openai"),
-    ]
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": "</think>"}],
-        "add_generation_prompt": False,
-        "continue_final_message": True,
-        "tools": TOOLS,
-        "tool_choice": NAMED,
-        "max_tokens": 200,
-        "temperature": 0,
-    }
-    with (
-        tool_webhook() as (url, runs),
-        running_gateway(database_url, replicas, models={MODEL: "compat"}, tool_webhook_url=url) as gateway,
-    ):
-        transcript = stream_chat(gateway.url, body, timeout=120)
+    add_fault(vllm.worker(), action="close_without_done", at_token=0, match={"prompt_contains": prompt, "attempt": 1})
+    with through_the_worker_then_vllm_serve(database_url, vllm) as (gateway, runs):
+        transcript = stream_chat(gateway.url, forced_call(prompt), timeout=120)
         events = gateway.events(transcript.request_id)
         assert [e.replica_id for e in of(events, ev.AttemptStarted)] == ["r1", "r2"]  # type: ignore[attr-defined]
         state = check_request(events, transcript)

@@ -68,6 +68,21 @@ def vllm_env() -> VllmEnv:
     return VllmEnv(python, model)
 
 
+def run_in_vllm(code: str, *args: str) -> Any:
+    """The JSON a check prints last, run as ``python -c code args…`` in the vLLM environment
+    (its imports and the tiny model's config: about 10 s), with this repository importable."""
+    result = subprocess.run(
+        [vllm_env().python, "-c", code, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @dataclass
 class ManagedProcess:
     """A process started in its own group, with its combined output in a log file."""

@@ -11,18 +11,14 @@ vLLM lives in its own environment (.ci/vllm-env): the checks run there, in a chi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.workers import vllm_env
+from tests.support.workers import run_in_vllm, vllm_env
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).parents[3]
 CHECKS = """
 import json, sys
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -61,17 +57,7 @@ print(json.dumps({"found": found, "tokens": len(ids)}))
 
 @pytest.fixture(scope="module")
 def found() -> dict[str, Any]:
-    env = vllm_env()
-    result = subprocess.run(
-        [env.python, "-c", CHECKS, env.model],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_in_vllm(CHECKS, vllm_env().model)  # type: ignore[no-any-return]
 
 
 def test_two_calls_are_two_calls_streamed_and_taken(found: dict[str, Any]) -> None:

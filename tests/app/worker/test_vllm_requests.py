@@ -9,19 +9,14 @@ process that prints what it found (about 10 s: vLLM's imports and the model's co
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.workers import vllm_env
+from tests.support.workers import run_in_vllm, vllm_env
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).parents[3]
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}|{% endfor %}"
 
 CHECKS = """
@@ -83,17 +78,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def found() -> dict[str, Any]:
-    env = vllm_env()
-    result = subprocess.run(
-        [env.python, "-c", CHECKS, env.model, TEMPLATE],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_in_vllm(CHECKS, vllm_env().model, TEMPLATE)  # type: ignore[no-any-return]
 
 
 def test_the_workers_chat_template_renders_the_prompt(found: dict[str, Any]) -> None:
