@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import pytest
@@ -60,12 +60,27 @@ def vllm_env() -> VllmEnv:
         if not value or not Path(value).exists()
     ]
     if missing:
-        why = f"vLLM tests need {' and '.join(missing)} (see .ci/vllm-env)"
-        if os.environ.get("PHASEGATE_REQUIRE_VLLM") == "1":
-            pytest.fail(why + "; PHASEGATE_REQUIRE_VLLM=1 forbids skipping")
-        pytest.skip(why)
+        unavailable(f"vLLM tests need {' and '.join(missing)} (see .ci/vllm-env)")
     assert python is not None and model is not None
     return VllmEnv(python, model)
+
+
+def instructor_python() -> str:
+    """The instructor environment's Python (``PHASEGATE_INSTRUCTOR_PYTHON``), or skip (fail
+    under PHASEGATE_REQUIRE_VLLM=1): instructor cannot be installed beside this project's
+    ``openai`` client, so .ci/vllm-env builds it a venv of its own."""
+    python = os.environ.get("PHASEGATE_INSTRUCTOR_PYTHON")
+    if not python or not Path(python).exists():
+        unavailable("instructor's test needs PHASEGATE_INSTRUCTOR_PYTHON (see .ci/vllm-env)")
+    assert python is not None
+    return python
+
+
+def unavailable(why: str) -> NoReturn:
+    """Skip a test whose environment is missing, or fail it under PHASEGATE_REQUIRE_VLLM=1 (CI)."""
+    if os.environ.get("PHASEGATE_REQUIRE_VLLM") == "1":
+        pytest.fail(why + "; PHASEGATE_REQUIRE_VLLM=1 forbids skipping")
+    pytest.skip(why)
 
 
 def run_in_vllm(code: str, *args: str) -> Any:
