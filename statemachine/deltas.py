@@ -6,8 +6,14 @@ from __future__ import annotations
 
 # A token's log probability and the likeliest tokens at its place:
 # (token, logprob, ((alternative, logprob), …)); per delta, its tokens' in order. An echoed
-# prompt's first token has none: (token, None, ()), as vLLM gives it (null).
-TokenLogprob = tuple[str, float | None, tuple[tuple[str, float], ...]]
+# prompt's first token has none: (token, None, ()), as vLLM gives it (null). A token sent
+# under another name than its text (vLLM's ``return_tokens_as_token_ids``: ``token_id:<id>``)
+# carries its text fourth, since a chat client's ``bytes`` are the text's:
+# (token, logprob, alternatives, text).
+TokenLogprob = (
+    tuple[str, float | None, tuple[tuple[str, float], ...]]
+    | tuple[str, float | None, tuple[tuple[str, float], ...], str]
+)
 DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
 
 

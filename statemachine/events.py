@@ -4,8 +4,7 @@ Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and
 ``occurred_at`` (the gateway's clock, read by the driver, never here).
 Attempt-scoped events also carry ``attempt`` and ``lease_epoch``.
 
-Their JSON form, which the log stores and traces carry, is in
-:mod:`statemachine.jsonform`.
+Their JSON form, which the log stores and traces carry: :mod:`statemachine.jsonform`.
 """
 
 from __future__ import annotations
@@ -60,13 +59,15 @@ class RequestScoped:
     """Fields every event carries.
 
     ``SCHEMA_VERSION`` is the event's newest form; ``ADDED`` names the body fields each
-    later version added (all with defaults). An event is written in the oldest form that
-    holds it: while its added fields keep their defaults it is written as before them,
+    later version added (all with defaults), ``WIDENED`` those whose values it may write in
+    a wider form. An event is written in the oldest form that holds it: while its added
+    fields keep their defaults (and its values the narrower form) it is written as before,
     so the logs of an earlier release read the same and that release can still read it
     (:func:`statemachine.jsonform.written_as`); every older form still decodes."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = {}
+    WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {}
     request_id: str
     seq: int
     occurred_at: datetime
@@ -260,11 +261,13 @@ class DeltasDelivered(AttemptScoped):
     are content, as in logs written before. Version 3, for a request that asked for
     them and only with the text: ``token_ids`` per delta, and ``prompts``, what the
     replica said of the prompt of each choice whose first delta the batch holds
-    (:mod:`statemachine.deltas`); empty otherwise.
+    (:mod:`statemachine.deltas`); empty otherwise. Version 4: a token of ``logprobs`` sent
+    under another name than its text carries its text (:data:`TokenLogprob`).
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 3
+    SCHEMA_VERSION: ClassVar[int] = 4
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts")}
+    WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
     tokens: int
@@ -281,11 +284,12 @@ class DeltasDelivered(AttemptScoped):
 class DeltasProduced(AttemptScoped):
     """Deltas ``[from_index, to_index)`` the attempt produced while no client was
     attached (DESIGN.md §12): recorded, not delivered. The fields are those of
-    :class:`DeltasDelivered` (``logprobs`` since version 3); a client that receives them
-    later records them delivered."""
+    :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4); a client that
+    receives them later records them delivered."""
 
-    SCHEMA_VERSION: ClassVar[int] = 3
+    SCHEMA_VERSION: ClassVar[int] = 4
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("logprobs", "token_ids", "prompts")}
+    WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
     tokens: int

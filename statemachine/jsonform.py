@@ -30,13 +30,26 @@ _ATTEMPT_SCOPE = ("attempt", "lease_epoch")
 
 def written_as(event: Event) -> tuple[int, tuple[str, ...]]:
     """The schema version ``event`` is written at and its body's fields in it: the oldest
-    that holds it (a field a later version added, at its default, is not written)."""
+    that holds it (a field a later version added, at its default, is not written; a value
+    in the wider form a later version allows is written at that version)."""
     forms = _FORMS[type(event)]
     version = 1
     for added_in, names in forms.added:
         if any(getattr(event, name) != default for name, default in names):
             version = added_in
+    for widened_in, fields in forms.widened:
+        if widened_in > version and any(_WIDER[name](getattr(event, name)) for name in fields):
+            version = widened_in
     return version, forms.body_fields[version]
+
+
+def _names_a_token(logprobs: DeltaLogprobs | None) -> bool:
+    """Whether some token of ``logprobs`` was sent under another name than its text."""
+    return logprobs is not None and any(len(entry) == 4 for delta in logprobs for entry in delta)
+
+
+# what says that a field's value needs the wider form a later version allows (``WIDENED``)
+_WIDER: dict[str, typing.Callable[[Any], bool]] = {"logprobs": _names_a_token}
 
 
 def to_json(event: Event) -> dict[str, Any]:
@@ -219,12 +232,14 @@ def _parse_delta_logprobs(value: Any) -> DeltaLogprobs:
 
 
 def _token_logprob(entry: Any) -> TokenLogprob:
-    if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[2], list):
-        raise TypeError(f"expected [token, logprob, [[alternative, logprob], …]], got {entry!r}")
-    token, logprob, top = entry
+    if not isinstance(entry, list) or not 3 <= len(entry) <= 4 or not isinstance(entry[2], list):
+        raise TypeError(f"expected [token, logprob, [[alternative, logprob], …](, text)], got {entry!r}")
+    token, logprob, top = entry[:3]
     if logprob is None and not top:  # an echoed prompt's first token: none, as vLLM gives it
-        return (_token(token), None, ())
-    return (_token(token), _logprob(logprob), tuple(_alternative(item) for item in top))
+        said: TokenLogprob = (_token(token), None, ())
+    else:
+        said = (_token(token), _logprob(logprob), tuple(_alternative(item) for item in top))
+    return said if len(entry) == 3 else (*said, _token(entry[3]))
 
 
 def _alternative(item: Any) -> tuple[str, float]:
@@ -318,6 +333,7 @@ class _Forms(typing.NamedTuple):
     defaults, and its body's fields at each version."""
 
     added: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...]
+    widened: tuple[tuple[int, tuple[str, ...]], ...]
     body_fields: dict[int, tuple[str, ...]]
 
 
@@ -335,6 +351,7 @@ for _cls in EVENT_TYPES.values():
         added=tuple(
             (version, tuple((name, _defaults[name]) for name in names)) for version, names in sorted(_cls.ADDED.items())
         ),
+        widened=tuple(sorted(_cls.WIDENED.items())),
         body_fields={
             version: tuple(name for name in _body if _added_in.get(name, 1) <= version)
             for version in range(1, _cls.SCHEMA_VERSION + 1)

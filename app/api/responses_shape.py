@@ -65,7 +65,8 @@ def _logprobs(entries: Sequence[TokenLogprob], *, with_bytes: bool) -> list[dict
             entry["bytes"] = list(token.encode("utf-8", "replace"))
         return entry
 
-    return [{**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]} for token, logprob, top in entries]
+    # a token named otherwise (token_id:<id>): its bytes are the name's, as vLLM's Responses API gives them
+    return [{**one(entry[0], entry[1]), "top_logprobs": [one(t, lp) for t, lp in entry[2]]} for entry in entries]
 
 
 class _Item:

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from app.contract.logprobs import TokenLogprob
+from app.contract.logprobs import TokenLogprob, chat_bytes
 from app.driver.request import CHAT, GenerationRequest
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
 
@@ -337,23 +337,23 @@ def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset:
         return {
             "content": [
                 {
-                    "token": token,
-                    "logprob": logprob,
-                    "bytes": list(token.encode("utf-8", "replace")),
+                    "token": entry[0],
+                    "logprob": entry[1],
+                    "bytes": chat_bytes(entry),
                     "top_logprobs": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))} for t, lp in top
+                        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))} for t, lp in entry[2]
                     ],
                 }
-                for token, logprob, top in entries
+                for entry in entries
             ]
         }
     offsets = []
-    for token, _, _ in entries:
+    for entry in entries:
         offsets.append(text_offset)
-        text_offset += len(token)
+        text_offset += len(entry[0])
     return {
-        "tokens": [token for token, _, _ in entries],
-        "token_logprobs": [logprob for _, logprob, _ in entries],
-        "top_logprobs": [None if logprob is None else dict(top) for _, logprob, top in entries],
+        "tokens": [entry[0] for entry in entries],
+        "token_logprobs": [entry[1] for entry in entries],
+        "top_logprobs": [None if entry[1] is None else dict(entry[2]) for entry in entries],
         "text_offset": offsets,
     }

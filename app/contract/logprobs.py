@@ -10,7 +10,9 @@ logprob, [[alternative, logprob], …]], …]``, one per token of the frame): th
 text, its log probability, and the most likely tokens at its place, best first. The
 end-of-sequence token that stopped a choice has none, as vLLM's server gives none; an
 echoed prompt's first token has a log probability of ``None`` and no alternatives (vLLM's
-server gives ``null`` for both: nothing came before it).
+server gives ``null`` for both: nothing came before it). A token named otherwise than by its
+text (``return_tokens_as_token_ids``: ``token_id:<id>``) carries its text fourth, where vLLM's
+chat server gives the text's ``bytes`` for it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI and vLLM's default max_l
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI
 LOWEST_LOGPROB = -9999.0  # what vLLM's server sends for -inf
 
-TokenLogprob = tuple[str, float | None, tuple[tuple[str, float], ...]]
+TokenLogprob = (
+    tuple[str, float | None, tuple[tuple[str, float], ...]]
+    | tuple[str, float | None, tuple[tuple[str, float], ...], str]
+)
 
 
 def requested_logprobs(params: Mapping[str, Any], *, chat: bool | None, prefix: str = "") -> int | None:
@@ -71,13 +76,14 @@ def from_wire(value: Any) -> tuple[TokenLogprob, ...]:
 
 
 def _entry(item: Any) -> TokenLogprob:
-    if not isinstance(item, list | tuple) or len(item) != 3 or not isinstance(item[2], list | tuple):
-        raise ValueError(f"not a [token, logprob, alternatives] entry: {item!r}")
-    token, logprob, top = item
+    if not isinstance(item, list | tuple) or not 3 <= len(item) <= 4 or not isinstance(item[2], list | tuple):
+        raise ValueError(f"not a [token, logprob, alternatives(, text)] entry: {item!r}")
+    token, logprob, top = item[:3]
     if logprob is None and top:
         raise ValueError(f"a token with no log probability has no alternatives either: {item!r}")
     said = None if logprob is None else _logprob(logprob)
-    return (_token(token), said, tuple((_token(t), _logprob(lp)) for t, lp in top))
+    entry = (_token(token), said, tuple((_token(t), _logprob(lp)) for t, lp in top))
+    return entry if len(item) == 3 else (*entry, _token(item[3]))
 
 
 def _token(value: Any) -> str:
@@ -90,6 +96,20 @@ def _logprob(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value > 0:
         raise ValueError(f"a log probability must be a number at most 0, not {value!r}")
     return clamped(value)
+
+
+def chat_bytes(entry: TokenLogprob) -> list[int]:
+    """A chat token's ``bytes``, as vLLM's server gives them: its text's (named otherwise, the
+    text it carries fourth)."""
+    return list((entry[3] if len(entry) == 4 else entry[0]).encode("utf-8", "replace"))
+
+
+def named_text(token: str, said_bytes: Any) -> str | None:
+    """The text a chat token carries fourth, from the ``bytes`` vLLM's server sent with it:
+    ``None`` where they are its own (``bytes`` are UTF-8 that vLLM's server encoded)."""
+    if type(said_bytes) is not list or said_bytes == list(token.encode("utf-8", "replace")):
+        return None
+    return bytes(said_bytes).decode("utf-8", "replace")
 
 
 def clamped(logprob: float) -> float:

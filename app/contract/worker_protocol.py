@@ -17,8 +17,9 @@ from typing import Any
 
 # 2: a start request carries the client's fields as vLLM's server takes them (vllm);
 # 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``);
-# 4: a choice's first token frame says what vLLM's server says of the prompt, where asked
-VERSION = 4
+# 4: a choice's first token frame says what vLLM's server says of the prompt, where asked;
+# 5: a token named by its id (return_tokens_as_token_ids) carries its text in its logprobs
+VERSION = 5
 HEADER = "x-phasegate-protocol"
 
 

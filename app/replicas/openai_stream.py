@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import orjson
 
-from app.contract.logprobs import TokenLogprob, from_wire
+from app.contract.logprobs import TokenLogprob, from_wire, named_text
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -201,9 +201,10 @@ def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
     if given is None:
         return None
     try:
-        if "content" in given:  # chat
+        if "content" in given:  # chat (a token named otherwise than its text: its text fourth)
             entries = [
                 [e["token"], e["logprob"], [[t["token"], t["logprob"]] for t in e.get("top_logprobs") or ()]]
+                + ([] if (text := named_text(e["token"], e.get("bytes"))) is None else [text])
                 for e in given["content"] or ()
             ]
         else:  # completions: tokens, token_logprobs, top_logprobs (one {token: logprob} a token)

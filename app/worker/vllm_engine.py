@@ -205,7 +205,8 @@ class VllmEngine:
         """vLLM's log probabilities of an output's new tokens, as a token frame carries them
         (app/contract/logprobs.py), chosen and clamped as vLLM's own server does; each token
         named ``token_id:<id>`` where the client asked (``return_tokens_as_token_ids``), as
-        vLLM's server names them. The end of sequence that stopped it has none: vLLM's server
+        vLLM's server names them, a chosen one with its text fourth (its chat ``bytes`` are
+        the text's there). The end of sequence that stopped it has none: vLLM's server
         leaves it out of the answer too."""
         decoded = _as_id if as_ids else self._decoded
         entries: list[Any] = []
@@ -228,7 +229,10 @@ class VllmEngine:
                 for rank, (tid, p) in enumerate(step.items())
                 if top == ALL_ALTERNATIVES or rank < top
             ]
-            entries.append([decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives])
+            entry = [decoded(token_id, chosen.decoded_token), clamped(chosen.logprob), alternatives]
+            if as_ids and chosen.decoded_token is not None:
+                entry.append(chosen.decoded_token)
+            entries.append(entry)
         return entries
 
     def _decoded(self, token_id: int, decoded: str | None) -> str:

@@ -192,8 +192,6 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("completions echo, logprobs", "whole"): _FROM_THE_STREAM
     + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
     ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
-    ("return_tokens_as_token_ids", "both"): "a log probability's bytes are its token's as sent ('token_id:918'),"
-    " where vLLM gives the bytes of the token's text: the log keeps the token, not its bytes",
     ("n of the wrong type", "both"): _PARAM_NAMED,
     ("no messages", "both"): _PARAM_NAMED,
     ("temperature of the wrong type", "both"): "param is the field's name, as OpenAI says it, not 'body.temperature'",

@@ -81,6 +81,23 @@ def test_an_event_is_written_in_the_oldest_form_that_holds_it(cls: type[Event]) 
             from_json(older)
 
 
+@pytest.mark.parametrize("cls", [cls for cls in ALL_TYPES if cls.WIDENED], ids=lambda cls: cls.__name__)
+def test_a_value_in_a_wider_form_is_written_in_the_version_that_allows_it(cls: type[Event]) -> None:
+    """A token sent under another name than its text (``token_id:<id>``) carries its text
+    fourth: written at the version that widened ``logprobs``; every other token as before."""
+    ((version, (name,)),) = cls.WIDENED.items()
+    event = sample_event(cls)
+    narrow = to_json(event)
+    assert narrow["v"] < version
+    named = (("token_id:918", -0.25, (("token_id:918", -0.25),), "sa"), ("token_id:705", -1.0, ()))
+    wide = dataclasses.replace(event, **{name: (named, ())})
+    form = json.loads(json.dumps(to_json(wide)))
+    assert form["v"] == version == cls.SCHEMA_VERSION
+    assert form["body"][name][0][0] == ["token_id:918", -0.25, [["token_id:918", -0.25]], "sa"]
+    assert form["body"][name][0][1] == ["token_id:705", -1.0, []]  # its text is its own: three
+    assert from_json(form) == wide
+
+
 @pytest.mark.parametrize("cls", ALL_TYPES, ids=lambda cls: cls.__name__)
 def test_round_trip_is_lossless_through_json_text(cls: type[Event]) -> None:
     event = sample_event(cls)
@@ -162,6 +179,8 @@ def _broken(change: dict[str, Any], body_change: dict[str, Any] | None = None, d
         (_broken({}, {"logprobs": [[["sa", True, []]]]}), "a number at most 0"),
         (_broken({}, {"logprobs": [[["sa", -0.5, [["x"]]]]]}), "expected \\[alternative, logprob\\]"),
         (_broken({}, {"logprobs": [[[5, -0.5, []]]]}), "expected a token string"),
+        (_broken({}, {"logprobs": [[["sa", -0.5, [], 7]]]}), "expected a token string"),
+        (_broken({}, {"logprobs": [[["sa", -0.5, [], "s", "a"]]]}), "expected \\[token, logprob"),
     ],
 )
 def test_malformed_events_are_rejected_by_name(data: Any, message: str) -> None:

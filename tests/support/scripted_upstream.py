@@ -22,7 +22,8 @@ streams them, then the think block's end, a token with no text: ``delta: {}``, w
 log probabilities when asked for, as vLLM sends it; then content),
 ``{"nul_at": k}`` (U+0000 after the k-th word), ``{"finish_reason": "…"}`` (the word it
 ends with), ``{"burst": n}`` (the tokens' chunks written n at a time, so that a gateway
-reads several at once). A request asking for ``logprobs`` gets -0.5 for each word and one alternative.
+reads several at once). A request asking for ``logprobs`` gets -0.5 for each word and one alternative (with
+``return_tokens_as_token_ids``, named by their ids, as vLLM names them).
 One asking for ``return_token_ids`` gets each word's id (:func:`token_id`) in its chunk, the
 prompt's (:func:`prompt_token_ids`) where vLLM puts them (a chat stream's role chunk, a
 completion choice's first chunk) and, with a ``stop`` finish, the end-of-sequence id
@@ -61,6 +62,9 @@ WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 
 
 EOS = 2
+
+
+ALTERNATIVE_ID, THINK_END_ID = 98, 99  # the ids of the one alternative ("~") and of the think block's end
 
 
 def token_id(word: str) -> int:
@@ -123,7 +127,7 @@ class Upstream:
         if chat and body.get("tools"):
             behaviour = {**behaviour, "tool": body["tools"][0]["function"]["name"]}
         if body.get("logprobs") is not None:  # as vLLM: -0.5 for each word, -1.5 for one alternative
-            behaviour = {**behaviour, "logprobs": True}
+            behaviour = {**behaviour, "logprobs": "as ids" if body.get("return_tokens_as_token_ids") else True}
         if body.get("return_token_ids"):
             behaviour = {**behaviour, "prompt_token_ids": prompt_token_ids(prompt)}
         if body.get("return_prompt_text"):
@@ -204,13 +208,17 @@ class Upstream:
             field = "reasoning" if index < behaviour.get("reasoning", 0) else "content"
             choice = {"index": 0, "delta": {field: word}} if chat else {"index": 0, "text": word}
             if behaviour.get("logprobs"):
-                choice["logprobs"] = _logprobs(word, chat)
+                choice["logprobs"] = _logprobs(word, chat, behaviour["logprobs"] == "as ids")
             if "prompt_token_ids" in behaviour:
                 choice["token_ids"] = [token_id(word)]
                 if not chat and index == 0:
                     choice["prompt_token_ids"] = behaviour["prompt_token_ids"]
             if chat and index == behaviour.get("reasoning", 0) > 0 and behaviour.get("logprobs"):
-                think_end = {"index": 0, "delta": {}, "logprobs": _logprobs("</think>", chat)}
+                think_end = {
+                    "index": 0,
+                    "delta": {},
+                    "logprobs": _logprobs("</think>", chat, behaviour["logprobs"] == "as ids"),
+                }
                 written.append(_sse({**head, "choices": [{**think_end, "finish_reason": None}]}))
             written.append(_sse({**head, "choices": [{**choice, "finish_reason": None}]}))
             if len(written) < burst and index < len(words) - 1:
@@ -259,11 +267,15 @@ def _call_pieces(name: str, arguments: str, pieces: int) -> list[dict[str, Any]]
     return [{**call, "function": {"name": name}}] + [{"index": 0, "function": {"arguments": p}} for p in parts]
 
 
-def _logprobs(word: str, chat: bool) -> dict[str, Any]:
+def _logprobs(word: str, chat: bool, as_ids: bool = False) -> dict[str, Any]:
+    """As vLLM: with ``return_tokens_as_token_ids`` each token named ``token_id:<id>``, a chat
+    token's ``bytes`` its text's all the same (an alternative's, its name's)."""
+    named = token_id(word) if word.strip() in WORDS else THINK_END_ID
+    name, other = (f"token_id:{named}", f"token_id:{ALTERNATIVE_ID}") if as_ids else (word, "~")
     if chat:
-        top = [{"token": word, "logprob": -0.5}, {"token": "~", "logprob": -1.5}]
-        return {"content": [{"token": word, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": top}]}
-    return {"tokens": [word], "token_logprobs": [-0.5], "top_logprobs": [{word: -0.5, "~": -1.5}], "text_offset": [0]}
+        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in ((name, -0.5), (other, -1.5))]
+        return {"content": [{"token": name, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": top}]}
+    return {"tokens": [name], "token_logprobs": [-0.5], "top_logprobs": [{name: -0.5, other: -1.5}], "text_offset": [0]}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -22,8 +22,10 @@ from app.api.from_log import deltas_of
 from app.config import ReplicaConfig
 from statemachine import events as ev
 from statemachine.deltas import NO_TEXT
+from statemachine.jsonform import written_as
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import (
+    ALTERNATIVE_ID,
     EOS,
     ScriptedUpstream,
     answer,
@@ -144,3 +146,38 @@ def test_the_digest_policy_keeps_no_token_ids(database_url: str, upstream: Scrip
     assert '"token_ids":[' in sent.text and '"prompt_token_ids":[' in sent.text  # the client got them
     batches = of(events, ev.DeltasDelivered)
     assert batches and all(b.text is None and not b.token_ids and not b.prompts for b in batches)  # type: ignore[attr-defined]
+
+
+def test_tokens_named_by_their_ids_keep_their_texts_bytes_sent_logged_and_resumed(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    """``return_tokens_as_token_ids``: vLLM names each token ``token_id:<id>`` and gives a
+    chat token's ``bytes`` from its text (an alternative's from its name). The client gets
+    them so, whole and streamed; the log keeps the text with the token (``DeltasDelivered``
+    version 4), so a resumed stream gives the same bytes."""
+    asked = {**CHAT, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    with gateway.http() as http:
+        sent = http.post("/v1/chat/completions", json={**asked, "stream": True})
+        whole = http.post("/v1/chat/completions", json=asked).json()
+        request_id = sent.headers["x-request-id"]
+        resumed = http.get(f"/v1/requests/{request_id}/stream")
+    names = [f"token_id:{i}" for i in IDS]
+    other = f"token_id:{ALTERNATIVE_ID}"
+    streamed = [
+        e for c in chunks(sent.text) if c["choices"] for e in (c["choices"][0]["logprobs"] or {}).get("content", [])
+    ]
+    for entries in (streamed, whole["choices"][0]["logprobs"]["content"]):
+        assert [e["token"] for e in entries] == names
+        assert [e["bytes"] for e in entries] == [list(word.encode()) for word in WORDS]  # the text's
+        assert [[t["bytes"] for t in e["top_logprobs"]] for e in entries] == [
+            [list(name.encode()), list(other.encode())]
+            for name in names  # an alternative's: its name's
+        ]
+    assert data_lines(resumed.text) == data_lines(sent.text)
+    batches = of(gateway.events(request_id), ev.DeltasDelivered)
+    logged = [entry for b in batches for delta in b.logprobs or () for entry in delta]  # type: ignore[attr-defined]
+    assert logged == [(name, -0.5, ((name, -0.5), (other, -1.5)), w) for name, w in zip(names, WORDS, strict=True)]
+    assert {written_as(b)[0] for b in batches} == {4}
+    with gateway.http() as http:  # named by their text, the tokens need no more: written as before
+        plain = http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "stream": True})
+    assert {written_as(b)[0] for b in of(gateway.events(plain.headers["x-request-id"]), ev.DeltasDelivered)} == {3}
