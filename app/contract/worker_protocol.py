@@ -18,9 +18,18 @@ from typing import Any
 # 2: a start request carries the client's fields as vLLM's server takes them (vllm);
 # 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``);
 # 4: a choice's first token frame says what vLLM's server says of the prompt, where asked;
-# 5: a token named by its id (return_tokens_as_token_ids) carries its text in its logprobs
-VERSION = 5
+# 5: a token named by its id (return_tokens_as_token_ids) carries its text in its logprobs;
+# 6: a renewal names its number and the last one answered (RENEWAL_SLACK)
+VERSION = 6
 HEADER = "x-phasegate-protocol"
+
+# How far past the TTL of the last renewal the gateway got an answer to (or of the start) a
+# later renewal may carry a lease, in TTLs. The worker extends no further, and the gateway's
+# view of a lease ends that much later while a renewal is unanswered: so a renewal the
+# worker read whose answer was lost never leaves the worker's lease running past the
+# gateway's view of it (its LeaseExpired then proves the fence). A third of a TTL is the
+# renewer's spacing: in steady rounds the cap never bites.
+RENEWAL_SLACK = 1 / 3
 
 
 def incompatibility(answer: Any) -> str | None:

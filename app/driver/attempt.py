@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from app.config import Timeouts
+from app.contract.worker_protocol import RENEWAL_SLACK
 from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, Token, UpstreamFailure
 from app.replicas.pool import Replica
 from statemachine.events import Deadline, FailureKind
@@ -41,7 +42,12 @@ class AttemptRun:
         self.clock = clock  # monotonic seconds: the lease and the timers
         self.timeouts = timeouts
         self.started_at = clock()
+        # the lease as the gateway sees it: from when the start's answer came (or the
+        # gateway gave up on it), renewed from when each renewal's answer came
+        # (app/replicas/renewer.py)
         self.renewed_at = self.started_at
+        self.renewals_sent = 0
+        self.renewals_answered = 0  # the number of the last renewal whose answer came (0: none)
         self.first_token_seen = False
         self.deadlines_reported: set[Deadline] = set()
         self.generated_tokens = 0  # token frames read
@@ -62,8 +68,13 @@ class AttemptRun:
 
     @property
     def lease_expires_in(self) -> float:
-        """Seconds until the lease lapses on the replica (from the last renewal)."""
-        return self.renewed_at + self.request.lease_ttl_s - self.clock()
+        """Seconds until the lease has surely lapsed on the replica: a TTL from the last
+        answer, and ``RENEWAL_SLACK`` of a TTL more while a renewal is unanswered (the
+        worker may have read it: it extends the lease no further than that)."""
+        ttl = self.request.lease_ttl_s
+        if self.renewals_sent > self.renewals_answered:
+            ttl *= 1 + RENEWAL_SLACK
+        return self.renewed_at + ttl - self.clock()
 
     async def open(self) -> None:
         """Start the attempt on the replica; raises :class:`UpstreamFailure` if it cannot,
@@ -77,6 +88,8 @@ class AttemptRun:
             raise UpstreamFailure(
                 FailureKind.LIVENESS_UNCERTAIN, f"no answer to the start within {deadline:g}s"
             ) from None
+        finally:  # a worker read the start, and began its lease, no later than now
+            self.renewed_at = self.clock()
         self._frames = aiter(self._stream.frames())
         self._watch = _StallWatch()
         self.replica.renewer.hold(self)
@@ -110,9 +123,15 @@ class AttemptRun:
 
         offer(taken)
 
-    def lease_renewed(self) -> None:
-        """The replica extended the lease (the renewer's round was answered just now)."""
+    def next_renewal(self) -> tuple[int, int]:
+        """The number of the renewal the renewer sends now, and of the last one answered."""
+        self.renewals_sent += 1
+        return self.renewals_sent, self.renewals_answered
+
+    def lease_renewed(self, renewal: int) -> None:
+        """The replica extended the lease (renewal ``renewal``'s answer came just now)."""
         self.renewed_at = self.clock()
+        self.renewals_answered = renewal
 
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""

@@ -164,6 +164,11 @@ class AttemptStream(Protocol):
     async def close(self) -> None: ...
 
 
+# One attempt's renewal in a round: its request, this renewal's number for the attempt (1,
+# 2, …) and the last one whose answer came (0: the start's) (app/replicas/renewer.py)
+Renewal = tuple[AttemptRequest, int, int]
+
+
 class ReplicaClient(Protocol):
     replica_id: str
     kind: str
@@ -177,7 +182,7 @@ class ReplicaClient(Protocol):
         """Open the attempt; raises :class:`UpstreamFailure` if it cannot start."""
         ...
 
-    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
+    async def renew_all(self, renewals: Sequence[Renewal]) -> list[bool]:
         """Extend these attempts' leases in one round: per attempt, ``False`` when the
         replica refused (stale epoch, unknown attempt); raises :class:`UpstreamFailure`
         when the round went unanswered (the leases may still run)."""

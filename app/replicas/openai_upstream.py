@@ -31,7 +31,7 @@ import httpx
 import orjson
 
 from app.contract.refusal_codes import code_for
-from app.replicas.base import AttemptRequest, ProbeAnswer, UpstreamFailure
+from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, UpstreamFailure
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
@@ -126,8 +126,8 @@ class OpenAIUpstream:
         response = await self._client.send(http_request, stream=True)
         return response, HttpxBody(response)
 
-    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
-        return [True] * len(requests)  # no lease upstream; the gateway's lease is the bound a fence waits for
+    async def renew_all(self, renewals: Sequence[Renewal]) -> list[bool]:
+        return [True] * len(renewals)  # no lease upstream; the gateway's lease is the bound a fence waits for
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:
         return None  # closing the stream is the only cancel; it is never acknowledged

@@ -3,14 +3,18 @@
 How this works: an attempt joins its replica's :class:`LeaseRenewer` once it started
 and leaves when it is released. While any attempt is held, the renewer wakes every
 third of the lease TTL and renews all of them in one request (``/v1/leases/renew``
-on a worker), then tells each renewed attempt (``lease_renewed``), which stamps the
-time the answer came: no earlier than the worker read it, so the gateway's view of a
-lease ends no earlier than the worker's, for every renewal whose answer came. A renewal
+on a worker), each renewal numbered for its attempt and naming the last one whose
+answer came (``next_renewal``), then tells each renewed attempt (``lease_renewed``),
+which stamps the time the answer came: no earlier than the worker read it. A renewal
 the replica refuses is not told (the lease then lapses on both sides); a round unanswered
-within a TTL is logged and the next round tries again. The one gap: a round the worker
-read whose answer was lost (a network cut between the two) renewed the worker's lease
-and not the gateway's view, which may then end up to a third of a TTL before the
-worker's (tests/faults/test_token_loop_cut.py waits for the worker's own end).
+within a TTL is logged and the next round tries again.
+
+Why the gateway's view of a lease never ends before the worker's: a renewal the worker
+read whose answer a cut lost extends the worker's lease, and not the gateway's view. So
+the worker extends a lease no further than ``RENEWAL_SLACK`` of a TTL past the TTL of the
+last renewal answered (app/worker/attempt.py), and while a renewal is unanswered the
+gateway's view runs that much longer (``AttemptRun.lease_expires_in``): a ``LeaseExpired``
+it records is a lease the worker let lapse too.
 
 Why one call per round and not one per attempt: per-attempt renewals were the limit
 on held streams (1,000 streams at a 5 s lease are 600 renewals a second, and leases
@@ -33,7 +37,9 @@ log = logging.getLogger("phasegate.pool")
 class Leased(Protocol):
     request: AttemptRequest
 
-    def lease_renewed(self) -> None: ...
+    def next_renewal(self) -> tuple[int, int]: ...
+
+    def lease_renewed(self, renewal: int) -> None: ...
 
 
 class LeaseRenewer:
@@ -76,9 +82,10 @@ class LeaseRenewer:
                 await self._renew(held, ttl)
 
     async def _renew(self, held: list[Leased], timeout: float) -> None:
+        renewals = [(attempt.request, *attempt.next_renewal()) for attempt in held]
         try:
             async with asyncio.timeout(timeout):
-                renewed = await self.client.renew_all([attempt.request for attempt in held])
+                renewed = await self.client.renew_all(renewals)
         except (TimeoutError, UpstreamFailure, OSError) as exc:
             log.warning("lease renewals of %d attempts on %s failed: %r", len(held), self.client.replica_id, exc)
             return
@@ -91,6 +98,6 @@ class LeaseRenewer:
             replica = self.client.replica_id
             log.error("lease renewal round on %s: %d answers for %d leases", replica, len(renewed), len(held))
             return
-        for attempt, ok in zip(held, renewed, strict=True):
+        for attempt, (_, number, _), ok in zip(held, renewals, renewed, strict=True):
             if ok:
-                attempt.lease_renewed()
+                attempt.lease_renewed(number)

@@ -18,7 +18,7 @@ import httpx
 
 from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
-from app.replicas.base import AttemptRequest, ProbeAnswer, Token, UpstreamFailure
+from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, Token, UpstreamFailure
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
 from app.tracing import inject_traceparent
@@ -82,14 +82,14 @@ class WorkerReplica:
             raise
         return _WorkerStream(stream)
 
-    async def renew_all(self, requests: Sequence[AttemptRequest]) -> list[bool]:
-        leases = [(r.request_id, r.attempt, r.lease_epoch, r.lease_ttl_s) for r in requests]
+    async def renew_all(self, renewals: Sequence[Renewal]) -> list[bool]:
+        leases = [(r.request_id, r.attempt, r.lease_epoch, r.lease_ttl_s, n, k) for r, n, k in renewals]
         try:
             answers = await self.client.renew_many(leases)
         except WorkerError as error:
             if error.kind is FailureKind.LIVENESS_UNCERTAIN:
                 raise  # unanswered: the leases may still run
-            return [False] * len(requests)
+            return [False] * len(renewals)
         return [isinstance(answer, LeaseRenewed) for answer in answers]
 
     async def cancel(self, request_id: str, attempt: int, lease_epoch: int) -> int | None:

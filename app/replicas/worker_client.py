@@ -229,16 +229,12 @@ class WorkerClient:
         raise LeaseLost(message, code=code or "unknown", status=response.status_code)
 
     async def renew_many(
-        self, leases: Sequence[tuple[str, int, int, float]], *, timeout: float | None = None
+        self, leases: Sequence[tuple[Any, ...]], *, timeout: float | None = None
     ) -> list[LeaseRenewed | WorkerError]:
-        """Extend many leases (request id, attempt, epoch, TTL in seconds) in one call: one
-        answer each, in order, a refusal as a :class:`LeaseLost` (or :class:`ReplicaExiting`) value."""
-        body = {
-            "leases": [
-                {"request_id": request_id, "attempt": attempt, "lease_epoch": epoch, "lease_ttl_ms": round(ttl * 1000)}
-                for request_id, attempt, epoch, ttl in leases
-            ]
-        }
+        """Extend many leases (request id, attempt, epoch, TTL in seconds[, this renewal's
+        number, the last answered one's]: app/worker/lease_calls.py) in one call: one answer
+        each, in order, a refusal as a :class:`LeaseLost` (or :class:`ReplicaExiting`) value."""
+        body = {"leases": [_lease(*lease) for lease in leases]}
         response = await self._control("/v1/leases/renew", body, timeout)
         if response.status_code != 200:
             code, message, field = error_fields(response.content)
@@ -312,3 +308,17 @@ class WorkerClient:
             raise TokenRefused(message, status=401, code=code)
         result: dict[str, Any] = response.json()
         return result
+
+
+def _lease(
+    request_id: str, attempt: int, epoch: int, ttl: float, renewal: int | None = None, answered: int | None = None
+) -> dict[str, Any]:
+    lease: dict[str, Any] = {
+        "request_id": request_id,
+        "attempt": attempt,
+        "lease_epoch": epoch,
+        "lease_ttl_ms": round(ttl * 1000),
+    }
+    if renewal is not None:
+        lease |= {"renewal": renewal, "answered": answered}
+    return lease

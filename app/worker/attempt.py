@@ -14,7 +14,9 @@ import enum
 import itertools
 from typing import TYPE_CHECKING
 
-from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal
+from app.contract.worker_protocol import RENEWAL_SLACK
+from app.worker.lease_calls import AttemptRef
+from app.worker.protocol import AttemptSpec, Code, Refusal
 
 if TYPE_CHECKING:
     from app.worker.engine import Prepared
@@ -56,6 +58,7 @@ class Attempt:
         "prepared",
         "published_tokens",
         "released",
+        "renewals_read",
         "slot",
         "spec",
         "stop",
@@ -73,6 +76,7 @@ class Attempt:
         self.engine_request_id = f"{spec.request_id}/{spec.attempt}#{next(_engine_ids)}"
         self.created_at = now
         self.expires_at = now + spec.lease_ttl_s
+        self.renewals_read = {0: now}  # renewal number -> when it was read (0: the start)
         self.timer: asyncio.TimerHandle | None = None
         self.phase = "queued"  # queued -> prefill -> decode -> done
         self.stop: Stop | None = None
@@ -99,6 +103,27 @@ class Attempt:
     @property
     def live(self) -> bool:
         return self.stop is None and self.phase != "done"
+
+    def renewed_until(self, ref: AttemptRef, now: float) -> float:
+        """Where a renewal read ``now`` moves the lease's end: ``ref.lease_ttl_s`` from now,
+        but no further than :data:`RENEWAL_SLACK` of a TTL past the TTL of the last renewal
+        whose answer the gateway got (``ref.answered``; 0: the start), and never back. So
+        the worker's lease never outlasts the gateway's view of it, which runs from when
+        that answer came: a renewal read here whose answer a cut lost moves it no further
+        than the gateway counts on (app/replicas/renewer.py). A renewal by hand (no
+        number) extends it from now, as asked."""
+        assert ref.lease_ttl_s is not None
+        wanted = now + ref.lease_ttl_s
+        if ref.renewal is None or ref.answered is None:
+            return wanted
+        reads = self.renewals_read
+        reads[ref.renewal] = now
+        base = reads.get(ref.answered)
+        for older in [n for n in reads if n < ref.answered]:  # the gateway names none of them again
+            del reads[older]
+        if base is None:  # one this worker never read: no further than it stands
+            return self.expires_at
+        return max(self.expires_at, min(wanted, base + ref.lease_ttl_s * (1 + RENEWAL_SLACK)))
 
     def generated(self) -> int:
         """Tokens generated for this attempt: once an abort is confirmed, the count fixed then."""

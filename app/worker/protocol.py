@@ -187,16 +187,6 @@ class AttemptSpec:
         return "\n".join(f"{m['role']}: {_content_text(m.get('content'))}" for m in self.messages)
 
 
-@dataclass(frozen=True, slots=True)
-class AttemptRef:
-    """Names one attempt's lease: the body of renew and cancel."""
-
-    request_id: str
-    attempt: int
-    lease_epoch: int
-    lease_ttl_s: float | None  # renew only
-
-
 def _content_text(content: Any) -> str:
     if content is None:
         return ""
@@ -205,78 +195,41 @@ def _content_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def _bad(field: str, why: str) -> Refusal:
+def invalid(field: str, why: str) -> Refusal:
     return Refusal(400, Code.INVALID_FIELD, f"{field}: {why}", field=field)
 
 
-def _required(body: Mapping[str, Any], field: str) -> Any:
+def required(body: Mapping[str, Any], field: str) -> Any:
     if body.get(field) is None:
         raise Refusal(400, Code.MISSING_FIELD, f"{field} is required", field=field)
     return body[field]
 
 
-def _int(value: Any, field: str, low: int, high: int) -> int:
+def whole(value: Any, field: str, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(field, f"must be an integer, not {type(value).__name__}")
+        raise invalid(field, f"must be an integer, not {type(value).__name__}")
     if not low <= value <= high:
-        raise _bad(field, f"must be between {low} and {high}, not {value}")
+        raise invalid(field, f"must be between {low} and {high}, not {value}")
     return value
 
 
-def _number(value: Any, field: str, low: float, high: float, *, low_open: bool = False) -> float:
+def number(value: Any, field: str, low: float, high: float, *, low_open: bool = False) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise _bad(field, "must be a finite number")
+        raise invalid(field, "must be a finite number")
     if value < low or value > high or (low_open and value == low):
         interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise _bad(field, f"must be in {interval}, not {value}")
+        raise invalid(field, f"must be in {interval}, not {value}")
     return float(value)
 
 
-def _str(value: Any, field: str, max_len: int = 256) -> str:
+def text(value: Any, field: str, max_len: int = 256) -> str:
     # printable: an id goes into logs, headers and the admin listing (no NUL, no newline)
     if not isinstance(value, str) or not value or len(value) > max_len or not value.isprintable():
-        raise _bad(field, f"must be a non-empty printable string of at most {max_len} characters")
+        raise invalid(field, f"must be a non-empty printable string of at most {max_len} characters")
     return value
 
 
-def parse_ref(body: Mapping[str, Any], *, with_ttl: bool) -> AttemptRef:
-    """The body of renew (``with_ttl``) or cancel."""
-    allowed = {"request_id", "attempt", "lease_epoch"} | ({"lease_ttl_ms"} if with_ttl else set())
-    _no_unknown(body, allowed, "")
-    ttl = None
-    if with_ttl:
-        ttl = _int(_required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
-    return AttemptRef(
-        request_id=_str(_required(body, "request_id"), "request_id"),
-        attempt=_int(_required(body, "attempt"), "attempt", 1, 1_000_000),
-        lease_epoch=_int(_required(body, "lease_epoch"), "lease_epoch", 0, 2**62),
-        lease_ttl_s=ttl,
-    )
-
-
-MAX_RENEWALS = 10_000
-
-
-def parse_renewals(body: Mapping[str, Any]) -> list[AttemptRef]:
-    """The body of a batched renew: ``{"leases": [renew body, …]}``, 1 to 10,000 of them."""
-    _no_unknown(body, {"leases"}, "")
-    leases = _required(body, "leases")
-    if not isinstance(leases, list) or not 1 <= len(leases) <= MAX_RENEWALS:
-        raise _bad("leases", f"must be a list of 1 to {MAX_RENEWALS:,} leases")
-    refs = []
-    for i, lease in enumerate(leases):
-        where = f"leases[{i}]"
-        if not isinstance(lease, dict):
-            raise _bad(where, "must be an object")
-        try:
-            refs.append(parse_ref(lease, with_ttl=True))
-        except Refusal as refusal:
-            field = f"{where}.{refusal.field}" if refusal.field else where
-            raise Refusal(refusal.status, refusal.code, f"{where}: {refusal.message}", field=field) from None
-    return refs
-
-
-def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str) -> None:
+def no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         field = prefix + unknown[0]
@@ -285,30 +238,30 @@ def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str], pre
 
 def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> AttemptSpec:
     """The body of a start request; raises :class:`Refusal` naming the first bad field."""
-    _no_unknown(body, START_FIELDS, "")
-    request_id = _str(_required(body, "request_id"), "request_id")
-    attempt = _int(_required(body, "attempt"), "attempt", 1, 1_000_000)
-    lease_epoch = _int(_required(body, "lease_epoch"), "lease_epoch", 0, 2**62)
-    lease_ttl_s = _int(_required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
-    model = _str(_required(body, "model"), "model")
+    no_unknown(body, START_FIELDS, "")
+    request_id = text(required(body, "request_id"), "request_id")
+    attempt = whole(required(body, "attempt"), "attempt", 1, 1_000_000)
+    lease_epoch = whole(required(body, "lease_epoch"), "lease_epoch", 0, 2**62)
+    lease_ttl_s = whole(required(body, "lease_ttl_ms"), "lease_ttl_ms", 50, 600_000) / 1000
+    model = text(required(body, "model"), "model")
     messages, prompt = body.get("messages"), body.get("prompt")
     fields = body.get("vllm")
     if fields is not None and not isinstance(fields, dict):
-        raise _bad("vllm", "must be an object")
+        raise invalid("vllm", "must be an object")
     if messages is None and prompt is None and fields and fields.get("prompt_embeds") is not None:
         why = "prompt_embeds: the worker takes a prompt as text or token ids, not as embeddings"
         raise Refusal(400, Code.UNSUPPORTED_FIELD, why, field="prompt_embeds")
     if messages is None and prompt is None:
         raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
     if messages is not None and prompt is not None:
-        raise _bad("prompt", "give messages or prompt, not both")
+        raise invalid("prompt", "give messages or prompt, not both")
     batch = _prompts(prompt) if prompt is not None else ()
     heartbeat_s = default_heartbeat_s
     if body.get("heartbeat_ms") is not None:
-        heartbeat_s = _int(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
+        heartbeat_s = whole(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
     params = body.get("params") or {}
     if not isinstance(params, dict):
-        raise _bad("params", "must be an object")
+        raise invalid("params", "must be an object")
     return AttemptSpec(
         request_id=request_id,
         attempt=attempt,
@@ -341,46 +294,46 @@ def _one_prompt(value: Any) -> str | tuple[int, ...]:
         and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
     ):
         return tuple(value)
-    raise _bad("prompt", "must be a non-empty string, a list of token ids, or a batch of them")
+    raise invalid("prompt", "must be a non-empty string, a list of token ids, or a batch of them")
 
 
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
-        raise _bad("messages", "must be a non-empty list")
+        raise invalid("messages", "must be a non-empty list")
     for i, message in enumerate(value):
         try:
             check_message(message, f"messages[{i}]")
         except BadInput as bad:
-            raise _bad(bad.param, bad.why) from None
+            raise invalid(bad.param, bad.why) from None
     return tuple(value)
 
 
 def parse_sampling(params: Mapping[str, Any]) -> Sampling:
-    _no_unknown(params, SAMPLING_FIELDS, "params.")
+    no_unknown(params, SAMPLING_FIELDS, "params.")
     p = "params."
     out: dict[str, Any] = {}
     if params.get("max_tokens") is not None:
-        out["max_tokens"] = _int(params["max_tokens"], p + "max_tokens", 1, 1_000_000)
+        out["max_tokens"] = whole(params["max_tokens"], p + "max_tokens", 1, 1_000_000)
     if params.get("temperature") is not None:
-        out["temperature"] = _number(params["temperature"], p + "temperature", 0.0, 100.0)
+        out["temperature"] = number(params["temperature"], p + "temperature", 0.0, 100.0)
     if params.get("top_p") is not None:
-        out["top_p"] = _number(params["top_p"], p + "top_p", 0.0, 1.0, low_open=True)
+        out["top_p"] = number(params["top_p"], p + "top_p", 0.0, 1.0, low_open=True)
     for name in ("presence_penalty", "frequency_penalty"):
         if params.get(name) is not None:
-            out[name] = _number(params[name], p + name, -2.0, 2.0)
+            out[name] = number(params[name], p + name, -2.0, 2.0)
     if params.get("seed") is not None:
-        out["seed"] = _int(params["seed"], p + "seed", -(2**63), 2**63 - 1)
+        out["seed"] = whole(params["seed"], p + "seed", -(2**63), 2**63 - 1)
     if params.get("n") is not None:
-        out["n"] = _int(params["n"], p + "n", 1, MAX_N)
+        out["n"] = whole(params["n"], p + "n", 1, MAX_N)
     if params.get("ignore_eos") is not None:
         if not isinstance(params["ignore_eos"], bool):
-            raise _bad(p + "ignore_eos", "must be a boolean")
+            raise invalid(p + "ignore_eos", "must be a boolean")
         out["ignore_eos"] = params["ignore_eos"]
     stop = params.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
-            raise _bad(p + "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
+            raise invalid(p + "stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them")
         out["stop"] = tuple(stops)
     try:
         if params.get("tools") is not None:
@@ -396,5 +349,5 @@ def parse_sampling(params: Mapping[str, Any]) -> Sampling:
             out["structured_outputs"] = check_structured_outputs(params["structured_outputs"])
         out["logprobs"] = requested_logprobs(params, chat=None)
     except BadInput as bad:
-        raise _bad(p + bad.param, bad.why) from None
+        raise invalid(p + bad.param, bad.why) from None
     return Sampling(**out)

@@ -22,7 +22,8 @@ from app.worker.attempt import Attempt, AttemptTable, Stop
 from app.worker.engine import Engine
 from app.worker.faults import FaultAction, FaultBook
 from app.worker.frames import frames
-from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal
+from app.worker.lease_calls import AttemptRef
+from app.worker.protocol import AttemptSpec, Code, Refusal
 from app.worker.stats import WorkerStats
 
 log = logging.getLogger("phasegate.worker")
@@ -171,7 +172,9 @@ class Worker:
         self.release(attempt)
 
     def renew(self, ref: AttemptRef) -> dict[str, object]:
-        """Extend an attempt's lease by ``ref.lease_ttl_s`` from now."""
+        """Extend an attempt's lease by ``ref.lease_ttl_s`` from now, as far as the last
+        answered renewal allows (:meth:`Attempt.renewed_until`); the answer says how long
+        it now runs (``lease_ttl_ms``)."""
         attempt = self.table.find(ref)
         if attempt is None:
             raise Refusal(404, Code.UNKNOWN_ATTEMPT, f"no attempt {ref.attempt} of {ref.request_id} here")
@@ -190,11 +193,11 @@ class Worker:
         assert ref.lease_ttl_s is not None
         self.stats.leases_renewed += 1
         if attempt.phase != "done":
-            attempt.expires_at = now + ref.lease_ttl_s
+            attempt.expires_at = attempt.renewed_until(ref, now)
             self._arm_lease(attempt)
         return {
             "lease_epoch": attempt.lease_epoch,
-            "lease_ttl_ms": round(ref.lease_ttl_s * 1000),
+            "lease_ttl_ms": max(round((attempt.expires_at - now) * 1000), 0),
             "phase": attempt.phase,
         }
 

@@ -174,6 +174,24 @@ async def test_a_body_that_is_not_a_json_object_is_refused(engine: EngineUnderTe
             "missing_field",
             "request_id",
         ),
+        (
+            "/v1/attempts/renew",
+            {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 900, "renewal": 2},
+            "missing_field",
+            "answered",
+        ),
+        (
+            "/v1/attempts/renew",
+            {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 900, "renewal": 2, "answered": 2},
+            "invalid_field",
+            "answered",
+        ),
+        (
+            "/v1/attempts/renew",
+            {"request_id": "r", "attempt": 1, "lease_epoch": 1, "lease_ttl_ms": 900, "answered": 0},
+            "missing_field",
+            "renewal",
+        ),
         ("/v1/attempts/cancel", {"request_id": "r", "attempt": 1}, "missing_field", "lease_epoch"),
         (
             "/v1/attempts/cancel",

@@ -11,7 +11,8 @@ import pytest
 from app.worker.attempt import Attempt, AttemptTable
 from app.worker.engine import EngineOutput
 from app.worker.faults import FaultBook
-from app.worker.protocol import AttemptRef, AttemptSpec, Code, Refusal, Sampling, parse_sampling
+from app.worker.lease_calls import AttemptRef
+from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling, parse_sampling
 from app.worker.sim import SimEngine, SimTiming, tool_call_id
 from tests.support.workers import REPO
 
