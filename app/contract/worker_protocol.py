@@ -27,9 +27,12 @@ HEADER = "x-phasegate-protocol"
 # later renewal may carry a lease, in TTLs. The worker extends no further, and the gateway's
 # view of a lease ends that much later while a renewal is unanswered: so a renewal the
 # worker read whose answer was lost never leaves the worker's lease running past the
-# gateway's view of it (its LeaseExpired then proves the fence). A third of a TTL is the
-# renewer's spacing: in steady rounds the cap never bites.
-RENEWAL_SLACK = 1 / 3
+# gateway's view of it (its LeaseExpired then proves the fence). A whole TTL: a renewal
+# read while the lease runs is read within a TTL of the one before, so while answers come
+# the cap never bites and a lease lapses exactly as without it (a third of a TTL, the
+# renewer's spacing, made leases lapse under load: rounds come a little late, and the cap
+# took that from the lease). The cost: after a cut, the fence waits a TTL longer.
+RENEWAL_SLACK = 1.0
 
 
 def incompatibility(answer: Any) -> str | None:

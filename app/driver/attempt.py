@@ -69,7 +69,7 @@ class AttemptRun:
     @property
     def lease_expires_in(self) -> float:
         """Seconds until the lease has surely lapsed on the replica: a TTL from the last
-        answer, and ``RENEWAL_SLACK`` of a TTL more while a renewal is unanswered (the
+        answer, and ``RENEWAL_SLACK`` TTLs more while a renewal is unanswered (the
         worker may have read it: it extends the lease no further than that)."""
         ttl = self.request.lease_ttl_s
         if self.renewals_sent > self.renewals_answered:

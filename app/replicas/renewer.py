@@ -11,7 +11,7 @@ within a TTL is logged and the next round tries again.
 
 Why the gateway's view of a lease never ends before the worker's: a renewal the worker
 read whose answer a cut lost extends the worker's lease, and not the gateway's view. So
-the worker extends a lease no further than ``RENEWAL_SLACK`` of a TTL past the TTL of the
+the worker extends a lease no further than ``RENEWAL_SLACK`` TTLs past the TTL of the
 last renewal answered (app/worker/attempt.py), and while a renewal is unanswered the
 gateway's view runs that much longer (``AttemptRun.lease_expires_in``): a ``LeaseExpired``
 it records is a lease the worker let lapse too.

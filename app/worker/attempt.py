@@ -106,7 +106,7 @@ class Attempt:
 
     def renewed_until(self, ref: AttemptRef, now: float) -> float:
         """Where a renewal read ``now`` moves the lease's end: ``ref.lease_ttl_s`` from now,
-        but no further than :data:`RENEWAL_SLACK` of a TTL past the TTL of the last renewal
+        but no further than :data:`RENEWAL_SLACK` TTLs past the TTL of the last renewal
         whose answer the gateway got (``ref.answered``; 0: the start), and never back. So
         the worker's lease never outlasts the gateway's view of it, which runs from when
         that answer came: a renewal read here whose answer a cut lost moves it no further

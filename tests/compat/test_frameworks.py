@@ -151,5 +151,7 @@ def test_instructor_structured_output_whole_and_streamed(target: Pair) -> None:
         return json.loads(done.stdout)
 
     direct, through = on_both(target, run)
-    assert direct == through
-    assert direct["create"]["u"] in ("c", "f") and direct["partials"][-1] == direct["create"]
+    # the partial objects in between follow how the engine grouped the tokens into chunks,
+    # which moves between runs (under load, and through a worker): the objects must agree
+    assert direct["create"] == through["create"] and direct["create"]["u"] in ("c", "f")
+    assert direct["partials"][-1] == through["partials"][-1] == direct["create"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
+from app.contract.worker_protocol import RENEWAL_SLACK
 from app.worker.attempt import Attempt, AttemptTable
 from app.worker.engine import EngineOutput
 from app.worker.faults import FaultBook
@@ -122,6 +124,28 @@ async def test_the_lease_table_fences():
     assert refused.value.code is Code.ATTEMPT_CANCELLED
     table.prune(1000.0)
     assert table.check_start(spec("q"), 1000.0) == []  # tombstones are forgotten after retain_s
+
+
+async def test_a_renewal_extends_a_lease_no_further_than_the_slack_past_the_last_answered():
+    """The worker's side of a lease the gateway can prove lapsed (app/replicas/renewer.py):
+    a renewal read at ``now`` extends to ``now + ttl``, but no further than ``RENEWAL_SLACK``
+    TTLs past the TTL of the last renewal answered (as read here), and never back."""
+    ttl = 10.0
+    cap = ttl * (1 + RENEWAL_SLACK)  # past the last answered renewal's read
+    attempt = Attempt(dataclasses.replace(spec("r"), lease_ttl_s=ttl), None, None, now=0.0)  # type: ignore[arg-type]
+
+    def renew(renewal: int | None, answered: int | None, now: float) -> float:
+        attempt.expires_at = attempt.renewed_until(AttemptRef("r", 1, 1, ttl, renewal, answered), now)
+        return attempt.expires_at
+
+    assert renew(1, 0, 3.0) == 3.0 + ttl  # answers coming: a TTL from the read
+    assert renew(2, 0, 9.0) == min(9.0 + ttl, cap)  # 1's answer lost: capped past the start's read
+    assert renew(3, 0, 0.5 * ttl + cap) == cap  # read long after: capped all the same
+    assert renew(4, 0, 0.6 * ttl + cap) == cap  # and it never moves back
+    read_4 = 0.6 * ttl + cap
+    assert renew(5, 4, read_4 + 1.0) == read_4 + 1.0 + ttl  # 4's answer came: from 4's read
+    assert renew(6, 2, read_4 + 2.0) == read_4 + 1.0 + ttl  # 2, older than 4 the gateway named: no further
+    assert renew(None, None, read_4 + 3.0) == read_4 + 3.0 + ttl  # a renewal by hand: as asked
 
 
 def test_sampling_and_fault_parsing_name_the_bad_field():
