@@ -108,6 +108,10 @@ class Engine(Protocol):
     async def abort(self, engine_request_id: str) -> int | None:
         """Stop the request; return once the engine confirmed it, with its generated token count if known."""
 
+    def running_requests(self) -> list[str]:
+        """The ids of the engine requests it runs now, each beginning with the id the worker
+        gave (vLLM adds to it: a batch's prompt, a beam search's steps, its own suffix)."""
+
     def utility(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         """vLLM's ``tokenize``, ``detokenize`` (``body``) or ``version`` (``body`` None) answer;
         raise :class:`Refusal` for a body it will not serve, or a route it does not."""

@@ -193,7 +193,8 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
 
     async def attempts(request: Request) -> Response:
         now = time.monotonic()
-        return JSONResponse({"attempts": [a.describe(now) for a in worker.table.attempts.values()]})
+        described = [a.describe(now) for a in worker.table.attempts.values()]
+        return JSONResponse({"attempts": described, "engine_requests": worker.engine.running_requests()})
 
     async def admin_faults(request: Request) -> Response:
         if faults is None:

@@ -136,6 +136,9 @@ class SimEngine:
     def utility(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         raise Refusal(501, Code.NOT_SERVED, f"the sim engine has no tokenizer: /v1/{path} is served by --engine vllm")
 
+    def running_requests(self) -> list[str]:
+        return list(self._running)
+
     async def abort(self, engine_request_id: str) -> int | None:
         running = self._running.pop(engine_request_id, None)
         if running is None or running.task is None:

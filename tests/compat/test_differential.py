@@ -198,11 +198,9 @@ DIVERGENCES: dict[tuple[str, str], str] = {
 }
 
 
-# Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above
-WORKER_DIVERGENCES: dict[tuple[str, str], str] = {
-    ("use_beam_search, length_penalty", "both"): "refused by name (400 unsupported_parameter): vLLM's beam search"
-    " runs engine requests under ids it draws itself, so the worker could not confirm a cancel of it",
-}
+# Where the worker replica (phasegate worker --engine vllm) answers otherwise, beside the above:
+# nowhere now (docs/compatibility.md, "Through a worker replica")
+WORKER_DIVERGENCES: dict[tuple[str, str], str] = {}
 REPLICAS = {"openai replica": "pair", "worker replica": "worker_pair"}
 
 

@@ -181,8 +181,8 @@ def test_sampling_and_fault_parsing_name_the_bad_field():
 
 
 def test_only_the_vllm_engine_imports_vllm():
-    """The vLLM engine, its request handling, parsing and utility routes (imported by it alone) are the
-    only modules that import vLLM, and a worker on the sim engine never loads it."""
+    """The vLLM engine, its request handling, parsing, beam search and utility routes (imported by it
+    alone) are the only modules that import vLLM, and a worker on the sim engine never loads it."""
     offenders = []
     for path in sorted((REPO / "app").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -192,6 +192,7 @@ def test_only_the_vllm_engine_imports_vllm():
             if any(n == "vllm" or n.startswith("vllm.") for n in names):
                 offenders.append(path.relative_to(REPO).as_posix())
     assert set(offenders) == {
+        "app/worker/vllm_beams.py",
         "app/worker/vllm_engine.py",
         "app/worker/vllm_parsing.py",
         "app/worker/vllm_requests.py",

@@ -48,8 +48,9 @@ def attempt(requests, messages, prompt=None, **fields):
     spec = AttemptSpec("r", 1, 1, 5.0, "m", messages and tuple(messages), prompt, Sampling(), 0.25, fields=fields)
     try:
         read = requests.read(spec)
-        return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": requests.sampling_params(read).max_tokens,
-                "echo": read.echo, "said": read.prompt_said()}
+        params = requests.sampling_params(read)
+        return {"prompt_token_ids": read.prompt_token_ids, "max_tokens": params.max_tokens,
+                "echo": read.echo, "said": read.prompt_said(), "beam_width": getattr(params, "beam_width", None)}
     except Refusal as refusal:
         return {"status": refusal.status, "code": refusal.code.value, "message": refusal.message,
                 "field": refusal.field}
@@ -101,8 +102,13 @@ def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, A
         "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
         " (parameter=max_tokens, value=100000)"
     )
-    beams = found["beam search"]  # its engine requests could not be confirmed aborted: refused by name
-    assert (beams["status"], beams["code"], beams["field"]) == (400, "unsupported_parameter", "use_beam_search")
+
+
+def test_a_beam_search_gets_vllms_beam_search_parameters(found: dict[str, Any]) -> None:
+    """``use_beam_search`` is served (app/worker/vllm_beams.py): its parameters as vLLM's
+    server makes them, ``n`` beams and the rest of the context."""
+    beams = found["beam search"]
+    assert (beams["beam_width"], beams["max_tokens"]) == (2, 4096 - len(found["default chat"]))
 
 
 def test_what_vllms_server_says_of_the_prompt_is_said_where_asked(found: dict[str, Any]) -> None:

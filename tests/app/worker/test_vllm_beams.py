@@ -1,0 +1,79 @@
+"""vLLM's beam search in the worker (app/worker/vllm_beams.py), on the run's shared vLLM
+worker: a search is one engine request a beam and a step, under ids vLLM draws itself (each
+beginning with the attempt's engine request id). A cancel is acknowledged only once none of
+them runs, so a worker replica's acknowledged cancel holds for it too (DESIGN.md §7). Its
+answers against ``vllm serve``: tests/compat (*use_beam_search, length_penalty*)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from app.replicas.worker_client import WorkerClient, http_client
+from tests.support.streams import collect
+from tests.support.vllm_replicas import MODEL, SharedVllm
+from tests.support.workers import request_id
+
+pytestmark = pytest.mark.vllm
+
+
+async def admin_attempts(base_url: str) -> dict[str, Any]:
+    async with http_client() as http:
+        answer: dict[str, Any] = (await http.get(base_url + "/admin/attempts")).json()
+    return answer
+
+
+async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_engine_requests_runs(
+    vllm: SharedVllm,
+) -> None:
+    worker = vllm.worker()
+    client = WorkerClient(worker.base_url)
+    rid = request_id("beam")
+    asked = {"max_tokens": 300, "n": 2}
+    try:
+        stream = await client.start(
+            request_id=rid,
+            attempt=1,
+            lease_epoch=1,
+            lease_ttl_s=120,  # the cancel, not the lease, ends it
+            model=MODEL,
+            messages=[{"role": "user", "content": "tell me a long story"}],
+            params=asked,
+            vllm={**asked, "use_beam_search": True, "ignore_eos": True},
+        )
+        prefix = f"{rid}/1#"  # the attempt's engine request id, as the worker names it
+        deadline = time.monotonic() + 60
+        steps_seen: set[str] = set()
+        while len(steps_seen) < 4:  # the search is under way: a few steps' engine requests came and went
+            running = (await admin_attempts(worker.base_url))["engine_requests"]
+            steps_seen |= {r for r in running if r.startswith(prefix)}
+            assert time.monotonic() < deadline, f"no step of the search ran: {running}"
+            await asyncio.sleep(0.01)
+        ack = await client.cancel(rid, 1, 1, timeout=60)
+        after = await admin_attempts(worker.base_url)  # asked once the acknowledgement came
+        assert [r for r in after["engine_requests"] if r.startswith(prefix)] == []
+        (mine,) = [a for a in after["attempts"] if a["request_id"] == rid]
+        assert ack.state == "aborted" and mine["stop"] == "cancelled" and mine["engine_over"], (ack, mine)
+        got = await collect(stream)
+        assert not got.tokens and got.error is not None and got.error.code == "cancelled"  # nothing of it went out
+    finally:
+        await client.aclose()
+    # the engine serves the next request: nothing of the search holds it
+    short = WorkerClient(worker.base_url)
+    try:
+        stream = await short.start(
+            request_id=request_id("after"),
+            attempt=1,
+            lease_epoch=1,
+            lease_ttl_s=60,
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            params={"max_tokens": 4},
+            vllm={"max_tokens": 4},
+        )
+        assert (await collect(stream)).done is not None
+    finally:
+        await short.aclose()
