@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -97,6 +98,23 @@ class Fleet:
                 httpx.delete(replica.direct_url + "/admin/faults")
             else:
                 replica.process.script()  # type: ignore[union-attr]
+
+    def busy_attempts(self, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The attempts a worker fleet still runs (engine not over) once ``timeout`` passed
+        waiting for none: an earlier test's attempt that holds a worker's slots would queue
+        this test's first attempt, and a queued attempt is retried elsewhere."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = [
+                {"replica": r.id, **a}
+                for r in self.replicas
+                if self.kind == "worker"
+                for a in httpx.get(r.direct_url + "/admin/attempts", timeout=10).json()["attempts"]
+                if not a["engine_over"]
+            ]
+            if not busy or time.monotonic() >= deadline:
+                return busy
+            time.sleep(0.05)
 
     def fault_first_attempt(
         self, prompt: str, fault: str, *, k: int = 0, point: str = "before_frame", **extra: Any

@@ -51,6 +51,9 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
 ) -> None:
     prompt = prompt_for(f"cut {k}")
     first = slow_fleet.replicas[0]
+    # the cut is made on r1, where attempt 1 runs: it must not be queued there behind an
+    # earlier case's attempt (ci: queued 5.4 s, retried on r2, the cut then met nothing)
+    assert not slow_fleet.busy_attempts(), slow_fleet.busy_attempts(timeout=0)
     cut_done = threading.Event()
 
     def cut_when_started() -> None:  # k = 0: cut once the attempt started, before any token
