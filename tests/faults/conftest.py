@@ -100,18 +100,17 @@ class Fleet:
                 replica.process.script()  # type: ignore[union-attr]
 
     def busy_attempts(self, timeout: float = 30.0) -> list[dict[str, Any]]:
-        """The attempts a worker fleet still runs (engine not over) once ``timeout`` passed
-        waiting for none: an earlier test's attempt that holds a worker's slots would queue
-        this test's first attempt, and a queued attempt is retried elsewhere."""
+        """The attempts a worker fleet still runs (engine not over), and its engines' running
+        requests, once ``timeout`` passed waiting for none: an earlier test's attempt that
+        holds a worker's slots would queue this test's first attempt, and a queued attempt
+        is retried elsewhere."""
         deadline = time.monotonic() + timeout
         while True:
-            busy = [
-                {"replica": r.id, **a}
-                for r in self.replicas
-                if self.kind == "worker"
-                for a in httpx.get(r.direct_url + "/admin/attempts", timeout=10).json()["attempts"]
-                if not a["engine_over"]
-            ]
+            busy: list[dict[str, Any]] = []
+            for replica in self.replicas if self.kind == "worker" else ():
+                answer = httpx.get(replica.direct_url + "/admin/attempts", timeout=10).json()
+                busy += [{"replica": replica.id, **a} for a in answer["attempts"] if not a["engine_over"]]
+                busy += [{"replica": replica.id, "engine_request": r} for r in answer["engine_requests"]]
             if not busy or time.monotonic() >= deadline:
                 return busy
             time.sleep(0.05)

@@ -14,7 +14,7 @@ from app.config import Timeouts
 from statemachine import events as ev
 from statemachine.events import ReleaseReason
 from statemachine.request_state import Outcome
-from tests.faults.conftest import Evidence, Fleet
+from tests.faults.conftest import Evidence, Fleet, Replica
 from tests.faults.token_loop import (
     INDICES,
     LONG,
@@ -50,18 +50,28 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     slow_gateway: RunningGateway, slow_fleet: Fleet, evidence: Evidence, k: int
 ) -> None:
     prompt = prompt_for(f"cut {k}")
-    first = slow_fleet.replicas[0]
-    # the cut is made on r1, where attempt 1 runs: it must not be queued there behind an
-    # earlier case's attempt (ci: queued 5.4 s, retried on r2, the cut then met nothing)
+    # attempt 1 starts on r1: it must not be queued there behind an earlier case's attempt
     assert not slow_fleet.busy_attempts(), slow_fleet.busy_attempts(timeout=0)
-    cut_done = threading.Event()
+    cut: list[tuple[Replica, int]] = []  # the replica cut, and the attempt that ran there
 
     def cut_when_started() -> None:  # k = 0: cut once the attempt started, before any token
         deadline = time.monotonic() + 10
         while not slow_gateway.gateway.ctx.drivers and time.monotonic() < deadline:
             time.sleep(0.005)
-        first.proxy.blackhole()
-        cut_done.set()
+        slow_fleet.replicas[0].proxy.blackhole()
+        cut.append((slow_fleet.replicas[0], 1))
+
+    def cut_where_the_deltas_come_from(n: int) -> None:  # k > 0: at delta k, the replica serving them
+        if n != k:
+            return
+        (driver,) = slow_gateway.gateway.ctx.drivers.values()
+        run = driver.run
+        assert run is not None
+        (replica,) = [r for r in slow_fleet.replicas if r.id == run.replica.id]
+        replica.proxy.blackhole()
+        # (an attempt queued on r1 past the first-token deadline is retried on r2 before
+        # any delta, as a full run once did: the cut then meets the one that serves)
+        cut.append((replica, run.attempt))
 
     if k == 0:
         threading.Thread(target=cut_when_started, daemon=True).start()
@@ -69,39 +79,43 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     else:  # many more tokens than k: the answer cannot be over before the cut, however late the client reads
         # (ignore_eos: all LONG of them; a sim's own length may be 16, over before a loaded client's
         # cut at k: ci14)
-        cut = first.proxy.blackhole
         asked = body(prompt, max_tokens=LONG, ignore_eos=True)
-        transcript = stream_chat(slow_gateway.url, asked, on_delta=lambda n: n == k and cut())
-    wait_released(slow_gateway, transcript.request_id, 1)  # by its cancel's acknowledgement or its lease
+        transcript = stream_chat(slow_gateway.url, asked, on_delta=cut_where_the_deltas_come_from)
+    (cut_replica, attempt), *_ = cut
+    wait_released(slow_gateway, transcript.request_id, attempt)  # by its cancel's acknowledgement or its lease
     if slow_fleet.kind == "worker" and k > 0:
         # The worker's lease ended no later than the gateway's view of it, even where a
         # renewal it read just before the cut lost its answer (RENEWAL_SLACK; ci33 met that
         # gap before it was closed); its engine's abort may still be confirming: the
         # worker's own end comes before the network does
-        wait_worker_over(first.direct_url, transcript.request_id)
-    first.proxy.restore()  # the network comes back: the old attempt must stay silent
+        wait_worker_over(cut_replica.direct_url, transcript.request_id)
+    cut_replica.proxy.restore()  # the network comes back: the old attempt must stay silent
     events, state = settle(slow_gateway, transcript, evidence)
     order = [type(e).__name__ for e in events]
-    fenced_at = order.index("AttemptFenced")
+    fenced_at = next(i for i, e in enumerate(events) if isinstance(e, ev.AttemptFenced) and e.attempt == attempt)
     after_fence = events[fenced_at + 1 :]
-    assert not [e for e in after_fence if isinstance(e, ev.DeltasDelivered | ev.FirstTokenReceived) and e.attempt == 1]
+    stray = [
+        e for e in after_fence if isinstance(e, ev.DeltasDelivered | ev.FirstTokenReceived) and e.attempt == attempt
+    ]
+    assert not stray
     if slow_fleet.kind == "openai" and k == 0:  # nothing delivered: the closed connection is the fence
-        assert released_by(events, 1) is ReleaseReason.CONNECTION_CLOSED
+        assert released_by(events, attempt) is ReleaseReason.CONNECTION_CLOSED
     else:
-        assert released_by(events, 1) in (ReleaseReason.CANCEL_ACKED, ReleaseReason.LEASE_EXPIRED)
+        assert released_by(events, attempt) in (ReleaseReason.CANCEL_ACKED, ReleaseReason.LEASE_EXPIRED)
     if k == 0:
         release = next(i for i, e in enumerate(events) if isinstance(e, ev.AttemptReleased) and e.attempt == 1)
         second = next(i for i, e in enumerate(events) if isinstance(e, ev.AttemptStarted) and e.attempt == 2)
         assert order.index("CancelSent") < release < second  # fenced and released before the retry
         assert state.outcome is Outcome.COMPLETED and replicas_of(events) == ["r1", "r2"]
-    else:
-        assert state.outcome is Outcome.FAILED and replicas_of(events) == ["r1"]
+    else:  # delivered before the cut: no attempt after the one cut
+        assert state.outcome is Outcome.FAILED and replicas_of(events)[-1] == cut_replica.id
+        assert len(replicas_of(events)) == attempt
         assert transcript.error is not None and transcript.error["delivered_output_tokens"] == len(transcript.contents)
     # k = 0 may cut before the start request even reached the worker (the proxy holds it):
     # then the worker's view has nothing to say; the log above already proved the rule
     if slow_fleet.kind == "worker" and k > 0:  # the worker's view: stopped by its lease, or done before
-        attempts = httpx.get(first.direct_url + "/admin/attempts").json()["attempts"]
-        (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id]
+        attempts = httpx.get(cut_replica.direct_url + "/admin/attempts").json()["attempts"]
+        (mine,) = [a for a in attempts if a["request_id"] == transcript.request_id and a["attempt"] == attempt]
         assert mine["engine_over"] and mine["stop"] in ("lease_expired", "cancelled", None)
 
 

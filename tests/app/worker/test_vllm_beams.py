@@ -33,6 +33,12 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
     client = WorkerClient(worker.base_url)
     rid = request_id("beam")
     asked = {"max_tokens": 300, "n": 2}
+    # the shared worker has two slots: an earlier test's attempt still in one would queue
+    # this search past the wait below (its stream unread, its lease not yet lapsed)
+    deadline = time.monotonic() + 120
+    while busy := [a for a in (await admin_attempts(worker.base_url))["attempts"] if not a["engine_over"]]:
+        assert time.monotonic() < deadline, f"the shared worker is still busy: {busy}"
+        await asyncio.sleep(0.1)
     try:
         stream = await client.start(
             request_id=rid,
@@ -48,9 +54,11 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
         deadline = time.monotonic() + 60
         steps_seen: set[str] = set()
         while len(steps_seen) < 4:  # the search is under way: a few steps' engine requests came and went
-            running = (await admin_attempts(worker.base_url))["engine_requests"]
-            steps_seen |= {r for r in running if r.startswith(prefix)}
-            assert time.monotonic() < deadline, f"no step of the search ran: {running}"
+            seen = await admin_attempts(worker.base_url)
+            steps_seen |= {r for r in seen["engine_requests"] if r.startswith(prefix)}
+            (mine,) = [a for a in seen["attempts"] if a["request_id"] == rid]
+            assert not mine["engine_over"], f"the search ended before the cancel: {mine}"
+            assert time.monotonic() < deadline, f"not four steps of the search in 60 s: {steps_seen} {seen}"
             await asyncio.sleep(0.01)
         ack = await client.cancel(rid, 1, 1, timeout=60)
         after = await admin_attempts(worker.base_url)  # asked once the acknowledgement came
