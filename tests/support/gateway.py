@@ -147,6 +147,12 @@ def running_gateway(
     thread.start()
     started.wait(60)
     if "error" in holder:
+        # its loop closed here, not by the garbage collector in whichever test runs next,
+        # where the ResourceWarning would fail that test (ci50)
+        thread.join(30)
+        loop.run_until_complete(_cancel_leftovers())
+        loop.run_until_complete(asyncio.sleep(0.05))  # transports of a cancelled connect close
+        loop.close()
         listener.close()
         raise RuntimeError("the gateway did not start") from holder["error"]
     running = RunningGateway(holder["gateway"], loop, f"http://127.0.0.1:{config.port}", config)

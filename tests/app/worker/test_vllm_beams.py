@@ -32,7 +32,7 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
     worker = vllm.worker()
     client = WorkerClient(worker.base_url)
     rid = request_id("beam")
-    asked = {"max_tokens": 300, "n": 2}
+    asked = {"max_tokens": 3000, "n": 2}  # long: 300 steps were over within 2 s on CI (ci50)
     # the shared worker has two slots: an earlier test's attempt still in one would queue
     # this search past the wait below (its stream unread, its lease not yet lapsed)
     deadline = time.monotonic() + 120
@@ -53,12 +53,12 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
         prefix = f"{rid}/1#"  # the attempt's engine request id, as the worker names it
         deadline = time.monotonic() + 60
         steps_seen: set[str] = set()
-        while len(steps_seen) < 4:  # the search is under way: a few steps' engine requests came and went
+        while len(steps_seen) < 2:  # the search is under way: steps' engine requests came and went
             seen = await admin_attempts(worker.base_url)
             steps_seen |= {r for r in seen["engine_requests"] if r.startswith(prefix)}
             (mine,) = [a for a in seen["attempts"] if a["request_id"] == rid]
             assert not mine["engine_over"], f"the search ended before the cancel: {mine}"
-            assert time.monotonic() < deadline, f"not four steps of the search in 60 s: {steps_seen} {seen}"
+            assert time.monotonic() < deadline, f"not two steps of the search in 60 s: {steps_seen} {seen}"
             await asyncio.sleep(0.01)
         ack = await client.cancel(rid, 1, 1, timeout=60)
         after = await admin_attempts(worker.base_url)  # asked once the acknowledgement came
