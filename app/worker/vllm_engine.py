@@ -45,7 +45,6 @@ from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_requests import VllmRequests
 
-# settings with which the user sized vLLM's CPU memory: any one of them wins
 ALL_ALTERNATIVES = -1  # every log probability vLLM gives at a token
 
 

@@ -78,11 +78,17 @@ async def collect(
     return out
 
 
+async def worker_view(base_url: str) -> dict[str, Any]:
+    """The worker's own view (GET /admin/attempts): its ``attempts`` and the engine's running
+    requests (``engine_requests``)."""
+    async with http_client() as http:
+        view: dict[str, Any] = (await http.get(base_url + "/admin/attempts")).json()
+    return view
+
+
 async def attempt_state(base_url: str, request_id: str, attempt: int = 1) -> dict[str, Any]:
     """The worker's own view of one attempt (GET /admin/attempts)."""
-    async with http_client() as http:
-        attempts = (await http.get(base_url + "/admin/attempts")).json()["attempts"]
-    for state in attempts:
+    for state in (await worker_view(base_url))["attempts"]:
         if state["request_id"] == request_id and state["attempt"] == attempt:
             return dict(state)
     raise LookupError(f"no attempt {attempt} of {request_id} on {base_url}")

@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 
-from app.replicas.worker_client import WorkerClient, http_client
-from tests.support.streams import collect
+from app.replicas.worker_client import WorkerClient
+from tests.support.streams import collect, worker_view
 from tests.support.vllm_replicas import MODEL, SharedVllm
 from tests.support.workers import request_id
 
 pytestmark = pytest.mark.vllm
-
-
-async def admin_attempts(base_url: str) -> dict[str, Any]:
-    async with http_client() as http:
-        answer: dict[str, Any] = (await http.get(base_url + "/admin/attempts")).json()
-    return answer
 
 
 async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_engine_requests_runs(
@@ -36,7 +29,7 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
     # the shared worker has two slots: an earlier test's attempt still in one would queue
     # this search past the wait below (its stream unread, its lease not yet lapsed)
     deadline = time.monotonic() + 120
-    while busy := [a for a in (await admin_attempts(worker.base_url))["attempts"] if not a["engine_over"]]:
+    while busy := [a for a in (await worker_view(worker.base_url))["attempts"] if not a["engine_over"]]:
         assert time.monotonic() < deadline, f"the shared worker is still busy: {busy}"
         await asyncio.sleep(0.1)
     try:
@@ -54,14 +47,14 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
         deadline = time.monotonic() + 60
         steps_seen: set[str] = set()
         while len(steps_seen) < 2:  # the search is under way: steps' engine requests came and went
-            seen = await admin_attempts(worker.base_url)
+            seen = await worker_view(worker.base_url)
             steps_seen |= {r for r in seen["engine_requests"] if r.startswith(prefix)}
             (mine,) = [a for a in seen["attempts"] if a["request_id"] == rid]
             assert not mine["engine_over"], f"the search ended before the cancel: {mine}"
             assert time.monotonic() < deadline, f"not two steps of the search in 60 s: {steps_seen} {seen}"
             await asyncio.sleep(0.01)
         ack = await client.cancel(rid, 1, 1, timeout=60)
-        after = await admin_attempts(worker.base_url)  # asked once the acknowledgement came
+        after = await worker_view(worker.base_url)  # asked once the acknowledgement came
         assert [r for r in after["engine_requests"] if r.startswith(prefix)] == []
         (mine,) = [a for a in after["attempts"] if a["request_id"] == rid]
         assert ack.state == "aborted" and mine["stop"] == "cancelled" and mine["engine_over"], (ack, mine)
