@@ -11,6 +11,14 @@ store does not know (an append to a request another process accepted: a sweep, a
 resume's bookkeeping) takes it from the request's row in the same statement, a
 lookup that runs only for such rows; COPY cannot, so such a batch goes by INSERT.
 
+A batch whose rows are all of one day goes straight into that day's partition of
+``request_events`` when the partition carries the day's projection (migration 0010): its
+statements name that day's read models alone, so the append costs the same however many
+days are kept. Any other batch (several days, a day looked up, the legacy partition, a
+day whose triggers are not made yet) goes through the parent, whose triggers do the same
+on every day. :class:`LogSchema` knows the days, and looks again (at most every
+:data:`DAYS_LOOKED_UP_EVERY_S`) when a batch names one it does not know.
+
 A log not yet converted (schema 0006: this release started before ``phasegate db
 upgrade``, in a rolling upgrade) takes 0006's statements, which name no day
 (:class:`LogSchema`); once the conversion's switch is done they are refused
@@ -19,7 +27,11 @@ upgrade``, in a rolling upgrade) takes 0006's statements, which name no day
 
 from __future__ import annotations
 
+import functools
+import re
+import time
 from collections.abc import Iterable, Sequence
+from datetime import date
 
 import asyncpg
 
@@ -81,24 +93,60 @@ SELECT request_id, version, event_id, type, schema_version, attempt, lease_epoch
 ON CONFLICT (event_id) DO NOTHING
 """
 _FIELDS = EventRow._fields[:9]
+_PARENT = "INSERT INTO request_events\n"
+
+
+DAYS_LOOKED_UP_EVERY_S = 10.0  # a day not known to have its partition's projection is looked for again after
+_DAY_PARTITIONS = """
+SELECT c.relname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+ WHERE t.tgname = 'request_events_project_day'
+"""
+_DAY_PARTITION = re.compile(r"request_events_p(\d{8})")
 
 
 class LogSchema:
-    """Whether ``request_events`` is partitioned (0007) or not yet (0006): which statements append."""
+    """Whether ``request_events`` is partitioned (0007) or not yet (0006): which statements
+    append; and which days' partitions take appends straight in (0010)."""
 
     def __init__(self) -> None:
         self.partitioned = True
+        self.days: dict[date, str] = {}  # day -> its partition of request_events, with the day's projection
+        self._days_looked_up = -DAYS_LOOKED_UP_EVERY_S
 
     async def learn(self, conn: asyncpg.Connection) -> None:
         self.partitioned = bool(
             await conn.fetchval("SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')")
         )
+        await self._learn_days(conn)
+
+    async def table_for(self, conn: asyncpg.Connection, rows: Sequence[EventRow]) -> str:
+        """Where ``rows`` are appended: their day's partition, or the parent."""
+        day = rows[0].accepted_on
+        if day is None or any(row.accepted_on != day for row in rows):
+            return "request_events"
+        if day not in self.days and time.monotonic() - self._days_looked_up >= DAYS_LOOKED_UP_EVERY_S:
+            await self._learn_days(conn)
+        return self.days.get(day, "request_events")
+
+    def forget(self, table: str) -> None:
+        """``table`` was not there (dropped past retention): append through the parent."""
+        self.days = {day: known for day, known in self.days.items() if known != table}
+
+    async def _learn_days(self, conn: asyncpg.Connection) -> None:
+        self._days_looked_up = time.monotonic()
+        days = {}
+        for (name,) in await conn.fetch(_DAY_PARTITIONS):
+            match = _DAY_PARTITION.fullmatch(name)
+            if match is not None:
+                days[date.fromisoformat(match[1])] = name
+        self.days = days
 
 
 async def insert_rows(
     conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool, schema: LogSchema | None = None
 ) -> None:
-    """Insert ``rows`` in one statement; ``copy``: COPY may be used (a batch without retried events)."""
+    """Insert ``rows`` in one statement; ``copy``: COPY may be used (a batch without retried
+    events). With no ``schema`` they go through the parent."""
     if schema is not None and not schema.partitioned:
         try:
             await _insert_undayed(conn, rows, copy=copy)
@@ -107,13 +155,30 @@ async def insert_rows(
             await schema.learn(conn)
             if not schema.partitioned:
                 raise
+    table = "request_events" if schema is None else await schema.table_for(conn, rows)
+    try:
+        await _insert_dayed(conn, rows, copy=copy, table=table)
+    except asyncpg.UndefinedTableError:
+        if schema is not None:
+            schema.forget(table)  # the next try goes through the parent, which says why
+        raise
+
+
+async def _insert_dayed(conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool, table: str) -> None:
     dayed = all(row.accepted_on is not None for row in rows)
     if len(rows) == 1:
-        await conn.execute(INSERT_EVENT if dayed else INSERT_EVENT_LOOKUP, *rows[0])
+        statement = INSERT_EVENT if dayed else INSERT_EVENT_LOOKUP
+        await conn.execute(_into(statement, table), *rows[0])
     elif copy and len(rows) >= COPY_FROM and dayed:
-        await conn.copy_records_to_table("request_events", records=rows, columns=EventRow._fields)
+        await conn.copy_records_to_table(table, records=rows, columns=EventRow._fields)
     else:
-        await conn.execute(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, *columns(rows))
+        await conn.execute(_into(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, table), *columns(rows))
+
+
+@functools.cache
+def _into(statement: str, table: str) -> str:
+    """``statement`` appending to ``table`` (a day's partition) instead of the parent."""
+    return statement if table == "request_events" else statement.replace(_PARENT, f"INSERT INTO {table}\n", 1)
 
 
 async def _insert_undayed(conn: asyncpg.Connection, rows: Sequence[EventRow], *, copy: bool) -> None:

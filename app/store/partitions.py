@@ -12,11 +12,13 @@ running it at once take turns (a busy lock: someone else is doing it, skip):
   plain table and then attached, which takes only ``SHARE UPDATE EXCLUSIVE`` on the
   parent (appends and reads go on), where ``CREATE TABLE … PARTITION OF`` would wait
   behind every open reader with ``ACCESS EXCLUSIVE`` and stall the appends queued
-  behind it;
+  behind it; then the day's own projection, triggers on its partition of the log that
+  name its read models alone (migration 0010);
 - **retention** (``retention_days``; ``None`` keeps everything): a day whose
   partitions are entirely older than the retention is first written to
   ``archive_dir`` as a trace file (when set; the format of ``phasegate trace export``,
-  :mod:`statemachine.trace`), then each table's partition is detached
+  :mod:`statemachine.trace`), once its own projection is closed to appends, then each
+  table's partition is detached
   ``CONCURRENTLY`` (no lock that stops appends) and dropped. Never a ``DELETE``.
 
 A detach interrupted half-way (a crash, a cancelled statement) leaves its partition
@@ -49,6 +51,7 @@ _LOCK_KEY = 0x70686173_6D61  # "phasma": one maintenance at a time, over every g
 _STORAGE = {"requests": " WITH (fillfactor = 80)"}  # as 0001 made the table: room for HOT updates
 _BOUND = re.compile(r"FROM \((?:'(?P<low>[0-9-]+)'|MINVALUE)\) TO \('(?P<high>[0-9-]+)'\)")
 
+_HAS_DAY_PROJECTIONS = "SELECT to_regprocedure('phasegate_day_projection(date)') IS NOT NULL"
 _IS_PARTITIONED = "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass('request_events')"
 _PARTITIONS = """
 SELECT child.relname AS name, pg_get_expr(child.relpartbound, child.oid) AS bound, i.inhdetachpending AS pending
@@ -145,7 +148,7 @@ async def maintain(
             for pending in [p for p in await partitions(connection, table) if p.detach_pending]:
                 await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {pending.name} FINALIZE")
                 if cutoff is not None and pending.end <= cutoff:
-                    await connection.execute(f"DROP TABLE {pending.name}")
+                    await _drop(connection, pending)
                     done.dropped.append(pending.name)
                 else:  # not ours to drop: someone detached it by hand; a day ahead is attached again
                     logger.warning("finished the detach of %s, left in place: it is not past retention", pending.name)
@@ -190,20 +193,31 @@ async def _create_day(connection: asyncpg.Connection, day: date, done: Maintenan
             f"ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ('{day}') TO ('{day + timedelta(days=1)}')"
         )
         done.created.append(name)
+    if await connection.fetchval(_HAS_DAY_PROJECTIONS):  # the day's own projection (0010), its tables all there
+        await connection.execute("SELECT phasegate_day_projection($1)", day)
 
 
 async def _retire(connection: asyncpg.Connection, cutoff: date, archive_dir: Path | None, done: Maintenance) -> None:
     """Archive, detach and drop every partition whose days all come before ``cutoff``."""
     expired = {table: [p for p in await partitions(connection, table) if p.end <= cutoff] for table in PARTITIONED}
+    day_projections = await connection.fetchval(_HAS_DAY_PROJECTIONS)
     for events in expired["request_events"]:
+        if day_projections and events.first_day is not None:  # no append reaches it archived or half detached
+            await connection.execute("SELECT phasegate_close_day($1)", events.first_day)
         if archive_dir is not None:
             done.archived.append(await archive(connection, events, archive_dir))
     for table in ("request_inputs", "request_attempts", "requests", "request_events"):  # the log last
         for partition in expired[table]:
             await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {partition.name} CONCURRENTLY")
-            await connection.execute(f"DROP TABLE {partition.name}")
+            await _drop(connection, partition)
             done.dropped.append(partition.name)
             logger.info("dropped %s (accepted before %s) past retention", partition.name, partition.end)
+
+
+async def _drop(connection: asyncpg.Connection, partition: Partition) -> None:
+    await connection.execute(f"DROP TABLE {partition.name}")
+    if partition.table == "request_events":  # the day's projection (0010), its triggers gone with the table
+        await connection.execute(f"DROP FUNCTION IF EXISTS project_{partition.name}()")
 
 
 async def archive(connection: asyncpg.Connection, partition: Partition, archive_dir: Path) -> Path:

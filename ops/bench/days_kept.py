@@ -1,24 +1,28 @@
-"""What an append costs by the days the log keeps, and by PostgreSQL's lock settings (issue 32, item 2).
+"""What an append costs by the days the log keeps, through the parent and straight into the day (issue 32, item 2).
 
     python ops/bench/days_kept.py [--requests 400] [--days 4 92 367] [--rounds 3]
+                                  [--settings '' max_locks_per_transaction=1024]
 
-Every statement of the projection trigger runs on a generic plan over a partitioned read
-model, and PostgreSQL locks every partition such a plan names at each execution (its
-scans of the other days are pruned only as it starts): the more days kept, the more
-locks an append takes. A transaction holds its first few relation locks on a fast path
-of its own; past those they go through the shared lock table, which costs more each.
-Since PostgreSQL 18 the fast path holds ``max_locks_per_transaction`` locks (rounded up to
-a power of two, at most 16,384), so that setting decides how many days are cheap.
+Through the parent, every statement of the projection trigger runs on a generic plan over
+a partitioned read model, and PostgreSQL locks every partition such a plan names at each
+execution (its scans of the other days are pruned only as it starts): the more days
+kept, the more locks an append takes. A transaction holds its first few relation locks
+on a fast path of its own; past those they go through the shared lock table, which costs
+more each. Since PostgreSQL 18 the fast path holds ``max_locks_per_transaction`` locks
+(rounded up to a power of two, at most 16,384), so that setting decides how many days are
+cheap. Straight into the day's partition (migration 0010, what the writer does), the
+day's own trigger names that day's read models alone.
 
 Here each ``--settings`` variant (default: the server's defaults, and
-``max_locks_per_transaction=1024``) runs an embedded PostgreSQL of its own, fsync off, so
-that a flush does not hide the CPU (all at once: the rounds alternate between them). In
-each, one log per ``--days`` (a scratch database, migrated, with that many day
-partitions made, the requests' day the last of them); then ``--rounds`` rounds, each
-appending ``--requests`` requests' commit points (two events, the writer's INSERT …
-unnest) and one delivery each (one event, INSERT … VALUES) on one connection in
-autocommit, in every log and variant in turn. Prints the medians (p90) in microseconds,
-and each log's difference from the fewest days in the same variant.
+``max_locks_per_transaction=1024``, the embedded server's) runs an embedded PostgreSQL
+of its own, fsync off, so that a flush does not hide the CPU (all at once: the rounds
+alternate between them). In each, one log per ``--days`` (a scratch database, migrated,
+with that many day partitions made, the requests' day the last of them); then
+``--rounds`` rounds, each appending ``--requests`` requests' commit points (two events,
+the writer's INSERT … unnest) and one delivery each (one event, INSERT … VALUES) on one
+connection in autocommit, through the parent and into the day in turn, in every log and
+variant in turn. Prints the medians (p90) in microseconds, and each log's difference
+from the fewest days through the parent in the same variant.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from app.store import migrate, partitions
 from app.store.codec import EventRow, to_row
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
-from app.store.insert import insert_rows
+from app.store.insert import LogSchema, insert_rows
 from ops.bench.commit_point import INSTANCE, KINDS, bind
 from ops.bench.log_rows import T0, percentile, scratch_database
 from statemachine.events import Event
@@ -78,48 +82,63 @@ async def prepared_log(url: str, days: int) -> str:
     return log_url
 
 
-async def one_round(conn: asyncpg.Connection, tag: str, requests: int) -> dict[str, list[float]]:
-    """Seconds each append took, by kind, for ``requests`` fresh requests."""
+async def one_round(conn: asyncpg.Connection, tag: str, requests: int, day: LogSchema | None) -> dict[str, list[float]]:
+    """Seconds each append took, by kind, for ``requests`` fresh requests; ``day``: the
+    writer's knowledge of the days' partitions (appends straight into the day), or None
+    (through the parent)."""
     found: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for number in range(requests):
         for kind, (before, appended) in KINDS.items():
             rid = f"{tag}-{kind[0]}-{number}"
-            await insert_rows(conn, rows(before(rid)), copy=False)
+            await insert_rows(conn, rows(before(rid)), copy=False, schema=day)
             batch = rows(appended(rid))
             began = time.perf_counter()
-            await insert_rows(conn, batch, copy=False)
+            await insert_rows(conn, batch, copy=False, schema=day)
             found[kind].append(time.perf_counter() - began)
     return found
 
 
 async def run(urls: dict[str, str], days: list[int], requests: int, rounds: int) -> None:
-    logs: dict[tuple[str, int], asyncpg.Connection] = {}
+    logs: dict[tuple[str, int], tuple[asyncpg.Connection, LogSchema]] = {}
     for variant, url in urls.items():
         print(f"{variant}:")
         for kept in days:
             conn = await asyncpg.connect(asyncpg_dsn(await prepared_log(url, kept)))
             await bind(conn)
-            await one_round(conn, "warm", 20)  # plans made, caches warm
-            logs[variant, kept] = conn
-    samples: dict[tuple[str, int], dict[str, list[float]]] = {key: {kind: [] for kind in KINDS} for key in logs}
+            day = LogSchema()
+            await day.learn(conn)
+            assert DAY in day.days, "the requests' day has no projection of its own"
+            for schema in (None, day):
+                await one_round(conn, f"warm{schema is None}", 20, schema)  # plans made, caches warm
+            logs[variant, kept] = conn, day
+    ways = {"parent": False, "day": True}
+    samples: dict[tuple[str, int, str], dict[str, list[float]]] = {
+        (variant, kept, way): {kind: [] for kind in KINDS} for variant, kept in logs for way in ways
+    }
     for number in range(rounds):
-        for key, conn in logs.items():
-            for kind, seconds in (await one_round(conn, f"r{number}", requests)).items():
-                samples[key][kind] += seconds
-    for conn in logs.values():
+        for (variant, kept), (conn, day) in logs.items():
+            for way, straight in ways.items():
+                found = await one_round(conn, f"r{number}{way}", requests, day if straight else None)
+                for kind, seconds in found.items():
+                    samples[variant, kept, way][kind] += seconds
+    for conn, _ in logs.values():
         await conn.close()
     print(
-        f"\n{requests} requests x {rounds} rounds; microseconds, median (p90); +: over the fewest days, same settings"
+        f"\n{requests} requests x {rounds} rounds; microseconds, median (p90);"
+        " +: over the fewest days through the parent, same settings"
     )
     for kind in KINDS:
         print(f"\n{kind}")
         for variant in urls:
-            base = percentile(samples[variant, days[0]][kind], 0.5)
+            base = percentile(samples[variant, days[0], "parent"][kind], 0.5)
             for kept in days:
-                values = samples[variant, kept][kind]
-                p50, p90 = percentile(values, 0.5), percentile(values, 0.9)
-                extra = f"  +{(p50 - base) * 1e6:5.0f}" if kept != days[0] else ""
-                print(f"  {variant:<34} {kept:>4} days {p50 * 1e6:7.0f} ({p90 * 1e6:.0f}){extra}")
+                for way in ways:
+                    values = samples[variant, kept, way][kind]
+                    p50, p90 = percentile(values, 0.5), percentile(values, 0.9)
+                    print(
+                        f"  {variant:<34} {kept:>4} days {way:<6} {p50 * 1e6:7.0f} ({p90 * 1e6:.0f})"
+                        f"  {(p50 - base) * 1e6:+5.0f}"
+                    )
 
 
 def main() -> None:

@@ -1,0 +1,185 @@
+"""A day's partition of the log projects into that day's read models alone (migration
+0010): appended straight into it, a batch is projected and guarded exactly as through
+the parent, and maintenance makes, closes and drops each day's projection with its
+partitions."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, date, datetime, time, timedelta
+
+import asyncpg
+import pytest
+
+from app.store import migrate, partitions
+from app.store.codec import EventRow, to_row
+from app.store.database import asyncpg_dsn
+from app.store.errors import STREAM_GAP_SQLSTATE
+from app.store.insert import LogSchema, insert_rows
+from ops import traces
+
+KINDS: list[Callable[..., traces.Trace]] = [
+    traces.completed,
+    traces.retried_before_first_delta,
+    traces.fenced_then_retried,
+    traces.cancelled_by_client,
+    traces.interrupted_in_decode,
+    traces.stalled_in_decode,
+]
+# what differs between two requests projected from the same events
+NAMED = {"request_id", "idempotency_key"}
+
+
+@pytest.fixture
+async def connection(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def a_day_of_its_own(connection: asyncpg.Connection) -> date:
+    """A day with partitions of its own: the first after the legacy partition's."""
+    (legacy,) = [p for p in await partitions.partitions(connection, "request_events") if p.first_day is None]
+    return legacy.end
+
+
+def rows_on(trace: traces.Trace, day: date) -> list[EventRow]:
+    return [to_row(event, day) for event in trace.events]
+
+
+def traced(prefix: str, day: date) -> list[traces.Trace]:
+    at = datetime.combine(day, time(12), tzinfo=UTC)
+    return [kind(f"{prefix}_{number}", at=at) for number, kind in enumerate(KINDS)]
+
+
+async def projections_called(connection: asyncpg.Connection) -> dict[str, int]:
+    await connection.execute("SELECT pg_stat_force_next_flush()")  # this backend's counts, flushed once idle
+    rows = await connection.fetch(
+        "SELECT funcname, calls FROM pg_stat_user_functions WHERE funcname LIKE 'project_request_events%'"
+    )
+    return {row["funcname"]: row["calls"] for row in rows}
+
+
+async def read_models(connection: asyncpg.Connection, table: str, prefix: str) -> list[dict[str, object]]:
+    order = "request_id, attempt" if table == "request_attempts" else "request_id"
+    rows = await connection.fetch(f"SELECT * FROM {table} WHERE request_id LIKE $1 ORDER BY {order}", f"{prefix}\\_%")
+    return [{key: value for key, value in row.items() if key not in NAMED} for row in rows]
+
+
+async def test_a_days_own_projection_is_the_parents_but_for_the_tables_it_names(
+    connection: asyncpg.Connection,
+) -> None:
+    parent = await connection.fetchval("SELECT pg_get_functiondef('project_request_events()'::regprocedure)")
+    days = await connection.fetch(
+        "SELECT proname, pg_get_functiondef(oid) AS definition FROM pg_proc"
+        " WHERE proname ~ '^project_request_events_p[0-9]{8}$'"
+    )
+    assert len(days) == 3  # the conversion day and the two after it (0007)
+    for day in days:
+        suffix = day["proname"].removeprefix("project_request_events")
+        expected = re.sub(r"\brequests\b", f"requests{suffix}", parent)
+        expected = re.sub(r"\brequest_attempts\b", f"request_attempts{suffix}", expected)
+        expected = expected.replace("project_request_events()", f"{day['proname']}()")
+        assert day["definition"] == expected
+        assert f"requests{suffix} r" in day["definition"]
+
+
+async def test_appends_straight_into_a_day_are_projected_as_through_the_parent(
+    connection: asyncpg.Connection,
+) -> None:
+    day = await a_day_of_its_own(connection)
+    schema = LogSchema()
+    await schema.learn(connection)
+    assert schema.days[day] == f"request_events_p{day:%Y%m%d}"
+    await connection.execute("SET track_functions = 'pl'")
+    for prefix, chosen in (("parent", None), ("day", schema)):
+        for trace in traced(prefix, day):  # two events at a time, as a gateway appends them
+            rows = rows_on(trace, day)
+            for start in range(0, len(rows), 2):
+                await insert_rows(connection, rows[start : start + 2], copy=False, schema=chosen)
+        # and one group commit of many requests, by COPY
+        many = [row for trace in traced(f"{prefix}many", day) for row in rows_on(trace, day)]
+        assert len(many) >= 64
+        await insert_rows(connection, many, copy=True, schema=chosen)
+    called = await projections_called(connection)
+    assert called.get(f"project_request_events_p{day:%Y%m%d}", 0) > len(KINDS)  # the day's own ran
+    assert called.get("project_request_events", 0) > len(KINDS)  # and the parent's, for the others
+    for table in ("requests", "request_attempts"):
+        for prefix in ("", "many"):
+            through_parent = await read_models(connection, table, f"parent{prefix}")
+            assert len(through_parent) >= len(KINDS)
+            assert await read_models(connection, table, f"day{prefix}") == through_parent
+
+
+async def test_the_guards_hold_on_a_days_own_partition(connection: asyncpg.Connection) -> None:
+    day = await a_day_of_its_own(connection)
+    schema = LogSchema()
+    await schema.learn(connection)
+    rows = rows_on(traces.completed("req_guarded", at=datetime.combine(day, time(12), tzinfo=UTC)), day)
+    await insert_rows(connection, rows[:2], copy=False, schema=schema)
+    # the stream guard: a batch must start right after the request's last version
+    with pytest.raises(asyncpg.PostgresError) as gap:
+        await insert_rows(connection, rows[3:5], copy=False, schema=schema)
+    assert gap.value.sqlstate == STREAM_GAP_SQLSTATE
+    # the instance guard: a fenced instance appends nothing
+    await connection.execute("SELECT set_config('phasegate.instance', 'gw_gone', false)")
+    with pytest.raises(asyncpg.PostgresError) as fenced:
+        await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+    assert fenced.value.sqlstate == "PG410"
+    await connection.execute("SELECT set_config('phasegate.instance', '', false)")
+    await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+    assert await connection.fetchval("SELECT last_seq FROM requests WHERE request_id = 'req_guarded'") == 4
+    assert await connection.fetchval("SELECT count(*) FROM request_events WHERE request_id = 'req_guarded'") == 4
+
+
+async def test_maintenance_makes_a_days_projection_then_closes_and_drops_it(
+    connection: asyncpg.Connection,
+) -> None:
+    later = await a_day_of_its_own(connection) + timedelta(days=10)
+    done = await partitions.maintain(connection, on=later, days_ahead=0, wait=True)
+    assert f"request_events_p{later:%Y%m%d}" in done.created
+    schema = LogSchema()
+    await schema.learn(connection)
+    assert later in schema.days
+    rows = rows_on(traces.completed("req_later", at=datetime.combine(later, time(12), tzinfo=UTC)), later)
+    await insert_rows(connection, rows[:2], copy=False, schema=schema)
+
+    # closed for retention: an append is refused as the parent refuses a day with no partition
+    await connection.execute("SELECT phasegate_close_day($1)", later)
+    with pytest.raises(asyncpg.CheckViolationError) as closed:
+        await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+    never = later + timedelta(days=400)  # a day with no partition
+    accepted = rows_on(traces.completed("req_never", at=datetime.combine(never, time(12), tzinfo=UTC)), never)[:1]
+    with pytest.raises(asyncpg.CheckViolationError) as no_partition:
+        await insert_rows(connection, accepted, copy=False)
+    assert closed.value.message == no_partition.value.message  # the writer takes it as the same refusal
+    assert await connection.fetchval("SELECT last_seq FROM requests WHERE request_id = 'req_later'") == 2
+
+    done = await partitions.maintain(
+        connection, on=later + timedelta(days=3), days_ahead=0, retention_days=1, wait=True
+    )
+    assert f"request_events_p{later:%Y%m%d}" in done.dropped
+    assert await connection.fetchval("SELECT to_regproc($1)", f"project_request_events_p{later:%Y%m%d}") is None
+    # a writer that still knew the day appends through the parent, which refuses the dropped day
+    with pytest.raises(asyncpg.UndefinedTableError):
+        await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+    assert later not in schema.days
+    with pytest.raises(asyncpg.CheckViolationError):
+        await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+
+
+async def test_downgrade_takes_the_days_projections_away_and_upgrade_makes_them_again(database_url: str) -> None:
+    await migrate.downgrade_async(database_url, "0009")
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'request_events_%_day'") == 0
+        assert await conn.fetchval("SELECT count(*) FROM pg_proc WHERE proname LIKE 'project_request_events_p%'") == 0
+        assert await conn.fetchval("SELECT count(*) FROM pg_proc WHERE proname LIKE 'phasegate_%day%'") == 0
+        await migrate.upgrade_async(database_url)
+        assert await conn.fetchval("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'request_events_%_day'") == 6
+        assert await conn.fetchval("SELECT count(*) FROM pg_proc WHERE proname LIKE 'project_request_events_p%'") == 3
+    finally:
+        await conn.close()
