@@ -45,7 +45,7 @@ import asyncpg
 
 from app.store.bulk_projection import PROJECT_ATTEMPTS, PROJECT_REQUESTS, REFUSE, into
 from app.store.codec import EventRow
-from app.store.partitions import PARTITIONED, ensure_days, partitions
+from app.store.partitions import PARTITIONED, drop, ensure_days, partitions, project_day
 
 TRIGGER = "request_events_project"
 INPUT_COLUMNS = ("request_id", "body", "model_revision", "seed", "accepted_on")
@@ -164,6 +164,7 @@ async def _load_apart(connection: asyncpg.Connection, days: Sequence[DayRows]) -
                 f" FOR VALUES FROM ('{rows.day}') TO ('{rows.day + timedelta(days=1)}')"
             )
             await connection.execute(f"ALTER TABLE {name} DROP CONSTRAINT {name}_bound")
+        await project_day(connection, rows.day)
         copy_s, project_s = copy_s + copied - began, project_s + projected - copied
         index_s += time.perf_counter() - projected
     await connection.execute("DROP FUNCTION pg_temp.refuse(text, text)")
@@ -188,7 +189,7 @@ async def _make_room(connection: asyncpg.Connection, first: date, last: date) ->
                     )
             elif partition.first_day <= last and partition.end > first:
                 await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {partition.name}")
-                await connection.execute(f"DROP TABLE {partition.name}")
+                await drop(connection, partition)
 
 
 async def _index_statements(connection: asyncpg.Connection, table: str) -> list[tuple[str, bool]]:

@@ -148,7 +148,7 @@ async def maintain(
             for pending in [p for p in await partitions(connection, table) if p.detach_pending]:
                 await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {pending.name} FINALIZE")
                 if cutoff is not None and pending.end <= cutoff:
-                    await _drop(connection, pending)
+                    await drop(connection, pending)
                     done.dropped.append(pending.name)
                 else:  # not ours to drop: someone detached it by hand; a day ahead is attached again
                     logger.warning("finished the detach of %s, left in place: it is not past retention", pending.name)
@@ -193,7 +193,13 @@ async def _create_day(connection: asyncpg.Connection, day: date, done: Maintenan
             f"ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ('{day}') TO ('{day + timedelta(days=1)}')"
         )
         done.created.append(name)
-    if await connection.fetchval(_HAS_DAY_PROJECTIONS):  # the day's own projection (0010), its tables all there
+    await project_day(connection, day)
+
+
+async def project_day(connection: asyncpg.Connection, day: date) -> None:
+    """Give ``day``'s partition of the log its own projection (migration 0010), once the
+    day's four partitions are attached; a log before 0010 has none to give."""
+    if await connection.fetchval(_HAS_DAY_PROJECTIONS):
         await connection.execute("SELECT phasegate_day_projection($1)", day)
 
 
@@ -209,12 +215,13 @@ async def _retire(connection: asyncpg.Connection, cutoff: date, archive_dir: Pat
     for table in ("request_inputs", "request_attempts", "requests", "request_events"):  # the log last
         for partition in expired[table]:
             await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {partition.name} CONCURRENTLY")
-            await _drop(connection, partition)
+            await drop(connection, partition)
             done.dropped.append(partition.name)
             logger.info("dropped %s (accepted before %s) past retention", partition.name, partition.end)
 
 
-async def _drop(connection: asyncpg.Connection, partition: Partition) -> None:
+async def drop(connection: asyncpg.Connection, partition: Partition) -> None:
+    """Drop a detached ``partition``, and with a day of the log its own projection."""
     await connection.execute(f"DROP TABLE {partition.name}")
     if partition.table == "request_events":  # the day's projection (0010), its triggers gone with the table
         await connection.execute(f"DROP FUNCTION IF EXISTS project_{partition.name}()")

@@ -131,6 +131,9 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
         trigger_enabled = await connection.fetchval(
             "SELECT tgenabled::text FROM pg_trigger WHERE tgname = 'request_events_project'"
         )
+        day_triggers = await connection.fetch(  # each day's own projection (0010)
+            "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE tgname LIKE 'request_events\\_%\\_day'"
+        )
     finally:
         await connection.close()
     # every other table, index and constraint as it was; each loaded day's as maintenance makes a day
@@ -142,6 +145,11 @@ async def test_a_bulk_load_builds_the_read_models_the_triggers_build(database_ur
         for table in PARTITIONED:
             low = datetime.strptime(day, "%Y%m%d").date()
             assert bounds[f"{table}_p{day}"] == f"FOR VALUES FROM ('{low}') TO ('{low + timedelta(days=1)}')"
+    for day in (*loaded, f"{made:%Y%m%d}"):
+        assert sorted(name for table, name in day_triggers if table == f"request_events_p{day}") == [
+            "request_events_guard_day",
+            "request_events_project_day",
+        ]
     # the legacy partition (empty in a fresh log) now ends where the loaded days begin
     assert legacy_end == {min(generated.days)}
     assert trigger_enabled == "O"  # on again for the appends that follow
