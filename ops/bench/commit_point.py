@@ -9,24 +9,28 @@ have ``shared_preload_libraries = 'pg_stat_statements'`` for the statement table
 
 For each of ``--requests`` fresh requests, opened as the gateway opens one (accepted, an
 attempt started), two appends are measured, as the writer sends them with the instance
-guard bound to a live gateway instance:
+guard bound to a live gateway instance, on a day with partitions of its own:
 
 - **the commit point**: the first token received and the first delta committed, two
   events, one INSERT … SELECT FROM unnest, committed at once (durable);
 - **a delivery batch**: one ``DeltasDelivered``, the single-row INSERT.
 
-Each is taken five ways, interleaved request by request so that a noisy moment hits all:
+Each is taken these ways, interleaved request by request so that a noisy moment hits all:
 
 1. ``store``: ``PostgresEventStore.append(durable=True)``, what the driver awaits;
-2. ``direct``: the writer's statement on a connection of its own, in autocommit (sent to
-   committed): PostgreSQL's share and one round trip;
-3. ``statement`` and ``commit``: the same in ``BEGIN``; INSERT; ``COMMIT``, each timed: the
-   statement's work, and the commit (its WAL flush);
-4. ``EXPLAIN (ANALYZE)`` of the same INSERT, rolled back: planning, the executor, and each
-   trigger's time as PostgreSQL counts them;
-5. ``SELECT 1``: a round trip alone.
+2. ``day``: the writer's statement straight into the day's partition (migration 0010)
+   on a connection of its own, in autocommit (sent to committed): PostgreSQL's share
+   and one round trip;
+3. ``parent``: the same statement through the parent, whose triggers project;
+4. ``bare``: the same statement into a day whose projection trigger is off, the
+   instance guard kept: the floor that the projection adds to (issue 32's goal);
+5. ``statement`` and ``commit``: the ``day`` way in ``BEGIN``; INSERT; ``COMMIT``, each
+   timed: the statement's work, and the commit (its WAL flush);
+6. ``EXPLAIN (ANALYZE)`` of the ``day`` way's INSERT, rolled back: planning, the
+   executor, and each trigger's time as PostgreSQL counts them;
+7. ``SELECT 1``: a round trip alone.
 
-Then ``pg_stat_statements`` over the ``direct`` runs: each statement's mean execution and
+Then ``pg_stat_statements`` over the runs: each statement's mean execution and
 planning time a call, the triggers' own statements among them; and the WAL's fsyncs from
 ``pg_stat_io``. All figures are medians (and p90) of the requests, in microseconds.
 """
@@ -43,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +55,14 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
-from app.store import migrate
-from app.store.codec import EventRow
+from app.store import migrate, partitions
+from app.store.codec import EventRow, to_row
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
-from app.store.insert import INSERT_EVENT, INSERT_EVENTS, columns, insert_rows
+from app.store.insert import INSERT_EVENT, INSERT_EVENTS, LogSchema, columns, insert_rows
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
-from ops.bench.log_rows import T0, dayed_row, delivery, opening, percentile, scratch_database
+from ops.bench.log_rows import T0, delivery, moved, opening, percentile, scratch_database
 from statemachine.events import Event, FirstDeltaCommitted, FirstTokenReceived
 
 INSTANCE = "gw_bench"
@@ -69,7 +73,11 @@ MEASURING = {
     "track_wal_io_timing": "on",
     "track_io_timing": "on",
 }
-WAYS = ("store", "direct", "statement", "commit", "round trip")
+WAYS = ("store", "day", "parent", "bare", "statement", "commit", "round trip")
+# the requests' day, and the bare way's: after the days the migrations made, each with
+# partitions of its own (those before the log's conversion share the legacy one)
+DAY = date.today() + timedelta(days=400)
+BARE_DAY = DAY + timedelta(days=1)
 
 
 def commit_point(request_id: str) -> list[Event]:
@@ -99,17 +107,19 @@ async def timed(work: Awaitable[Any]) -> float:
     return time.perf_counter() - began
 
 
-def rows(events: Sequence[Event]) -> list[EventRow]:
-    return [dayed_row(event) for event in events]
+def rows(events: Sequence[Event], day: date = DAY) -> list[EventRow]:
+    return [to_row(event, day) for event in moved(events, day)]
 
 
 async def bind(conn: asyncpg.Connection) -> None:
     await conn.execute("SELECT set_config('phasegate.instance', $1, false)", INSTANCE)
 
 
-async def explained(conn: asyncpg.Connection, rows: Sequence[EventRow]) -> dict[str, float]:
-    """EXPLAIN ANALYZE of the writer's INSERT of ``rows``, rolled back: milliseconds by part."""
+async def explained(conn: asyncpg.Connection, rows: Sequence[EventRow], table: str) -> dict[str, float]:
+    """EXPLAIN ANALYZE of the writer's INSERT of ``rows`` into ``table``, rolled back:
+    milliseconds by part."""
     statement, args = (INSERT_EVENT, list(rows[0])) if len(rows) == 1 else (INSERT_EVENTS, columns(rows))
+    statement = statement.replace("INSERT INTO request_events\n", f"INSERT INTO {table}\n", 1)
     transaction = conn.transaction()
     await transaction.start()
     try:
@@ -120,6 +130,21 @@ async def explained(conn: asyncpg.Connection, rows: Sequence[EventRow]) -> dict[
     for trigger in plan.get("Triggers", []):
         parts[f"trigger {trigger['Trigger Name']}"] = trigger["Time"]
     return parts
+
+
+async def prepared_days(url: str) -> LogSchema:
+    """:data:`DAY`'s and :data:`BARE_DAY`'s partitions, the bare day's projection off;
+    the writer's knowledge of the days."""
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await partitions.ensure_days(conn, [DAY, BARE_DAY])
+        await conn.execute(f"ALTER TABLE request_events_p{BARE_DAY:%Y%m%d} DISABLE TRIGGER request_events_project_day")
+        schema = LogSchema()
+        await schema.learn(conn)
+    finally:
+        await conn.close()
+    assert {DAY, BARE_DAY} <= schema.days.keys(), "the days have no projection of their own (migration 0010)"
+    return schema
 
 
 @dataclass
@@ -135,6 +160,7 @@ class Measured:
 
 async def measure(url: str, requests: int) -> Measured:
     """Measure ``requests`` requests' appends on the migrated log at ``url``."""
+    days = await prepared_days(url)
     store = await PostgresEventStore.connect(url)
     registry = InstanceRegistry(store)
     await registry.register(InstanceInfo(INSTANCE, "bench:0", "bench", os.getpid(), "bench", None), ttl_s=3600.0)
@@ -144,7 +170,7 @@ async def measure(url: str, requests: int) -> Measured:
     found = Measured()
     results, explains = found.results, found.explains
     try:
-        await store.append("warm", 0, opening("warm"))  # the writer connected and bound
+        await store.append("warm", 0, moved(opening("warm"), DAY))  # the writer connected and bound
         counting = await _reset_statements(direct)
         await direct.execute("SELECT pg_stat_reset_shared('io')")
         for number in range(requests):
@@ -152,26 +178,27 @@ async def measure(url: str, requests: int) -> Measured:
                 samples = results[kind]
                 # the store's path: what the driver awaits
                 rid = f"store-{kind[0]}-{number}"
-                await store.append(rid, 0, before(rid))
-                events = appended(rid)
+                await store.append(rid, 0, moved(before(rid), DAY))
+                events = moved(appended(rid), DAY)
                 samples.add("store", await timed(store.append(rid, len(before(rid)), events, durable=True)))
-                # the writer's statement on a connection of its own, in autocommit
-                rid = f"direct-{kind[0]}-{number}"
-                await insert_rows(direct, rows(before(rid)), copy=False)
-                batch = rows(appended(rid))
-                samples.add("direct", await timed(insert_rows(direct, batch, copy=False)))
+                # the writer's statement on a connection of its own, in autocommit, each way in
+                for way, schema, day in (("day", days, DAY), ("parent", None, DAY), ("bare", days, BARE_DAY)):
+                    rid = f"{way}-{kind[0]}-{number}"
+                    await insert_rows(direct, rows(before(rid), day), copy=False, schema=schema)
+                    batch = rows(appended(rid), day)
+                    samples.add(way, await timed(insert_rows(direct, batch, copy=False, schema=schema)))
                 # in a transaction: the statement, then the commit
                 rid = f"split-{kind[0]}-{number}"
-                await insert_rows(direct, rows(before(rid)), copy=False)
+                await insert_rows(direct, rows(before(rid)), copy=False, schema=days)
                 batch = rows(appended(rid))
                 await direct.execute("BEGIN")
-                samples.add("statement", await timed(insert_rows(direct, batch, copy=False)))
+                samples.add("statement", await timed(insert_rows(direct, batch, copy=False, schema=days)))
                 samples.add("commit", await timed(direct.execute("COMMIT")))
                 samples.add("round trip", await timed(direct.fetchval("SELECT 1")))
                 # EXPLAIN ANALYZE of it, rolled back
                 rid = f"explain-{kind[0]}-{number}"
-                await insert_rows(direct, rows(before(rid)), copy=False)
-                explains[kind].append(await explained(direct, rows(appended(rid))))
+                await insert_rows(direct, rows(before(rid)), copy=False, schema=days)
+                explains[kind].append(await explained(direct, rows(appended(rid)), days.days[DAY]))
         if counting:
             found.statements = await direct.fetch(
                 """SELECT query, calls, plans, mean_exec_time, total_plan_time, toplevel FROM pg_stat_statements

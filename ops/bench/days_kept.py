@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import time
-from datetime import date, datetime, timedelta
+from datetime import date, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -48,7 +47,7 @@ from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import LogSchema, insert_rows
 from ops.bench.commit_point import INSTANCE, KINDS, bind
-from ops.bench.log_rows import T0, percentile, scratch_database
+from ops.bench.log_rows import moved, percentile, scratch_database
 from statemachine.events import Event
 
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
@@ -59,8 +58,7 @@ DAY = date.today() + timedelta(days=400)
 
 def rows(events: list[Event]) -> list[EventRow]:
     """The rows of ``events`` (ops/bench/log_rows.py's, at its T0) moved to :data:`DAY`."""
-    shift = datetime.combine(DAY, T0.timetz()) - T0
-    return [to_row(dataclasses.replace(event, occurred_at=event.occurred_at + shift), DAY) for event in events]
+    return [to_row(event, DAY) for event in moved(events, DAY)]
 
 
 async def prepared_log(url: str, days: int) -> str:

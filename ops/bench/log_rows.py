@@ -3,7 +3,9 @@ commit point, then one-token deliveries; and a scratch database to append them t
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+import dataclasses
+from collections.abc import Sequence
+from datetime import UTC, date, datetime, timedelta
 
 import asyncpg
 
@@ -50,6 +52,12 @@ def delivery(request_id: str, index: int) -> DeltasDelivered:
 def dayed_row(event: Event) -> EventRow:
     """The row of ``event`` with its request's accept day, as the store writes it."""
     return to_row(event, accept_day(T0))
+
+
+def moved(events: Sequence[Event], day: date) -> list[Event]:
+    """``events`` (of a request accepted at :data:`T0`) as if accepted on ``day``."""
+    shift = datetime.combine(day, T0.timetz()) - T0
+    return [dataclasses.replace(event, occurred_at=event.occurred_at + shift) for event in events]
 
 
 def percentile(samples: list[float], q: float) -> float:
