@@ -21,9 +21,11 @@ guards is the same on both ways in: the day's function is the parent's, word for
 but for the tables it names, and the instance guard is the same function.
 
 - ``phasegate_day_projection(day)`` makes a day's function, ``project_request_events_pYYYYMMDD``,
-  from the parent's live definition (``pg_get_functiondef``), and its two triggers. The
-  parent's function is the one definition; a migration that changes it calls
-  ``phasegate_day_projections()``, which makes every day's again
+  from the parent's live definition (``pg_get_functiondef``), and its two triggers,
+  where they are not made already: a day whose function and triggers are as they
+  should be is left alone (no lock taken, no plan made again), and so is a day closed
+  for retention. The parent's function is the one definition; a migration that changes
+  it calls ``phasegate_day_projections()``, which makes every open day's again
   (``tests/app/store/test_day_projection.py`` holds each day's equal to the parent's).
 - ``phasegate_close_day(day)`` replaces a day's function by one that refuses every
   append, as the parent refuses a row whose day has no partition (SQLSTATE 23514).
@@ -57,6 +59,7 @@ DECLARE
     events regclass := to_regclass('request_events' || suffix);
     projection text := 'project_request_events' || suffix;
     definition text := pg_get_functiondef('project_request_events()'::regprocedure);
+    made regprocedure;
 BEGIN
     IF events IS NULL OR current_setting('server_version_num')::integer < 170000 THEN
         RETURN;  -- a day in the legacy partition, or a server whose partitions lack the identity
@@ -64,12 +67,22 @@ BEGIN
     definition := regexp_replace(definition, '\mrequests\M', 'requests' || suffix, 'g');
     definition := regexp_replace(definition, '\mrequest_attempts\M', 'request_attempts' || suffix, 'g');
     definition := replace(definition, 'project_request_events()', projection || '()');
-    EXECUTE definition;
-    EXECUTE format('CREATE OR REPLACE TRIGGER request_events_project_day AFTER INSERT ON %s'
-                   ' REFERENCING NEW TABLE AS new_events FOR EACH STATEMENT EXECUTE FUNCTION %I()',
-                   events, projection);
-    EXECUTE format('CREATE OR REPLACE TRIGGER request_events_guard_day BEFORE INSERT ON %s'
-                   ' FOR EACH STATEMENT EXECUTE FUNCTION guard_instance_lease()', events);
+    made := to_regprocedure(projection || '()');
+    -- what is made already is left alone (no lock, no plan made again), and so is a
+    -- day closed for retention (phasegate_close_day)
+    IF made IS NULL OR (pg_get_functiondef(made) <> definition
+                        AND pg_get_functiondef(made) NOT LIKE '%phasegate: closed%') THEN
+        EXECUTE definition;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = events AND tgname = 'request_events_project_day') THEN
+        EXECUTE format('CREATE TRIGGER request_events_project_day AFTER INSERT ON %s'
+                       ' REFERENCING NEW TABLE AS new_events FOR EACH STATEMENT EXECUTE FUNCTION %I()',
+                       events, projection);
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = events AND tgname = 'request_events_guard_day') THEN
+        EXECUTE format('CREATE TRIGGER request_events_guard_day BEFORE INSERT ON %s'
+                       ' FOR EACH STATEMENT EXECUTE FUNCTION guard_instance_lease()', events);
+    END IF;
 END
 $$
 """
@@ -105,7 +118,7 @@ BEGIN
         RETURN;
     END IF;
     EXECUTE format($f$CREATE OR REPLACE FUNCTION %I() RETURNS trigger LANGUAGE plpgsql AS $body$
-BEGIN
+BEGIN  -- phasegate: closed
     RAISE EXCEPTION 'no partition of relation "request_events" found for row'
           USING ERRCODE = 'check_violation', DETAIL = %L;
 END

@@ -147,8 +147,14 @@ async def test_maintenance_makes_a_days_projection_then_closes_and_drops_it(
     rows = rows_on(traces.completed("req_later", at=datetime.combine(later, time(12), tzinfo=UTC)), later)
     await insert_rows(connection, rows[:2], copy=False, schema=schema)
 
+    # made once: maintenance again leaves the day's function and triggers as they are
+    made = await day_objects(connection, later)
+    await partitions.maintain(connection, on=later, days_ahead=0, wait=True)
+    assert await day_objects(connection, later) == made
+
     # closed for retention: an append is refused as the parent refuses a day with no partition
     await connection.execute("SELECT phasegate_close_day($1)", later)
+    await connection.execute("SELECT phasegate_day_projections()")  # which leaves a closed day closed
     with pytest.raises(asyncpg.CheckViolationError) as closed:
         await insert_rows(connection, rows[2:4], copy=False, schema=schema)
     never = later + timedelta(days=400)  # a day with no partition
@@ -169,6 +175,32 @@ async def test_maintenance_makes_a_days_projection_then_closes_and_drops_it(
     assert later not in schema.days
     with pytest.raises(asyncpg.CheckViolationError):
         await insert_rows(connection, rows[2:4], copy=False, schema=schema)
+
+
+async def day_objects(connection: asyncpg.Connection, day: date) -> list[tuple[object, ...]]:
+    """The row versions of ``day``'s projection function and triggers: made again, they change."""
+    rows = await connection.fetch(
+        "SELECT 'function', xmin::text FROM pg_proc WHERE proname = $1"
+        " UNION ALL SELECT tgname, xmin::text FROM pg_trigger WHERE tgrelid = to_regclass($2) ORDER BY 1",
+        f"project_request_events_p{day:%Y%m%d}",
+        f"request_events_p{day:%Y%m%d}",
+    )
+    assert len(rows) == 3
+    return [tuple(row) for row in rows]
+
+
+async def test_a_change_to_the_parents_projection_reaches_every_day(connection: asyncpg.Connection) -> None:
+    day = await a_day_of_its_own(connection)
+    parent = await connection.fetchval("SELECT pg_get_functiondef('project_request_events()'::regprocedure)")
+    marked = parent.replace("RETURN NULL;", "RETURN NULL;  -- a later migration's change", 1)
+    assert marked != parent
+    await connection.execute(marked)
+    assert await connection.fetchval("SELECT phasegate_day_projections()") == 3
+    ours = await connection.fetchval(
+        "SELECT pg_get_functiondef($1::regprocedure)", f"project_request_events_p{day:%Y%m%d}()"
+    )
+    assert "a later migration's change" in ours
+    assert f"UPDATE requests_p{day:%Y%m%d} r SET" in ours
 
 
 async def test_downgrade_takes_the_days_projections_away_and_upgrade_makes_them_again(database_url: str) -> None:
