@@ -12,7 +12,7 @@ from datetime import UTC, date, datetime, time, timedelta
 import asyncpg
 import pytest
 
-from app.store import migrate, partitions
+from app.store import PostgresEventStore, migrate, partitions
 from app.store.codec import EventRow, to_row
 from app.store.database import asyncpg_dsn
 from app.store.errors import STREAM_GAP_SQLSTATE
@@ -104,14 +104,44 @@ async def test_appends_straight_into_a_day_are_projected_as_through_the_parent(
         many = [row for trace in traced(f"{prefix}many", day) for row in rows_on(trace, day)]
         assert len(many) >= 64
         await insert_rows(connection, many, copy=True, schema=chosen)
+    # a rolling upgrade: the previous release (through the parent) and this one (into the
+    # day) append in turn to the same requests
+    for trace in traced("mixed", day):
+        rows = rows_on(trace, day)
+        for start in range(0, len(rows), 2):
+            chosen = schema if start % 4 else None
+            await insert_rows(connection, rows[start : start + 2], copy=False, schema=chosen)
     called = await projections_called(connection)
     assert called.get(f"project_request_events_p{day:%Y%m%d}", 0) > len(KINDS)  # the day's own ran
     assert called.get("project_request_events", 0) > len(KINDS)  # and the parent's, for the others
     for table in ("requests", "request_attempts"):
-        for prefix in ("", "many"):
-            through_parent = await read_models(connection, table, f"parent{prefix}")
-            assert len(through_parent) >= len(KINDS)
-            assert await read_models(connection, table, f"day{prefix}") == through_parent
+        through_parent = await read_models(connection, table, "parent")
+        assert len(through_parent) >= len(KINDS)
+        assert await read_models(connection, table, "day") == through_parent
+        assert await read_models(connection, table, "mixed") == through_parent
+        assert await read_models(connection, table, "daymany") == await read_models(connection, table, "parentmany")
+
+
+async def test_the_stores_writer_appends_straight_into_the_day(database_url: str) -> None:
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        database = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f"ALTER DATABASE \"{database}\" SET track_functions = 'pl'")  # the writer's session counts
+        day = await a_day_of_its_own(conn)
+        trace = traces.completed("req_written", at=datetime.combine(day, time(12), tzinfo=UTC))
+        store = await PostgresEventStore.connect(database_url)
+        try:
+            assert store.writer.schema.days.get(day) == f"request_events_p{day:%Y%m%d}"
+            for number, event in enumerate(trace.events):
+                await store.append(trace.request_id, number, [event], durable=True)
+        finally:
+            await store.close()
+        called = await projections_called(conn)
+        assert called.get(f"project_request_events_p{day:%Y%m%d}") == len(trace.events)
+        assert "project_request_events" not in called
+        assert await conn.fetchval("SELECT outcome FROM requests WHERE request_id = 'req_written'") == "completed"
+    finally:
+        await conn.close()
 
 
 async def test_the_guards_hold_on_a_days_own_partition(connection: asyncpg.Connection) -> None:
