@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import httpx
@@ -36,7 +35,7 @@ TIMEOUTS = Timeouts(
     cancel_ack_s=1.0,
     first_token_soft_s=5.0,
     first_token_hard_s=5.0,
-    upstream_response_s=5.0,  # k = 0 may cut before the start request reached the replica
+    upstream_response_s=5.0,  # k = 0 cuts as the start request reaches the replica: no answer comes
 )
 # A worker keeps the lease itself: a gateway that a loaded machine stops for longer than
 # the lease before the cut (8 s was seen: ci23) finds the attempt ended by the worker
@@ -54,13 +53,6 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
     assert not slow_fleet.busy_attempts(), slow_fleet.busy_attempts(timeout=0)
     cut: list[tuple[Replica, int]] = []  # the replica cut, and the attempt that ran there
 
-    def cut_when_started() -> None:  # k = 0: cut once the attempt started, before any token
-        deadline = time.monotonic() + 10
-        while not slow_gateway.gateway.ctx.drivers and time.monotonic() < deadline:
-            time.sleep(0.005)
-        slow_fleet.replicas[0].proxy.blackhole()
-        cut.append((slow_fleet.replicas[0], 1))
-
     def cut_where_the_deltas_come_from(n: int) -> None:  # k > 0: at delta k, the replica serving them
         if n != k:
             return
@@ -73,9 +65,13 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         # any delta, as a full run once did: the cut then meets the one that serves)
         cut.append((replica, run.attempt))
 
-    if k == 0:
-        threading.Thread(target=cut_when_started, daemon=True).start()
+    if k == 0:  # cut as attempt 1's start request reaches r1, before any answer (ci53: a thread that
+        # polled for the attempt cut after its first token, 190 ms on, under load)
+        first = slow_fleet.replicas[0]
+        first.proxy.blackhole_after(prompt.encode())
         transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4))
+        assert first.proxy.cut_made.is_set(), "attempt 1's start never reached r1"
+        cut.append((first, 1))
     else:  # many more tokens than k: the answer cannot be over before the cut, however late the client reads
         # (ignore_eos: all LONG of them; a sim's own length may be 16, over before a loaded client's
         # cut at k: ci14)

@@ -24,6 +24,8 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.forwarded = bytearray()  # every byte sent on to the target, to read what a client sent
+        self._cut_after: bytes | None = None  # blackhole_after's marker, until it is forwarded
+        self.cut_made = threading.Event()  # blackhole_after's cut was made
 
     @property
     def url(self) -> str:
@@ -73,6 +75,10 @@ class TcpProxy:
                 if kept:
                     self.forwarded += data
                 writer.write(data)
+                if kept and self._cut_after is not None and self._cut_after in self.forwarded:
+                    self._cut_after = None
+                    self._open.clear()
+                    self.cut_made.set()
                 await writer.drain()
         except (ConnectionError, OSError):
             pass
@@ -82,6 +88,12 @@ class TcpProxy:
 
     def blackhole(self) -> None:
         self._loop.call_soon_threadsafe(self._set_open, False)
+
+    def blackhole_after(self, marker: bytes) -> None:
+        """Blackhole in the step that forwards ``marker`` to the target (a request that
+        carries it reaches the target; nothing of its answer comes back), however late
+        the caller's thread would have run."""
+        self._cut_after = marker
 
     def restore(self) -> None:
         self._loop.call_soon_threadsafe(self._set_open, True)
