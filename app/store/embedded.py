@@ -44,10 +44,10 @@ from typing import Any
 logger = logging.getLogger("phasegate.store.embedded")
 
 DATA_DIR_ENV = "PHASEGATE_DATA_DIR"
-# Beside PostgreSQL's defaults (a caller's ``settings`` win): the projection trigger locks
-# every day's partition it could touch, and since PostgreSQL 18 a transaction's fast-path
-# lock slots follow this setting; 1,024 holds a year of days and takes a third of what a
-# year adds to an append back, for ~50 MB of shared memory (docs/scaling.md).
+# Beside PostgreSQL's defaults (a caller's ``settings`` win): an append through the parent
+# (several days, a day looked up: 0010 sends one day's into its partition) and a query over
+# the parents lock every day's partition; since PostgreSQL 18 the fast-path lock slots
+# follow this setting, and 1,024 holds a year of days for ~50 MB (docs/scaling.md).
 SERVER_DEFAULTS = {"max_locks_per_transaction": "1024"}
 DEFAULT_DATA_DIR = Path("/var/lib/phasegate")  # as root
 
