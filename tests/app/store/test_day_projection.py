@@ -151,6 +151,35 @@ async def test_the_stores_writer_appends_straight_into_the_day(database_url: str
         await conn.close()
 
 
+async def test_a_batch_of_two_days_goes_through_the_parent(connection: asyncpg.Connection) -> None:
+    first = await a_day_of_its_own(connection)
+    second = first + timedelta(days=1)  # made by the migration too, with its own projection
+    schema = LogSchema()
+    await schema.learn(connection)
+    assert {first, second} <= schema.days.keys()
+    await connection.execute("SET track_functions = 'pl'")
+    before = await projections_called(connection)
+    batch = [
+        *rows_on(traces.completed("req_midnight_a", at=datetime.combine(first, time(23, 59), tzinfo=UTC)), first),
+        *rows_on(traces.completed("req_midnight_b", at=datetime.combine(second, time(0, 1), tzinfo=UTC)), second),
+    ]
+    assert await schema.table_for(connection, batch) == "request_events"
+    await insert_rows(connection, batch, copy=False, schema=schema)
+    called = await projections_called(connection)
+    assert called.get("project_request_events", 0) == before.get("project_request_events", 0) + 1
+    for day in (first, second):
+        ours = f"project_request_events_p{day:%Y%m%d}"
+        assert called.get(ours, 0) == before.get(ours, 0)
+    rows = await connection.fetch(
+        "SELECT request_id, tableoid::regclass::text AS partition, outcome FROM requests"
+        " WHERE request_id LIKE 'req_midnight_%' ORDER BY 1"
+    )
+    assert [(row["partition"], row["outcome"]) for row in rows] == [
+        (f"requests_p{first:%Y%m%d}", "completed"),
+        (f"requests_p{second:%Y%m%d}", "completed"),
+    ]
+
+
 async def test_the_guards_hold_on_a_days_own_partition(connection: asyncpg.Connection) -> None:
     day = await a_day_of_its_own(connection)
     schema = LogSchema()
