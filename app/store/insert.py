@@ -168,16 +168,17 @@ async def _insert_dayed(conn: asyncpg.Connection, rows: Sequence[EventRow], *, c
     dayed = all(row.accepted_on is not None for row in rows)
     if len(rows) == 1:
         statement = INSERT_EVENT if dayed else INSERT_EVENT_LOOKUP
-        await conn.execute(_into(statement, table), *rows[0])
+        await conn.execute(into(statement, table), *rows[0])
     elif copy and len(rows) >= COPY_FROM and dayed:
         await conn.copy_records_to_table(table, records=rows, columns=EventRow._fields)
     else:
-        await conn.execute(_into(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, table), *columns(rows))
+        await conn.execute(into(INSERT_EVENTS if dayed else INSERT_EVENTS_LOOKUP, table), *columns(rows))
 
 
 @functools.cache
-def _into(statement: str, table: str) -> str:
-    """``statement`` appending to ``table`` (a day's partition) instead of the parent."""
+def into(statement: str, table: str) -> str:
+    """``statement`` (one of this module's INSERTs) appending to ``table`` (a day's
+    partition) instead of the parent."""
     return statement if table == "request_events" else statement.replace(_PARENT, f"INSERT INTO {table}\n", 1)
 
 

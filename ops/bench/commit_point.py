@@ -56,13 +56,13 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
 from app.store import migrate, partitions
-from app.store.codec import EventRow, to_row
+from app.store.codec import EventRow
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
-from app.store.insert import INSERT_EVENT, INSERT_EVENTS, LogSchema, columns, insert_rows
+from app.store.insert import INSERT_EVENT, INSERT_EVENTS, LogSchema, columns, insert_rows, into
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
-from ops.bench.log_rows import T0, delivery, moved, opening, percentile, scratch_database
+from ops.bench.log_rows import T0, delivery, moved, opening, percentile, rows_on, scratch_database
 from statemachine.events import Event, FirstDeltaCommitted, FirstTokenReceived
 
 INSTANCE = "gw_bench"
@@ -108,7 +108,7 @@ async def timed(work: Awaitable[Any]) -> float:
 
 
 def rows(events: Sequence[Event], day: date = DAY) -> list[EventRow]:
-    return [to_row(event, day) for event in moved(events, day)]
+    return rows_on(events, day)
 
 
 async def bind(conn: asyncpg.Connection) -> None:
@@ -119,7 +119,7 @@ async def explained(conn: asyncpg.Connection, rows: Sequence[EventRow], table: s
     """EXPLAIN ANALYZE of the writer's INSERT of ``rows`` into ``table``, rolled back:
     milliseconds by part."""
     statement, args = (INSERT_EVENT, list(rows[0])) if len(rows) == 1 else (INSERT_EVENTS, columns(rows))
-    statement = statement.replace("INSERT INTO request_events\n", f"INSERT INTO {table}\n", 1)
+    statement = into(statement, table)
     transaction = conn.transaction()
     await transaction.start()
     try:

@@ -42,12 +42,12 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
 
 from app.store import migrate, partitions
-from app.store.codec import EventRow, to_row
+from app.store.codec import EventRow
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import LogSchema, insert_rows
 from ops.bench.commit_point import INSTANCE, KINDS, bind
-from ops.bench.log_rows import moved, percentile, scratch_database
+from ops.bench.log_rows import percentile, rows_on, scratch_database
 from statemachine.events import Event
 
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
@@ -58,7 +58,7 @@ DAY = date.today() + timedelta(days=400)
 
 def rows(events: list[Event]) -> list[EventRow]:
     """The rows of ``events`` (ops/bench/log_rows.py's, at its T0) moved to :data:`DAY`."""
-    return [to_row(event, DAY) for event in moved(events, DAY)]
+    return rows_on(events, DAY)
 
 
 async def prepared_log(url: str, days: int) -> str:
@@ -80,18 +80,20 @@ async def prepared_log(url: str, days: int) -> str:
     return log_url
 
 
-async def one_round(conn: asyncpg.Connection, tag: str, requests: int, day: LogSchema | None) -> dict[str, list[float]]:
-    """Seconds each append took, by kind, for ``requests`` fresh requests; ``day``: the
+async def one_round(
+    conn: asyncpg.Connection, tag: str, requests: int, schema: LogSchema | None
+) -> dict[str, list[float]]:
+    """Seconds each append took, by kind, for ``requests`` fresh requests; ``schema``: the
     writer's knowledge of the days' partitions (appends straight into the day), or None
     (through the parent)."""
     found: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for number in range(requests):
         for kind, (before, appended) in KINDS.items():
             rid = f"{tag}-{kind[0]}-{number}"
-            await insert_rows(conn, rows(before(rid)), copy=False, schema=day)
+            await insert_rows(conn, rows(before(rid)), copy=False, schema=schema)
             batch = rows(appended(rid))
             began = time.perf_counter()
-            await insert_rows(conn, batch, copy=False, schema=day)
+            await insert_rows(conn, batch, copy=False, schema=schema)
             found[kind].append(time.perf_counter() - began)
     return found
 
@@ -103,20 +105,20 @@ async def run(urls: dict[str, str], days: list[int], requests: int, rounds: int)
         for kept in days:
             conn = await asyncpg.connect(asyncpg_dsn(await prepared_log(url, kept)))
             await bind(conn)
-            day = LogSchema()
-            await day.learn(conn)
-            assert DAY in day.days, "the requests' day has no projection of its own"
-            for schema in (None, day):
-                await one_round(conn, f"warm{schema is None}", 20, schema)  # plans made, caches warm
-            logs[variant, kept] = conn, day
+            schema = LogSchema()
+            await schema.learn(conn)
+            assert DAY in schema.days, "the requests' day has no projection of its own"
+            for warming in (None, schema):
+                await one_round(conn, f"warm{warming is None}", 20, warming)  # plans made, caches warm
+            logs[variant, kept] = conn, schema
     ways = {"parent": False, "day": True}
     samples: dict[tuple[str, int, str], dict[str, list[float]]] = {
         (variant, kept, way): {kind: [] for kind in KINDS} for variant, kept in logs for way in ways
     }
     for number in range(rounds):
-        for (variant, kept), (conn, day) in logs.items():
+        for (variant, kept), (conn, schema) in logs.items():
             for way, straight in ways.items():
-                found = await one_round(conn, f"r{number}{way}", requests, day if straight else None)
+                found = await one_round(conn, f"r{number}{way}", requests, schema if straight else None)
                 for kind, seconds in found.items():
                     samples[variant, kept, way][kind] += seconds
     for conn, _ in logs.values():

@@ -60,6 +60,11 @@ def moved(events: Sequence[Event], day: date) -> list[Event]:
     return [dataclasses.replace(event, occurred_at=event.occurred_at + shift) for event in events]
 
 
+def rows_on(events: Sequence[Event], day: date) -> list[EventRow]:
+    """The rows of ``events`` moved to ``day`` (:func:`moved`), as the store writes them."""
+    return [to_row(event, day) for event in moved(events, day)]
+
+
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
