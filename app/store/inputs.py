@@ -26,7 +26,8 @@ from app.store.insert import LogSchema
 INSERT = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
     SELECT request_id, body, model_revision, seed,
-           coalesce(accepted_on, (SELECT r.accepted_on FROM requests r WHERE r.request_id = i.request_id LIMIT 1),
+           coalesce(accepted_on, (SELECT e.accepted_on FROM request_events e
+                                   WHERE e.request_id = i.request_id AND e.version = 1 LIMIT 1),
                     (now() AT TIME ZONE 'UTC')::date)
       FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
            AS i(request_id, body, model_revision, seed, accepted_on)

@@ -8,8 +8,10 @@ cannot, so a batch that repeats one fails and the writer writes it again by INSE
 
 Every row names its partition, ``accepted_on`` (migration 0007). A row whose day the
 store does not know (an append to a request another process accepted: a sweep, a
-resume's bookkeeping) takes it from the request's row in the same statement, a
-lookup that runs only for such rows; COPY cannot, so such a batch goes by INSERT.
+resume's bookkeeping) takes it from the log, in the same statement: the day of the
+request's ``RequestAccepted`` (version 1), never from a read model, which DESIGN §8 lets
+trail the log. The lookup runs only for such rows; COPY cannot, so such a batch goes by
+INSERT.
 
 A batch whose rows are all of one day goes straight into that day's partition of
 ``request_events`` when the partition carries the day's projection (migration 0010): its
@@ -37,9 +39,11 @@ import asyncpg
 
 from app.store.codec import EventRow
 
-# With no request row either, any day will do: the projection's stream guard refuses
+# The day of the request's first event (the stream key's index of each day, probed),
+# else any day will do: with no RequestAccepted in the log the stream guard refuses
 # the append (PG409) as it did before partitions.
-_ACCEPTED_ON = """coalesce({day}, (SELECT r.accepted_on FROM requests r WHERE r.request_id = {request_id} LIMIT 1),
+_ACCEPTED_ON = """coalesce({day}, (SELECT accepted.accepted_on FROM request_events accepted
+                                    WHERE accepted.request_id = {request_id} AND accepted.version = 1 LIMIT 1),
                  (now() AT TIME ZONE 'UTC')::date)"""
 
 # One event, the common durable append: plain VALUES skip building and unpacking the

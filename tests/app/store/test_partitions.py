@@ -69,6 +69,42 @@ async def test_every_row_of_a_request_lands_in_its_accept_days_partitions(databa
         await connection.close()
 
 
+async def test_the_day_of_a_request_the_store_did_not_accept_comes_from_the_log_not_its_row(
+    database_url: str,
+) -> None:
+    """DESIGN §8 lets the read models trail the log: the accept day an append looks up
+    is the day of the request's RequestAccepted, whether or not its row is there yet."""
+    connection = await connect(database_url)
+    try:
+        day = await conversion_day(connection) + timedelta(days=1)  # not today: a fallback to today would show
+        # read models that trail: nothing projects, so the request has no row at all
+        await connection.execute("ALTER TABLE request_events DISABLE TRIGGER request_events_project")
+        await connection.execute(f"ALTER TABLE request_events_p{day:%Y%m%d} DISABLE TRIGGER request_events_project_day")
+        trace = traces.fenced_then_retried("req_day_from_log", at=noon(day))
+        store = await PostgresEventStore.connect(database_url)
+        try:
+            await store.append(trace.request_id, 0, trace.events[:3])
+        finally:
+            await store.close()
+        store = await PostgresEventStore.connect(database_url)  # another gateway's: the day looked up
+        try:
+            await store.append(trace.request_id, 3, trace.events[3:4])  # one row: VALUES
+            await store.append(trace.request_id, 4, trace.events[4:])  # several: unnest
+            await store.record_input(trace.request_id, {"model": "tiny-llm"})
+            assert await store.read(trace.request_id) == trace.events
+        finally:
+            await store.close()
+        suffix = f"_p{day:%Y%m%d}"
+        assert await where_rows_are(connection, trace.request_id) == {
+            "request_events": {"request_events" + suffix},
+            "requests": set(),
+            "request_attempts": set(),
+            "request_inputs": {"request_inputs" + suffix},
+        }
+    finally:
+        await connection.close()
+
+
 async def test_a_request_of_the_past_lands_in_the_legacy_partition(event_store: PostgresEventStore) -> None:
     trace = traces.completed("req_old")  # accepted 2026-11-30, before any test database was converted
     await event_store.append(trace.request_id, 0, trace.events)
