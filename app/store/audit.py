@@ -40,7 +40,20 @@ class Disagreement:
 async def fold_disagreements(
     connection: AsyncConnection, request_ids: Sequence[str] | None = None
 ) -> list[Disagreement]:
-    """Every disagreement between the read models and the fold, for all or some requests."""
+    """Every disagreement between the read models and the fold, for all or some requests.
+
+    The events and the rows are read in one snapshot: a transaction of its own at
+    REPEATABLE READ, or the caller's if one is open (then its isolation decides). Read
+    by statements of their own under READ COMMITTED, an append committed between them
+    would show as a disagreement on a live log."""
+    if connection.in_transaction():
+        return await _disagreements(connection, request_ids)
+    async with connection.begin():
+        await connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        return await _disagreements(connection, request_ids)
+
+
+async def _disagreements(connection: AsyncConnection, request_ids: Sequence[str] | None) -> list[Disagreement]:
     events = schema.request_events.c
     query = select(
         events.request_id,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store import PostgresEventStore
@@ -122,3 +124,40 @@ async def test_recorded_traces_round_trip_and_project_as_they_fold(
         await event_store.append(request_id, 0, events)
         assert await event_store.read(request_id) == events
     assert await fold_disagreements(db) == []
+
+
+async def test_the_check_reads_the_events_and_the_rows_in_one_snapshot(
+    event_store: PostgresEventStore, db: AsyncConnection
+) -> None:
+    """An append committed between the check's reads of the log and of the rows (a live
+    log) is in neither: the check compares one moment, and finds nothing."""
+    trace = traces.completed("req_snapshot")
+    await event_store.append(trace.request_id, 0, trace.events[:3])
+
+    def append_the_rest() -> None:
+        async def append() -> None:
+            store = await PostgresEventStore.connect(event_store.url)
+            try:
+                await store.append(trace.request_id, 3, trace.events[3:])
+            finally:
+                await store.close()
+
+        asyncio.run(append())  # on a loop of its own: this runs inside the check's statement
+
+    appended = []
+
+    def before_the_rows(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if "FROM requests" in statement and not appended:
+            worker = threading.Thread(target=append_the_rest)
+            worker.start()
+            worker.join()
+            appended.append(statement)
+
+    event.listen(db.sync_engine, "before_cursor_execute", before_the_rows)
+    try:
+        assert await fold_disagreements(db) == []
+    finally:
+        event.remove(db.sync_engine, "before_cursor_execute", before_the_rows)
+    assert appended  # the append did come between the reads
+    assert await event_store.read(trace.request_id) == trace.events
+    assert await fold_disagreements(db) == []  # and the next check, a moment later, sees it all
