@@ -9,6 +9,7 @@ import asyncpg
 import pytest
 
 from app.store import EventStore, PostgresEventStore
+from app.store.content import Erased, erase_one_request
 from app.store.database import asyncpg_dsn
 from ops import traces
 from statemachine.events import DeltasDelivered, RequestCompleted
@@ -65,3 +66,39 @@ async def test_recorded_inputs_hold_one_pooled_connection_at_a_time(event_store:
     finally:
         await locker.close()
     assert all([await event_store.read_input(f"req_{wave}_{n}") for wave in range(8) for n in range(3)])
+
+
+async def test_one_requests_content_is_erased_from_what_the_log_says_not_its_row(
+    event_store: PostgresEventStore,
+) -> None:
+    """DELETE /v1/responses/{id} erases by the request's RequestAccepted (its tenant, whether
+    it ended), never by a read model that may trail the log (DESIGN §8, docs/read-models.md)."""
+    for request_id, trace in (
+        ("req_rowless", traces.completed("req_rowless")),
+        ("req_open", traces.in_flight("req_open")),
+    ):
+        await event_store.append(request_id, 0, trace.events)
+        await event_store.record_input(request_id, {"model": "tiny-llm", "input": "secret"})
+    connection = await asyncpg.connect(asyncpg_dsn(event_store.url))
+    try:  # the rows not there (yet)
+        assert (
+            await connection.execute("DELETE FROM requests WHERE request_id IN ('req_rowless', 'req_open')")
+            == "DELETE 2"
+        )
+    finally:
+        await connection.close()
+    assert await event_store.erase_request("another-tenant", "req_rowless") == 0
+    assert await event_store.read_input("req_rowless") is not None
+    assert await event_store.erase_request("acme", "req_rowless") == 1
+    assert await event_store.read_input("req_rowless") is None
+    delivered = [e for e in await event_store.read("req_rowless") if isinstance(e, DeltasDelivered)]
+    assert delivered and all(e.text is None for e in delivered)
+    erased = await erase_one_request_counted(event_store, "req_open")
+    assert (erased.requests, erased.unfinished) == (1, 1)  # not ended, by the log
+
+
+async def erase_one_request_counted(store: PostgresEventStore, request_id: str) -> Erased:
+    async with store.reading() as connection:
+        erased = await erase_one_request(connection, "acme", request_id)
+        await connection.commit()
+    return erased
