@@ -158,7 +158,8 @@ async def request_tenant(connection: AsyncConnection, request_id: str) -> str | 
     """The tenant whose request ``request_id`` is, or ``None`` when the log has no such request:
     its ``RequestAccepted``'s, from the log, never from a read model that may trail it (DESIGN §8)."""
     found = await connection.execute(
-        text("SELECT body->>'tenant' FROM request_events WHERE request_id = :id AND version = 1"), {"id": request_id}
+        text("SELECT body->>'tenant' FROM request_events WHERE request_id = :id AND version = 1 LIMIT 1"),
+        {"id": request_id},
     )
     tenant: str | None = found.scalar_one_or_none()
     return tenant
