@@ -19,7 +19,11 @@ running it at once take turns (a busy lock: someone else is doing it, skip):
   ``archive_dir`` as a trace file (when set; the format of ``phasegate trace export``,
   :mod:`statemachine.trace`), once its own projection is closed to appends, then each
   table's partition is detached
-  ``CONCURRENTLY`` (no lock that stops appends) and dropped. Never a ``DELETE``.
+  ``CONCURRENTLY`` (no lock that stops appends) and dropped. Never a ``DELETE``. The
+  close stops appends straight into the day, not those through the parent, which
+  stop once the day's ``requests`` is detached (the stream guard finds no row): the
+  log's partition, detached last, is counted before its drop, and written again,
+  whole, if an append came between the archive and the detach.
 
 A detach interrupted half-way (a crash, a cancelled statement) leaves its partition
 "detach pending"; the next run finishes it before anything else, and drops the table
@@ -207,17 +211,30 @@ async def _retire(connection: asyncpg.Connection, cutoff: date, archive_dir: Pat
     """Archive, detach and drop every partition whose days all come before ``cutoff``."""
     expired = {table: [p for p in await partitions(connection, table) if p.end <= cutoff] for table in PARTITIONED}
     day_projections = await connection.fetchval(_HAS_DAY_PROJECTIONS)
+    archived: dict[str, int] = {}  # a partition of the log -> the events its archive holds
     for events in expired["request_events"]:
         if day_projections and events.first_day is not None:  # no append reaches it archived or half detached
             await connection.execute("SELECT phasegate_close_day($1)", events.first_day)
         if archive_dir is not None:
-            done.archived.append(await archive(connection, events, archive_dir))
+            path, archived[events.name] = await archive(connection, events, archive_dir)
+            done.archived.append(path)
     for table in ("request_inputs", "request_attempts", "requests", "request_events"):  # the log last
         for partition in expired[table]:
             await connection.execute(f"ALTER TABLE {table} DETACH PARTITION {partition.name} CONCURRENTLY")
+            if archive_dir is not None and await _appended_since(connection, partition, archived):
+                logger.info("%s took appends after its archive: archiving it again", partition.name)
+                await archive(connection, partition, archive_dir)
             await drop(connection, partition)
             done.dropped.append(partition.name)
             logger.info("dropped %s (accepted before %s) past retention", partition.name, partition.end)
+
+
+async def _appended_since(connection: asyncpg.Connection, partition: Partition, archived: dict[str, int]) -> bool:
+    """Whether the log's ``partition``, detached (no append reaches it now), holds events
+    its archive does not."""
+    if partition.name not in archived:
+        return False
+    return bool(await connection.fetchval(f"SELECT count(*) FROM {partition.name}") != archived[partition.name])
 
 
 async def drop(connection: asyncpg.Connection, partition: Partition) -> None:
@@ -227,10 +244,10 @@ async def drop(connection: asyncpg.Connection, partition: Partition) -> None:
         await connection.execute(f"DROP FUNCTION IF EXISTS project_{partition.name}()")
 
 
-async def archive(connection: asyncpg.Connection, partition: Partition, archive_dir: Path) -> Path:
+async def archive(connection: asyncpg.Connection, partition: Partition, archive_dir: Path) -> tuple[Path, int]:
     """Write ``partition`` of ``request_events`` as a trace file in ``archive_dir``:
     ``<partition>.jsonl``, written aside and renamed into place once complete, so a
-    file there is always whole. Returns its path."""
+    file there is always whole. Returns its path and the events it holds."""
     archive_dir.mkdir(parents=True, exist_ok=True)
     path = archive_dir / f"{partition.name}.jsonl"
     partial = path.with_suffix(".jsonl.partial")
@@ -247,10 +264,12 @@ async def archive(connection: asyncpg.Connection, partition: Partition, archive_
                 f" FROM {name} ORDER BY position",
                 prefetch=2000,
             )
+            written = 0
             async for row in rows:
                 out.write(trace_line(from_row(*row)))
+                written += 1
             out.flush()
             os.fsync(out.fileno())
     partial.replace(path)
     logger.info("archived %s (%d requests) to %s", name, len(requests), path)
-    return path
+    return path, written

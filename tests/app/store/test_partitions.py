@@ -189,6 +189,48 @@ async def test_retention_archives_then_drops_whole_days(database_url: str, tmp_p
         await connection.close()
 
 
+async def test_an_append_between_a_days_archive_and_its_detach_is_archived_too(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed day refuses appends straight into it; one through the parent (a store that
+    did not accept the request) lands until the day's read models are detached. Retention
+    counts the detached log partition and writes its archive again: nothing is dropped
+    unarchived."""
+    connection = await connect(database_url)
+    try:
+        converted = await conversion_day(connection)
+        day = converted + timedelta(days=1)
+        trace = traces.completed("req_late", at=noon(day))
+        store = await PostgresEventStore.connect(database_url)
+        try:
+            await store.append(trace.request_id, 0, trace.events[:-1])
+        finally:
+            await store.close()
+        archive = partitions.archive
+        late = []
+
+        async def archive_then_append(conn: asyncpg.Connection, partition: partitions.Partition, to: Path) -> object:
+            archived = await archive(conn, partition, to)
+            if partition.first_day == day and not late:
+                other = await PostgresEventStore.connect(database_url)  # its day looked up: through the parent
+                try:
+                    late.append(await other.append(trace.request_id, len(trace.events) - 1, trace.events[-1:]))
+                finally:
+                    await other.close()
+            return archived
+
+        monkeypatch.setattr(partitions, "archive", archive_then_append)
+        done = await partitions.maintain(
+            connection, days_ahead=1, retention_days=1, archive_dir=tmp_path, on=day + timedelta(days=2)
+        )
+        assert late == [len(trace.events)]  # the append did land, after the day's first archive
+        assert f"request_events_p{day:%Y%m%d}" in done.dropped
+        assert read_trace(str(tmp_path / f"request_events_p{day:%Y%m%d}.jsonl")).events == trace.events
+        assert not list(tmp_path.glob("*.partial"))
+    finally:
+        await connection.close()
+
+
 async def test_maintenance_runs_one_at_a_time(database_url: str) -> None:
     connections = [await connect(database_url) for _ in range(4)]
     try:
