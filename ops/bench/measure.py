@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -132,3 +133,26 @@ def added_ms(seconds: float) -> str:
 
 def row(*cells: object, width: int = 11) -> str:
     return " ".join(f"{cell!s:>{width}}" for cell in cells)
+
+
+def cpu_by_kind(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s process tree by what each process says it is: PostgreSQL's
+    titles (``walwriter``, ``autovacuum worker``, ``io worker``, …; every session as
+    "client backends"), and "postmaster, exited": ``pid``'s own and what its exited
+    children used (its reaped time)."""
+    kinds: dict[str, float] = {}
+    for member in descendants(pid):
+        try:
+            fields = _stat(member)
+            title = Path(f"/proc/{member}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue  # it exited meanwhile: its time reaches the postmaster's reaped time
+        used = (int(fields[11]) + int(fields[12])) / TICKS
+        if member == pid:
+            kind, used = "postmaster, exited", used + (int(fields[13]) + int(fields[14])) / TICKS
+        else:
+            title = title.removeprefix("postgres: ").strip()
+            session = "[local]" in title or re.search(r"\d+\.\d+\.\d+\.\d+|::1", title)
+            kind = "client backends" if session else re.sub(r"\s*\d+$", "", title)
+        kinds[kind] = kinds.get(kind, 0.0) + used
+    return kinds

@@ -20,7 +20,8 @@ one run, so both see the same machine), then a run at 100 streams (N clients sen
 requests back to back; each client's first request is a warm-up), beside one direct run
 at 100. *Added* is the gateway's figure minus direct's. The CPU per 1,000 tokens counts
 every process of the gateway (its process tree, via /proc), and for phasegate
-PostgreSQL's processes are counted beside it, since the log is part of the cost.
+PostgreSQL's processes are counted beside it, since the log is part of the cost, and
+printed by kind of process too (its sessions, the WAL writer, autovacuum, …).
 
 ``--saturation`` measures what ``phasegate serve --processes N`` gives: for N = 1 and then
 2, each gateway process pinned to its own core (the bench sets the affinity of every
@@ -65,6 +66,7 @@ from ops.bench.gateways import (  # noqa: E402
 from ops.bench.measure import (  # noqa: E402
     Sample,
     closed_loop,
+    cpu_by_kind,
     cpu_seconds,
     descendants,
     ms,
@@ -180,10 +182,11 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
         try:
             wait_serving(peer)
             one = asyncio.run(paired(upstream_port, peer.port, options.pairs, options.tokens))
-            cpu_before, pg_before = tree_cpu_seconds(peer.process.pid), tree_cpu_seconds(postmaster_pid(database))
+            cpu_before, pg_before = tree_cpu_seconds(peer.process.pid), cpu_by_kind(postmaster_pid(database))
             many, elapsed = asyncio.run(loaded(peer.port, options.streams, options.seconds, options.tokens))
             cpu_s = tree_cpu_seconds(peer.process.pid) - cpu_before
-            pg_cpu_s = tree_cpu_seconds(postmaster_pid(database)) - pg_before if name == "phasegate" else None
+            pg_kinds = _used_since(pg_before, cpu_by_kind(postmaster_pid(database)))
+            pg_cpu_s = sum(pg_kinds.values()) if name == "phasegate" else None
             processes = len(peer.gateway_pids())
             rss = sum(rss_mib(pid) for pid in descendants(peer.process.pid))
             print(
@@ -191,6 +194,9 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
                 f" {many.requests} requests at {options.streams}",
                 flush=True,
             )
+            if name == "phasegate":
+                spent = ", ".join(f"{kind} {per_k(used, many.tokens)}" for kind, used in pg_kinds.items() if used)
+                print(f"phasegate: PostgreSQL's CPU per 1,000 tokens by process: {spent}", flush=True)
             label = f"{peer.version}, {processes} proc" if name == "phasegate" else peer.version
             results.append(Result(name, label, one, many, elapsed, cpu_s, pg_cpu_s))
         except RuntimeError as exc:
@@ -201,6 +207,12 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
     for result in results:
         for sample in (result.one[1], result.many):
             print_failures(sample, f"{result.name}: ")
+
+
+def _used_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds by kind of process between two readings, most first."""
+    used = {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+    return dict(sorted(used.items(), key=lambda item: -item[1]))
 
 
 def readings(gateway: int, postgres: int, upstream: int) -> list[float]:

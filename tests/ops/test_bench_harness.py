@@ -5,7 +5,8 @@
 - the bench's lean client counts the same tokens, directly, through the null relay and
   through the stack's floors (uvicorn and Starlette forwarding, the ordinary way and
   lean), and says why a request failed;
-- a process tree's CPU counts its children's, even once they ended.
+- a process tree's CPU counts its children's, even once they ended, and PostgreSQL's is
+  told apart by process (its sessions together).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import sys
 import time
 from collections.abc import Iterator
 
+import asyncpg
 import pytest
 from openai import OpenAI
 
-from ops.bench.measure import Sample, cpu_seconds, tree_cpu_seconds
+from app.store.database import asyncpg_dsn
+from app.store.embedded import EmbeddedPostgres
+from ops.bench.measure import Sample, cpu_by_kind, cpu_seconds, tree_cpu_seconds
 from ops.bench.sse_load import ChatClient
 from ops.processes import free_port, start, stop
 
@@ -111,3 +115,21 @@ def test_a_process_tree_counts_the_cpu_of_its_children_even_ended_ones() -> None
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+async def test_postgresqls_cpu_is_told_apart_by_process_its_sessions_together(
+    postgres_server: EmbeddedPostgres | None, database_url: str
+) -> None:
+    if postgres_server is None:
+        pytest.skip("the tests run on a server of their own (PHASEGATE_TEST_DATABASE_URL): no process to read")
+    postmaster = int((postgres_server.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+    session = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        before = cpu_by_kind(postmaster)
+        await session.fetchval("SELECT count(*) FROM generate_series(1, 3000000)")  # ~0.3 s of a core
+        after = cpu_by_kind(postmaster)
+    finally:
+        await session.close()
+    assert {"client backends", "checkpointer", "walwriter", "postmaster, exited"} <= after.keys()
+    assert after["client backends"] - before.get("client backends", 0.0) >= 0.1
+    assert all(seconds >= 0 for seconds in after.values())
