@@ -154,18 +154,17 @@ async def append(way: Way, batch: Sequence[EventRow]) -> None:
 async def project(way: Way) -> None:
     """The window: every event after the cursor, in log order, through the inbox."""
     began = time.perf_counter()
-    async with way.conn.transaction():
+    async with way.conn.transaction():  # one statement: the window in, projected; the cursor out
         last = await way.conn.fetchval(
             "WITH window_rows AS (INSERT INTO projection_inbox"
             " SELECT * FROM request_events WHERE accepted_on = $1 AND position > $2 ORDER BY position"
-            " RETURNING 1) SELECT count(*) FROM window_rows",
+            " RETURNING position) SELECT max(position) FROM window_rows",
             DAY,
             way.cursor,
         )
-        way.cursor = await way.conn.fetchval("SELECT max(position) FROM request_events WHERE accepted_on = $1", DAY)
     way.projector += time.perf_counter() - began
     way.pending = 0
-    assert last is not None
+    way.cursor = way.cursor if last is None else last
 
 
 async def updates(way: Way) -> dict[str, int]:
