@@ -8,11 +8,12 @@ Each way appends the same batches to a day with partitions of its own, in a scra
 database of its own, on one embedded PostgreSQL (fsync off, so that a flush does not hide
 the CPU); the ways alternate batch by batch, so a noisy moment hits all. The batches are
 those one gateway process's writer commits at 100 streams over two processes: each
-request's 13 events (as a plain 7-delta answer records them) in the 9 transactions the
-gateway gives them (accepted, decided and started; the first token and the commit point;
-six deliveries; the last and the end), ``--streams`` requests in flight, each appending
-every ``--every`` batches, so that a batch holds ~22 events of ~17 requests at every
-moment of theirs (a log written at 100 streams: 24 events a transaction).
+request's 13 events (as a plain 7-delta answer records them) in the 9 appends the gateway
+makes of them (accepted, decided and started; the first token and the commit point; six
+deliveries; the last and the end; a log written at 100 streams holds a request in 8
+transactions, median, where two of its appends met in one batch), ``--streams`` requests
+in flight, each appending every ``--every`` batches, so that a batch holds ~22 events of
+~17 requests at every moment of theirs (that log: 24 events a transaction).
 
 - ``in the append``: the writer's INSERT … unnest straight into the day, whose own
   projection trigger (migration 0010) folds each batch into the read models: today.
@@ -60,7 +61,7 @@ from ops.bench.log_rows import rows_on, scratch_database
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 DAY = date.today() + timedelta(days=400)  # a day of its own, after the days the migrations made
 TEXTS = tuple(f" t{n}" for n in range(7))
-# a request's events by the transaction the gateway appends them in: 3, 2, 1 × 6, 2 (a log at 100 streams)
+# a request's events by the append the gateway makes of them: 3, 2, 1 × 6, 2
 GROUPS = (3, 2, 1, 1, 1, 1, 1, 1, 2)
 
 
