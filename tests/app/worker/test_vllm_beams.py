@@ -18,12 +18,17 @@ from tests.support.workers import request_id
 
 pytestmark = pytest.mark.vllm
 
+CONNECT_S = 30.0
+
 
 async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_engine_requests_runs(
     vllm: SharedVllm,
 ) -> None:
     worker = vllm.worker()
-    client = WorkerClient(worker.base_url)
+    # A search keeps the CPU engine's threads busy on every core: the test's own connect
+    # to the worker once took longer than the gateway's 2 s (ci61). What is judged here is
+    # the cancel's acknowledgement, so this client waits longer for a connection.
+    client = WorkerClient(worker.base_url, connect_timeout=CONNECT_S)
     rid = request_id("beam")
     asked = {"max_tokens": 3000, "n": 2}  # long: 300 steps were over within 2 s on CI (ci50)
     # the shared worker has two slots: an earlier test's attempt still in one would queue
@@ -63,7 +68,7 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
     finally:
         await client.aclose()
     # the engine serves the next request: nothing of the search holds it
-    short = WorkerClient(worker.base_url)
+    short = WorkerClient(worker.base_url, connect_timeout=CONNECT_S)
     try:
         stream = await short.start(
             request_id=request_id("after"),
