@@ -28,9 +28,10 @@ import asyncpg
 
 from app.store.database import asyncpg_dsn
 from app.store.postgres import PostgresEventStore
+from app.store.queries import ended
 from ops.transcript import Transcript
 from statemachine import events as ev
-from statemachine.invariants import TERMINALS, violations
+from statemachine.invariants import violations
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 
@@ -151,10 +152,7 @@ def _disagreement(transcript: Transcript, events: list[ev.Event], batch_deltas: 
 _ACCEPTED = "SELECT request_id FROM request_events WHERE version = 1 ORDER BY request_id"
 _NEVER_ENDED = f"""
 SELECT accepted.request_id FROM request_events accepted
- WHERE accepted.version = 1
-   AND NOT EXISTS (SELECT 1 FROM request_events ended
-                    WHERE ended.request_id = accepted.request_id AND ended.accepted_on = accepted.accepted_on
-                      AND ended.type IN ({", ".join(f"'{end.__name__}'" for end in TERMINALS)}))
+ WHERE accepted.version = 1 AND NOT {ended("accepted")}
  ORDER BY accepted.request_id
 """
 
@@ -177,6 +175,10 @@ async def _request_ids(database_url: str, query: str) -> list[str]:
 
 async def until_all_ended(database_url: str, timeout_s: float) -> None:
     """Wait until no request is open: the sweeps of killed gateways are done."""
-    deadline = time.monotonic() + timeout_s
-    while await never_ended(database_url) and time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
+    connection = await asyncpg.connect(asyncpg_dsn(database_url))  # one, for every look
+    try:
+        deadline = time.monotonic() + timeout_s
+        while await connection.fetch(_NEVER_ENDED) and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+    finally:
+        await connection.close()

@@ -19,6 +19,8 @@ from typing import Any
 
 from sqlalchemy import text
 
+from app.store.queries import ended
+
 POLICIES = ("none", "digest", "full")  # from keeping the least to the most
 
 
@@ -85,15 +87,10 @@ _OF_TENANT = "SELECT request_id FROM requests WHERE tenant = :tenant"
 _COUNT_OF_TENANT = (
     f"SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM requests WHERE request_id IN ({_OF_TENANT})"
 )
-_OF_REQUEST = """SELECT request_id FROM request_events
-                  WHERE request_id = :request_id AND version = 1 AND body->>'tenant' = :tenant"""
-_COUNT_OF_REQUEST = f"""
-    SELECT count(*), count(*) FILTER (WHERE NOT EXISTS (
-               SELECT 1 FROM request_events ended
-                WHERE ended.request_id = accepted.request_id
-                  AND ended.type IN ('RequestCompleted', 'RequestFailed', 'RequestCancelled')))
-      FROM ({_OF_REQUEST}) accepted
-"""
+_ACCEPTED = """request_events accepted
+ WHERE accepted.request_id = :request_id AND accepted.version = 1 AND accepted.body->>'tenant' = :tenant"""
+_OF_REQUEST = f"SELECT accepted.request_id FROM {_ACCEPTED}"
+_COUNT_OF_REQUEST = f"SELECT count(*), count(*) FILTER (WHERE NOT {ended('accepted')}) FROM {_ACCEPTED}"
 
 
 def _erasing(of: str, count_of: str) -> tuple[Any, Any, Any, Any]:

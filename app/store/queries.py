@@ -21,8 +21,20 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.store import schema
 from app.store.codec import from_row
 from statemachine.events import Event
+from statemachine.invariants import TERMINALS
 
 OUTCOMES = ("completed", "failed", "cancelled", "unfinished")
+
+
+def ended(accepted: str) -> str:
+    """SQL: the request of ``accepted`` (an alias of ``request_events``) has its terminal
+    event in the log, found through its day's stream key; no read model asked."""
+    types = ", ".join(f"'{terminal.__name__}'" for terminal in TERMINALS)
+    return (
+        f"EXISTS (SELECT 1 FROM request_events ended WHERE ended.request_id = {accepted}.request_id"
+        f" AND ended.accepted_on = {accepted}.accepted_on AND ended.type IN ({types}))"
+    )
+
 
 _EVENT_COLUMNS = (
     schema.request_events.c.request_id,
