@@ -43,7 +43,6 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import date, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -56,10 +55,9 @@ from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENTS, columns, into
 from ops import traces
+from ops.bench.days_kept import DAY, FAST  # a day of its own, after the migrations'; fsync off
 from ops.bench.log_rows import rows_on, scratch_database
 
-FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
-DAY = date.today() + timedelta(days=400)  # a day of its own, after the days the migrations made
 TEXTS = tuple(f" t{n}" for n in range(7))
 # a request's events by the append the gateway makes of them: 3, 2, 1 × 6, 2
 GROUPS = (3, 2, 1, 1, 1, 1, 1, 1, 2)
