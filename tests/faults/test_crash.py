@@ -42,10 +42,11 @@ STREAMS = 6
 
 
 def stream_in_threads(
-    url: str, count: int, max_tokens: int
+    url: str, count: int, max_tokens: int, *, ignore_eos: bool = False
 ) -> tuple[list[Transcript | BaseException], Callable[[], int]]:
     """Start ``count`` streams in threads; returns their results (filled as they end) and
-    a function counting the deltas received so far."""
+    a function counting the deltas received so far. ``ignore_eos``: each runs all
+    ``max_tokens`` (the sim's own answer may end far sooner)."""
     results: list[Transcript | BaseException] = []
     counts = [0] * count
 
@@ -54,6 +55,8 @@ def stream_in_threads(
             counts[n] = k
 
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"load {n}"}], "max_tokens": max_tokens}
+        if ignore_eos:
+            body["ignore_eos"] = True
         try:
             results.append(stream_chat(url, body, on_delta=seen))
         except BaseException as exc:  # the gateway was killed under it
@@ -134,7 +137,7 @@ async def _request_ids(store: PostgresEventStore) -> list[str]:
 
 @contextlib.contextmanager
 def postgres_stopped_under_streams(
-    database_url: str, postgres_server: EmbeddedPostgres | None, max_tokens: int
+    database_url: str, postgres_server: EmbeddedPostgres | None, max_tokens: int, *, ignore_eos: bool = False
 ) -> Iterator[tuple[RunningGateway, list[Transcript | BaseException], Callable[[], object]]]:
     """``STREAMS`` streams through a gateway on one sim worker (15 ms a token); once every
     one is delivering, PostgreSQL stops. The third value starts it again (so does leaving)."""
@@ -144,7 +147,7 @@ def postgres_stopped_under_streams(
         running_worker(args=["--model", MODEL, "--sim-decode-ms-per-token", "15"]) as worker,
         running_gateway(database_url, [worker]) as gateway,
     ):
-        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=max_tokens)
+        results, least = stream_in_threads(gateway.url, STREAMS, max_tokens=max_tokens, ignore_eos=ignore_eos)
         wait_for(lambda: least() >= 3, 30, "every stream to be delivering")
         postgres_server.stop(mode="fast")
         try:
@@ -175,7 +178,13 @@ def test_postgres_away_past_the_grace_ends_streams_with_the_final_error(
     database_url: str, postgres_server: EmbeddedPostgres | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(recorder, "STORE_OUTAGE_GRACE_S", 0.5)  # how long a durable append waits
-    with postgres_stopped_under_streams(database_url, postgres_server, max_tokens=60) as (gateway, results, restart):
+    # all 200 tokens, 3 s: each stream must still run once PostgreSQL is down (the sim's own,
+    # shorter answer once ended before a loaded machine's fast shutdown was done: a full run)
+    with postgres_stopped_under_streams(database_url, postgres_server, max_tokens=200, ignore_eos=True) as (
+        gateway,
+        results,
+        restart,
+    ):
         # each stream reaches its end, whose durable append waits in vain
         wait_for(lambda: len(results) == STREAMS, 60, "the streams to end")
         restart()
