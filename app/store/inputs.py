@@ -21,14 +21,22 @@ from typing import Any
 
 import asyncpg
 
-from app.store.insert import LogSchema
+from app.store.insert import ACCEPTED_ON, LogSchema
 
+# Every input's day known (the requests accepted here: the common case). No look-up: a
+# statement that may look the day up plans (and locks) every day's partition of
+# request_events, whether it looks or not, so it costs more the more days are kept
+# (ops/bench/inputs_days.py).
 INSERT = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
-    SELECT request_id, body, model_revision, seed,
-           coalesce(accepted_on, (SELECT e.accepted_on FROM request_events e
-                                   WHERE e.request_id = i.request_id AND e.version = 1 LIMIT 1),
-                    (now() AT TIME ZONE 'UTC')::date)
+    SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
+    ON CONFLICT (request_id, accepted_on) DO NOTHING
+"""
+# Some input's day not known here (a request past the store's remembered days): the day
+# of its RequestAccepted in the log, as app/store/insert.py finds it.
+INSERT_LOOKUP = f"""
+    INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
+    SELECT request_id, body, model_revision, seed, {ACCEPTED_ON.format(day="i.accepted_on", request_id="i.request_id")}
       FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])
            AS i(request_id, body, model_revision, seed, accepted_on)
     ON CONFLICT (request_id, accepted_on) DO NOTHING
@@ -87,6 +95,8 @@ class InputBatches:
 
     async def _write(self, batch: list[tuple[str, str, str | None, int | None]]) -> None:
         columns = [list(column) for column in zip(*batch, strict=True)]
+        days = [self._accept_days.get(request_id) for request_id in columns[0]]
+        insert = INSERT if None not in days else INSERT_LOOKUP
         for last in (False, True):
             try:
                 async with self._connection() as connection:
@@ -94,7 +104,7 @@ class InputBatches:
                     if not self._log.partitioned:  # at 0006 still (a rolling upgrade), or converted since
                         await self._log.learn(raw)
                     if self._log.partitioned:
-                        await raw.execute(INSERT, *columns, [self._accept_days.get(r) for r in columns[0]])
+                        await raw.execute(insert, *columns, days)
                     else:
                         await raw.execute(PREVIOUS_INSERT, *columns)
                 return

@@ -42,7 +42,7 @@ from app.store.codec import EventRow
 # The day of the request's first event (the stream key's index of each day, probed),
 # else any day will do: with no RequestAccepted in the log the stream guard refuses
 # the append (PG409) as it did before partitions.
-_ACCEPTED_ON = """coalesce({day}, (SELECT accepted.accepted_on FROM request_events accepted
+ACCEPTED_ON = """coalesce({day}, (SELECT accepted.accepted_on FROM request_events accepted
                                     WHERE accepted.request_id = {request_id} AND accepted.version = 1 LIMIT 1),
                  (now() AT TIME ZONE 'UTC')::date)"""
 
@@ -59,7 +59,7 @@ ON CONFLICT (event_id, accepted_on) DO NOTHING
 INSERT_EVENT_LOOKUP = f"""
 INSERT INTO request_events
     (request_id, version, event_id, type, schema_version, attempt, lease_epoch, occurred_at, body, accepted_on)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, {_ACCEPTED_ON.format(day="$10::date", request_id="$1")})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::text::jsonb, {ACCEPTED_ON.format(day="$10::date", request_id="$1")})
 ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
 
@@ -76,7 +76,7 @@ ON CONFLICT (event_id, accepted_on) DO NOTHING
 """
 INSERT_EVENTS = _INSERT_EVENTS.format(accepted_on="batch.accepted_on")
 INSERT_EVENTS_LOOKUP = _INSERT_EVENTS.format(
-    accepted_on=_ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")
+    accepted_on=ACCEPTED_ON.format(day="batch.accepted_on", request_id="batch.request_id")
 )
 COPY_FROM = 64  # events in a batch from which COPY is cheaper than INSERT
 

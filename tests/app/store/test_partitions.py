@@ -69,6 +69,24 @@ async def test_every_row_of_a_request_lands_in_its_accept_days_partitions(databa
         await connection.close()
 
 
+async def test_an_input_whose_day_the_store_knows_is_written_without_reading_the_log(database_url: str) -> None:
+    """A statement that may look the day up plans and locks every day's partition of the
+    log (so it costs more the more days are kept: ops/bench/inputs_days.py); an input of a
+    request accepted here names its day and is written with the log locked away."""
+    trace = traces.completed("req_input_day", at=datetime.now(UTC))
+    store = await PostgresEventStore.connect(database_url)
+    locker = await connect(database_url)
+    try:
+        await store.append(trace.request_id, 0, trace.events[:1])
+        async with locker.transaction():
+            await locker.execute("LOCK TABLE request_events IN ACCESS EXCLUSIVE MODE")
+            await asyncio.wait_for(store.record_input(trace.request_id, {"model": "tiny-llm"}), timeout=30)
+        assert (await store.read_input(trace.request_id)) is not None
+    finally:
+        await locker.close()
+        await store.close()
+
+
 async def test_the_day_of_a_request_the_store_did_not_accept_comes_from_the_log_not_its_row(
     database_url: str,
 ) -> None:
