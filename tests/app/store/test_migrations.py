@@ -120,8 +120,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0010",
-        "0010",
+        "schema at revision 0011",
+        "0011",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -132,7 +132,7 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0010 (head)" in current.stdout.decode()
+    assert "0011 (head)" in current.stdout.decode()
 
 
 async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:
@@ -246,3 +246,46 @@ async def test_appends_go_on_while_the_audit_indexes_are_built(empty_database_ur
         await store.close()
     assert await migrate.current_revision_async(url) == "0008"
     assert len(done) > 12 and max(waits) < took
+
+
+GENERATED = """
+SELECT 'requests' AS table_name, request_id || '/' AS row_key, first_delta_sent::text AS value FROM requests
+UNION ALL SELECT 'request_attempts', request_id || '/' || attempt, ended FROM request_attempts
+ORDER BY 1, 2
+"""
+KINDS = """
+SELECT attrelid::regclass::text, attgenerated::text FROM pg_attribute
+ WHERE attname IN ('first_delta_sent', 'ended') AND attrelid IN ('requests'::regclass, 'request_attempts'::regclass)
+"""
+
+
+async def test_the_generated_columns_read_the_same_computed_on_read(empty_database_url: str) -> None:
+    """0011: ``first_delta_sent`` and ``ended`` computed when read (PostgreSQL 18), the same
+    values before and after, and on rows projected since."""
+    url = empty_database_url
+    await migrate.upgrade_async(url, "0010")
+    await populate(url)  # req_2 is still in flight
+    connection = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        stored = await connection.fetch(GENERATED)
+        assert dict(await connection.fetch(KINDS)) == {"requests": "s", "request_attempts": "s"}
+        await migrate.upgrade_async(url, "0011")
+        assert dict(await connection.fetch(KINDS)) == {"requests": "v", "request_attempts": "v"}
+        assert await connection.fetch(GENERATED) == stored
+        later = traces.fenced_then_retried("req_after")  # projected after: both columns set on the way
+        store = await PostgresEventStore.connect(url)
+        try:
+            await store.append(later.request_id, 0, later.events)
+        finally:
+            await store.close()
+        virtual = await connection.fetch(GENERATED)
+        assert [tuple(row) for row in virtual if row[1].startswith("req_after")] == [
+            ("request_attempts", "req_after/1", "lease_expired"),
+            ("request_attempts", "req_after/2", "completed"),
+            ("requests", "req_after/", "true"),
+        ]
+        await migrate.downgrade_async(url, "0010")
+        assert dict(await connection.fetch(KINDS)) == {"requests": "s", "request_attempts": "s"}
+        assert await connection.fetch(GENERATED) == virtual
+    finally:
+        await connection.close()
