@@ -120,8 +120,8 @@ def postmaster_pid(database: EmbeddedPostgres) -> int:
     return int((database.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
 
 
-def per_k(seconds: float, tokens: int) -> str:
-    return f"{seconds / max(tokens, 1) * 1000:.3f}"
+def per_k(seconds: float, tokens: int, digits: int = 3) -> str:
+    return f"{seconds / max(tokens, 1) * 1000:.{digits}f}"
 
 
 @dataclass
@@ -195,7 +195,7 @@ def compare(options: argparse.Namespace, upstream_port: int, workdir: Path, data
                 flush=True,
             )
             if name == "phasegate":
-                spent = ", ".join(f"{kind} {per_k(used, many.tokens)}" for kind, used in pg_kinds.items() if used)
+                spent = ", ".join(f"{kind} {per_k(used, many.tokens, 4)}" for kind, used in pg_kinds.items() if used)
                 print(f"phasegate: PostgreSQL's CPU per 1,000 tokens by process: {spent}", flush=True)
             label = f"{peer.version}, {processes} proc" if name == "phasegate" else peer.version
             results.append(Result(name, label, one, many, elapsed, cpu_s, pg_cpu_s))
