@@ -17,7 +17,9 @@ On a server before 18 (no ``VIRTUAL``) this revision does nothing.
 
 Online: one ``ALTER TABLE`` a table drops the stored column and adds the virtual one.
 Both are catalog changes (no row is read or written), under an ``ACCESS EXCLUSIVE`` lock
-on the table and its partitions for a moment: appends wait milliseconds. Each column moves
+on the table and its partitions for a moment: appends wait milliseconds. The lock waits
+for every transaction already reading the table, and appends queue behind it, so run the
+upgrade when no long report runs on the read models. Each column moves
 to the end of its table; every reader names its columns. The downgrade adds the stored
 columns back, which rewrites the tables.
 """
