@@ -41,7 +41,7 @@ from app.store.migrate import upgrade  # noqa: E402
 from ops.bench import fake_vllm  # noqa: E402
 from ops.bench.gateways import MODEL, Peer, start_peer, wait_serving  # noqa: E402
 from ops.bench.measure import Sample, descendants  # noqa: E402
-from ops.bench.peers import loaded  # noqa: E402
+from ops.bench.peers import loaded, postmaster_pid  # noqa: E402
 from ops.processes import free_port, start, stop  # noqa: E402
 
 TRIGGER = "AfterTriggerEndQuery"  # the AFTER … FOR EACH STATEMENT triggers: the projection
@@ -134,9 +134,8 @@ def report(found: Profile) -> None:
 
 def sessions(database: EmbeddedPostgres) -> list[int]:
     """The server's session processes (``postgres: … [local] …``)."""
-    postmaster = int((database.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
     found = []
-    for pid in descendants(postmaster):
+    for pid in descendants(postmaster_pid(database)):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
         except OSError:
