@@ -6,7 +6,7 @@ works: the parent bound the port once; the child inherits that listening socket 
 descriptor number on the command line), reads what to serve from its standard input
 (a :class:`ChildSpec`, pickled by the parent, which alone writes it), and dies with its
 parent (``PR_SET_PDEATHSIG``), so a SIGKILLed ``phasegate serve`` leaves no gateway
-behind. Each child is an instance of its own (DESIGN.md §11): its own id, lease and
+behind. Each child is an instance of its own (docs/design.md §11): its own id, lease and
 sweeps, named ``host:port/i``. Its instance address (where another instance forwards a
 stop button) is a second socket of its own on the same host, since the shared port may
 reach any child. The parent forwards SIGTERM and SIGINT to the children as SIGTERM:

@@ -3,7 +3,7 @@
 With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
 starts two simulated workers as child processes. The port is bound first: a second
 process on a taken port fails before it touches anything. SIGTERM (or Ctrl-C) drains
-(DESIGN.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
+(docs/design.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
 streams get up to ``drain_s`` and then their final error; a second signal ends them
 with that error now (a third stops at once). Then the workers and the database it
 started stop too: nothing it started is left running. A signal before the server runs

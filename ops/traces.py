@@ -207,7 +207,7 @@ class Trace:
         return self._cancelled_for_the_client()
 
     def client_left(self, resume_grace_s: float, after_ms: float = 3.0) -> Trace:
-        """The client left; generation goes on for the grace (DESIGN.md §12)."""
+        """The client left; generation goes on for the grace (docs/design.md §12)."""
         self.add(ClientDisconnected, after_ms, resume_grace_s=resume_grace_s)
         return self
 

@@ -121,7 +121,7 @@ _PARAMS: dict[type[Action], tuple[str, ...]] = {
 def fail_before_output(
     reason: str, *, code: str, message: str, http_status: int, retryable: bool = True
 ) -> FailRequest:
-    """Fail a request of which nothing was delivered (DESIGN.md §6: ``partial_output`` false)."""
+    """Fail a request of which nothing was delivered (docs/design.md §6: ``partial_output`` false)."""
     return FailRequest(
         reason=reason,
         code=code,

@@ -1,4 +1,4 @@
-"""What one delta of an answer holds, in the log's words (DESIGN.md §3, §14): the field of
+"""What one delta of an answer holds, in the log's words (docs/design.md §3, §14): the field of
 the client's delta that carried its text, its tokens' log probabilities, their ids, and
 what the replica said of the prompt before a choice's first delta."""
 
@@ -17,7 +17,7 @@ TokenLogprob = (
 DeltaLogprobs = tuple[tuple[TokenLogprob, ...], ...]
 
 
-# The field of a client's delta that carries a delta's text (DESIGN.md §14): its content;
+# The field of a client's delta that carries a delta's text (docs/design.md §14): its content;
 # reasoning, under the name the replica gave it (vLLM 0.32 says "reasoning", earlier ones
 # "reasoning_content"); a choice's tool calls (their JSON, no tokens). Any other field a
 # replica streams as text is passed through under its own name.

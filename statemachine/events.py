@@ -1,4 +1,4 @@
-"""The log's vocabulary (DESIGN.md §3): one frozen, slotted dataclass per event.
+"""The log's vocabulary (docs/design.md §3): one frozen, slotted dataclass per event.
 
 Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and
 ``occurred_at`` (the gateway's clock, read by the driver, never here).
@@ -24,7 +24,7 @@ FINISH_REASONS = frozenset(
 
 
 class FailureKind(enum.StrEnum):
-    """What the driver observed when an attempt failed (DESIGN.md §4)."""
+    """What the driver observed when an attempt failed (docs/design.md §4)."""
 
     REPLICA_EXITED = "replica_exited"  # process gone, connection refused/reset, worker exiting
     LIVENESS_UNCERTAIN = "liveness_uncertain"  # stall, read timeout, partition, malformed stream
@@ -47,7 +47,7 @@ class ReleaseReason(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"
     REPLICA_EXITED = "replica_exited"
     # the gateway closed the stream of a replica that aborts on a closed connection (an
-    # OpenAI-compatible server), fenced before any delivery: assumed, not proven (DESIGN.md §7)
+    # OpenAI-compatible server), fenced before any delivery: assumed, not proven (docs/design.md §7)
     CONNECTION_CLOSED = "connection_closed"
 
 
@@ -113,7 +113,7 @@ class RequestAccepted(RequestScoped):
     routing: dict[str, Any] | None = None
     affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
     metadata: dict[str, Any] | None = None  # the client's metadata, recorded for audit queries, not acted on
-    # a background response (DESIGN.md §15): no disconnect grace applies; whole, it generates
+    # a background response (docs/design.md §15): no disconnect grace applies; whole, it generates
     # with no client attached from its accept on; readers attach, leave and attach again
     background: bool = False
     # the request's own content policy, where stricter than the gateway's (a response's
@@ -151,7 +151,7 @@ class NoReplicaAvailable(RequestScoped):
 class ClientDisconnected(RequestScoped):
     """The downstream socket closed before the request ended. Generation goes on for
     ``resume_grace_s`` (the gateway's setting when it happened; 0: cancelled at once)
-    for a client to attach again (DESIGN.md §12)."""
+    for a client to attach again (docs/design.md §12)."""
 
     resume_grace_s: float = 0.0
 
@@ -210,7 +210,7 @@ class RequestCancelled(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class StreamResumed(RequestScoped):
-    """A client picked the ended request's stream up again from the log (DESIGN.md §12):
+    """A client picked the ended request's stream up again from the log (docs/design.md §12):
     bookkeeping after the terminal event of what was sent, deltas ``[from_index,
     to_index)`` and then the end, by the gateway instance ``gateway``."""
 
@@ -251,7 +251,7 @@ class DeltasDelivered(AttemptScoped):
     ``text`` holds the delivered text under the "full" content policy,
     ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
     ``deltas`` says where each delta is, so a stream can be resumed at any of them
-    (DESIGN.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
+    (docs/design.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
     delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
     before it was recorded. ``logprobs``, for a request that asked for them and only
     with the text ("full"), holds per delta its tokens' log probabilities as the client
@@ -283,7 +283,7 @@ class DeltasDelivered(AttemptScoped):
 @dataclass(frozen=True, slots=True)
 class DeltasProduced(AttemptScoped):
     """Deltas ``[from_index, to_index)`` the attempt produced while no client was
-    attached (DESIGN.md §12): recorded, not delivered. The fields are those of
+    attached (docs/design.md §12): recorded, not delivered. The fields are those of
     :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4); a client that
     receives them later records them delivered."""
 

@@ -1,4 +1,4 @@
-"""The phases of a request and the one table of their transitions (DESIGN.md §2).
+"""The phases of a request and the one table of their transitions (docs/design.md §2).
 
 Everything that decides which event may follow which lives in ``TRANSITIONS``:
 ``phase × event type → next phase``. A pair missing from the table is illegal and
@@ -54,7 +54,7 @@ class Phase(enum.StrEnum):
 
 NEW, PREFILL, DECODE, FENCED, TERMINATED = Phase
 
-# The old attempt's fence may complete after the request ended (DESIGN.md §2): these
+# The old attempt's fence may complete after the request ended (docs/design.md §2): these
 # stay legal in TERMINATED as bookkeeping, so the log shows when it really stopped.
 _FENCE_BOOKKEEPING: dict[type[Event], Phase] = {
     CancelSent: TERMINATED,
@@ -121,7 +121,7 @@ TRANSITIONS: dict[Phase, dict[type[Event], Phase]] = {
         RequestFailed: TERMINATED,
         RequestCancelled: TERMINATED,
     },
-    # an ended request's stream, resumed from the log, is bookkeeping too (DESIGN.md §12)
+    # an ended request's stream, resumed from the log, is bookkeeping too (docs/design.md §12)
     TERMINATED: {**_FENCE_BOOKKEEPING, StreamResumed: TERMINATED},
 }
 

@@ -1,4 +1,4 @@
-"""The failover policy: ``decide(state, config, pool) -> list[Action]`` (DESIGN.md §5).
+"""The failover policy: ``decide(state, config, pool) -> list[Action]`` (docs/design.md §5).
 
 Pure: no I/O, no clock, no randomness. The driver calls it after every batch of
 observations, records each action as a ``Decided`` event (with ``POLICY_VERSION``)

@@ -1,4 +1,4 @@
-"""The policy's knobs (DESIGN.md §5), apart from the policy: what :mod:`statemachine.policy`
+"""The policy's knobs (docs/design.md §5), apart from the policy: what :mod:`statemachine.policy`
 and the placement it calls (:mod:`statemachine.placing`) both read, so that neither
 imports the other for it."""
 

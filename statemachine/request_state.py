@@ -59,7 +59,7 @@ class FenceWait(enum.StrEnum):
     CANCEL_ACK_OR_LEASE_EXPIRY = "cancel_ack_or_lease_expiry"  # a replica that acknowledges cancels
     LEASE_EXPIRY = "lease_expiry"  # one that does not: only its lease proves it stopped
     # before any delivery, a replica that aborts on a closed connection: closing it is the
-    # fence, assumed and never acknowledged (DESIGN.md §7); the gateway alone publishes
+    # fence, assumed and never acknowledged (docs/design.md §7); the gateway alone publishes
     CONNECTION_CLOSE = "connection_close"
 
 

@@ -16,7 +16,7 @@ The invariants checked here are the ones the whole design rests on:
 - only the attempt that committed the first delta delivers, without gaps, and never
   after it was fenced (no splicing of two generations);
 - a closed connection fences and releases only an attempt on a replica that aborts on
-  it, and only before any delivery (DESIGN.md §7); any other release names its proof;
+  it, and only before any delivery (docs/design.md §7); any other release names its proof;
 - exactly one terminal event;
 - time never goes back: each event's ``occurred_at`` is at or after the one before
   (:func:`advance` stamps a clock that stepped back, or another instance's that runs

@@ -1,4 +1,4 @@
-"""The tooling gates of STYLE.md, run by the test command: ruff everywhere, mypy strict on app/ and statemachine/."""
+"""The tooling gates of docs/style.md, run by the test command: ruff everywhere, mypy strict on app/ and statemachine/."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_tool_passes(command: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-MAX_LINES = 400  # STYLE.md: a module that grows past this is split by concern in the same change
+MAX_LINES = 400  # docs/style.md: a module that grows past this is split by concern in the same change
 SIZED = ("app", "statemachine", "ops")
 
 

@@ -4,7 +4,7 @@ A streamed answer goes out as SSE events whose ids are delta indexes; each conte
 delta counts as delivered once its send returned while the client was still there
 (as far as the server noticed). A whole answer is collected, committed with its
 completion in one durable append, and sent once. If the log fails mid-answer the
-stream ends with the final error ``event_log_unavailable`` (DESIGN.md §6).
+stream ends with the final error ``event_log_unavailable`` (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ async def stream_body(
                 deltas = [output, *client.ready_deltas(recorder.deliveries_before_a_batch_closes() - 1)]
                 if driver.ctx.lease_lapsed():
                     # this instance's lease lapsed after the loop read them: they never go
-                    # out, and the end that follows counts them undelivered (DESIGN.md §11)
+                    # out, and the end that follows counts them undelivered (docs/design.md §11)
                     output = await anext(client)
                     continue
                 yield stream.events(deltas)
@@ -200,7 +200,7 @@ async def stream_body(
         return
     except StoreError:
         # Nothing more of this request can be recorded, so nothing more is sent: the
-        # final error of DESIGN.md §6; the request is closed in the log when it is back.
+        # final error of docs/design.md §6; the request is closed in the log when it is back.
         log.error("request %s: the event log failed mid-answer; the stream ends", driver.request_id)
         driver.log_lost(output_delivered=stream.delivered_tokens > 0 or stream.started)
         failed = log_loss.failure(stream.delivered_tokens)

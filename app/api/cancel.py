@@ -1,4 +1,4 @@
-"""``POST /v1/requests/{id}/cancel``: a stop button (DESIGN.md §12).
+"""``POST /v1/requests/{id}/cancel``: a stop button (docs/design.md §12).
 
 The request's tenant ends it at once: recorded as ``RequestCancelled`` (reason
 ``cancelled_by_client``), its attempt cancelled as bookkeeping, and a client still

@@ -20,7 +20,7 @@ cannot, the response carries ``x-should-retry: false`` (:func:`retry_headers`), 
 Failures of an accepted request (``upstream_decode_interrupted``, retries exhausted,
 upstream refusals, the log lost) are not raised: the driver yields them as
 :class:`~app.driver.outputs.Failed`, rendered by :func:`failure_body` with the same
-shape plus the fields of DESIGN.md §6.
+shape plus the fields of docs/design.md §6.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def retry_headers(retryable: bool) -> dict[str, str]:
 
 
 def failure_body(request_id: str, failed: Failed) -> dict[str, Any]:
-    """The error of a request that failed after it was accepted (DESIGN.md §6), in the OpenAI shape."""
+    """The error of a request that failed after it was accepted (docs/design.md §6), in the OpenAI shape."""
     return {
         "error": {
             "message": failed.message,

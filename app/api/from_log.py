@@ -1,4 +1,4 @@
-"""Answers rebuilt from the log (DESIGN.md §12): a request's deltas as stream chunks, how
+"""Answers rebuilt from the log (docs/design.md §12): a request's deltas as stream chunks, how
 it ended, and its whole answer, for a resumed stream or an idempotent POST (app/api/resume.py).
 
 ``DeltasDelivered`` and ``DeltasProduced`` record each delta's choice, length and tokens
@@ -107,7 +107,7 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
 def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDelta]:
     """The final attempt's deltas after its last delivered one, produced while no client
     was attached (a background response nobody read, a client that left): a reader of
-    the ended response gets them (DESIGN.md §12)."""
+    the ended response gets them (docs/design.md §12)."""
     current = state.current_attempt
     if current is None:
         return []
@@ -180,7 +180,7 @@ def whole_from_log(
     request_id: str, events: list[ev.Event], shape: ResponseShape, headers: dict[str, str]
 ) -> JSONResponse:
     """The whole answer of a request that ended, from its log: the final attempt's deltas,
-    delivered or produced while no client was attached (DESIGN.md §12), or its failure."""
+    delivered or produced while no client was attached (docs/design.md §12), or its failure."""
     state = fold(events)
     terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
     if not isinstance(terminal, ev.RequestCompleted):
@@ -194,9 +194,9 @@ def final_answer(
 ) -> tuple[list[ChoiceAnswer], list[str], dict[str, Any], tuple[str | int | None, ...]]:
     """A completed request's answer, as a shape's ``completion`` takes it: each choice's
     deltas of the final attempt, delivered or produced while no client was attached
-    (DESIGN.md §12), how each finished, and the usage."""
+    (docs/design.md §12), how each finished, and the usage."""
     final = state.current_attempt.attempt if state.current_attempt is not None else 0
-    answer: dict[int, LoggedDelta] = {}  # delivered or produced (DESIGN.md §12)
+    answer: dict[int, LoggedDelta] = {}  # delivered or produced (docs/design.md §12)
     for event in events:
         if isinstance(event, ev.DeltasDelivered | ev.DeltasProduced) and event.attempt == final:
             for delta in deltas_of(event):

@@ -101,7 +101,7 @@ _MODEL_LIST = {
         },
     },
 }
-# one server-sent event of a stream: a chunk, the final error (DESIGN.md §6), or [DONE]
+# one server-sent event of a stream: a chunk, the final error (docs/design.md §6), or [DONE]
 _EVENT = {
     "type": "object",
     "required": ["data"],

@@ -1,4 +1,4 @@
-"""A live request's owner (DESIGN.md §11-12): only the instance that accepted it appends
+"""A live request's owner (docs/design.md §11-12): only the instance that accepted it appends
 to it, so a call about it that reaches another instance is passed on to the owner's
 address (``gateway_instances.address``). ``owner_address`` finds it; ``forward_stream``
 passes a resumed stream through, bytes as they come.

@@ -1,5 +1,5 @@
 """A Responses API request's input (``instructions`` and ``input``) as chat messages,
-built as vLLM's own Responses server builds them (DESIGN.md §15).
+built as vLLM's own Responses server builds them (docs/design.md §15).
 
 ``instructions`` is a system message first; a message item is a message (its
 ``input_text``/``output_text`` parts text parts, an ``input_image`` by URL an image

@@ -1,4 +1,4 @@
-"""Responses rebuilt from the log (DESIGN.md §15): a stored response as ``GET
+"""Responses rebuilt from the log (docs/design.md §15): a stored response as ``GET
 /v1/responses/{id}`` answers it, its input items, and the conversation before a
 ``previous_response_id``. The log is the response store: any instance answers, after any
 restart, within the caller's tenant only.

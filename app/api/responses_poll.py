@@ -1,5 +1,5 @@
 """A poll of a live response (``GET /v1/responses/{id}`` while it runs) on its owner,
-which alone may record a delivery (DESIGN.md §15).
+which alone may record a delivery (docs/design.md §15).
 
 Reading is receiving: a poll that shows output delivers it. The poller attaches to the
 request as a resumer does (``ClientResumed``), the commit point is made durable if no

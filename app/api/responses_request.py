@@ -1,5 +1,5 @@
 """A Responses API request (``POST /v1/responses``), read into the chat completion it
-asks of a replica (DESIGN.md §15).
+asks of a replica (docs/design.md §15).
 
 A response is a request like any other: each attempt goes to its replica as a chat
 completion, which both replica kinds speak. So the body, checked against its declaration

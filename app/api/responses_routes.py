@@ -1,5 +1,5 @@
 """``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``: a response as
-the log holds it, on any instance (DESIGN.md §15, app/api/responses_log.py).
+the log holds it, on any instance (docs/design.md §15, app/api/responses_log.py).
 
 A finished response comes back whole: its output, usage and status, or its failure
 with the output the client was sent. A live one is ``in_progress``, with the output its

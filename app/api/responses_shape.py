@@ -1,4 +1,4 @@
-"""The Responses API's answer (DESIGN.md §15): its stream of numbered events, and the
+"""The Responses API's answer (docs/design.md §15): its stream of numbered events, and the
 response object, built from the same driver outputs as a chat completion's.
 
 Every event is a function of the deltas the client was sent, in order: the
@@ -13,7 +13,7 @@ end, as the driver has them (``Finished.tool_calls``): each a ``function_call`` 
 with one arguments delta. Then ``response.completed`` with the whole response, its
 status ``incomplete`` when ``max_output_tokens`` cut it (one event either way, as vLLM
 sends it). A failure after the first delta ends the stream with ``response.failed``, its
-``error`` carrying the fields of DESIGN.md §6; nothing is sent before the first delta but
+``error`` carrying the fields of docs/design.md §6; nothing is sent before the first delta but
 ``response.created`` and ``response.in_progress``, which go out with it.
 """
 
@@ -348,7 +348,7 @@ class ResponsesShape:
         return b"".join(events)
 
     def failure_event(self, event_id: int, body: dict[str, Any]) -> bytes:
-        """The stream's end after a failure (DESIGN.md §6): ``response.failed``, whose
+        """The stream's end after a failure (docs/design.md §6): ``response.failed``, whose
         error carries the failure's fields, and the output the client was sent."""
         events = self._start()
         return b"".join([*events, self._event("response.failed", {"response": self.failed_response(body["error"])})])

@@ -1,4 +1,4 @@
-"""Resuming a stream from the log (DESIGN.md §12): ``GET /v1/requests/{id}/stream``.
+"""Resuming a stream from the log (docs/design.md §12): ``GET /v1/requests/{id}/stream``.
 
 How this works: a client that lost its stream asks again with ``Last-Event-ID: k`` (what
 an SSE client library sends on reconnect) or ``?after=k``, as the tenant that made the
@@ -19,7 +19,7 @@ tail, from memory; it becomes the request's one attached client. A live request 
 another instance is resumed there: the call is forwarded to the owner's address
 (``gateway_instances.address``), which alone may attach a client and append. A request
 that ended is served from the log by any instance, the deltas produced while no client
-was attached included (DESIGN.md §12).
+was attached included (docs/design.md §12).
 
 A POST whose ``Idempotency-Key`` another POST of the same body already used attaches
 to that request the same way (:func:`attach`): to the live loop as above, or from the
@@ -152,7 +152,7 @@ class _Follower:
                             shape.passed(delta.text, delta.choice)  # where the next tokens start in its text
                 elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
                     state = fold(events[:seen])
-                    # then what the last attempt produced with no client attached (DESIGN.md §12)
+                    # then what the last attempt produced with no client attached (docs/design.md §12)
                     for delta in produced_tail(events[:seen], state):
                         if delta.index >= position:
                             yield sent(delta)
@@ -244,7 +244,7 @@ async def attach_live(
     ctx: GatewayContext, request_id: str, request: Request, after: int, *, stream: bool, events_after: int = -1
 ) -> Response | None:
     """Attach to the request's live loop on this instance, if it waits for a client
-    within its grace (DESIGN.md §12) or is a background response (§15); ``None`` when it
+    within its grace (docs/design.md §12) or is a background response (§15); ``None`` when it
     does not (follow the log). A Responses API stream is read from its first delta and
     sent from the event after ``events_after`` (its ``starting_after``)."""
     driver = ctx.drivers.get(request_id)

@@ -10,7 +10,7 @@ streamed request then commits its first delta durably and hands the rest of the
 driver's outputs to sse-starlette; a non-streamed one collects the whole answer,
 commits, and answers once. While headers are held back a watcher notices a client
 that leaves, which detaches it from the driver: generation goes on for the resume
-grace, then is cancelled (DESIGN.md §12).
+grace, then is cancelled (docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class _Api:
         return TokenStreamResponse(body, headers=headers)
 
     async def _in_background(self, driver: RequestDriver, headers: dict[str, str]) -> Response:
-        """A background response (DESIGN.md §15): answered ``queued`` once its accept is
+        """A background response (docs/design.md §15): answered ``queued`` once its accept is
         durable, so that any instance finds it; it generates on with no client attached."""
         try:
             await asyncio.shield(driver.run_in_background())

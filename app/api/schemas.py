@@ -3,12 +3,12 @@
 The fields are those ``vllm serve`` takes, declared with their types and ranges in
 app/contract/requests.py (the same models describe them in ``/openapi.json``): a field is
 passed on as the client sent it, or refused as phasegate's own with why
-(app/contract/request_fields.py, DESIGN.md §14); none is filled in that the client did not
+(app/contract/request_fields.py, docs/design.md §14); none is filled in that the client did not
 send. A wrong type or an out-of-range value is a 400 naming the parameter (``param``),
 before anything reaches a replica; so are the rules no type says, checked here. Messages,
 ``tools``, ``tool_choice`` and ``response_format`` are declared to the depth the engines
 read them (app/contract/engine_inputs.py, the worker's own checks): the gateway admits
-nothing a worker or engine would refuse with a 5xx (DESIGN.md §13).
+nothing a worker or engine would refuse with a 5xx (docs/design.md §13).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ SSE events are encoded here as bytes (``id:`` then ``data:``) and handed to
 sse-starlette as they are.
 
 A chat stream's deltas carry their text under the key the replica gave it (``content``,
-``reasoning``…, DESIGN.md §14), and each choice's first delta is preceded, as vLLM
+``reasoning``…, docs/design.md §14), and each choice's first delta is preceded, as vLLM
 streams it, by a chunk of its role and empty content (``opening``: no id, since
 event ids are delta indexes).
 """
@@ -222,7 +222,7 @@ class ResponseShape:
         return b"".join([*events, DONE])
 
     def failure_event(self, event_id: int, body: dict[str, Any]) -> bytes:
-        """The stream's end after a failure: its error (DESIGN.md §6), then ``[DONE]``."""
+        """The stream's end after a failure: its error (docs/design.md §6), then ``[DONE]``."""
         return sse_event(event_id, json.dumps(body)) + DONE
 
     def completion(

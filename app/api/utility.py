@@ -1,4 +1,4 @@
-"""vLLM's utility routes through the gateway (DESIGN.md §14): ``POST /tokenize``,
+"""vLLM's utility routes through the gateway (docs/design.md §14): ``POST /tokenize``,
 ``POST /detokenize``, ``GET /version`` and ``GET /health``, at the root as ``vllm serve``
 has them.
 

@@ -1,4 +1,4 @@
-"""The stable code a client gets for vLLM's refusal of a request (DESIGN.md §14).
+"""The stable code a client gets for vLLM's refusal of a request (docs/design.md §14).
 
 vLLM's server answers a request it refuses with a status and a message and no code of its
 own that a client can rely on. phasegate gives the client one code for one refusal,

@@ -1,13 +1,13 @@
 """What phasegate does with each request field of ``vllm serve`` 0.32 (its
 ``ChatCompletionRequest`` and ``CompletionRequest``, declared with their types in
-app/contract/requests.py), by class (DESIGN.md §14; the table with the test that shows
+app/contract/requests.py), by class (docs/design.md §14; the table with the test that shows
 each: docs/compatibility.md).
 
 - *passed on*: sent to the replica as the client sent it (an ``openai`` replica gets the
   client's JSON value; a worker applies it as vLLM's server does). phasegate reads some
   of them too (``n``, ``max_tokens``, ``logprobs``, ``tools``…), and checks those;
 - *phasegate's own*: set by phasegate, never by the client, because they touch other
-  tenants or the engine's identity (DESIGN.md §13): refused with a 400 that says why;
+  tenants or the engine's identity (docs/design.md §13): refused with a 400 that says why;
 - *whole only*: passed-on fields vLLM serves only in a whole answer, refused (phasegate
   streams every upstream answer);
 - *recorded*: fields vLLM accepts and ignores, kept in the log (``metadata``, which audit

@@ -1,7 +1,7 @@
 """The chat completions and completions request bodies, declared field by field.
 
 These models are vLLM 0.32's ``ChatCompletionRequest`` and ``CompletionRequest`` as a
-client of phasegate may send them (DESIGN.md §14; app/contract/request_fields.py says what
+client of phasegate may send them (docs/design.md §14; app/contract/request_fields.py says what
 phasegate does with each field): every field vLLM declares, with its JSON type, and with
 its range where phasegate reads it. A field the client did not send stays ``None`` and is
 not sent on. Any field they do not declare is allowed, as vLLM allows it. Both the

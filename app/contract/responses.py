@@ -1,6 +1,6 @@
 """The Responses API request body (``POST /v1/responses``), declared field by field.
 
-What phasegate serves of OpenAI's ``CreateResponseRequest`` (DESIGN.md §15,
+What phasegate serves of OpenAI's ``CreateResponseRequest`` (docs/design.md §15,
 docs/responses.md): the fields passed on to the chat completion each attempt asks for
 take the chat request's own declaration (app/contract/requests.py); the ones read and
 translated (``input``, ``tools``, ``text``, ``reasoning``…) are declared here to the depth
@@ -59,7 +59,7 @@ NOT_SERVED = {
     "conversation": "conversations are not kept by phasegate; send the earlier turns as input items",
     "prompt": "prompt templates are OpenAI's hosted feature",
     "max_tool_calls": "phasegate does not run built-in tools, so there is no tool-call budget to apply",
-    "prompt_cache_key": "the prefix cache is keyed per tenant by phasegate (DESIGN.md §13)",
+    "prompt_cache_key": "the prefix cache is keyed per tenant by phasegate (docs/design.md §13)",
     "safety_identifier": "phasegate runs no safety system to give it to",
 }
 

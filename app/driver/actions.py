@@ -167,7 +167,7 @@ class LoopActions:
     async def _settle(self, run: AttemptRun, *, fenced: bool, closing: bool = False) -> None:
         """Stop the attempt for good: cancel acknowledged, or its lease run out; or,
         ``closing`` (a fence before any delivery on a replica that aborts on a closed
-        connection), its stream closed, with no proof to wait for (DESIGN.md §7)."""
+        connection), its stream closed, with no proof to wait for (docs/design.md §7)."""
         generated = None if closing else await run.cancel()  # before the close: the ack names the attempt
         await run.release()
         if closing:

@@ -76,7 +76,7 @@ class OpenBatch:
             "deltas": tuple(self.shapes),
             "fields": tuple(self.keys) if self.keys is not None else (),
         }
-        if content_policy == "full":  # with the text only: they are content too (DESIGN.md §13)
+        if content_policy == "full":  # with the text only: they are content too (docs/design.md §13)
             fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None else None
             fields["token_ids"] = tuple(self.token_ids) if self.token_ids is not None else ()
             fields["prompts"] = tuple(self.prompts)

@@ -7,7 +7,7 @@ the policy ends that request with a retryable error. The clock is injected.
 
 The budget is for all gateway instances together: each instance holds its share,
 ``1 / live instances``, which its heartbeat refreshes (``share_among``), so the hot
-path takes tokens without a round trip (DESIGN.md §11).
+path takes tokens without a round trip (docs/design.md §11).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ error about the request itself (HTTP 500, an engine that failed on it:
 :func:`statemachine.request_state.is_server_error`) may be the request's doing: if
 another one follows before any output, the policy ends the request as poison
 (``poison_request``) and none of them may count, or a few poison requests would eject
-every replica (DESIGN.md §13). So such a failure is held here until the request shows
+every replica (docs/design.md §13). So such a failure is held here until the request shows
 which it was: poison (forgiven), or anything else, an attempt that produced a token,
 another kind of failure, the end of the request (counted then).
 """

@@ -98,7 +98,7 @@ class GatewayContext:
 
     def lease_lapsed(self) -> bool:
         """This instance's lease lapsed (a pause, a partition): nothing more goes out to
-        clients, even before the lease's own timer runs (DESIGN.md §11)."""
+        clients, even before the lease's own timer runs (docs/design.md §11)."""
         return self.clock() >= self.lease_valid_until
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

@@ -12,8 +12,8 @@ A client that leaves detaches from the loop's feed (:mod:`app.driver.feed`), whi
 runs on: ``ClientDisconnected`` records the grace in force (``resume_grace_s``), and
 until a client attaches again (``ClientResumed``) each delta is recorded as produced,
 a finish completes the request, and a timer records ``ResumeGraceExpired``, on which
-the policy cancels (DESIGN.md §12). With no grace it cancels at once. A background
-response (``run_in_background``, DESIGN.md §15) runs so from its accept on, with no
+the policy cancels (docs/design.md §12). With no grace it cancels at once. A background
+response (``run_in_background``, docs/design.md §15) runs so from its accept on, with no
 grace to run out: its readers attach, leave and attach again as resumers do.
 """
 
@@ -152,7 +152,7 @@ class RequestDriver(RequestLoop):
 
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out. A response's
-        input is durable before it is (DESIGN.md §15: a later turn is built from it)."""
+        input is durable before it is (docs/design.md §15: a later turn is built from it)."""
         if self.request.responses is not None and self._input_recorded is not None:
             await asyncio.wait([self._input_recorded])  # its failure is logged where it ran
         self.recorder.record(

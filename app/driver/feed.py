@@ -2,7 +2,7 @@
 
 How this works: the loop (``RequestLoop._drive``) runs in the feed's task, so a client
 that leaves (its HTTP task cancelled) never stops the generation: it only detaches
-(DESIGN.md §12). The feed keeps every delta of the current attempt in memory, in
+(docs/design.md §12). The feed keeps every delta of the current attempt in memory, in
 order; the attached :class:`AttachedClient` reads them with its own cursor, so a
 client that attaches again (a resume on this instance) starts at any delta it names.
 

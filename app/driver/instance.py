@@ -1,4 +1,4 @@
-"""This gateway process as an instance in the log (DESIGN.md §11).
+"""This gateway process as an instance in the log (docs/design.md §11).
 
 How this works: ``start`` registers the instance under a new id and binds the
 store's writer to it, whose appends PostgreSQL refuses once the lease lapsed. A

@@ -4,7 +4,7 @@ The recorder retries a durable append for ``STORE_OUTAGE_GRACE_S`` (PostgreSQL a
 longer than that), or PostgreSQL refuses the request's events outright; either way
 nothing more of the request can be recorded, so the client must not be sent more of
 its answer than the log will show. The HTTP layer ends the response with the final
-error of DESIGN.md §6 (:func:`failure`, code ``event_log_unavailable``) and starts
+error of docs/design.md §6 (:func:`failure`, code ``event_log_unavailable``) and starts
 :meth:`~app.driver.driver.RequestDriver.log_lost`. That seals the request's recorder,
 which keeps only what the client saw happen (not a completion the client was told
 failed, not a commit point whose first delta never went out), and stops the attempt.

@@ -79,7 +79,7 @@ class RequestLoop(LoopActions):
         self._poked = False  # an event recorded from outside the loop wants a decision now
         self._disconnects = 0  # clients that left: a grace timer acts only for the latest
         self._undecided: tuple[RequestState | None, PolicyConfig | None] = (None, None)  # decided nothing on these
-        # the loop runs in the feed's task; a client that leaves only detaches (DESIGN.md §12)
+        # the loop runs in the feed's task; a client that leaves only detaches (docs/design.md §12)
         self.feed = Feed(
             self._drive,
             ctx.spawn,

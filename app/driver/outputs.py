@@ -19,7 +19,7 @@ from statemachine.deltas import CONTENT, Prompt
 class Delta:
     text: str
     choice: int = 0
-    tokens: int = 1  # engine tokens in it (DESIGN.md §11: delivered_output_tokens counts these)
+    tokens: int = 1  # engine tokens in it (docs/design.md §11: delivered_output_tokens counts these)
     logprobs: tuple[TokenLogprob, ...] | None = None  # asked for: one per token (app/contract/logprobs.py)
     key: str = CONTENT  # the key of the client's delta that carries the text (reasoning, …)
     token_ids: Sequence[int] = ()  # its tokens' ids, where the client asked for them (return_token_ids)
@@ -51,7 +51,7 @@ def full_usage(usage: dict[str, int], details: dict[str, Any] | None) -> dict[st
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request failed; the fields of the error the client is told (DESIGN.md §6)."""
+    """The request failed; the fields of the error the client is told (docs/design.md §6)."""
 
     code: str
     message: str

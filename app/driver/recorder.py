@@ -9,7 +9,7 @@ otherwise. Deliveries are coalesced: consecutive deltas of one attempt become on
 ``delivery_batch_ms`` old, cut early by any other event so the log's order is the
 order things happened.
 
-Deliveries reach the log while the stream runs (DESIGN.md §11): a batch that closes
+Deliveries reach the log while the stream runs (docs/design.md §11): a batch that closes
 (full, or aged by a timer) is appended at once, group-committed and never awaited on
 the per-token path, and while one append of the request is on its way to the commit
 the next batch waits for it. Where the store can take it without a wait, a closed

@@ -15,7 +15,7 @@ from app.replicas.base import AttemptRequest
 
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
-RESPONSES = "responses"  # the Responses API: each attempt a chat completion (DESIGN.md §15)
+RESPONSES = "responses"  # the Responses API: each attempt a chat completion (docs/design.md §15)
 NOT_PASSED_ON = RECORDED | SET_BY_PHASEGATE | {"model"}
 AFFINITY_PROMPT_CHARS = 512  # a completion prompt's affinity key: its start, which follow-ups share
 AFFINITY_PROMPT_TOKENS = 128  # the same, for a prompt of token ids
@@ -29,7 +29,7 @@ class ResponsesCall:
     body: dict[str, Any]
     echo: dict[str, Any]
     output_logprobs: bool = False
-    background: bool = False  # generated with no client attached (DESIGN.md §15)
+    background: bool = False  # generated with no client attached (docs/design.md §15)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +76,13 @@ class GenerationRequest:
 
     @property
     def background(self) -> bool:
-        """A background response (DESIGN.md §15): no client is attached to it from its accept on."""
+        """A background response (docs/design.md §15): no client is attached to it from its accept on."""
         return self.responses is not None and self.responses.background
 
     @property
     def stored(self) -> bool:
         """Its content may be kept (a Responses request's ``store: false`` says not: the
-        log keeps digests of it at most, DESIGN.md §15)."""
+        log keeps digests of it at most, docs/design.md §15)."""
         return self.responses is None or self.responses.body.get("store") is not False
 
     @property

@@ -2,7 +2,7 @@
 
 A tool call the model asks for is recorded as ``ToolCallEmitted`` with the
 idempotency key ``{request_id}:{tool_call_id}``. The gateway names each call by its
-content (DESIGN.md §8): the choice, the function's name, the canonical arguments and
+content (docs/design.md §8): the choice, the function's name, the canonical arguments and
 how many identical calls came before it in the attempt. So a retry that asks for the
 same call meets the same key and reuses its one execution, and a retry that asks for
 a different call gets a new key and runs it. The ledger (``tool_executions``) lets

@@ -4,10 +4,10 @@ Two kinds implement :class:`ReplicaClient`: a ``phasegate worker`` (leases, canc
 acknowledgements, heartbeats) and any OpenAI-compatible server such as ``vllm
 serve`` (no acknowledgement: a cancel is only a closed connection, which such a
 server aborts on; so before any delivery the closed connection fences the attempt,
-and after one the fence waits for the lease to expire, DESIGN.md §7).
+and after one the fence waits for the lease to expire, docs/design.md §7).
 
 A started attempt is an async iterator of frames. Everything that goes wrong is an
-:class:`UpstreamFailure` carrying the failure kind of DESIGN.md §4, so the driver
+:class:`UpstreamFailure` carrying the failure kind of docs/design.md §4, so the driver
 records what it observed without knowing which client observed it.
 """
 

@@ -5,7 +5,7 @@ app/replicas/body_reads.py: the lean connections' ``Body``, or an ``httpx.Respon
 they are cut into SSE lines here (CR and LF only), each ``data:`` line parsed by orjson,
 and each choice's text becomes a :class:`~app.replicas.base.Token`. The stream
 completes once every choice finished and the usage came, without waiting for
-``[DONE]``; what is malformed fails the attempt as DESIGN.md §4 says (see
+``[DONE]``; what is malformed fails the attempt as docs/design.md §4 says (see
 :mod:`app.replicas.openai_upstream`).
 
 While the frames wait for the body's next read, a taker (``offer_tokens``: the request

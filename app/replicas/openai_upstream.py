@@ -8,7 +8,7 @@ gateway-side lease to run out. It sends nothing while it queues or prefills, so
 before the first token its own first-token deadline applies (``openai_first_token_s``,
 see ``AttemptRun.next_frame``).
 
-Upstream behaviour mapped to the failure kinds of DESIGN.md §4:
+Upstream behaviour mapped to the failure kinds of docs/design.md §4:
 
     connection refused / connect timeout          rejected (nothing started)
     429 (Retry-After honoured), 5xx before start  rejected

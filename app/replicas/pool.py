@@ -223,7 +223,7 @@ class ReplicaPool:
         if failure.kind is FailureKind.REQUEST_REFUSED:
             self.succeeded(replica)  # the replica is fine; the request was not
         elif _about_the_request(failure):
-            pass  # a 4xx for this request: the client's fault, not the replica's (DESIGN.md §13)
+            pass  # a 4xx for this request: the client's fault, not the replica's (docs/design.md §13)
         elif failure.kind in _REPLICAS_FAULT and failure.code not in GATEWAYS_DOING:
             self.failed(replica, failure.detail)
 

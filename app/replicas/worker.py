@@ -5,7 +5,7 @@ and its frames are the driver's. One refinement happens here, at the start of an
 attempt: whatever stops the start request before the worker accepted it (connection
 refused or timed out, 429, 503, the worker exiting) means nothing started, so it is
 recorded as ``rejected`` and a retry elsewhere counts as a new-request migration
-(DESIGN.md §4).
+(docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The event log (DESIGN.md §8): append, read and follow request streams in PostgreSQL.
+"""The event log (docs/design.md §8): append, read and follow request streams in PostgreSQL.
 
     store = await PostgresEventStore.connect(url)   # url: database_from_env()[0]
     await store.append(request_id, expected_version, events, durable=True)

@@ -162,7 +162,7 @@ class EventStore(abc.ABC):
     async def erase_request(self, tenant: str, request_id: str) -> int:
         """Remove the content of ``tenant``'s request ``request_id`` (its input, delivered
         and produced text, tool arguments and results); the events, their order and every
-        count stay (DESIGN.md §13). How many of the tenant's requests it named (0 or 1)."""
+        count stay (docs/design.md §13). How many of the tenant's requests it named (0 or 1)."""
 
 
 def check_append(request_id: str, expected_version: int, events: Sequence[Event]) -> None:

@@ -1,4 +1,4 @@
-"""What the log keeps of content (DESIGN.md §13): recorded inputs, delivered text and
+"""What the log keeps of content (docs/design.md §13): recorded inputs, delivered text and
 tool data under the content policy, and a tenant's content erased while its events stay.
 
 Content is what a client sent or was sent: the request's body (``request_inputs``),

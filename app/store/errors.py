@@ -14,7 +14,7 @@
     ├── InstanceFenced       the gateway instance this store appends for has lost its
     │                        lease (lapsed, swept or released): PostgreSQL refused the
     │                        append, and every later one, until the store is bound to
-    │                        a live instance (DESIGN.md §11).
+    │                        a live instance (docs/design.md §11).
     └── InvalidAppend        the events cannot be appended as given (wrong request,
                              seq not following the expected version): a caller's bug.
                              Also a ValueError.

@@ -1,4 +1,4 @@
-"""Gateway instances in PostgreSQL (DESIGN.md §11): register, renew, release, sweep.
+"""Gateway instances in PostgreSQL (docs/design.md §11): register, renew, release, sweep.
 
 Each ``phasegate serve`` process is one row of ``gateway_instances`` (migration
 0004) with a lease. Renewing returns how many instances are live, which the

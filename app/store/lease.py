@@ -1,4 +1,4 @@
-"""An instance's lease, renewed from a thread of its own (DESIGN.md §11).
+"""An instance's lease, renewed from a thread of its own (docs/design.md §11).
 
 How this works: a :class:`LeaseKeeper` runs one thread with its own event loop and
 its own asyncpg connection, and renews the bound instance's lease every third of its

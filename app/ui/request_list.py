@@ -152,7 +152,7 @@ async def recent_requests(connection: AsyncConnection, wanted: RequestFilter) ->
         conditions.append(r.attempts > 1)
     elif wanted.migration == "none":
         conditions.append(r.attempts <= 1)
-    elif wanted.migration is not None:  # a retry of that kind was decided (DESIGN.md §5)
+    elif wanted.migration is not None:  # a retry of that kind was decided (docs/design.md §5)
         e = schema.request_events.c
         conditions.append(
             exists().where(

@@ -1,1 +1,1 @@
-"""The replica process: one engine behind a lease-enforcing HTTP protocol (DESIGN.md §7)."""
+"""The replica process: one engine behind a lease-enforcing HTTP protocol (docs/design.md §7)."""

@@ -1,5 +1,5 @@
 """vLLM's beam search in the worker, run as ``vllm serve`` runs it, with an abort the worker
-can confirm (DESIGN.md §7: a worker replica's cancel is acknowledged only once the engine
+can confirm (docs/design.md §7: a worker replica's cancel is acknowledged only once the engine
 stopped).
 
 ``use_beam_search`` is not one engine request: vLLM's server runs its

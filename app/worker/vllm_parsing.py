@@ -1,5 +1,5 @@
 """vLLM's own output parsers in the worker: reasoning and tool calls split out of the
-engine's text as ``vllm serve`` splits them (DESIGN.md §14).
+engine's text as ``vllm serve`` splits them (docs/design.md §14).
 
 ``phasegate worker --engine vllm`` takes ``--reasoning-parser``, ``--tool-call-parser`` and
 ``--enable-auto-tool-choice`` as ``vllm serve`` does. With them, each attempt of a chat

@@ -1,5 +1,5 @@
 """A start request read, rendered and limited by vLLM's own code, as ``vllm serve`` reads,
-renders and limits the same request (DESIGN.md §14): the same prompt tokens, the same
+renders and limits the same request (docs/design.md §14): the same prompt tokens, the same
 sampling defaults, the same refusals through a worker as through vLLM's server.
 
 - The request's fields are the start request's ``vllm`` object: the client's fields as the

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
 
-``request_events`` is the log (DESIGN.md §8). ``requests`` and ``request_attempts``
+``request_events`` is the log (docs/design.md §8). ``requests`` and ``request_attempts``
 are its read models: a statement-level trigger projects every INSERT into them in
 the same transaction, set-based over the inserted rows, so a batch of a thousand
 token deliveries costs one UPDATE per request, not one per event. The trigger also

@@ -5,7 +5,7 @@ Revises: 0003
 Create Date: 2026-12-01
 
 Every ``phasegate serve`` process registers one row of ``gateway_instances`` under a
-generated id (DESIGN.md §11) and renews its lease. An instance whose lease lapsed is
+generated id (docs/design.md §11) and renews its lease. An instance whose lease lapsed is
 swept by a live one: ``swept_by`` claims it, ``swept_at`` says its open requests were
 closed. The store's writer connection names its instance in the session setting
 ``phasegate.instance``; a statement-level trigger refuses any insert into

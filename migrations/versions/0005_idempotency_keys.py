@@ -1,4 +1,4 @@
-"""Idempotency keys: one logical request per tenant and key (DESIGN.md §12).
+"""Idempotency keys: one logical request per tenant and key (docs/design.md §12).
 
 Revision ID: 0005
 Revises: 0004

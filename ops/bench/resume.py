@@ -1,4 +1,4 @@
-"""What a resume costs (DESIGN.md §12): from the log, and following a live request.
+"""What a resume costs (docs/design.md §12): from the log, and following a live request.
 
     python ops/bench/resume.py [--deltas 200] [--resumes 20]
 

@@ -1,4 +1,4 @@
-"""app/ imports only downward (DESIGN.md §9), and no two of its modules import each other.
+"""app/ imports only downward (docs/design.md §9), and no two of its modules import each other.
 
     cli → serve → gateway_process → gateway → api → driver → (store, replicas) → statemachine
 
@@ -97,7 +97,7 @@ APP_MODULES = modules(ROOT)
 @pytest.mark.parametrize("path", APP_MODULES.values(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_imports_only_downward(path: Path) -> None:
     violations = upward(path, ROOT, set(APP_MODULES))
-    assert not violations, "imports that run up (DESIGN.md §9):\n" + "\n".join(violations)
+    assert not violations, "imports that run up (docs/design.md §9):\n" + "\n".join(violations)
 
 
 def test_no_import_cycles() -> None:

@@ -1,5 +1,5 @@
 """The same requests to ``vllm serve`` and through phasegate in front of it, compared as a
-client reads them (tests/compat/compare.py), whole and streamed (DESIGN.md §14).
+client reads them (tests/compat/compare.py), whole and streamed (docs/design.md §14).
 
 One case a declared field of vLLM's chat and completions requests (where one request
 shows what it does), tools with each ``tool_choice``, ``n > 1``, ``echo``, log

@@ -1,4 +1,4 @@
-"""Real client frameworks against ``vllm serve`` directly and through phasegate (DESIGN.md §14).
+"""Real client frameworks against ``vllm serve`` directly and through phasegate (docs/design.md §14).
 
 Each test runs the same framework call on ``vllm serve`` and through phasegate, in front of it
 and in front of the vLLM worker (tests/compat/conftest.py: the hermes and deepseek_r1

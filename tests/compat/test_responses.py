@@ -1,4 +1,4 @@
-"""The Responses API against vLLM's own ``/v1/responses`` (DESIGN.md §15), with the `openai` SDK.
+"""The Responses API against vLLM's own ``/v1/responses`` (docs/design.md §15), with the `openai` SDK.
 
 The same input at temperature 0 goes to the run's ``vllm serve`` directly and through a
 phasegate gateway in front of it, then in front of the run's vLLM worker (the same model,

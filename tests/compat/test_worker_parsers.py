@@ -2,7 +2,7 @@
 the same request to ``vllm serve`` and through phasegate in front of the run's vLLM worker,
 which runs the same model with the same parsers (``deepseek_r1``, ``hermes``, auto tool
 choice: tests/support/vllm_replicas.py), gets the same reasoning, content and tool calls,
-whole and streamed (DESIGN.md §14).
+whole and streamed (docs/design.md §14).
 
 The tiny model never closes a ``<think>``, so under the ``deepseek_r1`` parser its whole
 answer is reasoning; a ``required`` or named ``tool_choice`` forces a call through the

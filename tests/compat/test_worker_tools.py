@@ -1,5 +1,5 @@
 """A tool call through a ``phasegate worker --engine vllm`` goes through the tool ledger like
-any other (DESIGN.md §8, §10 case 5): the run's vLLM worker is forced by a named
+any other (docs/design.md §8, §10 case 5): the run's vLLM worker is forced by a named
 ``tool_choice`` to call a tool, which it streams in pieces as vLLM's server does; its
 stream then ends before ``done``. The pieces reached the client, so there is no retry
 (the first was the commit point): the client gets them and the structured error, and the

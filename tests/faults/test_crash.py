@@ -8,7 +8,7 @@
   clear 503; the streams in flight keep their guarantees and finish; nothing the
   gateway acknowledged is lost.
 - PostgreSQL away for longer than a durable append waits: the streams that needed one
-  end with the final error of DESIGN.md §6 (``event_log_unavailable``), never a cut
+  end with the final error of docs/design.md §6 (``event_log_unavailable``), never a cut
   connection, and once it is back each is closed in the log as its client was told.
 """
 

@@ -5,7 +5,7 @@ OpenAI-compatible upstreams (``vllm serve`` cannot be told to stall), each a pro
 its own. Whichever takes a request's first attempt sends its first token only after
 20 s. With ``openai_first_token_s`` = 1 s the gateway closes that attempt at the
 deadline, which is the fence (vLLM aborts a request whose connection closed;
-DESIGN.md §7), and retries on the other upstream at once: no lease is waited out,
+docs/design.md §7), and retries on the other upstream at once: no lease is waited out,
 and the lease here is 30 s long to show it. The client (the ``openai`` SDK, and a raw
 SSE reader) gets the whole answer once; the log, read back from PostgreSQL, says the
 same: the attempt failed at the deadline, was released by the closed connection, and

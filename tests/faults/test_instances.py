@@ -1,4 +1,4 @@
-"""Gateway instances on one PostgreSQL (DESIGN.md §11), with real processes.
+"""Gateway instances on one PostgreSQL (docs/design.md §11), with real processes.
 
 Several ``phasegate serve`` processes share one real PostgreSQL and one real sim
 worker; clients stream over raw SSE. Each test kills, stops or drains one gateway
@@ -44,7 +44,7 @@ from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
 # The product's default. An instance that misses its renewals for two thirds of it takes
-# itself for fenced (DESIGN.md 11), rightly: and this machine can stop running every
+# itself for fenced (docs/design.md 11), rightly: and this machine can stop running every
 # process for seconds at a time (tests/support/workers.py). At 4 s a CI run lost a live
 # instance's lease while a second `phasegate serve` started beside it.
 LEASE_TTL_S = 10.0
@@ -255,7 +255,7 @@ def test_a_killed_gateways_requests_are_swept_by_a_survivor(
 def test_a_killed_gateways_background_responses_are_swept_and_a_survivor_answers_their_poll(
     database_url: str, worker: WorkerProcess, tmp_path: Path
 ) -> None:
-    """Nobody reads a background response (DESIGN.md §15): its owner's death is found by the
+    """Nobody reads a background response (docs/design.md §15): its owner's death is found by the
     sweep as any request's, and its client, polling another instance, learns how it ended."""
     prompts = [f"count slowly {n} {os.getpid()} {time.monotonic_ns()}" for n in range(3)]
     with (

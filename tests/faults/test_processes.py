@@ -1,5 +1,5 @@
 """``phasegate serve --processes 2``: two gateway processes on one port, each an instance
-(DESIGN.md §11), with real processes, a real sim worker and real PostgreSQL.
+(docs/design.md §11), with real processes, a real sim worker and real PostgreSQL.
 
 - both children serve requests on the one port: two instance ids appear in
   ``RequestAccepted.gateway``; each has an address of its own, so a stop button sent to

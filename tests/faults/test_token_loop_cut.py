@@ -1,4 +1,4 @@
-"""DESIGN.md §10, 4: the network to the replica is cut at token k: the old attempt is fenced
+"""docs/design.md §10, 4: the network to the replica is cut at token k: the old attempt is fenced
 (cancel acknowledged or lease expired) before anything else (tests/faults/token_loop.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN.md §10, 3: a replica dies right after delta k reached the client: the stream ends
+"""docs/design.md §10, 3: a replica dies right after delta k reached the client: the stream ends
 with the final error, and no second generation starts (tests/faults/token_loop.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN.md §10, 1 and 2: a replica dies in prefill, or after token k was computed and
+"""docs/design.md §10, 1 and 2: a replica dies in prefill, or after token k was computed and
 before its event was written: the client never sees the fragment (tests/faults/token_loop.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN.md §10, 5: a replica dies after a tool call was emitted: the call runs once,
+"""docs/design.md §10, 5: a replica dies after a tool call was emitted: the call runs once,
 through the ledger, however many attempts ask (tests/faults/token_loop.py). Through an
 OpenAI upstream, which streams a call in pieces and so emits it only with its stream's
 end, the death cuts the call after its first piece reached the client: no retry, and

@@ -1,4 +1,4 @@
-"""What the token-loop fault tests share (DESIGN.md §10): every failure kind at every point
+"""What the token-loop fault tests share (docs/design.md §10): every failure kind at every point
 of the token loop, for both replica kinds, one test module a kind of fault:
 
 - ``test_token_loop_prefill``: 1. death in prefill, 2. death after token k was computed

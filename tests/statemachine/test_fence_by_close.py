@@ -1,4 +1,4 @@
-"""An OpenAI-compatible replica fenced by closing its connection (DESIGN.md §7, amended).
+"""An OpenAI-compatible replica fenced by closing its connection (docs/design.md §7, amended).
 
 Such a replica (``vllm serve``) aborts a request whose connection closed and gives no
 acknowledgement. Before any delivery the gateway, the only publisher to the client,

@@ -333,7 +333,7 @@ def test_log_probabilities_come_with_the_text_one_entry_a_delta(text: str | None
     ],
 )
 def test_token_ids_and_the_prompts_fields_come_with_the_text(text: str | None, more: dict[str, Any], why: str) -> None:
-    """Token ids are content (DESIGN.md §13, §14): kept with the text, one entry a delta;
+    """Token ids are content (docs/design.md §13, §14): kept with the text, one entry a delta;
     what the replica said of a prompt, once a choice."""
     driver = running()
     driver.deliver(1)

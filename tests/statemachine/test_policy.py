@@ -1,4 +1,4 @@
-"""Every row of the policy (DESIGN.md §4, §5), driven through the pure model driver."""
+"""Every row of the policy (docs/design.md §4, §5), driven through the pure model driver."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def test_policy_config_from_a_file_mapping() -> None:
     assert config == PolicyConfig(max_attempts=3)
 
 
-# --- poison requests (DESIGN.md §13) -------------------------------------------------------
+# --- poison requests (docs/design.md §13) -------------------------------------------------------
 
 SERVER_ERRORS = {
     "start refused with 500": {"kind": FailureKind.REJECTED, "upstream_status": 500, "upstream_code": "internal_error"},

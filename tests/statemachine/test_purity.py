@@ -1,4 +1,4 @@
-"""statemachine/ stays sans-IO: no I/O, clock, randomness or app imports (DESIGN.md §9)."""
+"""statemachine/ stays sans-IO: no I/O, clock, randomness or app imports (docs/design.md §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The disconnect grace (DESIGN.md §12), in the pure core: a client that leaves starts
+"""The disconnect grace (docs/design.md §12), in the pure core: a client that leaves starts
 ``resume_grace_s``; the policy cancels only when it runs out with no client attached;
 output produced meanwhile is recorded as produced, and delivered only when a client
 receives it."""
@@ -143,7 +143,7 @@ def test_the_resumed_stream_may_be_recorded_up_to_the_produced_deltas() -> None:
     illegal(driver, ev.StreamResumed, "never delivered", from_index=1, to_index=4, gateway="g")
 
 
-# --- background responses (DESIGN.md §15): no grace runs out for want of a client ---------
+# --- background responses (docs/design.md §15): no grace runs out for want of a client ---------
 
 
 def test_a_whole_background_response_has_no_client_from_its_accept_and_is_never_cancelled_for_it() -> None:

@@ -109,7 +109,7 @@ def running_gateway(
     overrides.setdefault("models", {MODEL: REVISION})
     overrides.setdefault("health_interval_s", 0.5)
     # the instance's lease is not what these gateways test (tests of it set their own): a
-    # loaded machine that starves the loop for 5 s must not fence it mid-test (DESIGN.md §11)
+    # loaded machine that starves the loop for 5 s must not fence it mid-test (docs/design.md §11)
     overrides.setdefault("instance_lease_ttl_s", 60.0)
     # the fault tests say which replica an attempt meets: the least loaded, ties to the first
     # listed; the default strategy (prefix affinity, docs/routing.md) has tests of its own

@@ -3,7 +3,7 @@
 A :class:`Transcript` (``ops/transcript.py``) keeps every SSE event of one streamed
 request, the content deltas in order, the final error event if any and whether
 ``[DONE]`` arrived. :func:`check_request` then compares it with the
-request's events in the log, the way DESIGN.md §10 asks: what the client got
+request's events in the log, the way docs/design.md §10 asks: what the client got
 against what the log says was delivered, and the log's own invariants
 (``statemachine.invariants``: no gap, no splice, one terminal event, attempts that
 never overlapped, a replay without divergence).
@@ -53,7 +53,7 @@ def stream_chat(
 
 
 def resume_stream(url: str, request_id: str, last_event_id: int | None = None, **headers: str) -> Transcript:
-    """GET the request's stream again (DESIGN.md §12), after ``last_event_id`` (None: from
+    """GET the request's stream again (docs/design.md §12), after ``last_event_id`` (None: from
     the start), and read it to its end; a refusal's error is in ``error``."""
     if last_event_id is not None:
         headers["last-event-id"] = str(last_event_id)

@@ -61,7 +61,7 @@ def fence_released_by_lease_expiry() -> ModelDriver:
 
 def fence_released_by_connection_close() -> ModelDriver:
     """An OpenAI-compatible replica missed its first-token deadline: closing its connection
-    is the fence, and the retry starts with no lease waited out (DESIGN.md §7)."""
+    is the fence, and the retry starts with no lease waited out (docs/design.md §7)."""
     driver = ModelDriver("req_closed", acknowledges_cancel=False, aborts_on_close=True)
     driver.fail(FailureKind.LIVENESS_UNCERTAIN)
     driver.connection_closed()

@@ -202,7 +202,7 @@ SCENARIOS: dict[str, Callable[[Scene], str]] = {
 }
 # slow enough that the client leaves mid-answer
 DECODE_MS = {"client_disconnect": 20.0, "client_resumed_within_grace": 20.0, "resume_grace_expired": 20.0}
-# how long a client that left may come back (DESIGN.md §12); 0: cancelled at once
+# how long a client that left may come back (docs/design.md §12); 0: cancelled at once
 RESUME_GRACE_S = {"client_resumed_within_grace": 10.0, "resume_grace_expired": 0.5}
 # served by two scripted OpenAI-compatible upstreams (kind openai), with a short first-token deadline
 OPENAI_SCENARIOS = {"fence_released_by_connection_close"}

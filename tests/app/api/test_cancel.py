@@ -1,4 +1,4 @@
-"""``POST /v1/requests/{id}/cancel`` (DESIGN.md §12): a stop button ends a request at once.
+"""``POST /v1/requests/{id}/cancel`` (docs/design.md §12): a stop button ends a request at once.
 
 Real gateways on one PostgreSQL, a real sim worker, raw SSE. The stream being read
 ends with the final error ``request_cancelled``; the log records ``RequestCancelled``

@@ -1,4 +1,4 @@
-"""A completion's batch of prompts through a worker replica (DESIGN.md §14): as vLLM's server
+"""A completion's batch of prompts through a worker replica (docs/design.md §14): as vLLM's server
 answers one, prompt k's ``n`` choices are the answer's choices k·n … k·n + n − 1, each the
 answer that prompt alone gets, streamed and whole; the usage counts every prompt's tokens,
 and the log holds each choice's deltas and finish. Real sim workers over real sockets; the

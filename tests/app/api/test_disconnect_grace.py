@@ -1,4 +1,4 @@
-"""The disconnect grace (DESIGN.md §12), with real workers, real sockets, the real `openai` client.
+"""The disconnect grace (docs/design.md §12), with real workers, real sockets, the real `openai` client.
 
 A client that leaves does not stop the generation for ``resume_grace_s``: a client that
 comes back within it attaches to the live request and gets every delta exactly once;

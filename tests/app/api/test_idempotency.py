@@ -1,4 +1,4 @@
-"""``Idempotency-Key`` (DESIGN.md §12): one logical request per tenant and key.
+"""``Idempotency-Key`` (docs/design.md §12): one logical request per tenant and key.
 
 Real gateway, real sim worker, real PostgreSQL, raw HTTP and the ``openai`` client.
 A POST sent again with the same key and body attaches to the request the first one

@@ -1,4 +1,4 @@
-"""Reasoning through the gateway (DESIGN.md §14): output like any other.
+"""Reasoning through the gateway (docs/design.md §14): output like any other.
 
 The upstream is the scripted OpenAI-compatible server in its own process
 (tests/support/scripted_upstream.py), streaming reasoning as vLLM's reasoning parser does:
@@ -144,7 +144,7 @@ def test_a_client_that_left_in_the_middle_of_reasoning_resumes_the_rest(
     assert resumed.kinds == ["reasoning"] * 3 + ["content"] * 5  # the rest, each under its field
     assert first.text + resumed.text == "".join(words)
     # the log: every delta once under its field, delivered to the first client or produced
-    # while none was attached (DESIGN.md §12)
+    # while none was attached (docs/design.md §12)
     by_index = {
         d.index: (d.key, d.text)
         for batch in [*of(events, ev.DeltasDelivered), *of(events, ev.DeltasProduced)]

@@ -1,4 +1,4 @@
-"""The Responses API (DESIGN.md §15) with the real `openai` client, over real sim workers.
+"""The Responses API (docs/design.md §15) with the real `openai` client, over real sim workers.
 
 A response is a request: each attempt is the chat completion its input makes, so the
 same input sent as a chat completion gets the same text and usage. Each test judges by

@@ -1,5 +1,5 @@
 """The OpenAI Agents SDK's default model, the Responses API one, runs an agent through
-phasegate over real sim workers (DESIGN.md §15): the model calls the function tool (a sim
+phasegate over real sim workers (docs/design.md §15): the model calls the function tool (a sim
 worker given tools calls the first), the SDK parses the call from the response, runs the
 tool and ends with its output. Judged by what the agent returned and by the log."""
 

@@ -1,4 +1,4 @@
-"""Background responses (DESIGN.md §15), with the real `openai` client over real sim
+"""Background responses (docs/design.md §15), with the real `openai` client over real sim
 workers and real gateways: answered ``queued`` at once, generated with nobody attached,
 read by polling or by streaming from the log, attached to by a reader (whose first delta
 is then the commit point), picked up with ``starting_after`` on another instance, and
@@ -286,7 +286,7 @@ def test_a_background_response_read_in_part_then_failed_ends_failed_with_what_wa
 def test_a_poll_of_a_live_background_response_on_another_instance_shows_its_output_and_delivers_it(
     database_url: str, fresh_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
 ) -> None:
-    """A poll is a delivery (DESIGN.md §15): passed on to the owner, which records it; the
+    """A poll is a delivery (docs/design.md §15): passed on to the owner, which records it; the
     first one that shows output is the commit point, so a failure after it is no retry."""
     prompt = unique_prompt("polled then dies")
     with (

@@ -1,4 +1,4 @@
-"""Responses read back from the log (DESIGN.md §15), with the real `openai` client over
+"""Responses read back from the log (docs/design.md §15), with the real `openai` client over
 real sim workers: retrieved, listed, streamed again and continued by
 ``previous_response_id``, on another instance and after a restart, within the tenant.
 """

@@ -1,4 +1,4 @@
-"""Resuming a stream from the log (DESIGN.md §12), with raw SSE, real workers, real PostgreSQL.
+"""Resuming a stream from the log (docs/design.md §12), with raw SSE, real workers, real PostgreSQL.
 
 Each test compares what the first client got plus what a resumer got with what the
 log says was delivered: every delta index exactly once, in order, then the same end.

@@ -1,5 +1,5 @@
 """Token ids and the prompt's fields (vLLM's ``return_token_ids``, ``return_prompt_text``,
-DESIGN.md §14): through an OpenAI upstream that sends them where vLLM does, each delta's
+docs/design.md §14): through an OpenAI upstream that sends them where vLLM does, each delta's
 ``token_ids`` reach the client with it, a chat choice's role chunk carries the prompt's
 ``prompt_token_ids`` and ``prompt_text`` (a completion's first chunk, its choice's
 ``prompt_token_ids``), the end-of-sequence id comes in a delta of no text, and the log holds

@@ -1,4 +1,4 @@
-"""Tool calls streamed as the replica streamed them (DESIGN.md §14): through an OpenAI
+"""Tool calls streamed as the replica streamed them (docs/design.md §14): through an OpenAI
 upstream that streams a call as vLLM's tool parsers do (its id and name, then its
 arguments in pieces), each piece reaches the client as a delta of its own, the log holds
 the pieces as delivered, a resume and a stored response give them back as sent, a whole

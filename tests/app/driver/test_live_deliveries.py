@@ -1,4 +1,4 @@
-"""Deliveries reach the log while the stream runs (DESIGN.md §11), never ahead of the client.
+"""Deliveries reach the log while the stream runs (docs/design.md §11), never ahead of the client.
 
 A sim worker streams 20 tokens and then stalls: the stream is provably still open,
 with nothing more to send, while the test reads the log through the gateway's store.

@@ -1,5 +1,5 @@
 """Poison requests over real sim workers: a request that got a server error twice before any
-output ends with ``poison_request`` (not retryable), and ejects no replica (DESIGN.md §13).
+output ends with ``poison_request`` (not retryable), and ejects no replica (docs/design.md §13).
 
 Judged by what the real ``openai`` client received (with the SDK's default retries on),
 by the log, and by the pool the gateway routes with.

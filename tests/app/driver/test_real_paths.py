@@ -224,7 +224,7 @@ def test_max_attempts_one_means_no_retry_at_all(
 def test_a_log_written_under_max_attempts_one_replays_from_the_log_alone(
     database_url: str, sim_pair: list[WorkerProcess], unique_prompt: Callable[[str], str]
 ) -> None:
-    """DESIGN.md §3/§5: the request's retry budget is in its RequestAccepted event and every
+    """docs/design.md §3/§5: the request's retry budget is in its RequestAccepted event and every
     decision is a pure function of the log, so replay should need nothing else."""
     marker = unique_prompt("budget in the log")
     reject_every_first_attempt(sim_pair, marker)

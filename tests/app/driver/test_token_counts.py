@@ -1,4 +1,4 @@
-"""Delivered tokens are tokens, delivered deltas are deltas (DESIGN.md §11).
+"""Delivered tokens are tokens, delivered deltas are deltas (docs/design.md §11).
 
 A sim worker that puts three engine tokens in each output (as vLLM's stream interval
 does under load) streams through the gateway; the client counts deltas, the usage

@@ -1,4 +1,4 @@
-"""Tool calls are named by their content (DESIGN.md §8), through the real driver.
+"""Tool calls are named by their content (docs/design.md §8), through the real driver.
 
 The first attempt, on a sim worker, asks for one call and its worker dies; the retry,
 on a scripted OpenAI-compatible upstream, asks for another. A different call is a

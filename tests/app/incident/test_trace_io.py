@@ -74,7 +74,7 @@ def test_a_trace_of_many_requests_keeps_their_interleaving(phasegate: Runner, tm
 
 
 def test_a_trace_of_reasoning_metadata_and_usage_details_round_trips(phasegate: Runner, tmp_path: Path) -> None:
-    """Events of schema version 2 (DESIGN.md §14): a delta's field, the client's metadata,
+    """Events of schema version 2 (docs/design.md §14): a delta's field, the client's metadata,
     usage details and stop reasons go out and come back as they were, and replay."""
     trace = traces.Trace("req_thought", metadata={"team": "search"}).start("w1").first_token(20).first_delta()
     trace.deliver(" think", key="reasoning").deliver("", key="").deliver("Hi")

@@ -216,7 +216,7 @@ def test_uncertain_upstreams_are_fenced_by_closing_the_connection_then_retried(
     order = [type(e).__name__ for e in events]
     second = [i for i, e in enumerate(events) if isinstance(e, ev.AttemptStarted)][1]
     # nothing was delivered: closing the connection is the fence (vLLM aborts on it, no
-    # acknowledgement exists for this kind), so no lease is waited out (DESIGN.md §7)
+    # acknowledgement exists for this kind), so no lease is waited out (docs/design.md §7)
     assert "CancelAcked" not in order and "LeaseExpired" not in order
     assert order.index("AttemptFenced") < order.index("AttemptReleased") < second
     (fenced,) = of(events, ev.AttemptFenced)

@@ -1,4 +1,4 @@
-"""The worker protocol's shared secret (DESIGN.md §13): a real worker started with a token.
+"""The worker protocol's shared secret (docs/design.md §13): a real worker started with a token.
 
 Every call that starts, renews, cancels or lists attempts (admin included) gets 401
 without the token or with a wrong one, and changes nothing; the probes stay open and

@@ -1,7 +1,7 @@
 """vLLM's beam search in the worker (app/worker/vllm_beams.py), on the run's shared vLLM
 worker: a search is one engine request a beam and a step, under ids vLLM draws itself (each
 beginning with the attempt's engine request id). A cancel is acknowledged only once none of
-them runs, so a worker replica's acknowledged cancel holds for it too (DESIGN.md §7). Its
+them runs, so a worker replica's acknowledged cancel holds for it too (docs/design.md §7). Its
 answers against ``vllm serve``: tests/compat (*use_beam_search, length_penalty*)."""
 
 from __future__ import annotations
