@@ -82,7 +82,7 @@ class Erased:
 
 
 # A tenant's requests through its read model's index on the tenant; one request from the
-# log (its RequestAccepted), so that erasing it needs no row that may trail (DESIGN §8)
+# log (its RequestAccepted), so that erasing it needs no row that may trail (docs/design.md §8)
 _OF_TENANT = "SELECT request_id FROM requests WHERE tenant = :tenant"
 _COUNT_OF_TENANT = (
     f"SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM requests WHERE request_id IN ({_OF_TENANT})"

@@ -9,7 +9,7 @@ cannot, so a batch that repeats one fails and the writer writes it again by INSE
 Every row names its partition, ``accepted_on`` (migration 0007). A row whose day the
 store does not know (an append to a request another process accepted: a sweep, a
 resume's bookkeeping) takes it from the log, in the same statement: the day of the
-request's ``RequestAccepted`` (version 1), never from a read model, which DESIGN §8 lets
+request's ``RequestAccepted`` (version 1), never from a read model, which docs/design.md §8 lets
 trail the log. The lookup runs only for such rows; COPY cannot, so such a batch goes by
 INSERT.
 

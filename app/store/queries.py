@@ -168,7 +168,7 @@ async def request_summary(connection: AsyncConnection, request_id: str) -> Reque
 
 async def request_tenant(connection: AsyncConnection, request_id: str) -> str | None:
     """The tenant whose request ``request_id`` is, or ``None`` when the log has no such request:
-    its ``RequestAccepted``'s, from the log, never from a read model that may trail it (DESIGN §8)."""
+    its ``RequestAccepted``'s, from the log, never from a read model that may trail it (docs/design.md §8)."""
     found = await connection.execute(
         text("SELECT body->>'tenant' FROM request_events WHERE request_id = :id AND version = 1 LIMIT 1"),
         {"id": request_id},

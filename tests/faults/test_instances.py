@@ -44,7 +44,7 @@ from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
 # The product's default. An instance that misses its renewals for two thirds of it takes
-# itself for fenced (docs/design.md 11), rightly: and this machine can stop running every
+# itself for fenced (docs/design.md §11), rightly: and this machine can stop running every
 # process for seconds at a time (tests/support/workers.py). At 4 s a CI run lost a live
 # instance's lease while a second `phasegate serve` started beside it.
 LEASE_TTL_S = 10.0

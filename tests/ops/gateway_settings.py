@@ -18,7 +18,7 @@ from app.config import GatewayConfig, load_config
 from app.worker.config import WorkerConfig, add_worker_parser, config_from_args
 
 PENDING = {"drain_s": "issue 11 (graceful drain)", "worker_token": "issue 14 (worker authentication)"}
-DEFAULT_DRAIN_S = 30.0  # DESIGN §11, until GatewayConfig carries drain_s
+DEFAULT_DRAIN_S = 30.0  # docs/design.md §11, until GatewayConfig carries drain_s
 
 
 def load_gateway_settings(values: dict[str, Any]) -> GatewayConfig:

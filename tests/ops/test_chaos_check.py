@@ -1,6 +1,6 @@
 """``ops/chaos_check.py`` judges a chaos run by the log itself: which requests were
 accepted and which never ended, whatever the read models say (they may trail the log,
-DESIGN §8; here nothing projects at all)."""
+docs/design.md §8; here nothing projects at all)."""
 
 from __future__ import annotations
 

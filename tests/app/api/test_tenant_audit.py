@@ -79,7 +79,7 @@ def test_keys_without_an_admin_token_still_read_their_own(database_url: str, sim
 def test_a_tenants_events_are_checked_against_the_log_not_the_requests_row(
     database_url: str, sim_pair: list[WorkerProcess]
 ) -> None:
-    """DESIGN §8 lets the read models trail the log: with the request's row not there (yet),
+    """docs/design.md §8 lets the read models trail the log: with the request's row not there (yet),
     its events and its page, which read the log, still answer its tenant and no other;
     the summary, which is the row, answers 404 (docs/read-models.md)."""
     with running_gateway(database_url, sim_pair, api_keys=KEYS) as gateway:

@@ -90,7 +90,7 @@ async def test_an_input_whose_day_the_store_knows_is_written_without_reading_the
 async def test_the_day_of_a_request_the_store_did_not_accept_comes_from_the_log_not_its_row(
     database_url: str,
 ) -> None:
-    """DESIGN §8 lets the read models trail the log: the accept day an append looks up
+    """docs/design.md §8 lets the read models trail the log: the accept day an append looks up
     is the day of the request's RequestAccepted, whether or not its row is there yet."""
     connection = await connect(database_url)
     try:

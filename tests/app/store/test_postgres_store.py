@@ -72,7 +72,7 @@ async def test_one_requests_content_is_erased_from_what_the_log_says_not_its_row
     event_store: PostgresEventStore,
 ) -> None:
     """DELETE /v1/responses/{id} erases by the request's RequestAccepted (its tenant, whether
-    it ended), never by a read model that may trail the log (DESIGN §8, docs/read-models.md)."""
+    it ended), never by a read model that may trail the log (docs/design.md §8, docs/read-models.md)."""
     for request_id, trace in (
         ("req_rowless", traces.completed("req_rowless")),
         ("req_open", traces.in_flight("req_open")),
