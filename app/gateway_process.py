@@ -119,8 +119,8 @@ async def run_gateway(
             await asyncio.sleep(0.05)
         # The startup heap (the modules, the app, the configuration) is static from here
         # on: frozen, the collector's full passes no longer walk it (as the worker does).
-        # A/B at 100 streams: 0.073 against 0.075 CPU s per 1k tokens, no more memory;
-        # raising the thresholds (10,000 or 50,000) bought 0.072 and 0.070 for +33 MiB.
+        # It saves a little CPU and no memory, where raising the collector's thresholds
+        # cost memory (figures: docs/performance.md).
         gc.collect()
         gc.freeze()
         asked = stop_asked() if stop_asked is not None else None

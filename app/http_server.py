@@ -2,8 +2,8 @@
 limits on how long a client may hold a connection and how large its headers may be.
 
 httptools, not uvicorn's other protocol (h11, pure Python): a request parsed and its
-response started and ended cost about half the CPU (``ops/bench/http_limits.py``;
-figures: docs/performance.md), and every request to the gateway pays it.
+response started and ended cost much less CPU (``ops/bench/http_limits.py``; figures:
+docs/performance.md), and every request to the gateway pays it.
 
 uvicorn times out only a kept-alive connection that went idle after a response, and the
 next byte disarms that timer: a connection that never sends a byte, or sends its headers

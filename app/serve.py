@@ -223,8 +223,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
     IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say they
     are TCP, and a socket accepted from one made with 0 says 0. Without it a stream's
-    first event waited behind its response head for the client's delayed ACK (Nagle):
-    +40 ms to the time to first token of one gateway process (``--processes 1``); the
+    first event waited behind its response head for the client's delayed ACK (Nagle),
+    which added to the time to first token of one gateway process (``--processes 1``;
+    figures: docs/performance.md); the
     processes of ``--processes N`` rebuild the socket from its descriptor, which asks the
     kernel and says TCP."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

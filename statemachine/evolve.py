@@ -2,8 +2,8 @@
 
 Why not replace() itself: the fold builds a new state for every event, and replace()
 re-checks the class, then ``__init__`` sets every field through the frozen
-``object.__setattr__``, one call per field: about 3 µs for a ``RequestState``, a
-third of replaying an event (ops/bench/replay.py). The fold's values therefore keep
+``object.__setattr__``, one call per field: a large part of replaying an event
+(ops/bench/replay.py; figures: docs/performance.md). The fold's values therefore keep
 their fields in an instance ``__dict__`` (they are frozen dataclasses without
 ``slots``), and a copy with changes is one dictionary merge, done in C.
 

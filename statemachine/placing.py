@@ -1,4 +1,4 @@
-"""Where the next attempt goes after one failed before any output (issue 18).
+"""Where the next attempt goes after one failed before any output.
 
 The policy (:mod:`statemachine.policy`) calls these with the pool's snapshot; the
 placement itself is :func:`statemachine.routing.place`. In order:

@@ -1,4 +1,4 @@
-"""Where an attempt goes: pure placement over a snapshot of the pool (issue 18).
+"""Where an attempt goes: pure placement over a snapshot of the pool.
 
 The driver takes a :class:`PoolSnapshot` (each replica's health, this gateway's
 in-flight count, the load the replica itself reported, its cool-down) when the

@@ -7,9 +7,10 @@ is compared with each of them in constant time. A digest found in none is looked
 in the ``api_keys`` table (``phasegate keys``), and the answer, found or not, is
 cached for ``api_key_cache_s``, so the hot path does not query PostgreSQL per
 request; a revoked key keeps working on a gateway for at most that long. When an answer
-is due again, one query asks for every request that needs it meanwhile: at 100 streams,
-a query each had every request of the round trip check out a connection of its own
-(the pool's overflow opened and closed for it), about 4 % of the gateway's CPU. The table
+is due again, one query asks for every request that needs it meanwhile: a query each
+had every request of the round trip check out a connection of its own (the pool's
+overflow opened and closed for it), a share of the gateway's CPU that docs/performance.md
+gives, and at many held streams a wait for the pool. The table
 is looked up by digest: an attacker chooses the key, not its digest, so the lookup's
 timing tells nothing about stored keys.
 

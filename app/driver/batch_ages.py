@@ -7,8 +7,8 @@ limit (its configuration's), so their deadlines fall due in the order the batche
 opened: a queue, and one timer for its head. Most batches close before their deadline
 (a later delta finds them old, or another event cuts them), and their entries are
 dropped when they come due. A ``call_later`` a batch made a timer handle, a push on the
-loop's heap and a callback of the loop for each: 2.2-3.3 µs a batch against 0.5-0.8 µs
-(``python ops/bench/batch_ages.py``), at 100 streams below what the machine resolves.
+loop's heap and a callback of the loop for each, several times what the queue costs
+(``python ops/bench/batch_ages.py``; figures: docs/performance.md).
 """
 
 from __future__ import annotations

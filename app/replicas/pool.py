@@ -14,9 +14,9 @@ failures in a row a replica is ejected for a back-off that doubles while it keep
 failing; the background probe lets it back in as soon as one probe succeeds.
 A probe that got no answer in time does not count while output of the replica's live
 attempts is read (heartbeats aside): it is alive, only slow to answer one more
-generation. At saturation (``ops/bench/peers.py --saturation``, 300 streams on 2
-cores shared with the upstream) such probes timed out on a healthy, streaming replica
-and ejected it, and every request was refused. A silent replica is counted as before.
+generation. At saturation such probes timed out on a healthy, streaming replica and
+ejected it, and every request was refused (``ops/bench/peers.py --saturation``; figures:
+docs/performance.md). A silent replica is counted as before.
 A replica that answers in a protocol this gateway does not speak is out at once, for as
 long as it does (app/contract/worker_protocol.py).
 The clock is injected so tests can move time.
@@ -45,7 +45,7 @@ log = logging.getLogger("phasegate.pool")
 # doing: a lease it did not renew in time, a newer epoch, its own cancel. The replica
 # kept its word, so these do not count toward ejection: when an overloaded gateway
 # renewed late, counting them ejected a healthy replica and refused every request
-# (ops/bench/overhead.py at 2,000 held streams).
+# (ops/bench/overhead.py with many held streams; figures: docs/performance.md).
 GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled"})
 _REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN})
 # 4xx statuses on the replica's side of the call: its credentials (401, 403, 407: the

@@ -17,9 +17,9 @@ gateway's view runs that much longer (``AttemptRun.lease_expires_in``): a ``Leas
 it records is a lease the worker let lapse too.
 
 Why one call per round and not one per attempt: per-attempt renewals were the limit
-on held streams (1,000 streams at a 5 s lease are 600 renewals a second, and leases
-lapsed under that load; ops/bench/overhead.py). One round per replica costs the same
-at any number of streams.
+on held streams (their number grows with the streams, and leases lapsed under that load;
+ops/bench/overhead.py, figures: docs/performance.md). One round per replica costs the
+same at any number of streams.
 """
 
 from __future__ import annotations

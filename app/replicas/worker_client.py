@@ -77,7 +77,7 @@ _ssl_context: ssl.SSLContext | None = None
 def http_client(**kwargs: Any) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` for workers, with one TLS context per process.
 
-    httpx builds a TLS context (parsing the CA bundle, ~30 ms of CPU) for every client;
+    httpx builds a TLS context (parsing the CA bundle: docs/performance.md) for every client;
     a gateway that makes clients as replicas come and go should not pay that each time.
     """
     global _ssl_context

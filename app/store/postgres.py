@@ -40,7 +40,7 @@ logger = logging.getLogger("phasegate.store")
 # request still live, with room to spare. A forgotten one costs its appends a lookup
 # inside their INSERT, not a round trip. Kept in an OrderedDict, whose oldest entry is
 # dropped in O(1): a plain dict's ``next(iter(...))`` walks past every entry deleted
-# before it, ~45 us a request once the map is full (a timeit at 200,000 entries).
+# before it, a cost a request that grows with the map (figures: docs/performance.md).
 _ACCEPT_DAYS_KEPT = 200_000
 
 

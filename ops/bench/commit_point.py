@@ -1,4 +1,4 @@
-"""The commit point's append taken apart: where its milliseconds go (issue 32, item 1).
+"""The commit point's append taken apart: where its milliseconds go.
 
     python ops/bench/commit_point.py [--url URL] [--requests 300]
 
@@ -23,7 +23,7 @@ Each is taken these ways, interleaved request by request so that a noisy moment 
    and one round trip;
 3. ``parent``: the same statement through the parent, whose triggers project;
 4. ``bare``: the same statement into a day whose projection trigger is off, the
-   instance guard kept: the floor that the projection adds to (issue 32's goal);
+   instance guard kept: the floor that the projection adds to (what a cheaper projection could reach);
 5. ``statement`` and ``commit``: the ``day`` way in ``BEGIN``; INSERT; ``COMMIT``, each
    timed: the statement's work, and the commit (its WAL flush);
 6. ``EXPLAIN (ANALYZE)`` of the ``day`` way's INSERT, rolled back: planning, the

@@ -1,4 +1,4 @@
-"""What an append costs by the days the log keeps, through the parent and straight into the day (issue 32, item 2).
+"""What an append costs by the days the log keeps, through the parent and straight into the day.
 
     python ops/bench/days_kept.py [--requests 400] [--days 4 92 367] [--rounds 3]
                                   [--settings '' max_locks_per_transaction=1024]

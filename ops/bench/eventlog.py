@@ -18,7 +18,7 @@ scratch database, migrates it, measures, and drops it.
   the rate includes building the events;
 - instance guard: the same durable append with the store bound to a live gateway
   instance (PostgreSQL checks its lease in the insert's own statement, migration
-  0004) and unbound, interleaved (issue 11's target: the guard adds <= 20 us at p50);
+  0004) and unbound, interleaved (the goal: the guard adds <= 20 us at p50);
 - follow lag: a follower reads the log while one writer appends a durable event
   every 2 ms; lag is from the append's return to the follower's receipt.
 - ``--compare-core``: the same durable single-event INSERT through SQLAlchemy Core,

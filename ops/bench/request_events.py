@@ -1,4 +1,4 @@
-"""What a plain request's events cost the gateway's Python, event by event (issue 32, item 4).
+"""What a plain request's events cost the gateway's Python, event by event.
 
     python -m ops.bench.request_events [--number 20000] [--tokens 32]
 

@@ -3,7 +3,7 @@
     python -m ops.bench.stack_floor --port P --upstream 127.0.0.1:Q
 
 Where ``ops/bench/relay.py`` is the floor of any gateway (bytes in, bytes out), this is
-the floor of a gateway written on the stack issue 12 keeps: uvicorn's httptools protocol
+the floor of a gateway written on the stack phasegate keeps: uvicorn's httptools protocol
 and Starlette's routing, as phasegate's, the same way out for a streamed answer (a
 response that writes through the ASGI ``send`` that Starlette's responses wrap), and no
 work of its own. One route, ``POST /v1/chat/completions``:

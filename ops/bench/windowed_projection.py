@@ -1,5 +1,5 @@
 """The read models projected in each append's transaction, against a projector that trails
-the log and folds a window of it at a time (issue 32, item 3: what trailing would buy).
+the log and folds a window of it at a time (what trailing would buy).
 
     python ops/bench/windowed_projection.py [--requests 3000] [--streams 50] [--every 3]
                                             [--windows 1 4 12]

@@ -128,7 +128,7 @@ def test_with_tracing_off_nothing_is_traced_or_sent(database_url: str, worker: W
 
 # a stall found in 1.5 s; the lease long (the worker acknowledges the cancel, so the fence
 # does not wait for it): at 1 s a loaded machine let it lapse unrenewed too, a second
-# failure of attempt 1 (ci23)
+# failure of attempt 1
 FAST = Timeouts(stall_s=1.5, lease_ttl_s=10.0, cancel_ack_s=5.0, first_token_soft_s=0.3, first_token_hard_s=5.0)
 ADMIN_TOKEN = "tracing-admin-token"
 

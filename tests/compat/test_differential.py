@@ -182,8 +182,8 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("stop, stop_reason", "whole"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     # streamed too, now and then: where vLLM's streaming reasoning parser cuts '</think>'
     # moves with how the engine grouped the tokens (a worker's engine groups them its own
-    # way: ci5; vllm serve asked three times directly gave the cut answer each time, under
-    # load, where phasegate in front of it got the other: ci13); not strict
+    # way; vllm serve asked three times directly gave the cut answer each time, under
+    # load, where phasegate in front of it got the other); not strict
     ("no sampling field at all", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     ("stop, stop_reason", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
@@ -221,7 +221,7 @@ def _params() -> list[Any]:
                 why = _divergence(replica, name, mode)
                 # strict, so that a divergence that went away fails until the table says so; but
                 # one that comes and goes with how vLLM's engine grouped the tokens (a busy
-                # machine groups them otherwise: ci8) cannot be strict
+                # machine groups them otherwise) cannot be strict
                 strict = why is not _STOP_STRINGS_SPLIT_THE_THINK_END
                 marks = [pytest.mark.xfail(strict=strict, reason=why)] if why else []
                 params.append(pytest.param(replica, name, mode, marks=marks, id=f"{replica}: {name} [{mode}]"))
@@ -267,7 +267,7 @@ def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
     assert through[-2]["choices"][0]["finish_reason"] is None
     # the rest as a client accumulates it; the text aside: where vLLM's streaming reasoning
     # parser cuts '</think>' varies between its own runs under load (the case's streamed
-    # divergence, not strict: ci13, ci17)
+    # divergence, not strict)
     varying = {"text", "fields"}
     assert [{k: v for k, v in c.items() if k not in varying} for c in accumulated(direct)["choices"]] == [
         {k: v for k, v in c.items() if k not in varying} for c in accumulated(through)["choices"]
@@ -277,7 +277,7 @@ def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
 def test_tool_calls_are_streamed_in_pieces_as_vllm_streams_them(target: Pair) -> None:
     """Through either replica kind, the call comes in pieces, and they join into vLLM's
     call (ids aside). Where the pieces fall is the engine's grouping of tokens, which load
-    moves (ci35: one piece of four tokens where the other run had four), so the pieces
+    moves (four tokens in one piece in one run, in four in another), so the pieces
     themselves are compared in tests/app/api/test_tool_call_pieces.py, on a scripted upstream."""
     path, body = CASES["tools, tool_choice required"]
     body = {**body, "stream": True}

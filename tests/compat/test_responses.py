@@ -67,7 +67,7 @@ def clients(target: Pair) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
         for url in (target.direct_url, target.gateway_url)
     ]
     yield made[0], made[1]
-    for client in made:  # its sockets closed now, not by the garbage collector (ci13)
+    for client in made:  # its sockets closed now, not by the garbage collector
         client.close()
 
 

@@ -1,4 +1,4 @@
-"""Issue 18, item 2: an ``openai`` replica whose first token comes only after 20 s.
+"""The first-token deadline of an ``openai`` replica (docs/routing.md): one whose first token comes only after 20 s.
 
 A real ``phasegate serve`` process, on a real PostgreSQL, fronts two scripted
 OpenAI-compatible upstreams (``vllm serve`` cannot be told to stall), each a process of

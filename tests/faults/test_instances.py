@@ -213,8 +213,8 @@ def assert_swept_within_the_bound(database_url: str, victims: list[Stream], kill
         (row,) = [row for row in instances(database_url) if row["instance_id"] == killed]
         return row if row["swept_at"] is not None else None
 
-    # the sweeper marks the instance swept once it closed every request (ci60 read the
-    # row between the last close and the mark)
+    # the sweeper marks the instance swept once it closed every request (a read can fall
+    # between the last close and the mark)
     wait_for(swept, 10, "the instance marked swept")
     row = swept()
     assert row is not None

@@ -1,4 +1,4 @@
-"""Where attempts go, with real parts (issue 18): a real gateway in front of scripted
+"""Where attempts go, with real parts (docs/routing.md): a real gateway in front of scripted
 OpenAI-compatible upstreams in their own processes, the real ``openai`` client, and
 the log read back from PostgreSQL. Each test judges by what the client received and
 what the log says, and replays the log."""

@@ -38,8 +38,8 @@ TIMEOUTS = Timeouts(
     upstream_response_s=5.0,  # k = 0 cuts as the start request reaches the replica: no answer comes
 )
 # A worker keeps the lease itself: a gateway that a loaded machine stops for longer than
-# the lease before the cut (8 s was seen: ci23) finds the attempt ended by the worker
-# (its lease_expired frame: a death, so no fence), not cut (ci15, ci26). 10 s outlasts
+# the lease before the cut (8 s was seen in CI) finds the attempt ended by the worker
+# (its lease_expired frame: a death, so no fence), not cut. 10 s outlasts
 # that; the fence then waits it out after the cut.
 TIMEOUTS_BY_KIND = {"worker": dataclasses.replace(TIMEOUTS, lease_ttl_s=10.0)}
 
@@ -65,8 +65,8 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         # any delta, as a full run once did: the cut then meets the one that serves)
         cut.append((replica, run.attempt))
 
-    if k == 0:  # cut as attempt 1's start request reaches r1, before any answer (ci53: a thread that
-        # polled for the attempt cut after its first token, 190 ms on, under load)
+    if k == 0:  # cut as attempt 1's start request reaches r1, before any answer (a thread that polled
+        # for the attempt cut it only after its first token, under load)
         first = slow_fleet.replicas[0]
         first.proxy.blackhole_after(prompt.encode())
         transcript = stream_chat(slow_gateway.url, body(prompt, max_tokens=N + 4))
@@ -74,15 +74,15 @@ def test_4_a_network_cut_fences_the_old_attempt_before_anything_else(
         cut.append((first, 1))
     else:  # many more tokens than k: the answer cannot be over before the cut, however late the client reads
         # (ignore_eos: all LONG of them; a sim's own length may be 16, over before a loaded client's
-        # cut at k: ci14)
+        # cut at k)
         asked = body(prompt, max_tokens=LONG, ignore_eos=True)
         transcript = stream_chat(slow_gateway.url, asked, on_delta=cut_where_the_deltas_come_from)
     (cut_replica, attempt), *_ = cut
     wait_released(slow_gateway, transcript.request_id, attempt)  # by its cancel's acknowledgement or its lease
     if slow_fleet.kind == "worker" and k > 0:
         # The worker's lease ended no later than the gateway's view of it, even where a
-        # renewal it read just before the cut lost its answer (RENEWAL_SLACK; ci33 met that
-        # gap before it was closed); its engine's abort may still be confirming: the
+        # renewal it read just before the cut lost its answer (RENEWAL_SLACK closed that
+        # gap); its engine's abort may still be confirming: the
         # worker's own end comes before the network does
         wait_worker_over(cut_replica.direct_url, transcript.request_id)
     cut_replica.proxy.restore()  # the network comes back: the old attempt must stay silent
@@ -135,7 +135,7 @@ def wait_released(gateway: RunningGateway, request_id: str, attempt: int, timeou
         events = gateway.call(store.read(request_id))
         if released_by(events, attempt) is not None:
             return
-        # seen once (ci15, k = 5 on a worker): the log's shape and the gateway's own tasks
+        # seen once in CI (k = 5 on a worker): the log's shape and the gateway's own tasks
         # say where the release waits, should it happen again
         tasks = sorted(gateway.gateway.ctx.background, key=str)
         assert time.monotonic() < deadline, (

@@ -26,9 +26,9 @@ from tests.support.transcript import Transcript, released_by, stream_chat
 
 # An openai replica's attempt is released when its lease lapses (it acknowledges no
 # cancel): short here, but not so short that a loaded machine starves a worker's renewals
-# before the client leaves (2 s did: ci18). A worker acknowledges the cancel, however long
+# before the client leaves (2 s did, in CI). A worker acknowledges the cancel, however long
 # a loaded machine takes, so its lease is long: a machine that stopped the gateway for 8 s
-# let a 4 s one lapse before the client left (ci23).
+# let a 4 s one lapse before the client left.
 TIMEOUTS = Timeouts(
     stall_s=10.0,
     lease_ttl_s=4.0,

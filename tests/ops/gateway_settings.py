@@ -1,9 +1,9 @@
 """Deployment files' gateway settings and worker commands, loaded by phasegate's own
 configuration code.
 
-Some settings the deployment files carry are being added by other issues at the same
-time (``drain_s``: gateway instances, issue 11; ``worker_token``: trust boundaries,
-issue 14). Until ``GatewayConfig`` has them they are set aside here, with a note
+Some settings the deployment files carry were added to the gateway's configuration
+after the files named them (``drain_s``: gateway instances, docs/design.md §11;
+``worker_token``: trust boundaries, §13). Until ``GatewayConfig`` has them they are set aside here, with a note
 printed; once it has them they are loaded and validated like every other setting.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from app.config import GatewayConfig, load_config
 from app.worker.config import WorkerConfig, add_worker_parser, config_from_args
 
-PENDING = {"drain_s": "issue 11 (graceful drain)", "worker_token": "issue 14 (worker authentication)"}
+PENDING = {"drain_s": "the graceful drain", "worker_token": "worker authentication"}
 DEFAULT_DRAIN_S = 30.0  # docs/design.md §11, until GatewayConfig carries drain_s
 
 

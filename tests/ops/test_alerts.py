@@ -19,7 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "ops" / "prometheus" / "rules" / "phasegate.yml"
 RULE_TESTS = REPO / "ops" / "prometheus" / "tests" / "phasegate_test.yml"
-# what issue 15 asks an alert for, and the alert that answers it
+# what an operator needs an alert for, and the alert that answers it
 WANTED = {
     "interrupted-stream rate": "PhasegateStreamsInterrupted",
     "retry budget exhausted": "PhasegateRetryBudgetExhausted",

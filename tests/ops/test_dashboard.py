@@ -1,5 +1,5 @@
 """The Grafana dashboard: rendered from ops/grafana/render_dashboard.py, well formed, showing
-what issue 15 lists, and provisioned by compose.yaml."""
+what an operator needs to see (``WANTED``), and provisioned by compose.yaml."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ops.grafana.render_dashboard import OUT, rendered_text
 from tests.ops.promql import metric_names
 
 REPO = Path(__file__).resolve().parents[2]
-# what issue 15 asks the dashboard to show, and a metric that shows it
+# what an operator needs the dashboard to show, and a metric that shows it
 WANTED = {
     "requests by outcome": "phasegate_requests_total",
     "migrations by type": "phasegate_migration_total",

@@ -504,7 +504,7 @@ def test_attempts_say_how_they_ended() -> None:
     assert [attempt.replica_id for attempt in driver.state.attempts] == ["w1", "w2", "w3"]
 
 
-# --- what a log may not say (issue 14: trace import refuses what the fold refuses) ---------
+# --- what a log may not say (trace import refuses what the fold refuses) ------------------
 
 
 def test_time_never_goes_back_and_advance_stamps_a_stepped_back_clock_with_the_last_time() -> None:

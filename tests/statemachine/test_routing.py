@@ -1,4 +1,4 @@
-"""Where attempts go (issue 18): the strategies over a pool snapshot, the same-replica
+"""Where attempts go (docs/routing.md): the strategies over a pool snapshot, the same-replica
 retry after a ``Retry-After``, model fallbacks, and replay of every placement."""
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def running_gateway(
     started.wait(60)
     if "error" in holder:
         # its loop closed here, not by the garbage collector in whichever test runs next,
-        # where the ResourceWarning would fail that test (ci50)
+        # where the ResourceWarning would fail that test
         thread.join(30)
         loop.run_until_complete(_cancel_leftovers())
         loop.run_until_complete(asyncio.sleep(0.05))  # transports of a cancelled connect close

@@ -46,7 +46,7 @@ class TcpProxy:
         assert self._open is not None
         accepting = asyncio.current_task()
         assert accepting is not None
-        self._tasks.add(accepting)  # close() ends a connection still waiting for the cut to end (ci26)
+        self._tasks.add(accepting)  # close() ends a connection still waiting for the cut to end
         try:
             await self._open.wait()
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)

@@ -152,7 +152,7 @@ class WorkerProcess(ManagedProcess):
         # guards, and wins: CI saw a loopback connect "time out" after 15 s. The protocol
         # tests are not about these deadlines (test_worker_client.py is): a minute of room.
         # The read timeout too: a 5 s gap between frames ended an attempt's stream on the
-        # client's side (ci6 and ci9: the worker then stopped it as ``disconnected``).
+        # client's side (in CI: the worker then stopped it as ``disconnected``).
         kwargs.setdefault("connect_timeout", 60.0)
         kwargs.setdefault("control_timeout", 60.0)
         kwargs.setdefault("read_timeout", 60.0)

@@ -82,7 +82,7 @@ def test_bad_page_parameters_are_named(gateway: RunningGateway) -> None:
         ({"limit": 1001}, "limit"),
         ({"after_seq": "-1"}, "after_seq"),
         ({"limit": "x"}, "limit"),
-        # each of these was a 500 (issue 14): an int overflow in PostgreSQL, int("²"), and
+        # each of these was once a 500: an int overflow in PostgreSQL, int("²"), and
         # Python's refusal to parse over 4,300 digits
         ({"after_seq": 2**31}, "after_seq"),
         ({"after_seq": 2**63}, "after_seq"),

@@ -1,4 +1,4 @@
-"""API keys stored hashed (issue 14, docs/design.md §13): ``phasegate keys``, configured
+"""API keys stored hashed (docs/design.md §13): ``phasegate keys``, configured
 ``sha256:`` digests and plain keys, over a real gateway, real sim workers and real
 PostgreSQL, with the real ``openai`` client."""
 

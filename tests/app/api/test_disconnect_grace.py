@@ -8,7 +8,7 @@ acknowledges the cancel. Each test judges by what the clients received and by th
 
 A test that needs the request still generating when its client comes back holds the
 attempt at a token (the worker's ``hold`` fault) and releases it once the log shows the
-client attached: never a sleep that hopes the answer is not over yet (ci19).
+client attached: never a sleep that hopes the answer is not over yet.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_a_stop_button_ends_a_request_left_in_its_grace_at_once(gateway: Running
 def test_a_resume_that_arrives_before_the_gateway_saw_the_drop_attaches_to_the_live_request(
     database_url: str, slow_worker: WorkerProcess, unique_prompt: Callable[[str], str]
 ) -> None:
-    """A client that reconnects at once can be ahead of its old connection's end (ci4,
+    """A client that reconnects at once can be ahead of its old connection's end (seen in CI:
     the EventSource case on a loaded machine). The resume waits for the instance to see
     the drop and attaches; followed from the log, the request would wait out its grace
     with no client attached and be cancelled under the resumed stream."""
@@ -262,7 +262,7 @@ def test_a_reconnecting_sse_client_resumes_with_last_event_id_as_event_source_do
     assert [i for i in got.event_ids if i < 40] == list(range(40))  # every delta once, in order
     events = gateway.events(request_id)
     sent = delivered(events)
-    # ci4: a reconnect ahead of the old connection's end was followed from the log, and
+    # a reconnect ahead of the old connection's end was followed from the log, and
     # deltas 30-39 went out as resumed, not delivered (see the test above); the shape
     # of the log says where they went should it happen again
     shape = [(type(e).__name__, getattr(e, "from_index", None)) for e in events]

@@ -1,4 +1,4 @@
-"""HTTP hardening (issue 14): JSON only on POST, CORS off unless configured, /metrics and
+"""HTTP hardening (docs/design.md §13): JSON only on POST, CORS off unless configured, /metrics and
 /v1/models behind their tokens, and ``x-should-retry: false`` where a retry cannot help.
 A real gateway over real sim workers, real HTTP."""
 

@@ -284,7 +284,7 @@ def test_reasoning_is_its_own_output_item_before_the_message(
 def test_a_keyed_retry_of_an_unstored_response_is_409_as_the_description_says(gateway: RunningGateway) -> None:
     """``store: false`` leaves the log no text to replay: the same POST under the same
     Idempotency-Key is 409 ``resume_unavailable`` (not a second generation), a status
-    /openapi.json lists for the route (schemathesis found it undocumented, ci40)."""
+    /openapi.json lists for the route (schemathesis found it undocumented)."""
     body = {"model": MODEL, "input": "forget me", "store": False, "max_output_tokens": 4}
     key = {"idempotency-key": "unstored-1"}
     with gateway.http() as http:

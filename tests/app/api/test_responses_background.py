@@ -236,7 +236,7 @@ def test_a_background_response_whose_replica_dies_before_anyone_read_it_is_retri
         client = gateway.openai()
         queued = client.responses.create(**asked(prompt), background=True)
         done = when_ended(gateway, queued.id)
-        for worker in fresh_pair:  # the survivor's fault would kill the reference request too (ci44)
+        for worker in fresh_pair:  # the survivor's fault would kill the reference request too
             with contextlib.suppress(httpx.ConnectError):
                 httpx.delete(worker.base_url + "/admin/faults")
         plain = client.responses.create(**asked(prompt))

@@ -155,7 +155,7 @@ def test_text_parts_are_accepted_as_content() -> None:
         (CHAT, chat(messages="hi"), "messages", "invalid_request", "must be an array"),
         (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_request", "must be an object"),
         (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "invalid_request", "role"),
-        # a list or an object as the role was a 500 (unhashable; issue 14)
+        # a list or an object as the role was once a 500 (unhashable)
         (CHAT, chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "invalid_request", "role"),
         (CHAT, chat(messages=[{"role": {"a": 1}, "content": "x"}]), "messages[0].role", "invalid_request", "role"),
         (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_request", "is required"),
@@ -218,7 +218,7 @@ F = {"type": "function", "function": {"name": "f", "parameters": {"type": "objec
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        # what a worker or engine refused (or failed on) after the gateway admitted it (issue 14)
+        # what a worker or engine refused (or failed on) after the gateway admitted it, once
         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

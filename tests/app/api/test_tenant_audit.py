@@ -1,5 +1,5 @@
 """A tenant's key reads its own requests' audit; the admin token reads all; another
-tenant's request is 404, as an unknown one is (issue 14). Real gateway, real sim
+tenant's request is 404, as an unknown one is (docs/design.md §13). Real gateway, real sim
 workers, real PostgreSQL, the real ``openai`` client."""
 
 from __future__ import annotations

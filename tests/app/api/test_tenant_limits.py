@@ -1,4 +1,4 @@
-"""Per-tenant limits (issue 14): 429 with Retry-After and a stable code, held across two
+"""Per-tenant limits (docs/design.md §13): 429 with Retry-After and a stable code, held across two
 gateways on one PostgreSQL, over real sim workers, with the real ``openai`` client."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def two_gateways(
         pair = tuple(
             stack.enter_context(
                 # heartbeats every 2 s: each learns of the other soon; 0.9 s let a loaded
-                # machine fence one mid-test (ci24: "lost its place in the log")
+                # machine fence one mid-test ("lost its place in the log")
                 running_gateway(database_url, sim_pair, api_keys=KEYS, tenant_limits=limits, instance_lease_ttl_s=6.0)
             )
             for _ in range(2)

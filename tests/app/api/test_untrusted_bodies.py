@@ -1,4 +1,4 @@
-"""Bodies that once passed the gateway and took its replicas down (issue 14), sent to a real
+"""Bodies that once passed the gateway and took its replicas down (docs/design.md §13), sent to a real
 gateway over real sim workers: each is a 400 naming the param, nothing reaches a worker,
 and no replica is any nearer ejection."""
 

@@ -127,7 +127,7 @@ def test_a_client_that_leaves_cancels_upstream_and_nothing_new_starts(
         "messages": [{"role": "user", "content": unique_prompt("long")}],
         "stream": True,
         "max_tokens": 2000,
-        "ignore_eos": True,  # long for sure: a sim answer may end early, before the client leaves (ci21)
+        "ignore_eos": True,  # long for sure: a sim answer may end early, before the client leaves
     }
     with gateway.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         request_id = response.headers["x-request-id"]
@@ -162,7 +162,7 @@ def test_a_replica_that_refuses_to_start_is_skipped(
         spec = {"action": "reject", "status": status, "match": {"prompt_contains": prompt, "attempt": 1}}
         add_fault(worker, **spec, **({"retry_after": retry_after} if retry_after else {}))
     # a refusal is seen at once: the default timers (FAST's 0.3 s soft deadline, missed by
-    # the second attempt on a loaded machine, added a failure the test did not script: ci10)
+    # the second attempt on a loaded machine, added a failure the test did not script)
     with running_gateway(database_url, sim_pair, timeouts=PATIENT) as gateway:
         request_id, text, _ = stream_text(gateway, prompt)
         events = gateway.events(request_id)

@@ -240,7 +240,7 @@ def _everywhere(lines: list[str], old: str, new: str) -> list[str]:
 
 
 # (what, the mangled clean_completion trace, the line named, the message): each was a
-# traceback and exit 1, or a silent rewrite of the data, before (issue 14)
+# traceback and exit 1, or a silent rewrite of the data, once
 UNHOLDABLE = {
     "NUL in the request id": (
         lambda lines: _everywhere(lines, "req_clean", "req\\u0000clean"),
@@ -252,7 +252,7 @@ UNHOLDABLE = {
         1,
         r"a lone UTF-16 surrogate in 'req\\ud800clean'",
     ),
-    "low surrogate in the request id": (  # a traceback from the codec before (issue 33)
+    "low surrogate in the request id": (  # once a traceback from the codec
         lambda lines: _everywhere(lines, "req_clean", "req\\udc00clean"),
         1,
         r"a lone UTF-16 surrogate in 'req\\udc00clean'",
@@ -315,7 +315,7 @@ def test_a_listed_request_without_events_names_the_header_line(phasegate: Runner
 
 
 # (the mangled retry_before_first_delta trace, the line named, the message): well-formed
-# events that the state machine refuses, so import refuses them too (issue 14)
+# events that the state machine refuses, so import refuses them too
 REFUSED_BY_THE_FOLD = {
     "tokens that disagree with the indexes": (
         lambda lines: _mangled(lines, 11, '"tokens": 4', '"tokens": 9'),

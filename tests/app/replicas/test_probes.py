@@ -89,7 +89,7 @@ def test_a_replica_too_busy_for_its_probes_but_streaming_is_not_ejected(
             excused = not_counted(caplog)
             assert len(excused) >= 3, excused  # without the frames, the first of them ejected it
             # never ejected while it streamed; once it is idle, a probe that times out counts
-            # again and may eject it by now (ci21), as the next test wants
+            # again and may eject it by now, as the next test wants
             ejected = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
             assert all(r.created > streamed_until for r in caplog.records if "ejected" in r.getMessage()), ejected
 

@@ -1,4 +1,4 @@
-"""What the log keeps of content (issue 14, docs/design.md §13): recorded inputs follow
+"""What the log keeps of content (docs/design.md §13): recorded inputs follow
 ``content_policy``, and ``phasegate tenants erase`` removes a tenant's content while
 the event skeleton stays, and the fold, the read models and replay still agree.
 Real gateway, real sim workers, real PostgreSQL, the real ``openai`` client."""

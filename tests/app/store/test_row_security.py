@@ -1,4 +1,4 @@
-"""Analysts' read-only role with row-level security by tenant (issue 14, migration 0006):
+"""Analysts' read-only role with row-level security by tenant (docs/design.md §13, migration 0006):
 real roles created in the test server, connected as, seeing only their tenants' rows."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ PROTECTED: list[tuple[str, str]] = [
 ]
 WRONG = [
     pytest.param({}, id="no header"),
-    # its last character changed (ci31: a token that ended in the "x" put there was the right one)
+    # its last character changed ("y" where it ends in "x": an "x" put there left such a token right)
     pytest.param({"authorization": "Bearer " + TOKEN[:-1] + ("y" if TOKEN.endswith("x") else "x")}, id="wrong token"),
     pytest.param({"authorization": "Bearer " + TOKEN + "x"}, id="longer token"),
     pytest.param({"authorization": TOKEN}, id="no scheme"),

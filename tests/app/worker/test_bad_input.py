@@ -95,7 +95,7 @@ START_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         "invalid_field",
         "params.response_format.type",
     ),
-    # each of these was a 500 (issue 14)
+    # each of these was once a 500
     ("a tool that is a number", {"params": {"tools": [1]}}, 400, "invalid_field", "params.tools[0]"),
     (
         "tool_choice's function a string",
@@ -249,7 +249,7 @@ async def test_the_client_surfaces_the_code_and_field(engine: EngineUnderTest):
     assert (refused.value.code, refused.value.field) == ("invalid_field", "params.temperature")
 
 
-# --- bodies that took the worker down or held its memory (issue 14) -------------------------
+# --- bodies that took the worker down or held its memory ----------------------------------
 
 
 @pytest.mark.parametrize("depth", [65, 100_000])

@@ -1,4 +1,4 @@
-"""An engine task that dies ends its attempt at once, with a terminal frame (issue 14).
+"""An engine task that dies ends its attempt at once, with a terminal frame.
 
 The bad tool schema below can no longer reach the engine through the protocol (the parser
 refuses it), so these tests build the attempt in process, as a parser bug would let it

@@ -206,9 +206,9 @@ async def _cancel_mid_generation(engine: EngineUnderTest, client: WorkerClient) 
         await collect(stream)
         return False  # it finished first: the race was not run
     if (ack.state, ack.stop) == ("aborted", "disconnected"):
-        # seen once in CI under load (ci6): the worker found the stream's reader gone before
+        # seen once in CI under load: the worker found the stream's reader gone before
         # the cancel came. The likely cause, the client's 5 s read timeout between frames
-        # (ci9 saw it end a stream in prefill), is now a minute (tests/support/workers.py);
+        # (it ended a stream in prefill once), is now a minute (tests/support/workers.py);
         # should it happen again it is not the race this test runs: try again
         await collect(stream)
         return False

@@ -26,11 +26,11 @@ async def test_a_beam_search_cancelled_midway_is_acknowledged_once_none_of_its_e
 ) -> None:
     worker = vllm.worker()
     # A search keeps the CPU engine's threads busy on every core: the test's own connect
-    # to the worker once took longer than the gateway's 2 s (ci61). What is judged here is
+    # to the worker once took longer than the gateway's 2 s in CI. What is judged here is
     # the cancel's acknowledgement, so this client waits longer for a connection.
     client = WorkerClient(worker.base_url, connect_timeout=CONNECT_S)
     rid = request_id("beam")
-    asked = {"max_tokens": 3000, "n": 2}  # long: 300 steps were over within 2 s on CI (ci50)
+    asked = {"max_tokens": 3000, "n": 2}  # long: 300 steps were over within 2 s on CI
     # the shared worker has two slots: an earlier test's attempt still in one would queue
     # this search past the wait below (its stream unread, its lease not yet lapsed)
     deadline = time.monotonic() + 120
