@@ -8,7 +8,7 @@ opened: a queue, and one timer for its head. Most batches close before their dea
 (a later delta finds them old, or another event cuts them), and their entries are
 dropped when they come due. A ``call_later`` a batch made a timer handle, a push on the
 loop's heap and a callback of the loop for each, several times what the queue costs
-(``python ops/bench/batch_ages.py``; figures: docs/performance.md).
+(``python ops/bench/studies/batch_ages.py``; figures: docs/performance.md).
 """
 
 from __future__ import annotations

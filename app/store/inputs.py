@@ -26,7 +26,7 @@ from app.store.insert import ACCEPTED_ON, LogSchema
 # Every input's day known (the requests accepted here: the common case). No look-up: a
 # statement that may look the day up plans (and locks) every day's partition of
 # request_events, whether it looks or not, so it costs more the more days are kept
-# (ops/bench/inputs_days.py).
+# (ops/bench/studies/inputs_days.py).
 INSERT = """
     INSERT INTO request_inputs (request_id, body, model_revision, seed, accepted_on)
     SELECT * FROM unnest($1::text[], $2::text[]::json[], $3::text[], $4::bigint[], $5::date[])

@@ -10,7 +10,7 @@ by key, one statement a row (0009), so each of those statements set up both expr
 from their catalog text before it ran. A profile of PostgreSQL at 100 streams (perf,
 dwarf stacks) put 3.6 % of its CPU there. Computed when read (``VIRTUAL``, PostgreSQL
 18's default for a generated column), an append's statements took 515-516 µs a request
-against 540-549 (``ops/bench/windowed_projection.py``'s batches, side by side). Nothing
+against 540-549 (``ops/bench/studies/windowed_projection.py``'s batches, side by side). Nothing
 indexes either column, so nothing else changes: a query reads the same values.
 
 On a server before 18 (no ``VIRTUAL``) this revision does nothing.

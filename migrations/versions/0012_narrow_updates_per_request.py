@@ -18,7 +18,7 @@ aggregate says whether the request's own events are deliveries only. For such a
 request the general UPDATE sets every other column to what it was, so the row is the
 same either way; ``tests/app/store/test_read_models.py`` holds the read models equal
 to the fold over batches of every shape. Measured: an append's statements 457-463 µs a
-request against 485-486 (``ops/bench/windowed_projection.py``'s batches, side by side).
+request against 485-486 (``ops/bench/studies/windowed_projection.py``'s batches, side by side).
 
 The parent's function is made again and so is every open day's
 (``phasegate_day_projections()``, migration 0010); the stream guard is the same

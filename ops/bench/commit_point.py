@@ -62,7 +62,8 @@ from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT, INSERT_EVENTS, LogSchema, columns, insert_rows, into
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
-from ops.bench.log_rows import T0, delivery, moved, opening, percentile, rows_on, scratch_database
+from ops.bench.log_rows import T0, delivery, moved, opening, rows_on, scratch_database
+from ops.bench.measure import percentile
 from statemachine.events import Event, FirstDeltaCommitted, FirstTokenReceived
 
 INSTANCE = "gw_bench"

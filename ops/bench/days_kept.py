@@ -47,7 +47,8 @@ from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
 from app.store.insert import LogSchema, insert_rows
 from ops.bench.commit_point import INSTANCE, KINDS, bind
-from ops.bench.log_rows import percentile, rows_on, scratch_database
+from ops.bench.log_rows import rows_on, scratch_database
+from ops.bench.measure import percentile
 from statemachine.events import Event
 
 FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}

@@ -57,7 +57,8 @@ from app.store.embedded import EmbeddedPostgres
 from app.store.insert import INSERT_EVENT
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
-from ops.bench.log_rows import dayed_row, delivery, opening, params_of, percentile, scratch_database
+from ops.bench.log_rows import dayed_row, delivery, opening, params_of, scratch_database
+from ops.bench.measure import percentile
 from ops.processes import free_port
 from ops.replication import replica_pair
 

@@ -65,11 +65,6 @@ def rows_on(events: Sequence[Event], day: date) -> list[EventRow]:
     return [to_row(event, day) for event in moved(events, day)]
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def params_of(event: Event) -> dict[str, object]:
     """The row of ``event`` as named parameters ``p1``, ``p2``, … (SQLAlchemy Core's form)."""
     return {f"p{n}": value for n, value in enumerate(dayed_row(event), start=1)}

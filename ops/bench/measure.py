@@ -40,7 +40,8 @@ def error_code(body: str | bytes) -> str:
         return repr(body[:80])
 
 
-def pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (0.5: the median), the benches' one definition; NaN for none."""
     if not values:
         return float("nan")
     ordered = sorted(values)

@@ -67,7 +67,7 @@ from ops.bench.measure import (  # noqa: E402
     cpu_seconds,
     error_code,
     ms,
-    pct,
+    percentile,
     record,
     row,
     rss_mib,
@@ -326,14 +326,25 @@ def main() -> None:
                 cpu_per_k = (cpu_seconds(gateway.pid) - cpu_before) / max(gateway_sample.tokens, 1) * 1000
                 for name, sample in (("direct", direct_sample), ("gateway", gateway_sample)):
                     ttft, gaps = sample.ttft, sample.gaps
-                    times = [ms(pct(ttft, 0.5)), ms(pct(ttft, 0.99)), ms(pct(gaps, 0.5)), ms(pct(gaps, 0.99))]
+                    times = [
+                        ms(percentile(ttft, 0.5)),
+                        ms(percentile(ttft, 0.99)),
+                        ms(percentile(gaps, 0.5)),
+                        ms(percentile(gaps, 0.99)),
+                    ]
                     print(row(streams, name, len(ttft), *times, sample.tokens, sample.failures))
                 rows.append((streams, direct_sample, gateway_sample, cpu_per_k))
             print()
             print(row("streams", "+ttft p50", "+ttft p99", "+gap p50", "+gap p99", "cpu/1k tok"))
             for streams, d, g, cpu_per_k in rows:
-                added = [pct(g.ttft, 0.5) - pct(d.ttft, 0.5), pct(g.ttft, 0.99) - pct(d.ttft, 0.99)]
-                added += [pct(g.gaps, 0.5) - pct(d.gaps, 0.5), pct(g.gaps, 0.99) - pct(d.gaps, 0.99)]
+                added = [
+                    percentile(g.ttft, 0.5) - percentile(d.ttft, 0.5),
+                    percentile(g.ttft, 0.99) - percentile(d.ttft, 0.99),
+                ]
+                added += [
+                    percentile(g.gaps, 0.5) - percentile(d.gaps, 0.5),
+                    percentile(g.gaps, 0.99) - percentile(d.gaps, 0.99),
+                ]
                 print(row(streams, *(ms(value) for value in added), f"{cpu_per_k * 1e3:.1f} ms"))
             levels = [int(s) for s in options.capacity.split(",") if s and s != "0"]
             if levels:

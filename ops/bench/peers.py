@@ -70,7 +70,7 @@ from ops.bench.measure import (  # noqa: E402
     cpu_seconds,
     descendants,
     ms,
-    pct,
+    percentile,
     row,
     rss_mib,
     tree_cpu_seconds,
@@ -138,16 +138,23 @@ class Result:
 def table(results: list[Result], direct: Sample, direct_elapsed: float, streams: int) -> None:
     direct_rate = direct.requests / direct_elapsed
     print()
-    print(f"direct at {streams} streams: {direct_rate:.0f} req/s, TTFT p50 {ms(pct(direct.ttft, 0.5))}")
+    print(f"direct at {streams} streams: {direct_rate:.0f} req/s, TTFT p50 {ms(percentile(direct.ttft, 0.5))}")
     heads = ["+ttft p50@1", f"req/s@{streams}", "% direct", f"+ttft p50@{streams}", f"+ttft p99@{streams}"]
     heads += ["+gap p50@1", f"+gap p50@{streams}", "cpu s/1k tok", "pg s/1k tok", "failed"]
     print(f"{'system':<30}", row(*heads, width=13))
     for result in results:
         (d1, g1), many = result.one, result.many
         rate = many.requests / result.elapsed
-        cells = [ms(pct(g1.ttft, 0.5) - pct(d1.ttft, 0.5)), f"{rate:.0f}", f"{100 * rate / direct_rate:.1f}"]
-        cells += [ms(pct(many.ttft, q) - pct(direct.ttft, q)) for q in (0.5, 0.99)]
-        cells += [ms(pct(g1.gaps, 0.5) - pct(d1.gaps, 0.5)), ms(pct(many.gaps, 0.5) - pct(direct.gaps, 0.5))]
+        cells = [
+            ms(percentile(g1.ttft, 0.5) - percentile(d1.ttft, 0.5)),
+            f"{rate:.0f}",
+            f"{100 * rate / direct_rate:.1f}",
+        ]
+        cells += [ms(percentile(many.ttft, q) - percentile(direct.ttft, q)) for q in (0.5, 0.99)]
+        cells += [
+            ms(percentile(g1.gaps, 0.5) - percentile(d1.gaps, 0.5)),
+            ms(percentile(many.gaps, 0.5) - percentile(direct.gaps, 0.5)),
+        ]
         cells += [per_k(result.cpu_s, many.tokens)]
         cells += [per_k(result.pg_cpu_s, many.tokens) if result.pg_cpu_s is not None else "-"]
         cells += [f"{g1.failures + many.failures}"]

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from app.store.embedded import EmbeddedPostgres
 from app.store.migrate import upgrade
-from ops.bench.measure import pct, row
+from ops.bench.measure import percentile, row
 from ops.processes import REPO, free_port, phasegate, start, stop, wait_http
 
 MODEL = "tiny-llama"
@@ -242,7 +242,7 @@ def measure(front: Front, replicas: list[str], seed: int, options: argparse.Name
     hits = sum(increase(before, after, "vllm:prefix_cache_hits"))
     spread = "/".join(f"{n / 1000:.0f}k" for n in increase(before, after, "vllm:prompt_tokens"))
     rate = f"{hits / queries:.1%}" if queries else "n/a"
-    p50, p99 = (f"{pct(ttfts, q) * 1000:.1f} ms" if ttfts else "n/a" for q in (0.5, 0.99))
+    p50, p99 = (f"{percentile(ttfts, q) * 1000:.1f} ms" if ttfts else "n/a" for q in (0.5, 0.99))
     print(row(front.name, rate, p50, p99, spread, len(errors), width=WIDTH), flush=True)
     for error in sorted(set(errors)):
         print(f"  {front.name}: {errors.count(error)} x {error}")

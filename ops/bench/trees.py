@@ -35,7 +35,7 @@ from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
 from ops.bench import fake_vllm  # noqa: E402
 from ops.bench.gateways import API_KEY, HOST, MODEL, Peer, wait_serving  # noqa: E402
-from ops.bench.measure import Sample, added_ms, ms, pct, rss_mib, tree_cpu_seconds  # noqa: E402
+from ops.bench.measure import Sample, added_ms, ms, percentile, rss_mib, tree_cpu_seconds  # noqa: E402
 from ops.bench.peers import loaded  # noqa: E402
 from ops.bench.sse_load import ChatClient  # noqa: E402
 from ops.processes import free_port, start, stop  # noqa: E402
@@ -113,25 +113,28 @@ def main() -> None:
         if options.pairs:
             ports = [upstream_port] + [g.port for g in gateways]
             direct, *through = asyncio.run(paired(ports, options.pairs, options.tokens))
-            base_ttft, base_gap = pct(direct.ttft, 0.5), pct(direct.gaps, 0.5)
+            base_ttft, base_gap = percentile(direct.ttft, 0.5), percentile(direct.gaps, 0.5)
             pairs = list(zip(gateways, through, strict=True))
-            cells = [f"{g.name} {added_ms(pct(s.ttft, 0.5) - base_ttft)}" for g, s in pairs]
-            gaps = [f"{g.name} {added_ms(pct(s.gaps, 0.5) - base_gap)}" for g, s in pairs]
+            cells = [f"{g.name} {added_ms(percentile(s.ttft, 0.5) - base_ttft)}" for g, s in pairs]
+            gaps = [f"{g.name} {added_ms(percentile(s.gaps, 0.5) - base_gap)}" for g, s in pairs]
             print(f"1 stream: direct TTFT p50 {ms(base_ttft)}; added: {', '.join(cells)}; gap: {', '.join(gaps)}")
             appends = [f"{g.name} {durable_append_ms(g.port)}" for g in gateways]
             print(f"1 stream: durable appends (the commit point's, the end's), mean: {', '.join(appends)}")
         figures: dict[str, list[tuple[float, float, float]]] = {g.name: [] for g in gateways}
         for round_ in range(options.rounds):
             sample, elapsed = asyncio.run(loaded(upstream_port, options.streams, options.seconds, options.tokens))
-            direct_rate, direct_ttft = sample.requests / elapsed, pct(sample.ttft, 0.5)
-            direct_p99, direct_gap = pct(sample.ttft, 0.99), pct(sample.gaps, 0.5)
+            direct_rate, direct_ttft = sample.requests / elapsed, percentile(sample.ttft, 0.5)
+            direct_p99, direct_gap = percentile(sample.ttft, 0.99), percentile(sample.gaps, 0.5)
             cells = [f"direct {direct_rate:.0f} req/s"]
             for g in gateways:
                 before = tree_cpu_seconds(g.process.pid)
                 sample, elapsed = asyncio.run(loaded(g.port, options.streams, options.seconds, options.tokens))
                 cpu = (tree_cpu_seconds(g.process.pid) - before) / max(sample.tokens, 1) * 1000
-                rate, added = sample.requests / elapsed, pct(sample.ttft, 0.5) - direct_ttft
-                added_p99, added_gap = pct(sample.ttft, 0.99) - direct_p99, pct(sample.gaps, 0.5) - direct_gap
+                rate, added = sample.requests / elapsed, percentile(sample.ttft, 0.5) - direct_ttft
+                added_p99, added_gap = (
+                    percentile(sample.ttft, 0.99) - direct_p99,
+                    percentile(sample.gaps, 0.5) - direct_gap,
+                )
                 figures[g.name].append((rate, 100 * rate / direct_rate, cpu))
                 ttft = f"TTFT {added_ms(added)} (p99 {added_ms(added_p99)}), gap {added_ms(added_gap)}"
                 cells.append(

@@ -1,4 +1,4 @@
-"""``ops/bench/windowed_projection.py`` appends the same batches every way, and a projector
+"""``ops/bench/studies/windowed_projection.py`` appends the same batches every way, and a projector
 that trails the log by a window writes the same read models, row for row, as the append's
 own projection, updating a request's row once a window instead of once a batch."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.bench.windowed_projection import GROUPS, batches, measure, report, requests_rows
+from ops.bench.studies.windowed_projection import GROUPS, batches, measure, report, requests_rows
 
 
 def test_the_batches_hold_every_moment_of_a_request_in_order() -> None:

@@ -71,7 +71,7 @@ async def test_every_row_of_a_request_lands_in_its_accept_days_partitions(databa
 
 async def test_an_input_whose_day_the_store_knows_is_written_without_reading_the_log(database_url: str) -> None:
     """A statement that may look the day up plans and locks every day's partition of the
-    log (so it costs more the more days are kept: ops/bench/inputs_days.py); an input of a
+    log (so it costs more the more days are kept: ops/bench/studies/inputs_days.py); an input of a
     request accepted here names its day and is written with the log locked away."""
     trace = traces.completed("req_input_day", at=datetime.now(UTC))
     store = await PostgresEventStore.connect(database_url)

@@ -1,6 +1,6 @@
 """Time migration 0007 (the log to day partitions) on a populated log, with a writer appending.
 
-    python ops/bench/convert.py [--url URL] [--events 1000000]
+    python ops/bench/studies/convert.py [--url URL] [--events 1000000]
 
 Fills a fresh database at revision 0006 with ``--events`` seeded events (ops/seed.py's
 traces, appended as the previous release appended them: COPY through its projection
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: ops/ is not installed
 
 from app.store import migrate
 from app.store.codec import EventRow, to_row

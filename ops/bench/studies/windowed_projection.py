@@ -1,7 +1,7 @@
 """The read models projected in each append's transaction, against a projector that trails
 the log and folds a window of it at a time (what trailing would buy).
 
-    python ops/bench/windowed_projection.py [--requests 3000] [--streams 50] [--every 3]
+    python ops/bench/studies/windowed_projection.py [--requests 3000] [--streams 50] [--every 3]
                                             [--windows 1 4 12]
 
 Each way appends the same batches to a day with partitions of its own, in a scratch
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: ops/ is not installed
 
 from app.store import migrate, partitions
 from app.store.codec import EventRow

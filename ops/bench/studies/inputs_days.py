@@ -1,7 +1,7 @@
 """What writing a batch of recorded inputs costs by the days the log keeps, with the day
 named and with the statement that may look it up (app/store/inputs.py).
 
-    python ops/bench/inputs_days.py [--batches 300] [--size 8] [--days 4 367] [--rounds 4]
+    python ops/bench/studies/inputs_days.py [--batches 300] [--size 8] [--days 4 367] [--rounds 4]
 
 The statement that may look an input's day up in the log (``INSERT_LOOKUP``: for a
 request this store did not accept) names ``request_events`` in a subquery. Planning it,
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: ops/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: ops/ is not installed
 
 from app.store.database import asyncpg_dsn
 from app.store.embedded import EmbeddedPostgres
 from app.store.inputs import INSERT, INSERT_LOOKUP
 from ops.bench.days_kept import DAY, FAST, prepared_log
-from ops.bench.log_rows import percentile
+from ops.bench.measure import percentile
 
 STATEMENTS = {"day named": INSERT, "may look up": INSERT_LOOKUP}
 BODY = json.dumps({"model": "tiny-llm", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 32})

@@ -1,7 +1,7 @@
 """What a delivery batch's age deadline costs (app/driver/batch_ages.py): one timer a
 gateway for every open batch, against a ``loop.call_later`` a batch.
 
-    python ops/bench/batch_ages.py [--batches 200000] [--rounds 3]
+    python ops/bench/studies/batch_ages.py [--batches 200000] [--rounds 3]
 
 Each way, ``--batches`` deadlines of 20 ms (the default ``delivery_batch_ms``) are set
 as a gateway sets them, a hundred between two turns of the event loop, and all of them
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from app.driver.batch_ages import BatchAges
 
