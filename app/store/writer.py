@@ -14,8 +14,8 @@ costs markedly more (figures: docs/performance.md).
   the same transaction or an earlier one, so a request's events land in seq order.
 - With only non-durable appends queued, the writer lingers until the oldest is
   ``flush_delay`` old or a batch is full, so that many requests share one commit.
-- A batch is at most ``max_batch_events`` (500) events, about 100 KB on the wire:
-  within one socket send buffer (Linux's default is 208 KiB). A larger batch is
+- A batch is at most ``max_batch_events`` events, few enough to fit in one socket
+  send buffer on the wire (the sizes: docs/performance.md). A larger batch is
   sent over several event-loop turns, each one behind every task that is ready
   (under load, the producers of the next batch), so PostgreSQL waits for the rest
   of its data while Python works, and the two never overlap; within the buffer,
