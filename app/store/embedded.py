@@ -47,7 +47,7 @@ DATA_DIR_ENV = "PHASEGATE_DATA_DIR"
 # Beside PostgreSQL's defaults (a caller's ``settings`` win): an append through the parent
 # (several days, a day looked up: 0010 sends one day's into its partition) and a query over
 # the parents lock every day's partition; since PostgreSQL 18 the fast-path lock slots
-# follow this setting, and 1,024 holds a year of days for ~50 MB (docs/scaling.md).
+# follow this setting, and 1,024 holds a year of days for a little shared memory (docs/scaling.md).
 SERVER_DEFAULTS = {"max_locks_per_transaction": "1024"}
 DEFAULT_DATA_DIR = Path("/var/lib/phasegate")  # as root
 
