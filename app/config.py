@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
+from app.discover_config import DiscoverConfig, DiscoverError, parse_discover
 from app.http_server import HttpLimits
 from statemachine.policy_config import PolicyConfig
 from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
@@ -168,6 +169,7 @@ class GatewayConfig:
     database_url: str | None = None  # None: the embedded PostgreSQL
     data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
     replicas: tuple[ReplicaConfig, ...] = ()
+    discover: tuple[DiscoverConfig, ...] = ()  # [[discover]]: DNS names whose records are replicas
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
     # key (or "sha256:<hex of the key>") -> tenant; with none here and none in the api_keys
     # table (phasegate keys): open, tenant "default". Never printed.
@@ -233,6 +235,10 @@ class GatewayConfig:
                 raise ConfigError(f"replica {replica.id}: kind must be one of {', '.join(REPLICA_KINDS)}")
             if not replica.url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica {replica.id}: url must be http(s)://…")
+        for entry in self.discover:
+            unknown = [name for name in entry.model_names if self.models and name not in self.models]
+            if unknown:
+                raise ConfigError(f"discover ({entry.name}): model {unknown[0]!r} is not in models")
         for origin in self.cors_allow_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
@@ -336,6 +342,8 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
                 r if isinstance(r, ReplicaConfig) else ReplicaConfig(**{**r, "models": tuple(r.get("models", ()))})
                 for r in values["replicas"]
             )
+        if "discover" in values:
+            values["discover"] = parse_discover(values["discover"])
         if isinstance(values.get("policy"), dict):
             values["policy"] = PolicyConfig.from_mapping(values["policy"])
         if isinstance(values.get("routing"), dict):
@@ -358,3 +366,5 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+    except DiscoverError as exc:
+        raise ConfigError(str(exc)) from None
