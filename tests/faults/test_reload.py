@@ -1,8 +1,9 @@
 """A configuration reload (docs/design.md §16) with real processes: ``phasegate serve`` on real
 PostgreSQL, a real sim worker, SIGHUP and ``phasegate reload``.
 
-- a file that adds a model, an API key and changes a tenant's limit is live within a
-  second in every gateway process of ``--processes 2`` (each asked on its own address),
+- a file that adds a replica, a model it alone serves, an API key and changes a tenant's
+  limit is live within a second in every gateway process of ``--processes 2`` (each
+  asked on its own address),
   and a stream that was live across the reload ends normally, its transcript equal to
   its log;
 - a file that does not parse, one whose settings do not hold together, and one that
@@ -39,10 +40,10 @@ KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"  # never print
 LIVE_WITHIN_S = 1.0
 
 
-def settings(port: int, worker: WorkerProcess, *, added: bool) -> str:
-    """Tenant a's key and model ``sim``; with ``added``, also model ``sim-2``, tenant b's key,
-    and tenant a held to one request a minute (which, shared by two instances, refuses
-    its next request on each: the new limit is seen at once)."""
+def settings(port: int, worker: WorkerProcess, *, added: bool, second: WorkerProcess | None = None) -> str:
+    """Tenant a's key and model ``sim`` on replica w1; with ``added``, also model ``sim-2``,
+    tenant b's key, and tenant a held to one request a minute; with ``second`` too, replica
+    w2, the only one that serves ``sim-2``."""
     models = f'{MODEL} = "rev-1"' + (f'\n"{ADDED}" = "rev-1"' if added else "")
     keys = f'"{KEY_A}" = "tenant-a"' + (f'\n"{KEY_B}" = "tenant-b"' if added else "")
     limit = "requests_per_minute = 1" if added else "requests_per_minute = 1000"
@@ -63,7 +64,8 @@ delivery_batch_tokens = 4
 [[replicas]]
 id = "w1"
 url = "{worker.base_url}"
-"""
+models = ["{MODEL}"]
+""" + (f'[[replicas]]\nid = "w2"\nurl = "{second.base_url}"\nmodels = ["{ADDED}"]\n' if second else "")
 
 
 @dataclass
@@ -98,12 +100,17 @@ def chat(url: str, key: str, model: str, max_tokens: int = 2) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
 
 
+def listed(url: str, key: str) -> list[str]:
+    """The models ``GET /v1/models`` lists to ``key`` (none when the key is refused)."""
+    answer = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=30)
+    return [model["id"] for model in answer.json()["data"]] if answer.status_code == 200 else []
+
+
 def reloaded(url: str) -> bool:
     """This process lists the added model to the added key, generates with it, and holds
     tenant a to its new limit (one request a minute, of which the instance has at most
     all: its second request is refused)."""
-    listed = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY_B}"}, timeout=30)
-    if listed.status_code != 200 or ADDED not in [model["id"] for model in listed.json()["data"]]:
+    if ADDED not in listed(url, KEY_B):
         return False
     assert chat(url, KEY_B, ADDED).status_code == 200
     answers = [chat(url, KEY_A, MODEL) for _ in range(2)]
@@ -149,16 +156,23 @@ class Stream:
             self.ended.set()
 
 
+WORKER_ARGS = ["--model", MODEL, "--model", ADDED, "--sim-decode-ms-per-token", "40", "--max-running", "64"]
+
+
 @pytest.fixture
 def worker() -> Iterator[WorkerProcess]:
-    args = ["--model", MODEL, "--model", ADDED, "--sim-decode-ms-per-token", "40", "--max-running", "64"]
-    with running_worker(args=args) as w:
+    with running_worker(args=WORKER_ARGS) as w:
         yield w
 
 
 def test_a_reload_is_live_within_a_second_in_every_process_and_streams_never_notice(
     database_url: str, worker: WorkerProcess, tmp_path: Path
 ) -> None:
+    with running_worker(args=WORKER_ARGS) as second:
+        reload_under_streams(database_url, worker, second, tmp_path)
+
+
+def reload_under_streams(database_url: str, worker: WorkerProcess, second: WorkerProcess, tmp_path: Path) -> None:
     config = tmp_path / "phasegate.toml"
     port = free_port()
     config.write_text(settings(port, worker, added=False))
@@ -171,7 +185,7 @@ def test_a_reload_is_live_within_a_second_in_every_process_and_streams_never_not
             assert chat(address, KEY_A, ADDED).json()["error"]["code"] == "model_not_found"
         streams = [Stream(gateway.url).start() for _ in range(4)]
         wait_for(lambda: all(len(s.transcript.contents) >= 2 for s in streams), 30, "the streams to be delivering")
-        config.write_text(settings(port, worker, added=True))
+        config.write_text(settings(port, worker, added=True, second=second))
         asked = datetime.now()
         gateway.process.send_signal(signal.SIGHUP)
         for address in addresses:
@@ -229,5 +243,5 @@ def test_a_broken_file_or_a_changed_port_is_refused_with_its_reason_and_the_old_
         assert "configuration reloaded" not in gateway.logs()
         config.write_text(good.replace(f'{MODEL} = "rev-1"', f'{MODEL} = "rev-1"\n"{ADDED}" = "rev-1"'))
         os.kill(gateway.process.pid, signal.SIGHUP)
-        wait_for(lambda: chat(gateway.url, KEY_A, ADDED).status_code == 200, 10, "the good file to be applied")
+        wait_for(lambda: ADDED in listed(gateway.url, KEY_A), 10, "the good file to be applied")
     assert not pid_file.exists()  # removed on the way out
