@@ -176,6 +176,7 @@ class GatewayConfig:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     api_key_cache_s: float = 10.0  # how long a key looked up in PostgreSQL is trusted (a revocation's delay)
     admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: Path | None = None  # read at load when admin_token is not set (a mounted secret)
     # the worker protocol's shared secret, sent to every worker replica (never printed)
     worker_token: str | None = field(default=None, repr=False)
     worker_token_file: Path | None = None  # read at load when worker_token is not set
@@ -316,6 +317,20 @@ def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
     return _build(values)
 
 
+def _read_admin_token(values: dict[str, Any]) -> None:
+    """``admin_token`` from ``admin_token_file`` when not given (surrounding whitespace dropped)."""
+    if values.get("admin_token_file") is None:
+        return
+    path = values["admin_token_file"] = Path(values["admin_token_file"])
+    if values.get("admin_token") is None:
+        try:
+            values["admin_token"] = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read admin_token_file {path}: {exc}") from None
+        if not values["admin_token"]:
+            raise ConfigError(f"admin_token_file {path} is empty")
+
+
 def _resolve_worker_token(values: dict[str, Any]) -> None:
     """``worker_token`` checked, or read from ``worker_token_file`` when not given."""
     try:
@@ -363,6 +378,7 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             if values.get(name) is not None:
                 values[name] = Path(values[name])
         _resolve_worker_token(values)
+        _read_admin_token(values)
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None

@@ -86,7 +86,9 @@ async def _srv(resolver: dns.asyncresolver.Resolver, name: str) -> list[tuple[st
 async def _query(resolver: dns.asyncresolver.Resolver, name: str, record_type: str) -> list[dns.rdata.Rdata]:
     """The records; none for a name that does not exist or has none of this type."""
     try:
-        answer = await resolver.resolve(name, record_type, raise_on_no_answer=False)
+        # search: a short name (``vllm``, ``vllm.ns``) is tried with the resolver's search
+        # domains first, as the C library does (a pod's: ``NS.svc.cluster.local`` …)
+        answer = await resolver.resolve(name, record_type, raise_on_no_answer=False, search=True)
     except dns.resolver.NXDOMAIN:
         return []
     except dns.exception.Timeout:

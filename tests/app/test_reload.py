@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ReplicaConfig, load_config
+from app.config import ConfigError, ReplicaConfig, load_config
 from app.reload import ReloadRefused, Settings, needs_restart, pid_file_of, remove_pid_file, write_pid_file
 from ops.processes import REPO
 
@@ -117,3 +117,14 @@ def test_phasegate_reload_says_when_no_serve_runs_there(tmp_path: Path) -> None:
         answer = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert answer.returncode == 1, answer.stdout
         assert "no running phasegate serve" in answer.stdout or "not a running phasegate serve" in answer.stdout
+
+
+def test_the_admin_token_is_read_from_its_file_and_an_empty_one_refused(tmp_path: Path) -> None:
+    token = tmp_path / "admin-token"
+    token.write_text("an-admin-token-from-a-secret\n")
+    assert load_config(None, admin_token_file=str(token)).admin_token == "an-admin-token-from-a-secret"
+    token.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(None, admin_token_file=str(token))
+    with pytest.raises(ConfigError, match="cannot read admin_token_file"):
+        load_config(None, admin_token_file=str(tmp_path / "missing"))
