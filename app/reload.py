@@ -80,7 +80,11 @@ class Settings:
             new = load_config(self.path, **self.overrides)
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from None
-        restart = needs_restart(self.started, new)
+        # a setting only a restart changes, changed: unlike at start, and unlike what serve
+        # made of it (the worker token it generated for the demo's workers is in the
+        # environment now, which the file is read with)
+        running = set(needs_restart(self.running, new))
+        restart = [name for name in needs_restart(self.started, new) if name in running]
         if restart:
             raise ReloadRefused(f"{', '.join(restart)} cannot change without a restart")
         # what only a restart changes is as it runs: the port picked, the tokens generated
@@ -146,11 +150,21 @@ def add_reload_parser(sub: Any) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--data-dir", type=Path, help="the instance's data directory (default: the embedded default)")
     where.add_argument("--pid-file", type=Path, help="the pid file it was started with (--pid-file)")
+    where.add_argument("--config", type=Path, help="its settings file: the data directory it names (data_dir)")
     p.set_defaults(run=reload_command)
 
 
 def reload_command(args: argparse.Namespace) -> int:
     path = args.pid_file
+    if path is None and args.config is not None:
+        try:
+            path = pid_file_of(load_config(args.config), None)
+        except ConfigError as exc:
+            print(f"phasegate reload: {exc}")
+            return 1
+        if path is None:
+            print("phasegate reload: with a database_url, serve writes its pid only to --pid-file; name that file")
+            return 1
     if path is None:
         from app.store.embedded import default_data_dir
 

@@ -128,3 +128,16 @@ def test_the_admin_token_is_read_from_its_file_and_an_empty_one_refused(tmp_path
         load_config(None, admin_token_file=str(token))
     with pytest.raises(ConfigError, match="cannot read admin_token_file"):
         load_config(None, admin_token_file=str(tmp_path / "missing"))
+
+
+def test_what_serve_generated_at_start_is_no_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's worker token, generated after the start's read and put in the environment
+    for its workers, is read back with the file: not a change of worker_token."""
+    loaded, _ = settings(tmp_path)
+    token = "a-generated-worker-token-0123456789"
+    loaded.running = dataclasses.replace(loaded.started, worker_token=token)
+    monkeypatch.setenv("PHASEGATE_WORKER_TOKEN", token)
+    assert loaded.reread().worker_token == token
+    monkeypatch.setenv("PHASEGATE_WORKER_TOKEN", "another-worker-token-0123456789")
+    with pytest.raises(ReloadRefused, match="worker_token cannot change"):
+        loaded.reread()

@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -245,3 +247,29 @@ def test_a_broken_file_or_a_changed_port_is_refused_with_its_reason_and_the_old_
         os.kill(gateway.process.pid, signal.SIGHUP)
         wait_for(lambda: ADDED in listed(gateway.url, KEY_A), 10, "the good file to be applied")
     assert not pid_file.exists()  # removed on the way out
+
+
+def test_phasegate_reload_finds_the_demo_by_its_data_directory(tmp_path: Path) -> None:
+    """The demo (embedded PostgreSQL, sim workers, no file): its pid is in its data directory,
+    where `phasegate reload` looks; a reload keeps its simulated workers and model."""
+    from tests.app.test_serve import ctrl_c, end, exited, launch, wait_for_line
+
+    home = Path(tempfile.mkdtemp(prefix="phasegate-reload-test-"))
+    home.chmod(0o755)  # the embedded PostgreSQL's own user enters it
+    data_dir = home / "data"
+    process, output = launch(data_dir, tmp_path, "--port", "0")
+    try:
+        url = wait_for_line(output, r"phasegate is serving (http://\S+)", process).group(1)
+        assert int((data_dir / "phasegate.pid").read_text()) == process.pid
+        env = {**os.environ, "PHASEGATE_DATA_DIR": str(data_dir)}
+        answer = subprocess.run(phasegate("reload"), env=env, capture_output=True, text=True, timeout=60)
+        assert answer.returncode == 0, answer.stdout + answer.stderr
+        wait_for_line(output, "configuration reloaded from the flags: nothing changed", process)
+        body = {"model": "phasegate-sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        ctrl_c(process)
+        assert exited(process, output) == 0
+        assert not (data_dir / "phasegate.pid").exists()
+    finally:
+        end(process)
+        shutil.rmtree(home, ignore_errors=True)
