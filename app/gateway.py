@@ -71,7 +71,7 @@ class Gateway:
         self.declared = DeclaredReplicas(
             ctx.pool, lambda replica: replica_client(replica, self.ctx.config), ctx.spawn, ctx.config.replicas
         )
-        self.discovery = DiscoveryLoops(self._discovery, lambda name: self.declared.forget("dns", name))
+        self.discovery = DiscoveryLoops(self._discovery, self._forget)
         self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
 
     @classmethod
@@ -131,6 +131,13 @@ class Gateway:
             metrics.discovery_failures.labels(name=entry.name).inc()
 
         return Discovery(entry, found, failed)
+
+    def _forget(self, name: str) -> None:
+        """A ``[[discover]]`` name a reload removed: its replicas leave, its series go."""
+        self.declared.forget("dns", name)
+        for family in (self.ctx.metrics.discovered, self.ctx.metrics.discovery_failures):
+            with contextlib.suppress(KeyError):
+                family.remove(name)
 
     def reload(self, config: GatewayConfig) -> None:
         """Serve ``config`` from now on: checked whole by the parent (app/reload.py), applied

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import os
 import pwd
@@ -30,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.config import ReplicaConfig
 from app.discover_config import DiscoverConfig, parse_discover
 from app.replicas.discovery import Address, Discovery
 from tests.support.gateway import MODEL, running_gateway
@@ -219,3 +221,30 @@ def test_a_gateway_serves_through_the_replicas_a_name_declares_and_keeps_them_wh
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
             assert again.choices[0].message.content
+
+
+def test_a_reload_that_removes_a_name_takes_its_replicas_and_series_with_it(database_url: str, tmp_path: Path) -> None:
+    with (
+        running_worker(args=["--model", MODEL]) as worker,
+        dnsmasq(tmp_path, f"127.0.0.1 {NAME}") as server,
+    ):
+        discover = [{"name": NAME, "port": worker.port, "nameserver": server.nameserver, "every_s": 0.2}]
+        with running_gateway(database_url, [], discover=discover) as gateway:
+            pool = gateway.gateway.ctx.pool
+            deadline = time.monotonic() + 10
+            while not pool.replicas:
+                assert time.monotonic() < deadline, "the discovered replica never joined the pool"
+                time.sleep(0.05)
+            named = ReplicaConfig("w1", worker.base_url)
+            reloaded = dataclasses.replace(gateway.config, discover=(), replicas=(named,))
+            gateway.loop.call_soon_threadsafe(gateway.gateway.reload, reloaded)
+            deadline = time.monotonic() + 10
+            while list(pool.replicas) != ["w1"]:
+                assert time.monotonic() < deadline, f"the pool is {list(pool.replicas)}"
+                time.sleep(0.05)
+            assert gateway.gateway.discovery.running == {}
+            assert "phasegate_discovery_addresses{" not in httpx.get(f"{gateway.url}/metrics", timeout=10).text
+            answer = gateway.openai().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert answer.choices[0].message.content
