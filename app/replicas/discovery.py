@@ -117,11 +117,16 @@ class Discovery:
         self.known: frozenset[Address] | None = None
         self.resolutions = 0  # answered
         self.failures = 0
-        self._resolver = resolver_for(entry)
+        self._resolver: dns.asyncresolver.Resolver | None = None
 
     async def resolve_once(self) -> None:
         """One turn: the set now, handed on when it changed; a failure keeps the last."""
         try:
+            if self._resolver is None:
+                try:
+                    self._resolver = resolver_for(self.entry)
+                except dns.resolver.NoResolverConfiguration as exc:  # no usable /etc/resolv.conf
+                    raise ResolutionFailed(f"no resolver configured: {exc}") from None
             found = await resolve(self.entry, self._resolver)
         except ResolutionFailed as reason:
             self.failures += 1
