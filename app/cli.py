@@ -1,6 +1,7 @@
 """The ``phasegate`` command line.
 
     phasegate serve     the gateway (embedded PostgreSQL and simulated workers by default)
+    phasegate reload    have a running gateway read its configuration again (SIGHUP)
     phasegate worker    a replica: one engine behind the lease protocol
     phasegate db        the log's schema: upgrade, downgrade, current, check, maintain
     phasegate replay    re-run requests' recorded decisions, from the log or a trace file
@@ -25,6 +26,7 @@ from typing import Any
 # subcommand -> (module, the function there that adds its parser or parsers)
 PARSERS: dict[str, tuple[str, str]] = {
     "serve": ("app.serve", "add_serve_parser"),
+    "reload": ("app.reload", "add_reload_parser"),
     "worker": ("app.worker.config", "add_worker_parser"),
     "db": ("app.store.commands", "add_db_parser"),
     "replay": ("app.incident.commands", "add_incident_parsers"),
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # db, replay, trace, keys, tenants
+    return int(args.run(args))  # reload, db, replay, trace, keys, tenants
 
 
 def _adder(where: tuple[str, str]) -> Callable[[Any], None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
+from app.discover_config import DiscoverConfig, DiscoverError, parse_discover
 from app.http_server import HttpLimits
 from statemachine.policy_config import PolicyConfig
 from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
@@ -168,12 +169,14 @@ class GatewayConfig:
     database_url: str | None = None  # None: the embedded PostgreSQL
     data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
     replicas: tuple[ReplicaConfig, ...] = ()
+    discover: tuple[DiscoverConfig, ...] = ()  # [[discover]]: DNS names whose records are replicas
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
     # key (or "sha256:<hex of the key>") -> tenant; with none here and none in the api_keys
     # table (phasegate keys): open, tenant "default". Never printed.
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     api_key_cache_s: float = 10.0  # how long a key looked up in PostgreSQL is trusted (a revocation's delay)
     admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: Path | None = None  # read at load when admin_token is not set (a mounted secret)
     # the worker protocol's shared secret, sent to every worker replica (never printed)
     worker_token: str | None = field(default=None, repr=False)
     worker_token_file: Path | None = None  # read at load when worker_token is not set
@@ -233,6 +236,10 @@ class GatewayConfig:
                 raise ConfigError(f"replica {replica.id}: kind must be one of {', '.join(REPLICA_KINDS)}")
             if not replica.url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica {replica.id}: url must be http(s)://…")
+        for entry in self.discover:
+            unknown = [name for name in entry.model_names if self.models and name not in self.models]
+            if unknown:
+                raise ConfigError(f"discover ({entry.name}): model {unknown[0]!r} is not in models")
         for origin in self.cors_allow_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ConfigError(f"cors_allow_origins: {origin!r} is not '*' or scheme://host[:port]")
@@ -310,6 +317,20 @@ def load_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
     return _build(values)
 
 
+def _read_admin_token(values: dict[str, Any]) -> None:
+    """``admin_token`` from ``admin_token_file`` when not given (surrounding whitespace dropped)."""
+    if values.get("admin_token_file") is None:
+        return
+    path = values["admin_token_file"] = Path(values["admin_token_file"])
+    if values.get("admin_token") is None:
+        try:
+            values["admin_token"] = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read admin_token_file {path}: {exc}") from None
+        if not values["admin_token"]:
+            raise ConfigError(f"admin_token_file {path} is empty")
+
+
 def _resolve_worker_token(values: dict[str, Any]) -> None:
     """``worker_token`` checked, or read from ``worker_token_file`` when not given."""
     try:
@@ -336,6 +357,8 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
                 r if isinstance(r, ReplicaConfig) else ReplicaConfig(**{**r, "models": tuple(r.get("models", ()))})
                 for r in values["replicas"]
             )
+        if "discover" in values:
+            values["discover"] = parse_discover(values["discover"])
         if isinstance(values.get("policy"), dict):
             values["policy"] = PolicyConfig.from_mapping(values["policy"])
         if isinstance(values.get("routing"), dict):
@@ -355,6 +378,9 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
             if values.get(name) is not None:
                 values[name] = Path(values[name])
         _resolve_worker_token(values)
+        _read_admin_token(values)
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+    except DiscoverError as exc:
+        raise ConfigError(str(exc)) from None

@@ -6,6 +6,11 @@ when asked), builds a client per configured replica, and returns a gateway whose
 (:mod:`app.driver.instance`: lease, heartbeat, sweeps) and starts the health probes;
 on shutdown it waits for in-flight bookkeeping (fences that complete after a stream
 ended), gives the instance's lease back, then flushes and closes the log.
+
+The replicas come from the declared sources (app/replicas/declared.py): the file's
+``[[replicas]]``, and each ``[[discover]]`` name, resolved while the gateway runs
+(app/replicas/discovery.py). ``reload`` applies a configuration that the parent process
+checked whole (app/reload.py), at once, between two requests.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from starlette.applications import Starlette
 
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
+from app.discover_config import DiscoverConfig
 from app.driver import gauges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
@@ -27,6 +33,8 @@ from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
 from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
+from app.replicas.declared import DeclaredReplicas, dns_replicas
+from app.replicas.discovery import Address, Discovery, DiscoveryLoops
 from app.replicas.openai_upstream import OpenAIUpstream
 from app.replicas.pool import Replica, ReplicaPool
 from app.replicas.worker import WorkerReplica
@@ -59,6 +67,11 @@ class Gateway:
         self.ctx = ctx
         self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
         self._probes: asyncio.Task[None] | None = None
+        # the replicas the file declared at start are the pool's already
+        self.declared = DeclaredReplicas(
+            ctx.pool, lambda replica: replica_client(replica, self.ctx.config), ctx.spawn, ctx.config.replicas
+        )
+        self.discovery = DiscoveryLoops(self._discovery, self._forget)
         self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
 
     @classmethod
@@ -107,9 +120,40 @@ class Gateway:
     def instance_id(self) -> str:
         return self.ctx.gateway_id
 
+    def _discovery(self, entry: DiscoverConfig) -> Discovery:
+        metrics = self.ctx.metrics
+
+        def found(entry: DiscoverConfig, addresses: frozenset[Address]) -> None:
+            metrics.discovered.labels(name=entry.name).set(len(addresses))
+            self.declared.on_declared_replicas("dns", dns_replicas(entry, addresses), scope=entry.name)
+
+        def failed(entry: DiscoverConfig, reason: str) -> None:
+            metrics.discovery_failures.labels(name=entry.name).inc()
+
+        return Discovery(entry, found, failed)
+
+    def _forget(self, name: str) -> None:
+        """A ``[[discover]]`` name a reload removed: its replicas leave, its series go."""
+        self.declared.forget("dns", name)
+        for family in (self.ctx.metrics.discovered, self.ctx.metrics.discovery_failures):
+            with contextlib.suppress(KeyError):
+                family.remove(name)
+
+    def reload(self, config: GatewayConfig) -> None:
+        """Serve ``config`` from now on: checked whole by the parent (app/reload.py), applied
+        here at once, with no await in between, so no request sees half of it. A request
+        accepted before keeps what it was accepted with (its routing, revision, timeouts)."""
+        self.ctx.config = config
+        for reconfigure in self.ctx.reloaded:  # the API keys, the tenants' limits
+            reconfigure(config)
+        self.declared.on_declared_replicas("file", config.replicas)
+        self.discovery.follow(config.discover)
+        log.info("gateway instance %s serves the configuration reloaded", self.instance_id)
+
     async def start(self) -> None:
         await self.instance.start()
         await self.ctx.pool.probe_all()
+        self.discovery.follow(self.ctx.config.discover)
         self._probes = asyncio.get_running_loop().create_task(
             self.ctx.pool.run_probes(self.ctx.config.health_interval_s), name="replica probes"
         )
@@ -120,6 +164,7 @@ class Gateway:
         await self.instance.drain(self.ctx.config.drain_s)
 
     async def stop(self) -> None:
+        await self.discovery.stop()
         if self._probes is not None:
             self._probes.cancel()
             with contextlib.suppress(asyncio.CancelledError):

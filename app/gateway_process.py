@@ -4,12 +4,15 @@
 that each run it (``python -m app.gateway_process``, :mod:`app.supervisor`). How a child
 works: the parent bound the port once; the child inherits that listening socket (its
 descriptor number on the command line), reads what to serve from its standard input
-(a :class:`ChildSpec`, pickled by the parent, which alone writes it), and dies with its
+(a :class:`ChildSpec`, pickled by the parent, which alone writes it, in a frame: its
+length, then it), and dies with its
 parent (``PR_SET_PDEATHSIG``), so a SIGKILLed ``phasegate serve`` leaves no gateway
 behind. Each child is an instance of its own (docs/design.md §11): its own id, lease and
 sweeps, named ``host:port/i``. Its instance address (where another instance forwards a
 stop button) is a second socket of its own on the same host, since the shared port may
-reach any child. The parent forwards SIGTERM and SIGINT to the children as SIGTERM:
+reach any child. Its standard input stays open: each configuration reload the parent
+accepted comes as a new frame (app/reload.py), which the child applies between two
+requests (``Gateway.reload``). The parent forwards SIGTERM and SIGINT to the children as SIGTERM:
 the first drains, the second ends open streams now, the third stops at once.
 """
 
@@ -27,15 +30,21 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from app import logs
 from app.config import GatewayConfig
 from app.http_server import server_config
+
+if TYPE_CHECKING:
+    from app.gateway import Gateway
 
 PR_SET_PDEATHSIG = 1
 
@@ -48,6 +57,30 @@ class ChildSpec:
     database_url: str
     log_level: str
     secrets: tuple[str, ...]  # what no log line may hold
+
+
+def frame(spec: ChildSpec) -> bytes:
+    """``spec`` as the parent writes it to a child's standard input: its length, then it."""
+    body = pickle.dumps(spec)
+    return struct.pack(">I", len(body)) + body
+
+
+def read_frame(fd: int) -> ChildSpec | None:
+    """The next spec on ``fd``; None once the parent closed it."""
+    head = _read_exactly(fd, 4)
+    body = _read_exactly(fd, struct.unpack(">I", head)[0]) if head is not None else None
+    return pickle.loads(body) if body is not None else None  # written by the parent, never by a user
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def quiet_libraries() -> None:
@@ -64,12 +97,14 @@ async def run_gateway(
     address: str | None = None,
     backlog: int = 2048,
     stop_asked: Callable[[], int | None] | None = None,
+    on_open: Callable[[Gateway], None] | None = None,
 ) -> None:
     """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
     ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
     to ``listen`` and how many connections it accepts each time a socket is readable.
     ``stop_asked``: the stop signal received while it started, if any (then it stops as
-    soon as it started, as on that signal, and ``on_started`` is not called)."""
+    soon as it started, as on that signal, and ``on_started`` is not called). ``on_open``
+    gets the gateway once it is open, before it serves (where reloads are wired)."""
     import uvicorn
 
     from app.gateway import Gateway
@@ -101,6 +136,8 @@ async def run_gateway(
     gateway = await Gateway.open(config, url)
     if address is not None:  # before the lifespan registers the instance
         gateway.instance.address = address
+    if on_open is not None:
+        on_open(gateway)
     server = DrainingServer(
         server_config(
             gateway.app,
@@ -181,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent)
-    spec: ChildSpec = pickle.load(sys.stdin.buffer)  # written by the parent, never by a user
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # reloads come from the parent, on standard input
+    spec = read_frame(sys.stdin.fileno())
+    if spec is None:
+        return 1
     config = spec.config
     logs.configure(spec.log_level, config.log_format)
     quiet_libraries()
@@ -199,8 +239,27 @@ def main(argv: list[str] | None = None) -> int:
         args.ready_file.write_text(json.dumps({"pid": os.getpid(), "index": args.index}))
 
     address = f"http://{config.host}:{own.getsockname()[1]}"
-    asyncio.run(run_gateway(config, spec.database_url, [listener, own], ready, address=address, backlog=1))
+
+    def follow_reloads(gateway: Gateway) -> None:
+        loop = asyncio.get_running_loop()
+        thread = threading.Thread(target=_read_reloads, args=(loop, gateway, name), name="reloads", daemon=True)
+        thread.start()
+
+    asyncio.run(
+        run_gateway(
+            config, spec.database_url, [listener, own], ready, address=address, backlog=1, on_open=follow_reloads
+        )
+    )
     return 0
+
+
+def _read_reloads(loop: asyncio.AbstractEventLoop, gateway: Gateway, name: str) -> None:
+    """Each spec the parent sends after the first, applied in the gateway's loop."""
+    while (spec := read_frame(sys.stdin.fileno())) is not None:
+        logs.redact(*spec.secrets)
+        config = dataclasses.replace(spec.config, instance_name=name, apply_migrations=False)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process is stopping
+            loop.call_soon_threadsafe(gateway.reload, config)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,19 @@ class Metrics:
             "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
         )
         self.in_flight = Gauge("phasegate_requests_in_flight", "Requests being served", registry=r)
+        # DNS discovery ([[discover]]): a failed resolution keeps the last known set
+        self.discovery_failures = Counter(
+            "phasegate_discovery_failures",
+            "DNS discovery resolutions that failed, the last known set kept, by name",
+            ["name"],
+            registry=r,
+        )
+        self.discovered = Gauge(
+            "phasegate_discovery_addresses",
+            "Addresses a discovered name declares, as last resolved",
+            ["name"],
+            registry=r,
+        )
         # The gateway's live state, set at each scrape (on_scrape: app/driver/gauges.py)
         self.retry_budget_available = Gauge(
             "phasegate_retry_budget_available", "Retries the global retry budget allows now", registry=r

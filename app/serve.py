@@ -14,6 +14,11 @@ runs N gateway processes on the one port bound here (:class:`GatewayProcesses`):
 instance of its own, the stop signals forwarded to every one. With 1 the gateway runs in
 this process (:func:`run_gateway`).
 
+``SIGHUP`` (``phasegate reload``) reads the configuration again: applied at once in every
+gateway process, or refused with the reason in the log while the running one serves on
+(app/reload.py). Its pid is in ``--pid-file``, else in its embedded PostgreSQL's data
+directory, for ``phasegate reload`` to find.
+
 With no ``admin_token`` configured and a loopback listen address (the demo's case), it
 generates one and prints, once, a local URL that carries it, as Jupyter does: the
 requests page opens from there (the page swaps the token for a cookie). A configured
@@ -30,7 +35,6 @@ import functools
 import ipaddress
 import logging
 import os
-import pickle
 import secrets
 import shutil
 import signal
@@ -42,8 +46,9 @@ from typing import Any
 from app import logs
 from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
-from app.gateway_process import ChildSpec, quiet_libraries, run_gateway
+from app.gateway_process import ChildSpec, frame, quiet_libraries, run_gateway
 from app.http_server import write_ready_file
+from app.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
 from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir, start_worker
 
 log = logging.getLogger("phasegate.serve")
@@ -58,6 +63,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000; 0 picks a free one, see --ready-file)")
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once serving")
+    p.add_argument(
+        "--pid-file", type=Path, help="write its pid here, for `phasegate reload` (default: in the embedded data dir)"
+    )
     p.add_argument(
         "--replica",
         action="append",
@@ -87,6 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     # While it runs, DrainingServer handles them.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _Deferred.hangup)  # a reload asked while it starts: once it serves
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
     if args.replica:
         overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
@@ -97,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"phasegate serve: {exc}")
         return 2
+    settings = Settings(args.config, overrides, config)
     logs.configure(args.log_level, config.log_format)
     quiet_libraries()
     logs.redact(*_secrets(config))
@@ -124,12 +134,15 @@ def serve(args: argparse.Namespace) -> int:
     children: list[Child] = []
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
+    pid_file = pid_file_of(config, args.pid_file)
     generated_token = None
     if config.admin_token is None and _is_loopback(config.host):
         generated_token = secrets.token_urlsafe(24)
         config = dataclasses.replace(config, admin_token=generated_token)
     try:
-        if not config.replicas:
+        if pid_file is not None:
+            write_pid_file(pid_file)
+        if not config.replicas and not config.discover:
             config = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token, children)
             logs.redact(config.worker_token)  # generated for the sim workers
         if config.database_url:
@@ -140,15 +153,21 @@ def serve(args: argparse.Namespace) -> int:
                 url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
         announce = functools.partial(_announce, config, generated_token, processes, args.ready_file)
+        settings.running = config
         if processes == 1:
-            asyncio.run(run_gateway(config, url, [listener], announce, stop_asked=lambda: _Deferred.received))
+            follow = functools.partial(_follow_hangups, settings)
+            asyncio.run(
+                run_gateway(config, url, [listener], announce, stop_asked=lambda: _Deferred.received, on_open=follow)
+            )
             if _Deferred.received is not None:  # asked to stop while it started: as if the start was cut
                 code = 128 + _Deferred.received
         else:
-            code = _serve_processes(config, url, listener, announce, processes, args.log_level, workdir)
+            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir)
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):  # the cleanup below runs to its end
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
+        if pid_file is not None:
+            remove_pid_file(pid_file)
         listener.close()
         for child in children:
             child.stop()
@@ -169,6 +188,37 @@ class _Deferred:
     # (a Ctrl-C in the migrations once left phasegate serving: test_serve), so the
     # server, once started, looks here too and stops at once
     received: int | None = None
+    hangups = 0  # SIGHUPs received: reloads asked
+
+    @classmethod
+    def hangup(cls, signum: int, frame: object) -> None:
+        cls.hangups += 1
+
+
+def _reread(settings: Settings) -> GatewayConfig | None:
+    """The configuration read again and checked whole, or None (refused, and logged so)."""
+    try:
+        config = settings.reread()
+    except ReloadRefused as refused:
+        settings.refused(refused)
+        return None
+    logs.redact(*_secrets(config))
+    return config
+
+
+def _follow_hangups(settings: Settings, gateway: Any) -> None:
+    """One gateway process: each SIGHUP reloads it, in its loop (one asked meanwhile: now)."""
+
+    def reload() -> None:
+        config = _reread(settings)
+        if config is not None:
+            gateway.reload(config)
+            settings.applied(config)
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    if _Deferred.hangups:
+        loop.call_soon(reload)
 
 
 def _secrets(config: GatewayConfig) -> list[str | None]:
@@ -249,7 +299,7 @@ def _positive(text: str) -> int:
 
 
 def _serve_processes(
-    config: GatewayConfig,
+    settings: Settings,
     url: str,
     listener: socket.socket,
     announce: Callable[[], None],
@@ -258,15 +308,29 @@ def _serve_processes(
     workdir: Path,
 ) -> int:
     """``count`` gateway processes on ``listener`` (:class:`GatewayProcesses`), until a stop
-    signal, forwarded to each, drained them all. The log's schema is migrated here, once."""
+    signal, forwarded to each, drained them all. The log's schema is migrated here, once.
+    A SIGHUP reads the configuration again and sends it to every process (:func:`_reread`)."""
+    config = settings.running
     if config.apply_migrations:
         from app.store.migrate import upgrade
 
         with _uninterrupted():
             upgrade(url)
-    secrets_ = tuple(secret for secret in _secrets(config) if secret)
-    spec = pickle.dumps(ChildSpec(config, url, level, secrets_))
-    gateways = GatewayProcesses(count, listener, spec, workdir)
+
+    def spec(config: GatewayConfig) -> bytes:
+        return frame(ChildSpec(config, url, level, tuple(secret for secret in _secrets(config) if secret)))
+
+    def reload() -> None:
+        config = _reread(settings)
+        if config is not None:
+            gateways.send(spec(config))
+            settings.applied(config)
+
+    gateways = GatewayProcesses(count, listener, spec(config), workdir)
+    gateways.on_hangup = reload
+    signal.signal(signal.SIGHUP, lambda received, frame: gateways.hangup())
+    if _Deferred.hangups:
+        gateways.hangup()
     try:
         try:
             gateways.start()

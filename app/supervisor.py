@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,10 @@ class GatewayProcesses:
 
     Each child gets the socket's descriptor and ``spec`` on its standard input, in a process
     group of its own, so a terminal's Ctrl-C reaches this parent alone, which forwards
-    every stop signal to the children as SIGTERM (:meth:`forward`). A child that ends
+    every stop signal to the children as SIGTERM (:meth:`forward`). The standard input
+    stays open: :meth:`send` writes a new spec (a configuration reload) to every child at
+    once, and a child started later gets that one. A SIGHUP (:meth:`hangup`) has
+    :meth:`run` call ``on_hangup`` from its loop, outside the signal handler. A child that ends
     while nothing asked it to is started again (a new instance, which sweeps the old
     one's requests if no other instance did first); one that ends before it ever served
     is a failed start.
@@ -125,6 +129,8 @@ class GatewayProcesses:
         self.count, self.listener, self.spec, self.run_dir = count, listener, spec, run_dir
         self.children: list[GatewayChild] = []
         self.stopping = False
+        self.on_hangup: Callable[[], None] = lambda: None
+        self._hangups = 0
         self._launched = 0
 
     def _launch(self, index: int) -> GatewayChild:
@@ -134,10 +140,27 @@ class GatewayProcesses:
         command = [sys.executable, "-m", "app.gateway_process", "--index", str(index), "--listen-fd", str(fd)]
         command += ["--ready-file", str(ready_file), "--parent", str(os.getpid())]
         process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
-        assert process.stdin is not None
-        with contextlib.suppress(BrokenPipeError), process.stdin:  # a child that died at once: run() sees it
-            process.stdin.write(self.spec)
-        return GatewayChild(index, process, ready_file)
+        child = GatewayChild(index, process, ready_file)
+        self._write(child, self.spec)
+        return child
+
+    @staticmethod
+    def _write(child: GatewayChild, spec: bytes) -> None:
+        assert child.process.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ValueError):  # a child that died: run() sees it
+            child.process.stdin.write(spec)
+            child.process.stdin.flush()
+
+    def send(self, spec: bytes) -> None:
+        """``spec`` to every child now, and to any child started from now on."""
+        self.spec = spec
+        for child in self.children:
+            if child.process.poll() is None:
+                self._write(child, spec)
+
+    def hangup(self) -> None:
+        """From a SIGHUP handler: :meth:`run` calls ``on_hangup`` at its next turn."""
+        self._hangups += 1
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start every child and wait until each serves; raises :class:`ChildFailed`."""
@@ -164,6 +187,9 @@ class GatewayProcesses:
         while True:
             if self.stopping and all(child.process.poll() is not None for child in self.children):
                 return 0
+            if self._hangups and not self.stopping:
+                self._hangups = 0
+                self.on_hangup()
             for number, child in enumerate(self.children):
                 code = child.process.poll()
                 if code is None or self.stopping:
@@ -175,6 +201,7 @@ class GatewayProcesses:
                     "gateway process %d (pid %d) exited with %d; starting another", child.index, child.process.pid, code
                 )
                 child.ready_file.unlink(missing_ok=True)
+                self._close(child)
                 self.children[number] = self._launch(child.index)
             time.sleep(0.1)
 
@@ -186,6 +213,13 @@ class GatewayProcesses:
                     child.process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(5)
+            self._close(child)
+
+    @staticmethod
+    def _close(child: GatewayChild) -> None:
+        if child.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                child.process.stdin.close()
 
 
 # --- how many gateway processes ---------------------------------------------------------------

@@ -52,23 +52,28 @@ class Authenticator:
     """Maps ``Authorization: Bearer <key>`` to a tenant, or raises :class:`Unauthorized`."""
 
     def __init__(self, config: GatewayConfig, store: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        self._configured: list[tuple[bytes, str]] = []
-        for key, tenant in config.api_keys.items():
-            if not key.startswith(SHA256_PREFIX):
-                self._configured.append((keys.key_digest(key).encode(), tenant))
-            elif keys.SHA256_HEX.fullmatch(digest := key.removeprefix(SHA256_PREFIX).lower()):
-                self._configured.append((digest.encode(), tenant))
-            else:  # the entry itself is not logged: it may be a key pasted in the wrong place
-                log.warning(
-                    "api_keys: an entry of tenant %r is 'sha256:' without 64 hex digits; it matches no key", tenant
-                )
+        self.reconfigure(config)
         self._reading = getattr(store, "reading", None)  # None: a store with no key table
-        self._ttl_s = config.api_key_cache_s
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
         self._table_has_keys = False  # once true, stays true
         self._table_checked_until = float("-inf")
         self._asking: dict[str | None, asyncio.Future[Any]] = {}  # queries in flight: a digest, or None for any key
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """The configured keys and the cache's lifetime from ``config`` (at start, and at each reload)."""
+        configured: list[tuple[bytes, str]] = []
+        for key, tenant in config.api_keys.items():
+            if not key.startswith(SHA256_PREFIX):
+                configured.append((keys.key_digest(key).encode(), tenant))
+            elif keys.SHA256_HEX.fullmatch(digest := key.removeprefix(SHA256_PREFIX).lower()):
+                configured.append((digest.encode(), tenant))
+            else:  # the entry itself is not logged: it may be a key pasted in the wrong place
+                log.warning(
+                    "api_keys: an entry of tenant %r is 'sha256:' without 64 hex digits; it matches no key", tenant
+                )
+        self._configured = configured
+        self._ttl_s = config.api_key_cache_s
 
     async def required(self) -> bool:
         """Whether requests need a key: one is configured, or one was ever created."""

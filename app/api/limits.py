@@ -72,6 +72,23 @@ class TenantLimiter:
         self._clock = clock
         self._usage: dict[str, _TenantUsage | None] = {}  # None: no limit for this tenant
 
+    def reconfigure(self, limits: TenantLimits) -> None:
+        """The limits from now on (a configuration reload). A tenant whose limit changed keeps
+        its streams in flight, counted against the new limit, and what its buckets hold, up
+        to the new capacity."""
+        self._limits = limits
+        for tenant, usage in list(self._usage.items()):
+            if (usage.limit if usage is not None else TenantLimit(0, 0, 0)) == limits.of(tenant):
+                continue
+            del self._usage[tenant]
+            fresh = self._usage_of(tenant)
+            if usage is None or fresh is None:
+                continue
+            fresh.streams = usage.streams
+            for old, new in ((usage.requests, fresh.requests), (usage.tokens, fresh.tokens)):
+                if old is not None and new is not None:
+                    new.level = min(new.level, old.level)
+
     def admit(self, tenant: str, request_id: str, prompt_tokens: int) -> None:
         usage = self._usage_of(tenant)
         if usage is None:

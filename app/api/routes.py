@@ -87,6 +87,7 @@ REFUSALS = {
 def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
     authenticator = Authenticator(ctx.config, ctx.store)
     limiter = TenantLimiter(ctx.config.tenant_limits, ctx.drivers, lambda: ctx.budget.share)
+    ctx.reloaded += [authenticator.reconfigure, lambda config: limiter.reconfigure(config.tenant_limits)]
     api = _Api(ctx, authenticator, limiter)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
+from app.config import Timeouts
 from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
@@ -43,6 +44,7 @@ class LoopActions:
 
     ctx: GatewayContext
     request: GenerationRequest
+    timeouts: Timeouts  # as configured when the request was accepted: a reload never changes them
     recorder: Recorder
     run: AttemptRun | None
     tool_calls: ToolCalls
@@ -89,7 +91,7 @@ class LoopActions:
         ctx.pool.placed(replica)
         if action.migration is not None:
             ctx.metrics.migrations.labels(model=request.model, migration_type=action.migration).inc()
-        ttl = ctx.config.timeouts.lease_ttl_s
+        ttl = self.timeouts.lease_ttl_s
         self.recorder.record(
             ev.AttemptStarted,
             attempt=action.attempt,
@@ -104,7 +106,7 @@ class LoopActions:
             replica,
             request.for_attempt(self.request_id, action.attempt, lease_ttl_s=ttl, model=action.model),
             clock=ctx.clock,
-            timeouts=ctx.config.timeouts,
+            timeouts=self.timeouts,
         )
         self.run = run
         self.tool_calls.restart()

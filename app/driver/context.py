@@ -95,6 +95,8 @@ class GatewayContext:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     batch_ages: BatchAges = field(default_factory=BatchAges)  # the open delivery batches' deadlines
     drivers: dict[str, LiveRequest] = field(default_factory=dict)  # by request id, until it is done
+    # told of each configuration reload (the API keys, the tenants' limits), after ``config`` changed
+    reloaded: list[Callable[[GatewayConfig], None]] = field(default_factory=list)
 
     def lease_lapsed(self) -> bool:
         """This instance's lease lapsed (a pause, a partition): nothing more goes out to

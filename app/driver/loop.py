@@ -64,6 +64,7 @@ class RequestLoop(LoopActions):
         self.ctx = ctx
         self.request = request
         self.tenant = tenant
+        self.timeouts = ctx.config.timeouts
         policy = ctx.config.content_policy if request.stored else stricter(ctx.config.content_policy, "digest")
         self.recorder = Recorder(ctx, RequestState(request_id=request_id), content_policy=policy)
         self.run: AttemptRun | None = None

@@ -97,6 +97,12 @@ class ReplicaPool:
         self._choices = 0
         self._serving: dict[tuple[str, ...], tuple[Replica, ...]] = {}  # by the models asked for: found once
 
+    def set_members(self, replicas: Iterable[Replica]) -> None:
+        """The pool's replicas from now on (app/replicas/declared.py): one that is not among
+        them gets no new attempt; its live attempts hold it and run on."""
+        self.replicas = {replica.id: replica for replica in replicas}  # a new dict: a loop over the old one is safe
+        self._serving.clear()
+
     def available(self, replica: Replica, model: str | None = None) -> bool:
         """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
         return (model is None or replica.config.serves(model)) and self._available_at(replica, self.clock())
@@ -110,7 +116,7 @@ class ReplicaPool:
         now = self.clock()
         wanted = tuple(models)
         serving = self._serving.get(wanted)
-        if serving is None:  # the replicas are the configuration's: which serve a model never changes
+        if serving is None:  # which replicas serve a model changes only with set_members
             serving = tuple(r for r in self.replicas.values() if any(r.config.serves(model) for model in wanted))
             if len(self._serving) >= 256:  # model names no configuration knows: keep few
                 self._serving.clear()

@@ -33,7 +33,10 @@ BOTTOM = "statemachine"
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),  # app/__init__.py
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract", "app.http_server"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http_server", "app.discover_config"}),
+    "app.discover_config": frozenset(),  # [[discover]]'s tables, checked
+    # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
+    "app.reload": frozenset({"app.config", "app.store"}),
     "app.metrics": frozenset(),
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
@@ -48,7 +51,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.worker": frozenset({"app.contract", "app.logs", "app.http_server"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM}),
-    "app.replicas": frozenset({BOTTOM, "app.config", "app.contract", "app.logs", "app.tracing"}),
+    "app.replicas": frozenset({BOTTOM, "app.config", "app.discover_config", "app.contract", "app.logs", "app.tracing"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
@@ -62,11 +65,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
+        | {"app.discover_config"}
     ),
     "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing", "app.http_server"}),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
         | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing", "app.http_server"}
+        | {"app.reload"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

@@ -9,6 +9,9 @@ Operator's resources against their CRDs' schemas, and the manifests against each
   ``PHASEGATE_REQUIRE_KUBERNETES_MODELS=1``).
 - CloudNativePG's ``Cluster``: no package ships its schema, so it is checked structurally
   (the fields phasegate relies on, and their agreement with the Secret).
+- The fleet: no pod name in any setting; each ``[[discover]]`` name is a headless Service
+  in front of a Deployment of the right kind, on its port, scaled by an autoscaler; the
+  settings are a ConfigMap mounted so that the kubelet updates it and a reload applies it.
 """
 
 from __future__ import annotations
@@ -62,16 +65,19 @@ def containers(workload: Resource) -> list[dict[str, Any]]:
 
 
 def gateway_settings() -> dict[str, Any]:
-    return tomllib.loads(one("Secret", "phasegate")["stringData"]["phasegate.toml"])
+    return tomllib.loads(one("ConfigMap", "phasegate-settings")["data"]["phasegate.toml"])
 
 
 def loaded_gateway_settings() -> GatewayConfig:
-    """The settings file as a gateway pod loads it: its worker_token_file (the Secret's
-    worker-token, mounted) stands in a temporary file here."""
+    """The settings file as a gateway pod loads it: its worker_token_file and admin_token_file
+    (the Secret's, mounted) stand in temporary files here."""
+    secret = one("Secret", "phasegate")["stringData"]
     with tempfile.TemporaryDirectory() as tmp:
-        token_file = Path(tmp) / "worker-token"
-        token_file.write_text(one("Secret", "phasegate")["stringData"]["worker-token"] + "\n")
-        return load_gateway_settings({**gateway_settings(), "worker_token_file": str(token_file)})
+        files = {}
+        for setting, key in (("worker_token_file", "worker-token"), ("admin_token_file", "admin-token")):
+            files[setting] = Path(tmp) / key
+            files[setting].write_text(secret[key] + "\n")
+        return load_gateway_settings({**gateway_settings(), **{k: str(v) for k, v in files.items()}})
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -101,15 +107,17 @@ def test_every_builtin_manifest_matches_the_kubernetes_schema(version: str) -> N
             continue
         kubernetes_validate.validate(resource, version, strict=True)
         checked.append(resource["kind"])
-    assert {"Deployment", "StatefulSet", "PodDisruptionBudget", "Service", "Secret"} <= set(checked)
+    assert {"Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service", "Secret", "ConfigMap"} <= set(
+        checked
+    )
 
 
 def test_the_schema_check_refuses_a_broken_manifest() -> None:
-    broken = copy.deepcopy(one("Deployment"))
+    broken = copy.deepcopy(one("Deployment", "phasegate-gateway"))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/readyz"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
-    broken = copy.deepcopy(one("StatefulSet"))
+    broken = copy.deepcopy(one("Deployment", "phasegate-worker"))
     broken["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
@@ -134,27 +142,63 @@ def test_the_disruption_budget_keeps_a_gateway() -> None:
     assert budget["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
 
 
-def test_workers_request_a_gpu_and_are_the_gateways_replicas() -> None:
-    statefulset = one("StatefulSet", "phasegate-worker")
-    (worker,) = containers(statefulset)
-    pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
-    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
-    service = one("Service", statefulset["spec"]["serviceName"])
-    assert service["spec"]["clusterIP"] == "None", "a headless service: one DNS name per worker pod"
-    assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels)
-    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+KINDS = {"phasegate-worker": "worker", "vllm": "openai"}  # each Deployment, and the replica kind it is
+
+
+def test_the_replicas_are_discovered_never_named_and_each_kind_is_autoscaled() -> None:
+    """No pod name in any setting: each [[discover]] name is a headless Service selecting the
+    ready pods of a Deployment that serves the kind, the port and the models it says, with an
+    autoscaler over it."""
     settings = loaded_gateway_settings()
-    name, count = statefulset["metadata"]["name"], statefulset["spec"]["replicas"]
-    expected = {f"http://{name}-{i}.{service['metadata']['name']}:{port}" for i in range(count)}
-    assert {replica.url for replica in settings.replicas} == expected
-    served = [arg.split("=", 1)[1] for arg in worker["args"] if arg.startswith("--model=")]
-    assert served and set(served) <= set(settings.models)
+    assert settings.replicas == (), "no replica is named: they are discovered"
+    text = one("ConfigMap", "phasegate-settings")["data"]["phasegate.toml"]
+    assert "phasegate-worker-" not in text and "vllm-" not in text
+    assert {entry.name for entry in settings.discover} == set(KINDS)
+    scalers = {r["spec"]["scaleTargetRef"]["name"]: r for r in resources() if r["kind"] == "HorizontalPodAutoscaler"}
+    for entry in settings.discover:
+        service = one("Service", entry.name)
+        assert service["spec"]["clusterIP"] == "None", "a headless service: one A record per ready pod"
+        assert not service["spec"].get("publishNotReadyAddresses"), "a pod loading its weights is no replica yet"
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == entry.port]
+        deployment = one("Deployment", entry.name)
+        pod = deployment["spec"]["template"]
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+        (container,) = pod["spec"]["containers"]
+        assert port["targetPort"] in {p["name"] for p in container["ports"]}
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+        assert "readinessProbe" in container
+        assert entry.kind == KINDS[entry.name] and set(entry.model_names) <= set(settings.models)
+        assert all(revision == settings.models[name] for name, revision in entry.models)
+        served = [
+            arg.split("=", 1)[1] for arg in container["args"] if arg.startswith(("--model=", "--served-model-name="))
+        ]
+        assert set(entry.model_names) <= set(served), (entry.name, served)
+        scaler = scalers[entry.name]
+        assert scaler["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+        assert 1 <= scaler["spec"]["minReplicas"] < scaler["spec"]["maxReplicas"]
+        assert "replicas" not in deployment["spec"] or deployment["spec"]["replicas"] >= scaler["spec"]["minReplicas"]
+
+
+def test_the_settings_are_a_configmap_that_a_reload_picks_up() -> None:
+    """Mounted as a directory (a subPath mount is never updated), at the path the gateway
+    reads, and the gateway writes the pid file `phasegate reload` needs on a writable volume."""
+    deployment = one("Deployment", "phasegate-gateway")
+    (gateway,) = containers(deployment)
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == "phasegate-settings"
+    (mount,) = [m for m in gateway["volumeMounts"] if m["name"] == volume["name"]]
+    assert "subPath" not in mount
+    (item,) = volume["configMap"]["items"]
+    assert f"--config={mount['mountPath']}/{item['path']}" in gateway["args"]
+    (pid_file,) = [arg.split("=", 1)[1] for arg in gateway["args"] if arg.startswith("--pid-file=")]
+    writable = [m["mountPath"] for m in gateway["volumeMounts"] if m["name"] == "tmp"]
+    assert any(pid_file.startswith(path + "/") for path in writable)
 
 
 def test_every_secret_reference_resolves() -> None:
     secrets = {r["metadata"]["name"]: r for r in resources() if r["kind"] == "Secret"}
     references = 0
-    for workload in (one("Deployment"), one("StatefulSet")):
+    for workload in (one("Deployment", "phasegate-gateway"), one("Deployment", "phasegate-worker")):
         spec = workload["spec"]["template"]["spec"]
         for container in spec["containers"]:
             for env in container.get("env", []):
@@ -167,17 +211,24 @@ def test_every_secret_reference_resolves() -> None:
                 for item in volume["secret"]["items"]:
                     assert item["key"] in secrets[volume["secret"]["secretName"]]["stringData"]
                     references += 1
-    assert references >= 4
+            if "configMap" in volume:
+                for item in volume["configMap"]["items"]:
+                    assert item["key"] in one("ConfigMap", volume["configMap"]["name"])["data"]
+                    references += 1
+    assert references >= 5
 
 
 def test_the_secret_holds_what_design_13_lists() -> None:
     data = one("Secret", "phasegate")["stringData"]
     assert urlsplit(data["DATABASE_URL"]).scheme == "postgresql"
     assert data["worker-token"]
-    settings = gateway_settings()
-    assert settings["admin_token"]
+    assert data["admin-token"]
+    settings = gateway_settings()  # a ConfigMap: no secret in it, and keys only as digests
+    assert "admin_token" not in settings and "worker_token" not in settings
     assert settings["api_keys"] and all(key.startswith("sha256:") for key in settings["api_keys"])
-    loaded_gateway_settings()  # phasegate's own configuration code accepts it
+    loaded = loaded_gateway_settings()  # phasegate's own configuration code accepts it
+    assert loaded.admin_token == data["admin-token"]
+    assert settings["admin_token_file"] == mounted_secret_file(one("Deployment", "phasegate-gateway"), "admin-token")
 
 
 def mounted_secret_file(workload: Resource, key: str) -> str:
@@ -196,14 +247,14 @@ def test_the_worker_token_reaches_both_ends(tmp_path: Path) -> None:
     start without one) is given the same file, and its own option parsing accepts the command."""
     token = one("Secret", "phasegate")["stringData"]["worker-token"]
     settings = gateway_settings()
-    assert settings["worker_token_file"] == mounted_secret_file(one("Deployment"), "worker-token")
+    assert settings["worker_token_file"] == mounted_secret_file(one("Deployment", "phasegate-gateway"), "worker-token")
     assert loaded_gateway_settings().worker_token == token
     token_file = tmp_path / "worker-token"
     token_file.write_text(token + "\n")
 
-    statefulset = one("StatefulSet")
-    worker_file = mounted_secret_file(statefulset, "worker-token")
-    args = containers(statefulset)[0]["args"]
+    workers = one("Deployment", "phasegate-worker")
+    worker_file = mounted_secret_file(workers, "worker-token")
+    args = containers(workers)[0]["args"]
     assert f"--token-file={worker_file}" in args
     image = (REPO / "deploy" / "worker" / "Dockerfile").read_text().splitlines()
     (entrypoint,) = [json.loads(line.split(" ", 1)[1]) for line in image if line.startswith("ENTRYPOINT ")]
