@@ -30,6 +30,7 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire, named_text
+from app.contract.refusal_codes import code_for
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -379,7 +380,19 @@ def parse_chunk(data: bytes | str) -> dict[str, Any]:
     if type(chunk) is not dict or type(chunk.get("choices", _NO_CHOICES)) is not list:  # orjson's own types
         raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
     if "error" in chunk:
-        error = chunk["error"]
-        message = error.get("message") if isinstance(error, dict) else str(error)
-        raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
+        raise _error_in_stream(chunk["error"])
     return chunk
+
+
+def _error_in_stream(error: Any) -> UpstreamFailure:
+    """An error object in the stream: vLLM streams what its engine finds wrong with a request
+    whose stream began with the status it would have answered (``code``: 400), the client's
+    refusal, never the replica's fault (docs/design.md §13); any other is the replica's."""
+    error = error if isinstance(error, dict) else {"message": error}
+    message, status, param = str(error.get("message")), error.get("code"), error.get("param")
+    if type(status) is int and 400 <= status < 500 and status not in (408, 429):
+        param = param if isinstance(param, str) else None
+        return UpstreamFailure(
+            FailureKind.REQUEST_REFUSED, message, status=status, code=code_for(status, message), param=param
+        )
+    return UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")

@@ -16,7 +16,8 @@ Upstream behaviour mapped to the failure kinds of docs/design.md §4:
     no response headers within the deadline       liveness_uncertain
     connection reset / EOF mid-stream             replica_exited
     a malformed chunk                             liveness_uncertain (fence, then retry)
-    an error object inside the stream             replica_exited
+    an error object inside the stream             request_refused for a 4xx code (vLLM's own
+                                                  checks of a started stream), else replica_exited
     every choice finished (and usage sent)        completes, without waiting for [DONE]
 """
 

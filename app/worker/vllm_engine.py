@@ -100,7 +100,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        self._requests = VllmRequests(self._llm, self.chat_template)
+        self._requests = VllmRequests(self._llm, self.chat_template, await self._llm.get_supported_tasks())
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
         self._beams = BeamSearches(self._llm)
 
