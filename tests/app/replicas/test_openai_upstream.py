@@ -169,6 +169,45 @@ def test_a_4xx_is_passed_on_naming_the_clients_param_and_not_retried(
     assert failed.upstream_param == "messages" and failed.upstream_code == "context_length_exceeded"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_refusal_inside_the_stream_is_the_clients_400_and_ejects_nothing(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], stream: bool
+) -> None:
+    """vLLM streams what its engine refuses once the stream began (``thinking_token_budget``
+    without a reasoning configuration) as an error object with a 400 ``code``: the client
+    gets that 400 with vLLM's words, the attempt is not retried, and the replica is not
+    counted at fault (docs/design.md §13). An error object of a 5xx code stays the replica's."""
+    message = "thinking_token_budget is set but reasoning_config is not configured."
+    for upstream in upstreams:  # wherever the attempt lands
+        upstream.script(
+            {"error_in_stream": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+        )
+    asked = sum(upstream.requests for upstream in upstreams)
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(gateway, stream=stream)
+    assert caught.value.code == "upstream_bad_request" and message in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    events = gateway.events(caught.value.response.headers["x-request-id"])
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REQUEST_REFUSED and failed.upstream_status == 400  # type: ignore[attr-defined]
+    assert sum(upstream.requests for upstream in upstreams) - asked == 1
+    for upstream in upstreams:
+        upstream.script()  # drop the one the other upstream did not get to use
+    pool = gateway.gateway.ctx.pool
+    assert [replica.consecutive_failures for replica in pool.replicas.values()] == [0, 0]
+    assert all(replica.ejected_until == 0 for replica in pool.replicas.values())
+
+
+def test_an_error_of_the_replicas_own_inside_the_stream_is_retried(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"error_in_stream": {"message": "the engine died", "code": 500}})
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    (failed,) = of(gateway.events(request_id), ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REPLICA_EXITED  # type: ignore[attr-defined]
+
+
 def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
     script_first(upstreams, {"status": 500})
     request_id, text = chat(gateway)
