@@ -255,6 +255,18 @@ class VllmEngine:
             return vllm_utility.tokenize(self._requests, self._tokenizer, self.max_model_len, body)
         return vllm_utility.detokenize(self._tokenizer, body)
 
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """Each served model as vLLM's ``/v1/models`` describes it (its own ``ModelCard``:
+        ``owned_by``, ``root`` the model's path, ``permission``, ``max_model_len``)."""
+        from vllm.entrypoints.openai.models.protocol import ModelCard, ModelPermission  # type: ignore[import-not-found, unused-ignore]
+
+        return {
+            name: ModelCard(
+                id=name, max_model_len=self.max_model_len, root=self.model_path, permission=[ModelPermission()]
+            ).model_dump(mode="json")
+            for name in self.models
+        }
+
     def running_requests(self) -> list[str]:
         return [] if self._llm is None else list(self._llm.output_processor.request_states)
 

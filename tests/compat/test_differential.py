@@ -158,6 +158,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "completions suffix": completion(suffix=" end"),
     "prompt_embeds, not enabled": completion(prompt=None, prompt_embeds="AAAA"),
     # refusals: the same status and param
+    "no model named": (CHAT, {"messages": HI, "max_tokens": 12, "temperature": 0}),
     "unknown model": (CHAT, {"model": "nope", "messages": HI}),
     "temperature of the wrong type": chat(temperature="hot"),
     "n of the wrong type": chat(n="2"),
@@ -242,10 +243,11 @@ def test_the_same_request_gets_the_same_answer(
     assert found == [], f"{case} ({mode}): phasegate's answer differs from vllm serve's:\n" + "\n".join(found)
 
 
-def test_the_model_list_is_vllms(pair: Pair) -> None:
+def test_the_model_list_is_vllms(target: Pair) -> None:
     """``/v1/models`` gives each model as the replica serving it describes it (its
-    ``max_model_len``, ``root``, ``permission``), under the configured name."""
-    direct, through = (pair.http.get(url + "/v1/models") for url in (pair.direct_url, pair.gateway_url))
+    ``owned_by``, ``max_model_len``, ``root``, ``permission``), under the configured name:
+    an ``openai`` replica's ``/v1/models``, a vLLM worker's own ``ModelCard``."""
+    direct, through = (target.http.get(url + "/v1/models") for url in (target.direct_url, target.gateway_url))
     assert direct.json()["data"][0]["max_model_len"] == 4096
     assert differences(Answer(direct.status_code, direct.json()), Answer(through.status_code, through.json())) == []
 
