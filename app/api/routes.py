@@ -63,6 +63,7 @@ from app.api.responses_shape import ResponsesShape, shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.token_stream import TokenStreamResponse, client_gone
+from app.api.unserved import unserved_routes
 from app.api.utility import unready, utility_routes
 from app.driver import log_loss
 from app.driver.context import GatewayContext
@@ -102,6 +103,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *cancel_routes(ctx, authenticator),
         *responses_routes(ctx, authenticator),
         *utility_routes(ctx, authenticator),
+        *unserved_routes(),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     # every log line names the gateway instance, and a request's lines its current attempt
