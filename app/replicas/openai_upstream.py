@@ -34,6 +34,7 @@ import orjson
 from app.contract.refusal_codes import code_for
 from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, UpstreamFailure
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
+from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
 from app.tracing import inject_traceparent, trace_headers
@@ -118,7 +119,8 @@ class OpenAIUpstream:
         if encoding != "identity" and self._connections is not None:  # asked for none: a broken answer
             await body.aclose()
             raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
-        return OpenAIStream(body, choices=request.choices)
+        echo = chat_echo(request.passed) if chat else ""
+        return OpenAIStream(body, choices=request.choices, echo=echo)
 
     async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, BodyReads]:
         headers = {"x-request-id": request_name, "content-type": "application/json"}
@@ -197,6 +199,8 @@ def _request_body(request: AttemptRequest, chat: bool) -> bytes:
         else:
             body["prompt"] = request.prompt
     options = request.passed.get("stream_options")
+    if chat:  # the gateway sends a chat echo itself (app/replicas/chat_echo.py)
+        body.pop("echo", None)
     body["model"] = request.model
     body["stream"] = True
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

@@ -208,6 +208,45 @@ def test_an_error_of_the_replicas_own_inside_the_stream_is_retried(
     assert failed.kind is FailureKind.REPLICA_EXITED  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_chat_echo_is_sent_by_the_gateway_before_the_answer(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], stream: bool
+) -> None:
+    """vLLM's streamed chat echo fails, so the replica is asked without ``echo`` and the
+    gateway sends the continued message before the answer, as vLLM's whole answer has it
+    (app/replicas/chat_echo.py); the log holds what the client got."""
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Once"}]
+    asked = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    client = gateway.openai()
+    if stream:
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            extra_body=asked,  # type: ignore[arg-type]
+        )
+        request_id = chunks.response.headers["x-request-id"]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            extra_body=asked,  # type: ignore[arg-type]
+        )
+        request_id, text = raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
+    assert text == "Once" + "".join(answer(PROMPT + "\nOnce", 6))
+    sent = [upstream.last_body for upstream in upstreams]
+    assert [body for body in sent if body is not None and body["messages"] == messages][0].get("echo") is None
+    events = gateway.events(request_id)
+    assert "".join(e.text or "" for e in of(events, ev.DeltasDelivered)) == text  # type: ignore[attr-defined]
+    after_a_user = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6, extra_body={"echo": True}
+    )
+    assert after_a_user.choices[0].message.content == EXPECTED  # nothing to echo
+
+
 def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
     script_first(upstreams, {"status": 500})
     request_id, text = chat(gateway)
