@@ -258,7 +258,7 @@ class VllmEngine:
     def model_cards(self) -> dict[str, dict[str, Any]]:
         """Each served model as vLLM's ``/v1/models`` describes it (its own ``ModelCard``:
         ``owned_by``, ``root`` the model's path, ``permission``, ``max_model_len``)."""
-        from vllm.entrypoints.openai.models.protocol import ModelCard, ModelPermission  # type: ignore[import-not-found, unused-ignore]
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission  # type: ignore[import-not-found, unused-ignore]
 
         return {
             name: ModelCard(

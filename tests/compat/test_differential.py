@@ -145,6 +145,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         echo=True,
         n=2,
     ),
+    "echo of a continued message, one choice": chat(
+        messages=[*HI, {"role": "assistant", "content": "Hello"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+        echo=True,
+    ),
     "prompt_logprobs": chat(prompt_logprobs=1),
     "return_token_ids": chat(return_token_ids=True),
     # completions
@@ -196,10 +202,11 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
     ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
     ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
-    ("echo of a continued message", "whole"): _FROM_THE_STREAM
+    ("echo of a continued message, one choice", "whole"): _FROM_THE_STREAM
     + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
-    ("echo of a continued message", "stream"): "vLLM 0.32's streamed chat echo of a message fails (an error"
-    " object: its delta cannot hold the message's content parts); phasegate's gives the echo, as vLLM's whole answer",
+    ("echo of a continued message, one choice", "stream"): "vLLM 0.32's streamed chat echo of a message fails"
+    " (an error object: its delta cannot hold the message's content parts); phasegate's gives the echo, as"
+    " vLLM's whole answer does",
     ("completions echo, logprobs", "whole"): _FROM_THE_STREAM
     + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
     ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
@@ -284,6 +291,24 @@ def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
     assert [{k: v for k, v in c.items() if k not in varying} for c in accumulated(direct)["choices"]] == [
         {k: v for k, v in c.items() if k not in varying} for c in accumulated(through)["choices"]
     ]
+
+
+def test_a_chat_echo_is_vllms_whole_answer_but_its_prompt_logprobs(target: Pair) -> None:
+    """The echo of a continued message, one choice: phasegate's whole and streamed answers
+    are vLLM's whole answer (the message, then what the model adds), but vLLM's
+    ``prompt_logprobs`` (no stream carries them), where vLLM's own stream fails."""
+    path, body = CASES["echo of a continued message, one choice"]
+    direct, through = target.both(path, body)
+    assert direct.status == through.status == 200 and direct.body["prompt_logprobs"]
+    found = differences(Answer(200, {**direct.body, "prompt_logprobs": None}), through)
+    assert found == [], "\n".join(found)
+    assert through.body["choices"][0]["message"]["content"].startswith("Hello")
+    streamed = target.both(path, {**body, "stream": True})
+    assert streamed[0].status == 400  # vLLM's own stream: an error object
+    message = direct.body["choices"][0]["message"]
+    assert streamed[1].status == 200 and streamed[1].body["choices"][0]["text"] == (message.get("reasoning") or "") + (
+        message["content"] or ""
+    )
 
 
 @pytest.mark.xfail(
