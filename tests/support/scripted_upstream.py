@@ -16,7 +16,8 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
 ``{"delay_first_s": x}``, ``{"error_in_stream": {"message": "…", "code": 400}}`` (after the
-role chunk, an error object in the stream, as vLLM streams its engine's refusal), ``{"tool": name, "arguments": "{…}"}`` (with ``"pieces": n``:
+role chunk, an error object in the stream, as vLLM streams its engine's refusal),
+``{"tool": name, "arguments": "{…}"}`` (with ``"pieces": n``:
 streamed as vLLM streams a call, its name, then its arguments in n parts), ``{"tool_call_then_die": true}``,
 ``{"reasoning": k}`` (chat: the first k words are reasoning, as vLLM's reasoning parser
 streams them, then the think block's end, a token with no text: ``delta: {}``, with its

@@ -238,7 +238,7 @@ def test_a_chat_echo_is_sent_by_the_gateway_before_the_answer(
         request_id, text = raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
     assert text == "Once" + "".join(answer(PROMPT + "\nOnce", 6))
     sent = [upstream.last_body for upstream in upstreams]
-    assert [body for body in sent if body is not None and body["messages"] == messages][0].get("echo") is None
+    assert next(body for body in sent if body is not None and body["messages"] == messages).get("echo") is None
     events = gateway.events(request_id)
     assert "".join(e.text or "" for e in of(events, ev.DeltasDelivered)) == text  # type: ignore[attr-defined]
     after_a_user = client.chat.completions.create(
