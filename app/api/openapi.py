@@ -160,7 +160,12 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         schema = declared.model_json_schema(ref_template=_REF + "{model}")
         for name, part in schema.pop("$defs").items():
             assert schemas.setdefault(name, part) == part, f"two request models declare {name} apart"
-        served = {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
+        served: dict[str, Any] = (
+            {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
+        )
+        if len(config.models) == 1:  # a body that names none asks for the one served (app/api/routes.py)
+            served = {"type": ["string", "null"], "enum": [*config.models, None]}
+            schema["required"] = [name for name in schema.get("required", ()) if name != "model"]
         schema["properties"]["model"] = served
         schemas[declared.__name__] = schema
     security: list[dict[str, list[str]]] = [{"bearer": []}] if _keys_required(config) else []

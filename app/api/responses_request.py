@@ -58,27 +58,36 @@ class ResponsesParams:
     background: bool  # generated with no client attached; read by GET /v1/responses/{id}
     store: bool  # false: the log keeps no content of it, and it cannot be read back or continued
 
-    def echoed(self) -> dict[str, Any]:
-        """The request's fields as the response object repeats them."""
-        return {
+    def echoed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request's fields as the response object repeats them, as vLLM's does
+        (docs/compatibility.md): ``tool_choice`` ``none`` without tools, ``text``,
+        ``metadata`` and ``store`` as the client sent them (``store`` only then),
+        ``top_logprobs`` where the output carries log probabilities, the penalties."""
+        echoed = {
             "instructions": self.instructions,
             "tools": list(self.tools),
-            "tool_choice": self.tool_choice,
+            "tool_choice": "none" if not self.tools and self.tool_choice in ("auto", "none") else self.tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls,
-            "text": self.text,
+            "text": body.get("text"),
             "max_output_tokens": self.max_output_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_logprobs": self.top_logprobs,
+            "top_logprobs": self.top_logprobs if self.output_logprobs else None,
+            "presence_penalty": _number(body.get("presence_penalty"), 0.0),
+            "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),
             "reasoning": self.reasoning,
-            "metadata": self.metadata or {},
+            "metadata": self.metadata,
             "user": self.user,
             "service_tier": self.service_tier,
             "background": self.background,
             "previous_response_id": self.previous_response_id,
-            "store": self.store,
             "truncation": "disabled",
         }
+        return echoed | ({"store": self.store} if body.get("store") is not None else {})
+
+
+def _number(given: Any, default: float) -> float:
+    return float(given) if isinstance(given, int | float) and not isinstance(given, bool) else default
 
 
 # a chat field a refusal names, as the client named it here
@@ -110,7 +119,7 @@ def parse_responses_request(body: Any, limits: Limits, earlier: Sequence[dict[st
                 error.param = error.param.replace(".function", "")
         raise
     made = ResponsesCall(
-        body=body, echo=params.echoed(), output_logprobs=params.output_logprobs, background=params.background
+        body=body, echo=params.echoed(body), output_logprobs=params.output_logprobs, background=params.background
     )
     return dataclasses.replace(generation, responses=made)
 

@@ -43,11 +43,22 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
     """A chat completion's usage in this API's names."""
     prompt_details = usage.get("prompt_tokens_details") or {}
     completion_details = usage.get("completion_tokens_details") or {}
+    # vLLM's details, with its per-turn lists (one turn: no tool runs inside a response here)
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": prompt_details.get("cached_tokens") or 0},
+        "input_tokens_details": {
+            "cached_tokens": prompt_details.get("cached_tokens") or 0,
+            "cache_write_tokens": prompt_details.get("cache_write_tokens") or 0,
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
+        },
         "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": completion_details.get("reasoning_tokens") or 0},
+        "output_tokens_details": {
+            "reasoning_tokens": completion_details.get("reasoning_tokens") or 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
         "total_tokens": usage.get("total_tokens", usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)),
     }
 

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -63,6 +63,7 @@ from app.api.responses_shape import ResponsesShape, shape_for
 from app.api.resume import attach, resume_routes
 from app.api.schemas import parse_request
 from app.api.token_stream import TokenStreamResponse, client_gone
+from app.api.unserved import unserved_routes
 from app.api.utility import unready, utility_routes
 from app.driver import log_loss
 from app.driver.context import GatewayContext
@@ -103,6 +104,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *cancel_routes(ctx, authenticator),
         *responses_routes(ctx, authenticator),
         *utility_routes(ctx, authenticator),
+        *unserved_routes(),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
     # every log line names the gateway instance, and a request's lines its current attempt
@@ -172,7 +174,8 @@ class _Api:
             return JSONResponse(refused.body(request_id), status_code=503, headers={**headers, "retry-after": "1"})
         try:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
-            generation = await parse(await json_body(request, self.ctx.config.max_body_bytes), tenant)
+            body = _with_model(await json_body(request, self.ctx.config.max_body_bytes), self.ctx.config.models)
+            generation = await parse(body, tenant)
             if generation.model not in self.ctx.config.models:
                 raise NotFound(f"the model '{generation.model}' does not exist", param="model", code="model_not_found")
             key = _idempotency_key(request)
@@ -329,6 +332,20 @@ def _refused(error: ApiError) -> JSONResponse:
     if isinstance(error, Unauthorized):
         headers["www-authenticate"] = "Bearer"
     return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+
+
+def _with_model(body: Any, models: Mapping[str, str]) -> Any:
+    """A body that names no ``model`` asks for the one the gateway serves, as ``vllm serve``
+    takes its own; where it serves several, which is meant is the client's to say."""
+    if not isinstance(body, dict) or body.get("model") is not None:
+        return body
+    if len(models) == 1:
+        return {**body, "model": next(iter(models))}
+    raise InvalidRequest(
+        f"'model' is required: this gateway serves {len(models)} models ({', '.join(sorted(models))})",
+        param="model",
+        code="model_required",
+    )
 
 
 def _idempotency_key(request: Request) -> str | None:

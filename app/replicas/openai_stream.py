@@ -32,6 +32,7 @@ import orjson
 from app.contract.logprobs import TokenLogprob, from_wire, named_text
 from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
+from app.replicas.openai_chunks import parse_chunk
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
 from statemachine.events import FINISH_REASONS, FailureKind
 
@@ -41,9 +42,13 @@ USAGE_GRACE_S = 0.5
 
 
 class OpenAIStream:
-    def __init__(self, body: BodyReads, choices: int) -> None:
+    def __init__(self, body: BodyReads, choices: int, echo: str = "") -> None:
         self._body = body
         self._choices = choices
+        # a chat echo, sent here after each choice's role chunk as vLLM's stream sends it
+        # (the upstream is not asked to: vLLM 0.32's streamed chat echo fails, app/replicas/chat_echo.py)
+        self._echo, self._echo_due = echo, set(range(choices)) if echo else set()
+        self._held_take: Callable[[list[Token]], bool] | None = None  # offered once the echo went out
         self._frames: AsyncGenerator[Frame, None] | None = None
         self._index = 0  # the next token's index
         self._take: Callable[[list[Token]], bool] | None = None  # takes tokens as they arrive (``offer_tokens``)
@@ -56,8 +61,10 @@ class OpenAIStream:
         yielded. Only a read of whole SSE events, each carrying one choice's text and
         nothing else (no finish, usage, tool call, log probabilities or error), is
         offered: anything else, and tokens ``take`` declines, are read and yielded as
-        before. Over the lean connections only (``Body.tap``); over httpx a no-op."""
-        self._take = take
+        before. Over the lean connections only (``Body.tap``); over httpx a no-op; not
+        before the echo went out (it goes before any token)."""
+        self._held_take = take if self._echo_due else None
+        self._take = None if self._echo_due else take
 
     def frames(self) -> AsyncIterator[Frame]:
         """The stream's frames (once); :meth:`close` ends them."""
@@ -133,6 +140,11 @@ class OpenAIStream:
                             yield Token(number, index, text, (), None, key, 0)
                         else:
                             yield Token(number, index, text, ids, logprobs, key, 1, prompts.pop(number, None))
+                    if number in self._echo_due and delta.get("role"):
+                        self._echo_due.discard(number)
+                        index, self._index = self._index, self._index + 1
+                        yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None))
+                        self._take = self._take if self._echo_due else self._held_take
                     for call in calls or ():
                         slot = pending_calls.setdefault(
                             (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
@@ -362,24 +374,3 @@ def _split_lines(received: bytes) -> tuple[list[bytes], bytes]:
     *lines, rest = received.split(b"\n")
     lines.reverse()
     return lines, rest + held
-
-
-_NO_CHOICES: list[Any] = []  # never changed: what a chunk without choices is checked as
-
-
-def parse_chunk(data: bytes | str) -> dict[str, Any]:
-    try:
-        # orjson, not json: it refuses what is not Unicode text (a lone UTF-16 surrogate
-        # escape), which could neither be sent on as UTF-8 nor recorded, and NaN
-        chunk = orjson.loads(data)
-    except ValueError as exc:
-        if isinstance(data, bytes):  # as text, as it was read before: bytes not UTF-8 replaced
-            return parse_chunk(data.decode("utf-8", "replace"))
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk ({exc}): {data[:80]!r}") from None
-    if type(chunk) is not dict or type(chunk.get("choices", _NO_CHOICES)) is not list:  # orjson's own types
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed chunk: {data[:80]!r}")
-    if "error" in chunk:
-        error = chunk["error"]
-        message = error.get("message") if isinstance(error, dict) else str(error)
-        raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"upstream error mid-stream: {message}")
-    return chunk

@@ -16,7 +16,8 @@ Upstream behaviour mapped to the failure kinds of docs/design.md §4:
     no response headers within the deadline       liveness_uncertain
     connection reset / EOF mid-stream             replica_exited
     a malformed chunk                             liveness_uncertain (fence, then retry)
-    an error object inside the stream             replica_exited
+    an error object inside the stream             request_refused for a 4xx code (vLLM's own
+                                                  checks of a started stream), else replica_exited
     every choice finished (and usage sent)        completes, without waiting for [DONE]
 """
 
@@ -33,6 +34,7 @@ import orjson
 from app.contract.refusal_codes import code_for
 from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, UpstreamFailure
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
+from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
 from app.tracing import inject_traceparent, trace_headers
@@ -117,7 +119,8 @@ class OpenAIUpstream:
         if encoding != "identity" and self._connections is not None:  # asked for none: a broken answer
             await body.aclose()
             raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
-        return OpenAIStream(body, choices=request.choices)
+        echo = chat_echo(request.passed) if chat else ""
+        return OpenAIStream(body, choices=request.choices, echo=echo)
 
     async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, BodyReads]:
         headers = {"x-request-id": request_name, "content-type": "application/json"}
@@ -196,6 +199,8 @@ def _request_body(request: AttemptRequest, chat: bool) -> bytes:
         else:
             body["prompt"] = request.prompt
     options = request.passed.get("stream_options")
+    if chat:  # the gateway sends a chat echo itself (app/replicas/chat_echo.py)
+        body.pop("echo", None)
     body["model"] = request.model
     body["stream"] = True
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

@@ -133,10 +133,16 @@ class WorkerReplica:
             info = await self.client.info()
         except (WorkerError, httpx.HTTPError, ValueError):
             return {}
-        length, models = info.get("max_model_len"), info.get("models")
+        length, models, cards = info.get("max_model_len"), info.get("models"), info.get("model_cards")
         if type(length) is not int or not isinstance(models, list):
             return {}
-        return {name: {"max_model_len": length} for name in models if isinstance(name, str)}
+        if not isinstance(cards, dict):  # a sim engine, or a worker of before the cards
+            cards = {}
+        return {
+            name: card if isinstance(card := cards.get(name), dict) else {"max_model_len": length}
+            for name in models
+            if isinstance(name, str)
+        }
 
     async def close(self) -> None:
         await self.client.aclose()  # its own connections, for the attempts' streams

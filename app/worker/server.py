@@ -172,6 +172,8 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
                 "protocol": worker_protocol.VERSION,
                 "models": list(worker.engine.models),
                 "max_model_len": getattr(worker.engine, "max_model_len", None),
+                # each model as the engine's server would list it (vLLM's), where it has one
+                "model_cards": worker.engine.model_cards() if hasattr(worker.engine, "model_cards") else None,
                 "max_running": worker.max_running,
                 "max_queued": worker.max_queued,
                 "faults_enabled": faults is not None,

@@ -100,7 +100,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        self._requests = VllmRequests(self._llm, self.chat_template)
+        self._requests = VllmRequests(self._llm, self.chat_template, await self._llm.get_supported_tasks())
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
         self._beams = BeamSearches(self._llm)
 
@@ -254,6 +254,18 @@ class VllmEngine:
             assert self._requests is not None
             return vllm_utility.tokenize(self._requests, self._tokenizer, self.max_model_len, body)
         return vllm_utility.detokenize(self._tokenizer, body)
+
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """Each served model as vLLM's ``/v1/models`` describes it (its own ``ModelCard``:
+        ``owned_by``, ``root`` the model's path, ``permission``, ``max_model_len``)."""
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission  # type: ignore[import-not-found, unused-ignore]
+
+        return {
+            name: ModelCard(
+                id=name, max_model_len=self.max_model_len, root=self.model_path, permission=[ModelPermission()]
+            ).model_dump(mode="json")
+            for name in self.models
+        }
 
     def running_requests(self) -> list[str]:
         return [] if self._llm is None else list(self._llm.output_processor.request_states)

@@ -55,10 +55,11 @@ class VllmRequest:
 class VllmRequests:
     """vLLM's request handling over one engine (an ``AsyncLLM``'s renderer and model config)."""
 
-    def __init__(self, llm: Any, chat_template: str | None = None) -> None:
+    def __init__(self, llm: Any, chat_template: str | None = None, tasks: tuple[str, ...] = ("generate",)) -> None:
         from vllm.renderers.chat_utils import load_chat_template  # type: ignore[import-not-found, unused-ignore]
 
         self._renderer = llm.renderer
+        self._input_processor, self._tasks = llm.input_processor, tasks  # the engine's tasks (``generate``)
         self._model_config = llm.model_config
         self._chat_template = load_chat_template(chat_template)  # None: the tokenizer's own
         # the model's generation config, which vLLM's server applies under the client's fields
@@ -99,7 +100,12 @@ class VllmRequests:
             )
             if request.use_beam_search:  # run as vLLM's server runs it (app/worker/vllm_beams.py)
                 return request.to_beam_search_params(max_tokens, self._defaults)
-            return request.to_sampling_params(max_tokens, self._defaults)
+            params = request.to_sampling_params(max_tokens, self._defaults)
+            # the engine's own checks of the parameters (``thinking_token_budget`` without a
+            # reasoning configuration), which vLLM's server answers 400 as its stream begins:
+            # here, before the attempt's stream, so that they refuse it as the client's
+            self._input_processor._validate_params(params.clone(), self._tasks)
+            return params
         except Exception as exc:
             raise vllm_refusal(exc) from None
 

@@ -2,10 +2,12 @@
 
 An answer is compared as a client reads it: the JSON of a whole answer, or a stream as a
 client accumulates its chunks (:func:`accumulated`); an error as its status and the
-``param`` it names. What legitimately differs between two servers is set aside first
-(:func:`normalized`): each answer's own id and creation time, the ids vLLM draws for tool
-calls, and a field that is null on one side and absent on the other (no client tells
-them apart). Everything else must be equal: a difference is named by its path.
+``param`` it names (a stream carrying an error object, as vLLM streams what its engine
+refuses once the stream began, is that error, its status the object's ``code``). What
+legitimately differs between two servers is set aside first (:func:`normalized`): each
+answer's own id and creation time, the ids vLLM draws for tool calls, and a field that is
+null on one side and absent on the other (no client tells them apart). Everything else
+must be equal: a difference is named by its path.
 
 Why a stream is accumulated rather than compared chunk by chunk: where chunks fall is not
 vLLM's to repeat. Its engine merges the tokens of a slow reader into one output, stop
@@ -74,6 +76,9 @@ def stream_chunks(http: httpx.Client, url: str, body: dict[str, Any]) -> list[di
                 data = line[5:].strip()
                 if data != "[DONE]":
                     chunks.append(json.loads(data))
+    for chunk in chunks:  # an error object in the stream (vLLM's refusal once its stream began): the error
+        if isinstance(chunk.get("error"), dict) and type(chunk["error"].get("code")) is int:
+            return Answer(chunk["error"]["code"], chunk)
     return chunks
 
 

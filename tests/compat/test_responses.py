@@ -12,13 +12,16 @@ response the SDK's stream helper accumulates. Ids and timestamps aside.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from tests.compat.compare import Answer, ask, differences
 from tests.compat.conftest import Pair
 from tests.support.vllm_replicas import MODEL
 
@@ -178,3 +181,65 @@ def test_a_dropped_background_stream_is_picked_up_with_starting_after_as_vllm_do
     cancelled = phasegate.responses.cancel(queued.id)
     assert cancelled.status in ("cancelled", "incomplete")  # or it ended first, on a fast machine
     assert phasegate.responses.retrieve(queued.id).status == cancelled.status
+
+
+# the response object's own fields, beside its output (compared above by what a client reads)
+RESPONSE_OBJECT_CASES: dict[str, dict[str, Any]] = {
+    "a string input": CASES["a string input"],
+    "sampling fields and text given": {
+        **CASES["a string input"],
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "text": {"format": {"type": "text"}},
+        "metadata": {"team": "a"},
+    },
+    "a function tool, tool_choice left out": {**CASES["a function call's output handed back"]},
+}
+
+
+# vLLM's Responses path counts the prompt's cached tokens from its engine; a chat completion's
+# usage (phasegate's attempt) gives them only where the server runs with
+# --enable-prompt-tokens-details, so they read 0 through phasegate (docs/compatibility.md)
+CACHE_COUNTS = ("cached_tokens", "cache_write_tokens")
+
+
+def _response_object(answer: Answer) -> dict[str, Any]:
+    """A response object as compared: everything but its output items."""
+    got = {key: value for key, value in answer.body.items() if key not in ("output", "created_at")}
+    details = got.get("usage", {}).get("input_tokens_details") or {}
+    for key in CACHE_COUNTS:  # present, but not compared (CACHE_COUNTS says why)
+        if isinstance(details.get(key), int):
+            details[key] = "<count>"
+    return got
+
+
+def _last_response(http: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
+    """A streamed response's object as its ``response.completed`` event gives it."""
+    with http.stream("POST", url + "/v1/responses", json=body) as response:
+        assert response.status_code == 200
+        completed = [
+            json.loads(line[5:])
+            for line in response.iter_lines()
+            if line.startswith("data:") and "response.completed" in line
+        ]
+    return Answer(200, completed[-1]["response"])
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream"])
+@pytest.mark.parametrize("case", list(RESPONSE_OBJECT_CASES))
+def test_the_response_objects_fields_are_vllms(target: Pair, case: str, mode: str) -> None:
+    """Every field of vLLM's response object reaches the client with vLLM's value: the
+    penalties, the usage details (``cache_write_tokens``, ``tool_output_tokens``, the
+    per-turn lists), ``tool_choice`` ``none`` where no tool is given, and ``text``,
+    ``top_logprobs`` and ``metadata`` as the client sent them (null otherwise)."""
+    body = {"model": MODEL, "temperature": 0, **RESPONSE_OBJECT_CASES[case]}
+    if mode == "whole":
+        direct, through = (
+            ask(target.http, url, "/v1/responses", body) for url in (target.direct_url, target.gateway_url)
+        )
+    else:
+        body["stream"] = True
+        direct, through = (_last_response(target.http, url, body) for url in (target.direct_url, target.gateway_url))
+    assert direct.status == through.status == 200
+    found = differences(Answer(200, _response_object(direct)), Answer(200, _response_object(through)))
+    assert found == [], "\n".join(found)

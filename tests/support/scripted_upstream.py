@@ -15,7 +15,9 @@ Behaviours (JSON): ``{"status": 429, "retry_after": 3}``, ``{"status": 400, "cod
 "lone_surrogate"``: valid JSON whose text is a lone UTF-16 surrogate),
 ``{"no_done": "hold"}`` (open, silent), ``{"no_done": "close"}``, ``{"cut_at": k}``, ``{"hang": true}``,
 ``{"die_at": k, "point": "prefill" | "before_frame" | "after_frame"}`` (the process exits),
-``{"delay_first_s": x}``, ``{"tool": name, "arguments": "{…}"}`` (with ``"pieces": n``:
+``{"delay_first_s": x}``, ``{"error_in_stream": {"message": "…", "code": 400}}`` (after the
+role chunk, an error object in the stream, as vLLM streams its engine's refusal),
+``{"tool": name, "arguments": "{…}"}`` (with ``"pieces": n``:
 streamed as vLLM streams a call, its name, then its arguments in n parts), ``{"tool_call_then_die": true}``,
 ``{"reasoning": k}`` (chat: the first k words are reasoning, as vLLM's reasoning parser
 streams them, then the think block's end, a token with no text: ``delta: {}``, with its
@@ -186,6 +188,10 @@ class Upstream:
             )
         if behaviour.get("die_at") is not None and behaviour.get("point") == "prefill":
             os._exit(1)
+        if behaviour.get("error_in_stream"):  # as vLLM streams its engine's refusal once the stream began
+            yield _sse({"error": behaviour["error_in_stream"]})
+            yield b"data: [DONE]\n\n"
+            return
         if behaviour.get("tool"):
             async for chunk in self._tool_call(head, behaviour):
                 yield chunk

@@ -245,6 +245,29 @@ def test_the_openai_client_raises_typed_errors_for_bad_input(gateway: RunningGat
     assert bad.value.code == "invalid_request" and bad.value.param == "temperature"
 
 
+def test_a_request_without_model_gets_the_one_model_served_else_a_400_naming_them(
+    gateway: RunningGateway, database_url: str, sim_pair: list[WorkerProcess]
+) -> None:
+    """As ``vllm serve`` takes its own model for a body that names none: where phasegate
+    serves one, that one, logged as the request's; where it serves several, 400 naming them."""
+    with gateway.http() as http:
+        answered = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
+        completed = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "model": None})
+        responded = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})
+    for response in (answered, completed, responded):
+        assert response.status_code == 200 and response.json()["model"] == MODEL
+    accepted = gateway.events(answered.headers["x-request-id"])[0]
+    assert isinstance(accepted, ev.RequestAccepted) and accepted.model == MODEL
+    with (
+        running_gateway(database_url, sim_pair, models={MODEL: "r1", "other": "r2"}) as several,
+        several.http() as http,
+    ):
+        refused = http.post("/v1/chat/completions", json={"messages": MESSAGES})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and (error["code"], error["param"]) == ("model_required", "model")
+    assert f"({MODEL}, other)" in error["message"] or f"(other, {MODEL})" in error["message"]
+
+
 def test_unknown_routes_and_methods_are_openai_errors(gateway: RunningGateway) -> None:
     with gateway.http() as http:
         assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"

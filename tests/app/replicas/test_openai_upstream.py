@@ -169,6 +169,84 @@ def test_a_4xx_is_passed_on_naming_the_clients_param_and_not_retried(
     assert failed.upstream_param == "messages" and failed.upstream_code == "context_length_exceeded"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_refusal_inside_the_stream_is_the_clients_400_and_ejects_nothing(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], stream: bool
+) -> None:
+    """vLLM streams what its engine refuses once the stream began (``thinking_token_budget``
+    without a reasoning configuration) as an error object with a 400 ``code``: the client
+    gets that 400 with vLLM's words, the attempt is not retried, and the replica is not
+    counted at fault (docs/design.md §13). An error object of a 5xx code stays the replica's."""
+    message = "thinking_token_budget is set but reasoning_config is not configured."
+    for upstream in upstreams:  # wherever the attempt lands
+        upstream.script(
+            {"error_in_stream": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+        )
+    asked = sum(upstream.requests for upstream in upstreams)
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(gateway, stream=stream)
+    assert caught.value.code == "upstream_bad_request" and message in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    events = gateway.events(caught.value.response.headers["x-request-id"])
+    (failed,) = of(events, ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REQUEST_REFUSED and failed.upstream_status == 400  # type: ignore[attr-defined]
+    assert sum(upstream.requests for upstream in upstreams) - asked == 1
+    for upstream in upstreams:
+        upstream.script()  # drop the one the other upstream did not get to use
+    pool = gateway.gateway.ctx.pool
+    assert [replica.consecutive_failures for replica in pool.replicas.values()] == [0, 0]
+    assert all(replica.ejected_until == 0 for replica in pool.replicas.values())
+
+
+def test_an_error_of_the_replicas_own_inside_the_stream_is_retried(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream]
+) -> None:
+    script_first(upstreams, {"error_in_stream": {"message": "the engine died", "code": 500}})
+    request_id, text = chat(gateway)
+    assert text == EXPECTED
+    (failed,) = of(gateway.events(request_id), ev.UpstreamFailed)
+    assert failed.kind is FailureKind.REPLICA_EXITED  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_chat_echo_is_sent_by_the_gateway_before_the_answer(
+    gateway: RunningGateway, upstreams: list[ScriptedUpstream], stream: bool
+) -> None:
+    """vLLM's streamed chat echo fails, so the replica is asked without ``echo`` and the
+    gateway sends the continued message before the answer, as vLLM's whole answer has it
+    (app/replicas/chat_echo.py); the log holds what the client got."""
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Once"}]
+    asked = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    client = gateway.openai()
+    if stream:
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            extra_body=asked,  # type: ignore[arg-type]
+        )
+        request_id = chunks.response.headers["x-request-id"]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            extra_body=asked,  # type: ignore[arg-type]
+        )
+        request_id, text = raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
+    assert text == "Once" + "".join(answer(PROMPT + "\nOnce", 6))
+    sent = [upstream.last_body for upstream in upstreams]
+    assert next(body for body in sent if body is not None and body["messages"] == messages).get("echo") is None
+    events = gateway.events(request_id)
+    assert "".join(e.text or "" for e in of(events, ev.DeltasDelivered)) == text  # type: ignore[attr-defined]
+    after_a_user = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6, extra_body={"echo": True}
+    )
+    assert after_a_user.choices[0].message.content == EXPECTED  # nothing to echo
+
+
 def test_a_5xx_is_retried_within_the_budget(gateway: RunningGateway, upstreams: list[ScriptedUpstream]) -> None:
     script_first(upstreams, {"status": 500})
     request_id, text = chat(gateway)

@@ -26,13 +26,17 @@ from types import SimpleNamespace
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 from vllm.renderers.registry import renderer_from_config
+from vllm.v1.engine.input_processor import InputProcessor
 
 from app.worker.protocol import AttemptSpec, Refusal, Sampling
 from app.worker.vllm_requests import VllmRequests, token_ids
 
 model, template = sys.argv[1], sys.argv[2]
 config = AsyncEngineArgs(model=model, max_model_len=4096, enforce_eager=True).create_engine_config()
-llm = SimpleNamespace(renderer=renderer_from_config(config), model_config=config.model_config)
+renderer = renderer_from_config(config)
+llm = SimpleNamespace(
+    renderer=renderer, model_config=config.model_config, input_processor=InputProcessor(config, renderer)
+)
 custom, default = VllmRequests(llm, template), VllmRequests(llm)
 hi = [{"role": "user", "content": "hi"}]
 
@@ -73,6 +77,7 @@ print(json.dumps({
     "beam search": attempt(default, hi, use_beam_search=True, n=2),
     "completions echo, token ids": attempt(default, None, "hi", echo=True, return_token_ids=True),
     "return_prompt_text": attempt(default, hi, return_prompt_text=True),
+    "thinking_token_budget, no reasoning": attempt(default, hi, thinking_token_budget=2),
 }))
 """
 
@@ -102,6 +107,15 @@ def test_vllms_refusals_are_vllms_words_with_the_clients_code(found: dict[str, A
         "max_tokens=100000 cannot be greater than max_model_len=4096. Please request fewer output tokens."
         " (parameter=max_tokens, value=100000)"
     )
+
+
+def test_the_engines_own_checks_refuse_before_the_stream(found: dict[str, Any]) -> None:
+    """What vLLM's engine refuses as its stream begins (``thinking_token_budget`` with no
+    reasoning configuration: this engine has none) is the client's 400 in vLLM's words,
+    before the attempt's stream starts, never an engine failure (docs/design.md §13)."""
+    refused = found["thinking_token_budget, no reasoning"]
+    assert (refused["status"], refused["code"], refused["field"]) == (400, "upstream_bad_request", None)
+    assert refused["message"].startswith("thinking_token_budget is set but reasoning_config is not configured")
 
 
 def test_a_beam_search_gets_vllms_beam_search_parameters(found: dict[str, Any]) -> None:
