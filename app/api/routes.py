@@ -54,6 +54,7 @@ from app.api.errors import (
     retry_headers,
 )
 from app.api.limits import TenantLimiter
+from app.api.messages.routes import messages_routes
 from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
 from app.api.responses_log import earlier_turns
@@ -101,6 +102,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *resume_routes(ctx, authenticator),
         *cancel_routes(ctx, authenticator),
         *responses_routes(ctx, authenticator),
+        *messages_routes(ctx, authenticator, api._generate),
         *utility_routes(ctx, authenticator),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}
@@ -114,7 +116,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 CORSMiddleware,
                 allow_origins=list(origins),
                 allow_methods=["GET", "POST", "DELETE"],
-                allow_headers=["authorization", "content-type"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta"],
                 expose_headers=["x-request-id"],
                 max_age=600,
             )
