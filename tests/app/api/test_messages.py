@@ -112,13 +112,21 @@ def test_a_tool_use_turn_and_its_result(gateway: RunningGateway) -> None:
     client = client_of(gateway)
     asked = [{"role": "user", "content": "look up 'gateway'"}]
     called = client.messages.create(
-        model=MODEL, max_tokens=32, messages=asked, tools=[LOOKUP], tool_choice={"type": "any"}  # type: ignore[list-item]
+        model=MODEL,
+        max_tokens=32,
+        messages=asked,
+        tools=[LOOKUP],
+        tool_choice={"type": "any"},  # type: ignore[list-item]
     )
     assert called.stop_reason == "tool_use"
     (use,) = [block for block in called.content if block.type == "tool_use"]
     assert use.name == "lookup" and isinstance(use.input, dict) and use.id
     with client.messages.stream(
-        model=MODEL, max_tokens=32, messages=asked, tools=[LOOKUP], tool_choice={"type": "tool", "name": "lookup"}  # type: ignore[list-item]
+        model=MODEL,
+        max_tokens=32,
+        messages=asked,
+        tools=[LOOKUP],
+        tool_choice={"type": "tool", "name": "lookup"},  # type: ignore[list-item]
     ) as stream:
         streamed = stream.get_final_message()
     (streamed_use,) = [block for block in streamed.content if block.type == "tool_use"]
@@ -145,14 +153,24 @@ def test_errors_are_in_anthropics_shape_with_phasegates_code(gateway: RunningGat
     body = unknown.value.body
     assert isinstance(body, dict) and body["type"] == "error"
     assert body["error"]["type"] == "not_found_error" and body["error"]["code"] == "model_not_found"
+    hi = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    search = {"type": "web_search_20250305", "name": "w"}
     with gateway.http() as http:
         for sent, param, status in (
-            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens", 400),
-            ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "container": "c"}, "container", 400),
-            ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "nope": 1}, "nope", 400),
-            ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages[0].content[0].type", 400),
-            ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "w"}]}, "tools[0].type", 400),
-            ({"model": MODEL, "max_tokens": 2000, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking.budget_tokens", 400),
+            ({"model": MODEL, "messages": hi["messages"]}, "max_tokens", 400),
+            ({**hi, "container": "c"}, "container", 400),
+            ({**hi, "nope": 1}, "nope", 400),
+            (
+                {**hi, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
+                "messages[0].content[0].type",
+                400,
+            ),
+            ({**hi, "tools": [search]}, "tools[0].type", 400),
+            (
+                {**hi, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}},
+                "thinking.budget_tokens",
+                400,
+            ),
         ):
             refused = http.post("/v1/messages", json=sent)
             assert refused.status_code == status, refused.text
@@ -195,6 +213,7 @@ def test_count_tokens_is_refused_by_the_sim_in_anthropics_shape(gateway: Running
 
 def test_anthropic_headers_are_taken(gateway: RunningGateway) -> None:
     headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"}
-    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u"}}
+    hi = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "max_tokens": 4, "messages": hi, "metadata": {"user_id": "u"}}
     answer = httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=30)
     assert answer.status_code == 200 and answer.json()["content"][0]["type"] == "text"
