@@ -17,14 +17,15 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, Tag, create_model, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, Tag, create_model
 
-from app.contract.declared import TAG, BadInput, Declared, NotServed, by_json_type, by_type, says, tagged
+from app.contract.declared import TAG, Declared, NotServed, by_json_type, by_type, says, tagged
 from app.contract.engine_inputs import Name
 from app.contract.requests import request_models
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's and vLLM's floor for thinking.budget_tokens
-BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+# (an image is not among them: the chat completions phasegate serves take text parts only)
 # passed on to the chat completion under the same name
 PASSED_AS_IS = ("model", "stream", "temperature", "top_p", "top_k")
 NOT_SERVED = {
@@ -54,32 +55,20 @@ class TextBlock(Declared):
     citations: Annotated[None, says("are not served: phasegate cites no documents", not_served=True)] = None
 
 
-class ImageSource(Declared):
-    type: Annotated[Literal["base64", "url"], says("must be base64 or url", wrong_type_too=True)]
-    media_type: str | None = None
-    data: str | None = None
-    url: str | None = None
-
-    @model_validator(mode="after")
-    def _given(self) -> ImageSource:
-        if self.type == "base64" and (self.data is None or self.media_type is None):
-            raise BadInput("data", "and 'media_type' are required for a base64 image")
-        if self.type == "url" and self.url is None:
-            raise BadInput("url", "is required for an image by URL")
-        return self
-
-
-class ImageBlock(Declared):
-    type: Literal["image"]
-    source: ImageSource
-    cache_control: CacheControl | None = None
-
-
-_RESULT_PART = "must be a text or image block"
 ResultPart = Annotated[
-    Annotated[TextBlock, Tag(TAG + "text")] | Annotated[ImageBlock, Tag(TAG + "image")],
-    tagged(by_type({"text": "text", "image": "image"}, other="none"), _RESULT_PART),
+    Annotated[TextBlock, Tag(TAG + "text")] | Annotated["OtherResultPart", Tag(TAG + "other")],
+    tagged(by_type({"text": "text"}), "must be a text block"),
 ]
+
+
+class OtherResultPart(Declared):
+    """A tool result's part that is not text (an image): the chat phasegate serves takes text parts only."""
+
+    type: Annotated[Any, BeforeValidator(lambda kind: _not_text(kind))]
+
+
+def _not_text(kind: Any) -> Any:
+    raise NotServed("", f"is a '{kind}' block; a tool result takes text blocks")
 
 
 class ToolUseBlock(Declared):
@@ -95,9 +84,7 @@ class ToolResultBlock(Declared):
 
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1)]
-    content: Annotated[str | list[ResultPart], says("must be a string or a list of text and image blocks")] | None = (
-        None
-    )
+    content: Annotated[str | list[ResultPart], says("must be a string or a list of text blocks")] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
@@ -127,7 +114,6 @@ class OtherBlock(Declared):
 
 Block = Annotated[
     Annotated[TextBlock, Tag(TAG + "text")]
-    | Annotated[ImageBlock, Tag(TAG + "image")]
     | Annotated[ToolUseBlock, Tag(TAG + "tool_use")]
     | Annotated[ToolResultBlock, Tag(TAG + "tool_result")]
     | Annotated[ThinkingBlock, Tag(TAG + "thinking")]
@@ -158,7 +144,7 @@ class InputSchema(Declared):
     properties: dict[str, Any] | None = None
 
 
-class Tool(Declared):
+class CustomTool(Declared):
     model_config = ConfigDict(extra="forbid")
     type: Literal["custom"] | None = None
     name: Name
@@ -207,7 +193,7 @@ Thinking = Annotated[
 ]
 
 
-class Metadata(Declared):
+class MessagesMetadata(Declared):
     model_config = ConfigDict(extra="forbid")
     user_id: Annotated[str, Field(max_length=256), says("must be a string of at most 256 characters")] | None = None
 
@@ -232,7 +218,7 @@ class _Prompt(Declared):
     model: Annotated[str, Field(min_length=1)]
     messages: Annotated[list[MessageParam], Field(min_length=1)]
     system: Annotated[str | list[TextBlock], says("must be a string or a list of text blocks")] | None = None
-    tools: list[Annotated[Tool, BeforeValidator(_tools_served)]] | None = None
+    tools: list[Annotated[CustomTool, BeforeValidator(_tools_served)]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
@@ -243,7 +229,7 @@ class MessagesRequest(_Prompt):
 
     max_tokens: int  # bounded by messages_model, as the chat's max_tokens
     stop_sequences: Annotated[list[str], says("must be an array of strings", wrong_type_too=True)] | None = None
-    metadata: Metadata | None = None
+    metadata: MessagesMetadata | None = None
 
 
 class CountTokensRequest(_Prompt):

@@ -7,7 +7,7 @@ completion, which both replica kinds speak. So the body, checked against its dec
 body here as vLLM's own Messages server turns it (``system`` a system message first, its
 blocks' text joined; an assistant's ``tool_use`` blocks its tool calls, with the input as
 JSON arguments, and its ``thinking`` blocks its ``reasoning``; a user's ``tool_result``
-blocks tool messages ahead of the rest of its content; images as ``image_url`` parts), and
+blocks tool messages ahead of the rest of its content), and
 that chat body is then validated as any other (app/api/schemas.py).
 
 A field phasegate cannot honour is refused with a 400 that names it, never dropped
@@ -46,6 +46,9 @@ def parse_messages_request(body: Any, limits: Limits) -> GenerationRequest:
             if name in CLIENT_NAMES:
                 error.message = error.message.replace(name, CLIENT_NAMES[name])
                 error.param = CLIENT_NAMES[name]
+            elif name in ("tools", "tool_choice"):  # this API's tools have no function object
+                error.message = error.message.replace(error.param, error.param.replace(".function", ""))
+                error.param = error.param.replace(".function", "")
         raise
     made = MessagesCall(body=body, stop_sequences=tuple(body.get("stop_sequences") or ()))
     return dataclasses.replace(generation, anthropic=made)
@@ -138,8 +141,6 @@ def _messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any
             kind = block["type"]
             if kind == "text" and block["text"]:
                 parts.append({"type": "text", "text": block["text"]})
-            elif kind == "image":
-                parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
             elif kind == "thinking":
                 reasoning.append(block["thinking"])
             elif kind == "tool_use":
@@ -168,12 +169,6 @@ def _result_text(block: dict[str, Any]) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "\n".join(part["text"] for part in content if part["type"] == "text")
-
-
-def _image_url(source: dict[str, Any]) -> str:
-    if source["type"] == "url":
-        return str(source["url"])
-    return f"data:{source['media_type']};base64,{source['data']}"
 
 
 def _tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -96,9 +96,14 @@ class _Messages:
         headers = id_header(request_id)
         if status != 200 or not isinstance(answer, dict) or not isinstance(answer.get("count"), int):
             said = answer.get("error") if isinstance(answer, dict) else None
-            kept = said if isinstance(said, dict) else {"message": f"the replica answered {status}"}
-            status = status if status >= 400 else 502
-            return JSONResponse(anthropic_error(status, kept), status_code=status, headers=headers)
+            message = said.get("message") if isinstance(said, dict) else None
+            refused = {
+                "message": message if isinstance(message, str) else f"the replica answered {status} to /tokenize",
+                "code": "upstream_refused_request" if 400 <= status < 600 else "upstream_unavailable",
+                "request_id": request_id,
+            }
+            status = status if 400 <= status < 600 else 502
+            return JSONResponse(anthropic_error(status, refused), status_code=status, headers=headers)
         count = answer["count"]
         counted = {"input_tokens": count, "context_management": {"original_input_tokens": count}}
         return JSONResponse(counted, headers=headers)

@@ -111,12 +111,12 @@ def test_the_sdk_raises_the_error_event_with_its_fields(
         anthropic.Anthropic(base_url=gateway.url, api_key="k", max_retries=0, timeout=30) as client,
     ):
         received: list[str] = []
-        with pytest.raises(anthropic.APIStatusError) as failed:
-            with client.messages.stream(
-                model=MODEL, max_tokens=20, messages=[{"role": "user", "content": prompt}]
-            ) as s:
-                for text in s.text_stream:
-                    received.append(text)
+        with (
+            pytest.raises(anthropic.APIStatusError) as failed,
+            client.messages.stream(model=MODEL, max_tokens=20, messages=[{"role": "user", "content": prompt}]) as s,
+        ):
+            for text in s.text_stream:
+                received.append(text)
         body = failed.value.body
         assert isinstance(body, dict) and body["type"] == "error"
         assert body["error"]["delivered_output_tokens"] == len(received) > 0
