@@ -7,17 +7,20 @@ what the client received (the SDK's parsed objects, the stream's events) and by 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
 
+from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.scripted_upstream import ScriptedUpstream, answer, running_scripted_upstream
 from tests.support.transcript import of
 from tests.support.workers import WorkerProcess
 
@@ -27,6 +30,7 @@ LOOKUP = {
     "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
 }
 KEY = "sk-messages"
+ADMIN_TOKEN = "s3cret-admin"
 
 
 def client_of(gateway: RunningGateway, **options: Any) -> anthropic.Anthropic:
@@ -217,3 +221,60 @@ def test_anthropic_headers_are_taken(gateway: RunningGateway) -> None:
     body = {"model": MODEL, "max_tokens": 4, "messages": hi, "metadata": {"user_id": "u"}}
     answer = httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=30)
     assert answer.status_code == 200 and answer.json()["content"][0]["type"] == "text"
+
+
+@pytest.fixture
+def scripted_gateway(database_url: str) -> Iterator[tuple[RunningGateway, ScriptedUpstream]]:
+    """A gateway over a scripted OpenAI-compatible upstream (reasoning, tool-call pieces on demand)."""
+    with running_scripted_upstream(token_delay_s=0.01) as upstream:
+        replicas = [ReplicaConfig(id="u1", url=upstream.base_url, kind="openai")]
+        with running_gateway(database_url, replicas, timeouts=Timeouts(stall_s=10.0), admin_token=ADMIN_TOKEN) as gw:
+            yield gw, upstream
+
+
+def test_reasoning_is_a_thinking_block_before_the_text(
+    scripted_gateway: tuple[RunningGateway, ScriptedUpstream],
+) -> None:
+    gateway, upstream = scripted_gateway
+    client = client_of(gateway)
+    words = answer("think first", 6)
+    asked: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "think first"}]}
+    upstream.script({"reasoning": 3})
+    with client.messages.stream(**asked) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    upstream.script({"reasoning": 3})
+    whole = client.messages.create(**asked)
+    for message in (streamed, whole):
+        thinking, text = message.content
+        assert thinking.type == "thinking" and thinking.thinking == "".join(words[:3])
+        assert text.type == "text" and text.text == "".join(words[3:])
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert deltas == ["thinking_delta"] * 3 + ["text_delta"] * 3
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.index, e.content_block.type) for e in starts] == [(0, "thinking"), (1, "text")]  # type: ignore[union-attr]
+    events_logged = gateway.events(request_id_of(streamed))
+    logged_text = "".join(e.text or "" for e in of(events_logged, ev.DeltasDelivered))  # type: ignore[attr-defined]
+    assert logged_text == "".join(words)  # reasoning is output like any other (docs/design.md §14)
+
+
+def test_a_tool_call_streamed_in_pieces_is_one_tool_use_block(
+    scripted_gateway: tuple[RunningGateway, ScriptedUpstream],
+) -> None:
+    gateway, upstream = scripted_gateway
+    upstream.script({"tool": "lookup", "arguments": '{"word": "gateway"}', "pieces": 3})
+    asked = [{"role": "user", "content": "look it up"}]
+    with client_of(gateway).messages.stream(model=MODEL, max_tokens=30, messages=asked, tools=[LOOKUP]) as stream:  # type: ignore[list-item]
+        events = list(stream)
+        final = stream.get_final_message()
+    (use,) = final.content
+    assert use.type == "tool_use" and use.name == "lookup" and use.input == {"word": "gateway"}
+    assert final.stop_reason == "tool_use"
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert len(pieces) == 3 and "".join(pieces) == '{"word": "gateway"}'
+    with gateway.http(headers={"authorization": f"Bearer {ADMIN_TOKEN}"}) as http:  # the operator's views, unchanged
+        request_id = request_id_of(final)
+        assert http.get(f"/v1/requests/{request_id}").status_code == 200
+        assert http.get(f"/ui/requests/{request_id}").status_code == 200
+        assert request_id in http.get("/ui/requests").text
+    assert replay(gateway.events(request_id)).ok
