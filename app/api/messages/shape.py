@@ -40,7 +40,6 @@ ERROR_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    499: "request_cancelled",
     500: "api_error",
     502: "api_error",
     503: "overloaded_error",
