@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.api.messages.openapi import SCHEMAS as MESSAGES_SCHEMAS
+from app.api.messages.openapi import messages_paths
 from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
 from app.api.openapi_responses import responses_paths
 from app.config import GatewayConfig
+from app.contract.messages import CountTokensRequest, messages_model
 from app.contract.requests import request_models
 from app.contract.responses import responses_model
 
@@ -156,6 +159,8 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
     for declared in (
         *request_models(limits.max_tokens, limits.max_n),
         responses_model(limits.max_tokens, limits.max_n),
+        messages_model(limits.max_tokens, limits.max_n),
+        CountTokensRequest,
     ):
         schema = declared.model_json_schema(ref_template=_REF + "{model}")
         for name, part in schema.pop("$defs").items():
@@ -176,6 +181,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
             "/v1/chat/completions": {"post": _generation("createChatCompletion", "ChatCompletion", security)},
             "/v1/completions": {"post": _generation("createCompletion", "Completion", security)},
             **responses_paths(_generation("createResponse", "Response", security), security),
+            **messages_paths(security),
             "/v1/models": {
                 "get": {
                     "operationId": "listModels",
@@ -199,6 +205,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
                 "ModelList": _MODEL_LIST,
                 "Error": _ERROR,
                 **RESPONSES_SCHEMAS,
+                **MESSAGES_SCHEMAS,  # (named apart from the request models' parts above)
             },
         },
     }

@@ -18,6 +18,7 @@ from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
 from app.api.from_log import LoggedDelta, deltas_of, failure_of, final_answer, produced_tail
+from app.api.messages.shape import MessagesShape
 from app.api.request_ids import check_request_id
 from app.api.responses_input import chat_messages
 from app.api.responses_shape import ResponsesShape
@@ -74,12 +75,12 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
     return shape.failed_response(failure_body(request_id, failure_of(terminal, state, events))["error"])
 
 
-def _delta_events(shape: ResponsesShape, delta: LoggedDelta) -> bytes:
+def _delta_events(shape: ResponsesShape | MessagesShape, delta: LoggedDelta) -> bytes:
     return shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
 
 
 async def follow_response(
-    ctx: GatewayContext, request_id: str, events: list[ev.Event], shape: ResponsesShape
+    ctx: GatewayContext, request_id: str, events: list[ev.Event], shape: ResponsesShape | MessagesShape
 ) -> AsyncIterator[bytes]:
     """The response's stream read again from the log, from its first event (the shape
     leaves out those up to ``shape.after``): what its client was sent, numbered as it was,

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from app.api.messages.shape import MessagesShape
 from app.api.sse import ChoiceAnswer, ResponseShape, response_id
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
@@ -380,12 +381,14 @@ class ResponsesShape:
 
 _PREFIX = {MESSAGE: "msg", REASONING: "rs", "function_call": "fc"}
 
-Shape = ResponseShape | ResponsesShape
+Shape = ResponseShape | ResponsesShape | MessagesShape
 
 
 def shape_for(request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> Shape:
     """The answer's shape for the API the client called: a Responses API answer, or a
-    chat completion or completion."""
+    chat completion or completion; an Anthropic message (app/api/messages/shape.py)."""
+    if request.anthropic is not None:
+        return MessagesShape(request, request_id, created, model)
     if request.responses is not None:
         return ResponsesShape(request, request_id, created, model)
     return ResponseShape(request, response_id(request, request_id), created, model)

@@ -53,6 +53,7 @@ from app.api.from_log import (
     shape_from_log,
     whole_from_log,
 )
+from app.api.messages.shape import MessagesShape
 from app.api.owner import forward_stream, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.api.responses_shape import ResponsesShape, shape_for
@@ -62,6 +63,7 @@ from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
 from app.driver.outputs import Delta, Failed, Output, Restarted
+from app.driver.request import MESSAGES
 from app.http_cycle import CHUNK_WRITER
 from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
@@ -102,6 +104,10 @@ class _Resume:
             check_resumable(events)
         except ApiError as error:
             return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
+        if accepted.endpoint == MESSAGES:  # its events are numbered, not its deltas (docs/design.md §17)
+            from app.api.messages.routes import resume_message  # (it follows the log as this module does)
+
+            return await resume_message(self.ctx, request, request_id, events, after)
         log.info("request %s: its stream resumes from delta %d", request_id, after + 1)
         live = await attach_live(self.ctx, request_id, request, after, stream=True)
         if live is None:
@@ -270,7 +276,7 @@ async def attach_live(
         return Response(status_code=499, headers=headers)
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
     shape = shape_for(request_shape, request_id, driver.created, driver.answered_by)
-    if isinstance(shape, ResponsesShape):
+    if isinstance(shape, ResponsesShape | MessagesShape):
         shape.after = events_after
     gone = client_gone(request.scope, request.receive)
     body = stream_body(driver, shape, first, gone, lambda tokens: None, start, request.scope.get(CHUNK_WRITER))

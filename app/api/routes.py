@@ -54,6 +54,7 @@ from app.api.errors import (
     retry_headers,
 )
 from app.api.limits import TenantLimiter
+from app.api.messages.routes import messages_routes
 from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
 from app.api.responses_log import earlier_turns
@@ -103,6 +104,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *resume_routes(ctx, authenticator),
         *cancel_routes(ctx, authenticator),
         *responses_routes(ctx, authenticator),
+        *messages_routes(ctx, authenticator, api._generate),
         *utility_routes(ctx, authenticator),
         *unserved_routes(),
     ]
@@ -117,7 +119,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
                 CORSMiddleware,
                 allow_origins=list(origins),
                 allow_methods=["GET", "POST", "DELETE"],
-                allow_headers=["authorization", "content-type"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta"],
                 expose_headers=["x-request-id"],
                 max_age=600,
             )

@@ -16,6 +16,7 @@ from app.replicas.base import AttemptRequest
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
 RESPONSES = "responses"  # the Responses API: each attempt a chat completion (docs/design.md §15)
+MESSAGES = "messages"  # Anthropic's Messages API: each attempt a chat completion (docs/design.md §17)
 NOT_PASSED_ON = RECORDED | SET_BY_PHASEGATE | {"model"}
 AFFINITY_PROMPT_CHARS = 512  # a completion prompt's affinity key: its start, which follow-ups share
 AFFINITY_PROMPT_TOKENS = 128  # the same, for a prompt of token ids
@@ -30,6 +31,15 @@ class ResponsesCall:
     echo: dict[str, Any]
     output_logprobs: bool = False
     background: bool = False  # generated with no client attached (docs/design.md §15)
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesCall:
+    """How an Anthropic Messages API request was made: the client's body, and what its
+    answer says of it (app/api/messages/request.py)."""
+
+    body: dict[str, Any]
+    stop_sequences: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +78,14 @@ class GenerationRequest:
     # a Responses API request (app/api/responses_request.py): its attempts are the chat
     # completion ``raw`` holds
     responses: ResponsesCall | None = field(default=None, compare=False, repr=False)
+    # an Anthropic Messages API request (app/api/messages/request.py): the same, in that API's words
+    anthropic: MessagesCall | None = field(default=None, compare=False, repr=False)
 
     @property
     def logged_endpoint(self) -> str:
         """The API the client called, as the log records it."""
+        if self.anthropic is not None:
+            return MESSAGES
         return RESPONSES if self.responses is not None else self.endpoint
 
     @property
@@ -88,6 +102,8 @@ class GenerationRequest:
     @property
     def client_body(self) -> dict[str, Any]:
         """The body the client sent, as the log records its input."""
+        if self.anthropic is not None:
+            return self.anthropic.body
         return self.responses.body if self.responses is not None else self.raw
 
     @property
