@@ -65,7 +65,7 @@ def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
     assert responses["properties"]["model"]["enum"] == [MODEL, None]
     assert responses["properties"]["conversation"]["type"] == "null"  # not served: refused unless null
     messages = document["components"]["schemas"]["CreateMessageRequest"]
-    assert messages["properties"]["model"]["enum"] == [MODEL] and "max_tokens" in messages["required"]
+    assert messages["properties"]["model"]["enum"] == [MODEL, None] and "max_tokens" in messages["required"]
     assert messages["properties"]["max_tokens"]["maximum"] == MAX_TOKENS
     assert messages["properties"]["container"]["type"] == "null"
 
