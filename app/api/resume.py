@@ -58,6 +58,7 @@ from app.api.request_ids import check_request_id, id_header
 from app.api.responses_shape import ResponsesShape, shape_for
 from app.api.sse import ResponseShape
 from app.api.token_stream import TokenStreamResponse, client_gone
+from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
@@ -336,6 +337,7 @@ def _after(request: Request) -> int:
         raw, param = request.query_params.get("after"), "after"
     if raw is None or raw == "":
         return -1
-    if not (raw.isascii() and raw.isdigit()) or int(raw) >= MAX_EVENT_ID:
-        raise InvalidRequest(f"'{param}' must be a delta index (a non-negative integer)", param=param)
-    return int(raw)
+    try:
+        return parse_integer(raw, f"'{param}' (a delta index)", maximum=MAX_EVENT_ID - 1)
+    except IntegerRefused as exc:
+        raise InvalidRequest(str(exc), param=param) from None
