@@ -31,11 +31,19 @@ from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailabl
 from app.api.from_log import check_resumable
 from app.api.json_answer import JSONAnswer
 from app.api.request_ids import id_header
-from app.api.responses_log import ENDED, body_of, follow_response, kept_body, response_events, response_from_log
+from app.api.responses_log import (
+    ENDED,
+    body_of,
+    follow_response,
+    kept_body,
+    response_events,
+    response_from_log,
+    shown_deltas,
+)
 from app.api.responses_poll import poll_live
 from app.api.responses_request import parse_responses_request
 from app.api.responses_shape import ResponsesShape
-from app.api.resume import at_owner, attach_live, ended, logged
+from app.api.resume import at_owner, attach_live, ended, logged, record_resumed
 from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store.base import RequestInput
@@ -112,7 +120,10 @@ class _Responses:
             forwarded = await at_owner(self.ctx, request, stored.events, f"/v1/responses/{stored.response_id}")
             if forwarded is not None:
                 return forwarded
-        return JSONAnswer(response_from_log(stored.request_id, stored.events, shape), headers=headers)
+        answer = response_from_log(stored.request_id, stored.events, shape)
+        if stored.ended and (shown := shown_deltas(stored.events)):  # a read, recorded (docs/design.md §15)
+            await record_resumed(self.ctx, stored.request_id, 0, shown)
+        return JSONAnswer(answer, headers=headers)
 
     async def _cancel(self, request: Request, stored: _Stored) -> Response:
         """Stop a live response at once (as ``POST /v1/requests/{id}/cancel``); the answer
