@@ -332,4 +332,5 @@ def _announce(config: GatewayConfig, generated_token: str | None, processes: int
         print(f"requests and their timelines: {base}/ui/requests?token={generated_token}")
     elif config.admin_token:
         print(f"requests and their timelines: {base}/ui/requests (with the configured admin token)")
+    print("SQL over the request log: phasegate sql (--query N, --list, --tenant T: docs/audit.md)")
     print("Ctrl-C drains the gateway, then stops it and everything it started.", flush=True)

@@ -244,6 +244,7 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     try:
         line = wait_for_line(output, r"requests and their timelines: (.*)", process).group(1)
         assert line.endswith("/ui/requests (with the configured admin token)")
+        wait_for_line(output, "SQL over the request log: phasegate sql", process)  # docs/audit.md's way in
         wait_for_line(output, "Ctrl-C drains", process)
         ctrl_c(process)
         assert exited(process, output) == 0
