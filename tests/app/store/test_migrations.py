@@ -289,3 +289,32 @@ async def test_the_generated_columns_read_the_same_computed_on_read(empty_databa
         assert await connection.fetch(GENERATED) == virtual
     finally:
         await connection.close()
+
+
+QUIET_UPGRADE = """
+import sys
+from app.logs import configure
+configure(sys.argv[2])
+from app.store import migrate
+migrate.upgrade(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_an_upgrade_says_one_line_and_alembic_its_own_only_at_debug(empty_database_url: str, level: str) -> None:
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_UPGRADE, empty_database_url, level],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    head = ScriptDirectory.from_config(migrate.alembic_config()).get_current_head()
+    said = [line for line in lines if "phasegate.store.migrate" in line]
+    assert len(said) == 1 and said[0].endswith(f"the log's schema migrated from revision none to {head}"), lines
+    alembic = [line for line in lines if " alembic." in line]
+    assert (alembic == []) if level == "info" else len(alembic) > 5, lines
