@@ -108,3 +108,12 @@ def test_a_body_at_the_limit_reaches_an_openai_replica_whole(
     with httpx.Client(base_url=gateway.url, timeout=60) as http:
         response = post(http, path, body)
     assert response.status_code == 200, response.text[:300]
+
+
+def test_a_deep_value_where_a_name_belongs_is_a_400_not_a_failure_to_quote_it(gateway: RunningGateway) -> None:
+    """A refusal quotes what it refuses: a value nested to the limit is not written into it."""
+    with gateway.http() as http:
+        for path in ("/tokenize", "/detokenize", "/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            response = post(http, path, {"model": nested(MAX_JSON_DEPTH - 1), "prompt": "hi", "input": "hi"})
+            assert response.status_code == 400, (path, response.status_code, response.text[:300])
+            assert response.json()["error"]["code"] and len(response.text) < 2000  # nothing of it quoted whole
