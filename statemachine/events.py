@@ -210,13 +210,19 @@ class RequestCancelled(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class StreamResumed(RequestScoped):
-    """A client picked the ended request's stream up again from the log (docs/design.md §12):
-    bookkeeping after the terminal event of what was sent, deltas ``[from_index,
-    to_index)`` and then the end, by the gateway instance ``gateway``."""
+    """A reader of the ended request, from the log (docs/design.md §12, §15): a stream picked
+    up again, or a poll of an ended response that shows output. Bookkeeping after the
+    terminal event of what was sent, deltas ``[from_index, to_index)`` and then the end, by
+    the gateway instance ``gateway``; ``tokens``: the output tokens of every delta that reader
+    then had (``[0, to_index)``), so the request's delivered count is the most any reader was
+    shown (0 in logs written before it was recorded)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("tokens",)}
     from_index: int
     to_index: int
     gateway: str
+    tokens: int = 0
 
 
 # --- attempt-scoped events -------------------------------------------------------------

@@ -68,6 +68,7 @@ from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
 from statemachine.deltas import TOOL_CALLS
+from statemachine.request_state import RequestState
 from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
@@ -169,6 +170,16 @@ class _Follower:
                 continue  # the log is away: the follower waits for it
 
 
+def shown_tokens(events: list[ev.Event], state: RequestState, to_index: int) -> int:
+    """The output tokens of deltas ``[0, to_index)``: those delivered live, then those of the
+    produced tail a reader of the ended request gets (0 where it had fewer than the live
+    deliveries: the count stands at those)."""
+    if to_index < state.delivered_deltas:
+        return 0
+    delivered = sum(e.tokens for e in events if isinstance(e, ev.DeltasDelivered))
+    return delivered + sum(d.tokens for d in produced_tail(events, state) if d.index < to_index)
+
+
 async def record_resumed(ctx: GatewayContext, request_id: str, from_index: int, to_index: int) -> None:
     """``StreamResumed`` after the terminal event: what a read from the log sent."""
     for _ in range(3):  # another resumer, or the owner's late bookkeeping, may append first
@@ -183,6 +194,7 @@ async def record_resumed(ctx: GatewayContext, request_id: str, from_index: int, 
                 from_index=min(from_index, to_index),
                 to_index=to_index,
                 gateway=ctx.gateway_id,
+                tokens=shown_tokens(events, state, to_index),
             )
             await ctx.store.append(request_id, state.seq, [resumed], durable=True)
             log.debug("request %s: resumed deltas %d..%d sent", request_id, resumed.from_index, to_index - 1)
