@@ -38,7 +38,8 @@ _GENERAL = (
 
 
 def _previous() -> object:
-    previous = context.script.get_revision(down_revision)
+    """0012, whose projection this one changes (whatever revision it follows in the chain)."""
+    previous = context.script.get_revision("0012")
     assert previous is not None and previous.module is not None
     return previous.module
 
