@@ -8,6 +8,8 @@
     phasegate trace     export requests as a trace file, import one elsewhere
     phasegate keys      API keys, stored hashed: create (printed once), list, revoke
     phasegate tenants   a tenant's data: erase its content, keep the events
+    phasegate sql       psql on the log (the configured database; --tenant, --query N)
+    phasegate admin-token  the embedded default's admin token (--rotate replaces it)
 
 Only the module of the subcommand named is imported (its parser with it), so
 ``phasegate worker`` does not load the gateway or SQLAlchemy and starts in a third of
@@ -33,6 +35,8 @@ PARSERS: dict[str, tuple[str, str]] = {
     "trace": ("app.incident.commands", "add_incident_parsers"),
     "keys": ("app.store.tenant_commands", "add_tenant_parsers"),
     "tenants": ("app.store.tenant_commands", "add_tenant_parsers"),
+    "sql": ("app.store.sql_command", "add_sql_parser"),
+    "admin-token": ("app.store.admin_token", "add_admin_token_parser"),
 }
 
 
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # reload, db, replay, trace, keys, tenants
+    return int(args.run(args))  # reload, db, replay, trace, keys, tenants, sql, admin-token
 
 
 def _adder(where: tuple[str, str]) -> Callable[[Any], None]:

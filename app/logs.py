@@ -157,6 +157,9 @@ def configure(level: str = "info", log_format: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # alembic's own lines (its plugins, each migration: a dozen a start) only at debug; the
+    # upgrade says in one line where the schema went (app/store/migrate.py)
+    logging.getLogger("alembic").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
     _redacting[:] = [formatter]
 
 

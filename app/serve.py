@@ -58,11 +58,24 @@ DEMO_REVISION = "sim-1"
 
 
 def add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the gateway (embedded PostgreSQL and simulated workers by default)")
+    p = sub.add_parser(
+        "serve",
+        help="run the gateway (embedded PostgreSQL and simulated workers by default)",
+        description="Run the gateway. With nothing configured: its own PostgreSQL (embedded), two simulated "
+        "workers and one gateway process on http://127.0.0.1:8000. Ctrl-C drains, a second Ctrl-C ends open "
+        "streams now. Settings: defaults, then --config (TOML: docs/configuration.md), then the environment, "
+        "then these flags.",
+        epilog="environment: DATABASE_URL names the log's PostgreSQL (else the embedded server); "
+        "PHASEGATE_DATA_DIR is the embedded server's home (default /var/lib/phasegate as root, else "
+        "~/.local/share/phasegate); PHASEGATE_WORKER_TOKEN the workers' shared token. The admin token (the "
+        "request list, /v1/requests): admin_token in the TOML file; with none, on 127.0.0.1 the embedded "
+        "default keeps one in the data directory (phasegate admin-token prints it, --rotate replaces it), "
+        "and it is printed in the request list's URL at every start. SQL over the log: phasegate sql.",
+    )
     p.add_argument("--config", type=Path, help="a TOML file of settings (see docs/configuration.md)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000; 0 picks a free one, see --ready-file)")
-    p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once serving")
+    p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here once serving (default: none)")
     p.add_argument(
         "--pid-file", type=Path, help="write its pid here, for `phasegate reload` (default: in the embedded data dir)"
     )
@@ -73,17 +86,29 @@ def add_serve_parser(sub: Any) -> None:
         metavar="[KIND=]URL[#ID]",
         help="a replica: worker=http://… (default kind) or openai=http://… (repeatable)",
     )
-    p.add_argument("--model", action="append", default=[], metavar="NAME[=REVISION]", help="a served model")
-    p.add_argument("--sim-workers", type=int, default=2, help="simulated workers to start when no replica is set")
     p.add_argument(
-        "--sim-ms-per-token", type=float, default=None, help="the simulated workers' time per token (default 2)"
+        "--model", action="append", default=[], metavar="NAME[=REVISION]", help="a served model (repeatable)"
+    )
+    p.add_argument(
+        "--sim-workers", type=int, default=2, help="simulated workers to start when no replica is set (default 2)"
+    )
+    p.add_argument(
+        "--sim-ms-per-token",
+        type=float,
+        default=None,
+        help="the simulated workers' time per token in ms (default 2; 50 is slow enough to watch a resume or a drain)",
     )
     p.add_argument(
         "--processes",
         type=_positive,
         help="gateway processes sharing the port (default: the container's CPU quota, else the cores; 1 for the demo)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        metavar="{debug,info,warning,error}",
+        help="the lowest level logged, on stderr (default info; debug adds alembic's migration lines)",
+    )
     p.add_argument(
         "--log-format", choices=LOG_FORMATS, help="text (default) or json: one object a line, with request_id"
     )
@@ -137,7 +162,11 @@ def serve(args: argparse.Namespace) -> int:
     pid_file = pid_file_of(config, args.pid_file)
     generated_token = None
     if config.admin_token is None and _is_loopback(config.host):
-        generated_token = secrets.token_urlsafe(24)
+        # the embedded default's is kept in its data directory, so its URL lasts across starts
+        from app.store.admin_token import stable_admin_token
+
+        embedded = not config.database_url
+        generated_token = stable_admin_token(config.data_dir) if embedded else secrets.token_urlsafe(24)
         config = dataclasses.replace(config, admin_token=generated_token)
     try:
         if pid_file is not None:
@@ -393,8 +422,9 @@ def _announce(config: GatewayConfig, generated_token: str | None, processes: int
         f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
         f'-d \'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\''
     )
-    if generated_token is not None:  # generated for this run only: printed once, here
+    if generated_token is not None:  # the data directory's (or this run's): printed once, here
         print(f"requests and their timelines: {base}/ui/requests?token={generated_token}")
     elif config.admin_token:
         print(f"requests and their timelines: {base}/ui/requests (with the configured admin token)")
+    print("SQL over the request log: phasegate sql (--query N, --list, --tenant T: docs/audit.md)")
     print("Ctrl-C drains the gateway, then stops it and everything it started.", flush=True)

@@ -1,10 +1,8 @@
 """The log's vocabulary (docs/design.md §3): one frozen, slotted dataclass per event.
 
-Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and
-``occurred_at`` (the gateway's clock, read by the driver, never here).
-Attempt-scoped events also carry ``attempt`` and ``lease_epoch``.
-
-Their JSON form, which the log stores and traces carry: :mod:`statemachine.jsonform`.
+Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and ``occurred_at`` (the
+gateway's clock, read by the driver, never here); attempt-scoped ones ``attempt`` and
+``lease_epoch``. Their JSON form, which the log stores and traces carry: :mod:`statemachine.jsonform`.
 """
 
 from __future__ import annotations
@@ -58,12 +56,11 @@ class ReleaseReason(enum.StrEnum):
 class RequestScoped:
     """Fields every event carries.
 
-    ``SCHEMA_VERSION`` is the event's newest form; ``ADDED`` names the body fields each
-    later version added (all with defaults), ``WIDENED`` those whose values it may write in
-    a wider form. An event is written in the oldest form that holds it: while its added
-    fields keep their defaults (and its values the narrower form) it is written as before,
-    so the logs of an earlier release read the same and that release can still read it
-    (:func:`statemachine.jsonform.written_as`); every older form still decodes."""
+    ``SCHEMA_VERSION`` is the event's newest form; ``ADDED`` names the body fields each later
+    version added (all with defaults), ``WIDENED`` those whose values it may write in a wider form.
+    An event is written in the oldest form that holds it: while its added fields keep their defaults
+    (and its values the narrower form) it is written as before, so an earlier release's logs read the
+    same and it can still read it (:func:`statemachine.jsonform.written_as`); every older form decodes."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = {}
@@ -210,13 +207,16 @@ class RequestCancelled(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class StreamResumed(RequestScoped):
-    """A client picked the ended request's stream up again from the log (docs/design.md §12):
-    bookkeeping after the terminal event of what was sent, deltas ``[from_index,
-    to_index)`` and then the end, by the gateway instance ``gateway``."""
+    """A read of the ended request from the log (a stream, a poll showing output: docs/design.md §12,
+    §15), bookkeeping after the end: deltas ``[from_index, to_index)`` sent by ``gateway``; ``tokens``,
+    those of every delta the reader then had (the most any reader was shown counts)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("tokens",)}
     from_index: int
     to_index: int
     gateway: str
+    tokens: int = 0
 
 
 # --- attempt-scoped events -------------------------------------------------------------

@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -56,6 +57,23 @@ _names = itertools.count(1)
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
         make_groups_folder()
+    coverage = config.pluginmanager.get_plugin("_cov")
+    if coverage is not None and partial_run(config):
+        # a few tests' coverage of all of app/ reads as a failure: the data is still
+        # written (.coverage, `coverage report` shows it); the table is the full run's
+        coverage.options.cov_report = {}
+
+
+def partial_run(config: pytest.Config) -> bool:
+    """Whether this run is less than the whole suite: paths other than ``testpaths``, or a selection."""
+    given = {Path(arg.split("::")[0]).resolve() for arg in config.args}
+    whole = {(config.rootpath / path).resolve() for path in config.getini("testpaths")}
+    return given != whole or bool(config.option.keyword) or bool(config.option.markexpr)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if partial_run(config) and config.pluginmanager.hasplugin("_cov"):
+        terminalreporter.write_line("coverage: a partial run prints no table (`coverage report` reads its data)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -46,6 +46,7 @@ from app.api.errors import (
     retry_headers,
 )
 from app.api.request_ids import check_request_id, new_request_id
+from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
@@ -242,13 +243,10 @@ def _integer(request: Request, name: str, default: int, *, minimum: int, maximum
     text = request.query_params.get(name)
     if text is None:
         return default
-    # ASCII digits only ("²".isdigit() is true, int("²") fails), and few enough of them
-    # that int() neither refuses (over 4,300 digits) nor the database overflows
-    in_range = text.isascii() and text.isdigit() and len(text) <= len(str(maximum)) and minimum <= int(text) <= maximum
-    if not in_range:
-        shown = text if len(text) <= 40 else text[:40] + "…"
-        raise InvalidRequest(f"{name} must be an integer from {minimum} to {maximum}, not {shown!r}", param=name)
-    return int(text)
+    try:
+        return parse_integer(text, name, minimum=minimum, maximum=maximum)
+    except IntegerRefused as exc:
+        raise InvalidRequest(str(exc), param=name) from None
 
 
 def _tenants(first: Event, tenant: str) -> bool:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
+from app.api.json_answer import JSONAnswer
 from app.api.responses_shape import Shape, shape_for
 from app.api.sse import ChoiceAnswer
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
@@ -58,7 +59,7 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     await driver.complete(output)
     shape = shape_for(driver.request, driver.request_id, driver.created, driver.answered_by)
     body = shape.completion(answers, output.finish_reasons, output.full_usage, output.stop_reasons)
-    return JSONResponse(body)
+    return JSONAnswer(body)
 
 
 class _Stream:

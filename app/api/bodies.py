@@ -8,6 +8,8 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 
 from app.api.errors import ClientGone, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from app.contract.integers import exceeds
+from app.contract.json_depth import MAX_JSON_DEPTH, depth_over
 
 
 async def json_body(request: Request, limit: int) -> Any:
@@ -20,7 +22,7 @@ async def json_body(request: Request, limit: int) -> Any:
             param="content-type",
         )
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and exceeds(declared, limit):
         raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
     body = bytearray()
     try:
@@ -33,6 +35,19 @@ async def json_body(request: Request, limit: int) -> Any:
     try:
         # orjson refuses what the standard library lets through and nothing downstream
         # can hold: lone UTF-16 surrogates (not Unicode text), NaN and Infinity
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except ValueError as exc:
+        if "depth limit exceeded" in str(exc):  # orjson's own limit, a little past ours
+            raise too_deep() from None
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    # one limit for every route and replica kind, here where the body is parsed: every
+    # encoder on the path writes what it admits (app/contract/json_depth.py)
+    if depth_over(value, MAX_JSON_DEPTH):
+        raise too_deep()
+    return value
+
+
+def too_deep() -> InvalidRequest:
+    return InvalidRequest(
+        f"the request body nests deeper than {MAX_JSON_DEPTH} levels of objects and arrays", code="invalid_json"
+    )

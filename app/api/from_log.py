@@ -17,6 +17,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from app.api.errors import ApiError, failure_body
+from app.api.json_answer import JSONAnswer
 from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
 from app.driver.outputs import Failed, full_usage
 from app.driver.request import RESPONSES, GenerationRequest
@@ -186,7 +187,7 @@ def whole_from_log(
     if not isinstance(terminal, ev.RequestCompleted):
         failed = failure_of(terminal, state, events)
         return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-    return JSONResponse(shape.completion(*final_answer(events, state, terminal)), headers=headers)
+    return JSONAnswer(shape.completion(*final_answer(events, state, terminal)), headers=headers)
 
 
 def final_answer(

@@ -75,6 +75,13 @@ def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesS
     return shape.failed_response(failure_body(request_id, failure_of(terminal, state, events))["error"])
 
 
+def shown_deltas(events: list[ev.Event]) -> int:
+    """How many deltas a reader of the ended response is shown: those delivered, then
+    those produced with no client attached."""
+    state = fold(events)
+    return state.delivered_deltas + len(produced_tail(events, state))
+
+
 def _delta_events(shape: ResponsesShape | MessagesShape, delta: LoggedDelta) -> bytes:
     return shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
 

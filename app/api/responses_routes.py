@@ -29,12 +29,22 @@ from app.api.auth import Authenticator
 from app.api.cancel import stop
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.from_log import check_resumable
+from app.api.json_answer import JSONAnswer
 from app.api.request_ids import id_header
-from app.api.responses_log import ENDED, body_of, follow_response, kept_body, response_events, response_from_log
+from app.api.responses_log import (
+    ENDED,
+    body_of,
+    follow_response,
+    kept_body,
+    response_events,
+    response_from_log,
+    shown_deltas,
+)
 from app.api.responses_poll import poll_live
 from app.api.responses_request import parse_responses_request
 from app.api.responses_shape import ResponsesShape
-from app.api.resume import at_owner, attach_live, ended, logged
+from app.api.resume import at_owner, attach_live, ended, logged, record_resumed
+from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store.base import RequestInput
 from app.store.errors import StoreUnavailable
@@ -106,11 +116,14 @@ class _Responses:
         if not stored.ended:  # its owner shows its output, and records that it did
             polled = await poll_live(self.ctx, stored.request_id, shape)
             if polled is not None:
-                return JSONResponse(polled, headers=headers)
+                return JSONAnswer(polled, headers=headers)
             forwarded = await at_owner(self.ctx, request, stored.events, f"/v1/responses/{stored.response_id}")
             if forwarded is not None:
                 return forwarded
-        return JSONResponse(response_from_log(stored.request_id, stored.events, shape), headers=headers)
+        answer = response_from_log(stored.request_id, stored.events, shape)
+        if stored.ended and (shown := shown_deltas(stored.events)):  # a read, recorded (docs/design.md §15)
+            await record_resumed(self.ctx, stored.request_id, 0, shown)
+        return JSONAnswer(answer, headers=headers)
 
     async def _cancel(self, request: Request, stored: _Stored) -> Response:
         """Stop a live response at once (as ``POST /v1/requests/{id}/cancel``); the answer
@@ -122,7 +135,7 @@ class _Responses:
                 return Response(stopped.content, status_code=stopped.status_code, media_type="application/json")
             events = await ended(self.ctx, stored.request_id, events)
         shape = shape_of(self.ctx, stored.request_id, events, kept_body(stored.recorded))
-        return JSONResponse(response_from_log(stored.request_id, events, shape), headers=id_header(stored.request_id))
+        return JSONAnswer(response_from_log(stored.request_id, events, shape), headers=id_header(stored.request_id))
 
     async def _input_items(self, request: Request, stored: _Stored) -> Response:
         order, limit, after = _paging(request)
@@ -139,7 +152,7 @@ class _Responses:
             "last_id": page[-1]["id"] if page else None,
             "has_more": start + limit < len(items),
         }
-        return JSONResponse(listed, headers=id_header(stored.request_id))
+        return JSONAnswer(listed, headers=id_header(stored.request_id))
 
     async def _delete(self, request: Request, stored: _Stored) -> Response:
         """Erase the response's content as ``phasegate tenants erase`` does; its events stay."""
@@ -215,9 +228,9 @@ async def attach_response(ctx: GatewayContext, request_id: str, request: Request
             return await stream_response(ctx, request, request_id, events, shape, -1)
         accepted = events[0]
         if isinstance(accepted, ev.RequestAccepted) and accepted.background:
-            return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
+            return JSONAnswer(response_from_log(request_id, events, shape), headers=headers)
         events = await ended(ctx, request_id, events)
-        return JSONResponse(response_from_log(request_id, events, shape), headers=headers)
+        return JSONAnswer(response_from_log(request_id, events, shape), headers=headers)
     except StoreUnavailable:
         error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
     except ApiError as refused:
@@ -252,9 +265,10 @@ def _streaming(request: Request) -> tuple[bool, int]:
         return stream == "true", -1
     if stream != "true":
         raise InvalidRequest("'starting_after' is only allowed with stream=true", param="starting_after")
-    if not (raw.isascii() and raw.isdigit()) or int(raw) >= 1 << 31:
-        raise InvalidRequest("'starting_after' must be an event's sequence_number", param="starting_after")
-    return True, int(raw)
+    try:
+        return True, parse_integer(raw, "'starting_after' (an event's sequence_number)", maximum=(1 << 31) - 1)
+    except IntegerRefused as exc:
+        raise InvalidRequest(str(exc), param="starting_after") from None
 
 
 def _paging(request: Request) -> tuple[str, int, str | None]:
@@ -262,6 +276,8 @@ def _paging(request: Request) -> tuple[str, int, str | None]:
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be asc or desc", param="order")
     raw = request.query_params.get("limit", "20")
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_ITEMS:  # "²" is a digit, not an int
-        raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_ITEMS}", param="limit")
-    return order, int(raw), request.query_params.get("after")
+    try:
+        limit = parse_integer(raw, "'limit'", minimum=1, maximum=MAX_ITEMS)
+    except IntegerRefused as exc:
+        raise InvalidRequest(str(exc), param="limit") from None
+    return order, limit, request.query_params.get("after")

@@ -26,6 +26,7 @@ import orjson
 
 from app.api.messages.shape import MessagesShape
 from app.api.sse import ChoiceAnswer, ResponseShape, response_id
+from app.contract import json_depth as deep_json
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
@@ -210,7 +211,11 @@ class ResponsesShape:
         self.sequence += 1
         if number <= self.after:
             return b""
-        data = orjson.dumps({"type": kind, "sequence_number": number, **body})
+        event = {"type": kind, "sequence_number": number, **body}
+        try:
+            data = orjson.dumps(event)
+        except TypeError:  # deeper than orjson writes: a response echoing a deep schema
+            data = deep_json.dumps(event).encode()
         return b"event: %s\ndata: %s\n\n" % (kind.encode(), data)
 
     def _start(self) -> list[bytes]:

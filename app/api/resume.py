@@ -59,6 +59,7 @@ from app.api.request_ids import check_request_id, id_header
 from app.api.responses_shape import ResponsesShape, shape_for
 from app.api.sse import ResponseShape
 from app.api.token_stream import TokenStreamResponse, client_gone
+from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
@@ -69,6 +70,7 @@ from app.logs import bind_request
 from app.store.errors import StoreError, StoreUnavailable, StreamConflict
 from statemachine import events as ev
 from statemachine.deltas import TOOL_CALLS
+from statemachine.request_state import RequestState
 from statemachine.state import advance, fold
 
 log = logging.getLogger("phasegate.api")
@@ -174,6 +176,16 @@ class _Follower:
                 continue  # the log is away: the follower waits for it
 
 
+def shown_tokens(events: list[ev.Event], state: RequestState, to_index: int) -> int:
+    """The output tokens of deltas ``[0, to_index)``: those delivered live, then those of the
+    produced tail a reader of the ended request gets (0 where it had fewer than the live
+    deliveries: the count stands at those)."""
+    if to_index < state.delivered_deltas:
+        return 0
+    delivered = sum(e.tokens for e in events if isinstance(e, ev.DeltasDelivered))
+    return delivered + sum(d.tokens for d in produced_tail(events, state) if d.index < to_index)
+
+
 async def record_resumed(ctx: GatewayContext, request_id: str, from_index: int, to_index: int) -> None:
     """``StreamResumed`` after the terminal event: what a read from the log sent."""
     for _ in range(3):  # another resumer, or the owner's late bookkeeping, may append first
@@ -188,6 +200,7 @@ async def record_resumed(ctx: GatewayContext, request_id: str, from_index: int, 
                 from_index=min(from_index, to_index),
                 to_index=to_index,
                 gateway=ctx.gateway_id,
+                tokens=shown_tokens(events, state, to_index),
             )
             await ctx.store.append(request_id, state.seq, [resumed], durable=True)
             log.debug("request %s: resumed deltas %d..%d sent", request_id, resumed.from_index, to_index - 1)
@@ -342,6 +355,7 @@ def _after(request: Request) -> int:
         raw, param = request.query_params.get("after"), "after"
     if raw is None or raw == "":
         return -1
-    if not (raw.isascii() and raw.isdigit()) or int(raw) >= MAX_EVENT_ID:
-        raise InvalidRequest(f"'{param}' must be a delta index (a non-negative integer)", param=param)
-    return int(raw)
+    try:
+        return parse_integer(raw, f"'{param}' (a delta index)", maximum=MAX_EVENT_ID - 1)
+    except IntegerRefused as exc:
+        raise InvalidRequest(str(exc), param=param) from None

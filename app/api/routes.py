@@ -81,7 +81,9 @@ log = logging.getLogger("phasegate.api")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody reads it
 MAX_IDEMPOTENCY_KEY = 255
 REFUSALS = {
-    "gateway_draining": "the gateway is shutting down; send the request again (another instance takes it)",
+    # true with one instance and with many: the request was not accepted, and may be sent again
+    "gateway_draining": "this gateway is draining (shutting down) and accepted nothing of this request;"
+    " send it again after Retry-After, to another instance or to this one once it is back",
     "gateway_lost": "the gateway lost its place in the request log and is rejoining; retry shortly",
 }
 

@@ -24,6 +24,7 @@ from app.api.auth import Authenticator
 from app.api.bodies import json_body
 from app.api.errors import ApiError, BadGateway, InvalidRequest, NotFound, ServiceUnavailable
 from app.api.request_ids import new_request_id
+from app.contract.integers import quoted
 from app.driver.context import GatewayContext
 
 log = logging.getLogger("phasegate.api")
@@ -98,6 +99,8 @@ class _Utility:
         model = body.get("model")
         if model is None and models:
             return next(iter(models))
-        if not isinstance(model, str) or model not in models:
-            raise NotFound(f"the model '{model}' does not exist", param="model", code="model_not_found")
+        if not isinstance(model, str):  # quoted back, a nested value could not even be written
+            raise InvalidRequest("'model' must be a string naming a served model", param="model")
+        if model not in models:
+            raise NotFound(f"the model {quoted(model)} does not exist", param="model", code="model_not_found")
         return model

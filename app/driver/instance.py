@@ -42,9 +42,19 @@ from statemachine.phases import Phase
 log = logging.getLogger("phasegate.instance")
 
 GATEWAY_LOST = "gateway_lost"
-LOST_MESSAGE = "the gateway serving this request lost its place in the log; the answer stops here"
+LOST_MESSAGE = "the gateway serving this request lost its place in the log and ended it"
 GATEWAY_DRAINING = "gateway_draining"
-DRAINING_MESSAGE = "the gateway is shutting down; retry the request"
+DRAINING_MESSAGE = "the gateway drained (it is shutting down) and ended this request"
+
+
+def with_advice(message: str, partial_output: bool) -> str:
+    """``message`` (what the gateway did) and what the client may do, as its fields say:
+    ``retryable`` is false once part of the answer was sent (docs/design.md §6)."""
+    if partial_output:
+        return (
+            f"{message} after part of the answer was sent; it will not run it again (send a new request to regenerate)"
+        )
+    return f"{message} before any of the answer was sent; send the request again"
 
 
 def new_instance_id() -> str:

@@ -31,7 +31,7 @@ from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
 from app.driver.feed import AttachedClient, Feed
-from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
+from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE, with_advice
 from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
@@ -338,7 +338,8 @@ class RequestLoop(LoopActions):
             if code == CANCELLED_BY_CLIENT:
                 end = self._cancel_request(CancelRequest(CANCELLED_BY_CLIENT))
             else:
-                end = self._fail(ended_by_gateway(self.state, code, message))
+                said = with_advice(message, self.state.first_delta_sent)
+                end = self._fail(ended_by_gateway(self.state, code, said))
             output = await end()
             assert output is not None
             return output
@@ -348,7 +349,7 @@ class RequestLoop(LoopActions):
         self.count_end("failed")
         self.ctx.drivers.pop(self.request_id, None)
         partial = delivered > 0 or self.state.first_delta_sent
-        return Failed(code, message, partial, delivered, retryable=not partial, http_status=503)
+        return Failed(code, with_advice(message, partial), partial, delivered, retryable=not partial, http_status=503)
 
 
 def carries_delta(token: Token) -> bool:

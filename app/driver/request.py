@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract import json_depth as deep_json
 from app.contract.logprobs import as_params
 from app.contract.request_fields import RECORDED, SET_BY_PHASEGATE
 from app.contract.vllm_extras import LEGACY_GUIDED
@@ -197,7 +198,7 @@ class GenerationRequest:
                 leading.append(message)
                 if message.get("role") == "user":
                     break
-            basis = json.dumps(leading, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            basis = deep_json.dumps(leading, sort_keys=True)
         else:  # a completion: its prompt's start (a batch's first prompt), as text or token ids
             prompt = self.raw.get("prompt", self.prompt)
             first = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else prompt
@@ -228,7 +229,7 @@ class GenerationRequest:
 
     def params_digest(self) -> str:
         """The digest of the body the client sent (a response's own, not its chat completion's)."""
-        canonical = json.dumps(self.client_body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        canonical = deep_json.dumps(self.client_body, sort_keys=True)
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 

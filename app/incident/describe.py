@@ -12,10 +12,13 @@ from statemachine.events import Event
 TEXT_PREVIEW = 24  # characters of delivered text shown in a description
 
 
-def describe_event(event: Event) -> str:
+def describe_event(event: Event, *, background: bool = False) -> str:
     """The event's type and the fields a responder reads first, e.g.
-    ``UpstreamFailed replica_exited: connection reset``."""
+    ``UpstreamFailed replica_exited: connection reset``; ``background``: the request is a
+    background response (its ``RequestAccepted`` says), whose readers come and go with no grace."""
     name = type(event).__name__
+    if background and isinstance(event, ev.ClientDisconnected):
+        return f"{name} a reader left; a background response generates on with no client (no grace applies)"
     detail = _detail(event)
     return f"{name} {detail}" if detail else name
 

@@ -51,6 +51,7 @@ def timeline(
         return rows, None
     state = RequestState(request_id=events[0].request_id)
     start = events[0].occurred_at
+    background = isinstance(events[0], ev.RequestAccepted) and events[0].background
     for event in events:
         try:
             state = apply(state, event)
@@ -66,7 +67,9 @@ def timeline(
                 phase=state.phase.value,
                 attempt=attempt,
                 replica=found.replica_id if found is not None else None,
-                event=type(event).__name__ if isinstance(event, ev.Decided) else describe_event(event),
+                event=type(event).__name__
+                if isinstance(event, ev.Decided)
+                else describe_event(event, background=background),
                 decision=_decision(event, runs.get(event.seq)),
             )
         )

@@ -163,7 +163,8 @@ class OpenAIUpstream:
         if body is None:
             response = await self._client.get(f"/{path}", timeout=timeout)
         else:
-            response = await self._client.post(f"/{path}", json=body, timeout=timeout)
+            content, typed = json_body(body), {"content-type": "application/json"}  # at any depth admitted
+            response = await self._client.post(f"/{path}", content=content, headers=typed, timeout=timeout)
         return response.status_code, response.json()
 
     async def _engine_load(self) -> int | None:

@@ -25,7 +25,6 @@ a proxy from the environment comes here; anything else stays with httpx
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.request
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
+from app.contract import json_depth as deep_json
 from app.replicas.chunked import Chunks, whole_chunks
 
 IDLE_S = 2.0  # an idle connection older than this is closed rather than used again
@@ -327,8 +327,8 @@ def json_body(value: Any) -> bytes:
     """A request's JSON body, by orjson (httpx's ``json=`` took three times as long)."""
     try:
         return orjson.dumps(value)
-    except TypeError:  # what orjson cannot write (an integer over 64 bits)
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except TypeError:  # what orjson cannot write (an integer over 64 bits, over 254 levels deep)
+        return deep_json.dumps(value, allow_nan=False).encode()
 
 
 def retry_after_seconds(value: str | None) -> float | None:

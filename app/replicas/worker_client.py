@@ -20,6 +20,7 @@ import httpx
 from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.attempt_start import AttemptStarts
+from app.replicas.upstream_http import json_body
 from app.replicas.worker_errors import (
     ControlUnanswered,
     LeaseLost,
@@ -298,7 +299,8 @@ class WorkerClient:
         if body is None:
             response = await self._http.get(url, headers=self._headers, timeout=timeout)
         else:
-            response = await self._http.post(url, json=body, headers=self._headers, timeout=timeout)
+            headers = {**self._headers, "content-type": "application/json"}  # the body at any depth admitted
+            response = await self._http.post(url, content=json_body(body), headers=headers, timeout=timeout)
         return response.status_code, response.json()
 
     async def info(self) -> dict[str, Any]:

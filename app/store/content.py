@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from app.contract import json_depth as deep_json
 from app.store.queries import ended
 
 POLICIES = ("none", "digest", "full")  # from keeping the least to the most
@@ -35,7 +36,7 @@ def kept_input(body: dict[str, Any], content_policy: str) -> dict[str, Any] | No
     if content_policy == "full":
         return body
     if content_policy == "digest":
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        canonical = deep_json.dumps(body, sort_keys=True)
         return {"sha256": sha256_of(canonical)}
     return None
 

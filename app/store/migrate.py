@@ -11,6 +11,7 @@ snapshot, does not wait for it. Each migration is its own transaction.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from app.store.database import sqlalchemy_url
 
+log = logging.getLogger("phasegate.store.migrate")
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 _LOCK_KEY = 0x70686173_6567  # "phaseg": the advisory lock that serialises upgrades
 _LOCK_POLL_S = 0.05
@@ -67,6 +69,10 @@ def current_revision(url: str) -> str | None:
     return asyncio.run(current_revision_async(url))
 
 
+def _revision(sync: Connection) -> str | None:
+    return MigrationContext.configure(sync).get_current_revision()
+
+
 async def _run(url: str, step: Callable[[Config], None]) -> None:
     engine = create_async_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
     try:
@@ -82,9 +88,16 @@ async def _run(url: str, step: Callable[[Config], None]) -> None:
                 config.attributes["connection"] = sync
                 step(config)
 
+            before = await connection.run_sync(_revision)
+            await connection.commit()  # no transaction open as the migrations start
             try:
                 await connection.run_sync(migrate)
                 await connection.commit()
+                after = await connection.run_sync(_revision)
+                if after != before:
+                    log.info("the log's schema migrated from revision %s to %s", before or "none", after or "none")
+                else:
+                    log.info("the log's schema is at revision %s", after or "none")
             finally:
                 await connection.rollback()
                 await connection.execute(text("SELECT pg_advisory_unlock(:key)"), lock)

@@ -23,6 +23,7 @@ from urllib.parse import quote, urlencode
 from sqlalchemy import exists, literal_column, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.contract.integers import IntegerRefused, parse_integer
 from app.store import schema
 from app.store.queries import OUTCOMES
 
@@ -69,10 +70,10 @@ class RequestFilter:
             if query.get(name):
                 values[name] = _instant(name, query[name])
         if query.get("limit"):
-            text = query["limit"]
-            if not (text.isascii() and text.isdigit() and len(text) <= 4 and 1 <= int(text) <= MAX_LIMIT):
-                raise BadFilter("limit", f"limit must be an integer from 1 to {MAX_LIMIT}")
-            values["limit"] = int(text)
+            try:
+                values["limit"] = parse_integer(query["limit"], "limit", minimum=1, maximum=MAX_LIMIT)
+            except IntegerRefused as exc:
+                raise BadFilter("limit", str(exc)) from None
         if query.get("before"):
             values["before"] = decode_cursor(query["before"])
         return cls(**values)

@@ -96,7 +96,8 @@ class _Canvas:
         """A mark with its tooltip: the event in words (``note`` first), when it happened."""
         scope = f' data-attempt="{attempt}"' if attempt is not None else ""
         scope += f' data-ended="{escape(ended)}"' if ended is not None else ""
-        title = f"seq {event.seq} · {self.ms(event.occurred_at)} · {describe_event(event)}"
+        background = isinstance(self.events[0], ev.RequestAccepted) and self.events[0].background
+        title = f"seq {event.seq} · {self.ms(event.occurred_at)} · {describe_event(event, background=background)}"
         if note:
             title = f"{note}\n{title}"
         self.add(
@@ -294,8 +295,11 @@ def _client_lane(canvas: _Canvas, y: float, top: float, bottom: float) -> None:
             canvas.mark("client-delivery", event, block, attempt=event.attempt, label=label)
         elif isinstance(event, ev.ClientDisconnected):
             shape = f'<path d="M{x - 6} {y - 6} L{x + 6} {y + 6} M{x + 6} {y - 6} L{x - 6} {y + 6}" stroke="#333"/>'
-            grace = f" (grace {event.resume_grace_s:g}s)" if event.resume_grace_s else ""
-            canvas.mark("client-gone", event, shape, label=_label(x, y + 24, f"client disconnected{grace}"))
+            if isinstance(events[0], ev.RequestAccepted) and events[0].background:
+                gone = "reader left (background: generates on, no grace)"
+            else:
+                gone = "client disconnected" + (f" (grace {event.resume_grace_s:g}s)" if event.resume_grace_s else "")
+            canvas.mark("client-gone", event, shape, label=_label(x, y + 24, gone))
         elif isinstance(event, ev.ClientResumed):
             shape = f'<path d="M{x - 6} {y - 6} L{x + 6} {y} L{x - 6} {y + 6} Z" fill="#333"/>'
             words = f"client attached again after delta {event.after}"

@@ -1,7 +1,8 @@
 """A worker request's JSON body, decoded only as deep and as wide as the worker can hold.
 
 Every body the worker reads (start, renews, cancel, faults) goes through
-:func:`decode_json_value`: at most :data:`MAX_JSON_DEPTH` levels, no ``NaN`` or
+:func:`decode_json_value`: at most :data:`MAX_JSON_DEPTH` levels (the gateway's limit and
+the start body's own levels around it: app/contract/json_depth.py), no ``NaN`` or
 ``Infinity``, strings that are Unicode text; anything else is a 400 ``invalid_json``
 (docs/worker-protocol.md).
 """
@@ -11,9 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
+from app.contract.json_depth import WORKER_MAX_JSON_DEPTH
 from app.worker.protocol import Code, Refusal
 
-MAX_JSON_DEPTH = 64  # objects and arrays nested in one another; tool schemas need a few levels
+MAX_JSON_DEPTH = WORKER_MAX_JSON_DEPTH  # objects and arrays nested in one another
 
 
 def _no_constant(name: str) -> Any:
@@ -24,9 +28,14 @@ def decode_json_value(raw: bytes) -> Any:
     """``raw`` as JSON of at most :data:`MAX_JSON_DEPTH` levels whose strings are Unicode text
     (no lone surrogates, which no UTF-8 writer can write back); else a 400 ``invalid_json``."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:  # nested deeper than the parser's own recursion allows
-        raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:  # deeper than this stack lets the standard library read
+            body = orjson.loads(raw)  # which reads to 1,024 levels, past the limit
+    except orjson.JSONDecodeError as exc:
+        if "depth limit exceeded" in str(exc):
+            raise Refusal(400, Code.INVALID_JSON, f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        raise Refusal(400, Code.INVALID_JSON, f"the body is not JSON: {exc}") from None
     except ValueError as exc:  # UnicodeDecodeError and over-long integers too
         raise Refusal(400, Code.INVALID_JSON, f"the body is not JSON: {exc}") from None
     _check_tree(body)

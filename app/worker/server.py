@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from app import logs
 from app.contract import worker_protocol
+from app.contract.integers import IntegerRefused, exceeds, parse_integer
 from app.http_server import server_config, write_ready_file
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
@@ -80,7 +81,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     too_large = Refusal(413, Code.BODY_TOO_LARGE, f"the body is over the limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+    if exceeds(declared, limit):
         raise too_large
     body = bytearray()
     try:
@@ -219,7 +220,11 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         hold_at = body.get("hold_at") if isinstance(body, dict) else None
         if hold_at is not None and (not isinstance(hold_at, int) or isinstance(hold_at, bool) or hold_at < 0):
             raise Refusal(400, Code.INVALID_FIELD, "hold_at: must be a token index", field="hold_at")
-        return JSONResponse({"released": faults.release(request.path_params["fault_id"], hold_at).describe()})
+        try:
+            fault_id = parse_integer(request.path_params["fault_id"], "fault_id", maximum=2**63 - 1)
+        except IntegerRefused as exc:
+            raise Refusal(400, Code.INVALID_FIELD, str(exc), field="fault_id") from None
+        return JSONResponse({"released": faults.release(fault_id, hold_at).describe()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -249,7 +254,7 @@ def build_app(worker: Worker, config: WorkerConfig, faults: FaultBook | None) ->
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/attempts", attempts, methods=["GET"]),
         Route("/admin/faults", admin_faults, methods=["GET", "POST", "DELETE"]),
-        Route("/admin/faults/{fault_id:int}/release", release_fault, methods=["POST"]),
+        Route("/admin/faults/{fault_id}/release", release_fault, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={Refusal: _on_refusal, HTTPException: _on_http_error}

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from app.contract import json_depth as deep_json
 from app.worker.engine import EngineFailed, EngineOutput, Prepared, ToolCallOutput, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
 
@@ -60,7 +61,9 @@ def render_prompt(spec: AttemptSpec) -> str:
     """The sim's 'chat template': role-tagged lines, tools appended as JSON."""
     text = spec.prompt_text()
     if spec.sampling.tools:
-        text += "\ntools: " + json.dumps(spec.sampling.tools, sort_keys=True)
+        text += "\ntools: " + deep_json.dumps(
+            spec.sampling.tools, sort_keys=True, separators=(", ", ": "), ensure_ascii=True
+        )
     return text
 
 

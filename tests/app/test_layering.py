@@ -50,12 +50,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     # the replica process: never the log, the driver, the API or the gateway's clients
     "app.worker": frozenset({"app.contract", "app.logs", "app.http_server"}),
     # the store and the replicas never import the driver, the API, or each other
-    "app.store": frozenset({BOTTOM}),
+    "app.store": frozenset({BOTTOM, "app.contract"}),  # the encoder that writes any depth a body may have
     "app.replicas": frozenset({BOTTOM, "app.config", "app.discover_config", "app.contract", "app.logs", "app.tracing"}),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
-    "app.ui": frozenset({BOTTOM, "app.incident", "app.store"}),
+    "app.ui": frozenset({BOTTOM, "app.contract", "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
     "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
     "app.api": frozenset(

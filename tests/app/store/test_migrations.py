@@ -120,8 +120,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0014",
-        "0014",
+        "schema at revision 0015",
+        "0015",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -132,7 +132,7 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0014 (head)" in current.stdout.decode()
+    assert "0015 (head)" in current.stdout.decode()
 
 
 async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:
@@ -289,3 +289,32 @@ async def test_the_generated_columns_read_the_same_computed_on_read(empty_databa
         assert await connection.fetch(GENERATED) == virtual
     finally:
         await connection.close()
+
+
+QUIET_UPGRADE = """
+import sys
+from app.logs import configure
+configure(sys.argv[2])
+from app.store import migrate
+migrate.upgrade(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_an_upgrade_says_one_line_and_alembic_its_own_only_at_debug(empty_database_url: str, level: str) -> None:
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_UPGRADE, empty_database_url, level],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    head = ScriptDirectory.from_config(migrate.alembic_config()).get_current_head()
+    said = [line for line in lines if "phasegate.store.migrate" in line]
+    assert len(said) == 1 and said[0].endswith(f"the log's schema migrated from revision none to {head}"), lines
+    alembic = [line for line in lines if " alembic." in line]
+    assert (alembic == []) if level == "info" else len(alembic) > 5, lines

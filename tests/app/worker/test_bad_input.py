@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from app.contract.json_depth import WORKER_MAX_JSON_DEPTH
 from app.replicas.worker_client import WorkerClient, http_client
 from app.replicas.worker_errors import RequestRefused
 from statemachine.events import FailureKind
@@ -252,14 +253,14 @@ async def test_the_client_surfaces_the_code_and_field(engine: EngineUnderTest):
 # --- bodies that took the worker down or held its memory ----------------------------------
 
 
-@pytest.mark.parametrize("depth", [65, 100_000])
+@pytest.mark.parametrize("depth", [WORKER_MAX_JSON_DEPTH + 1, 1100, 100_000])
 @pytest.mark.parametrize("path", ["/v1/attempts", "/v1/leases/renew", "/admin/faults"])
 async def test_json_nested_too_deep_is_refused(engine: EngineUnderTest, path: str, depth: int):
     raw = b'{"a": ' * depth + b"1" + b"}" * depth
     async with http_client() as http:
         response = await http.post(engine.worker.base_url + path, content=raw)
     assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_json")
-    assert "deeper than 64" in response.json()["error"]["message"]
+    assert f"deeper than {WORKER_MAX_JSON_DEPTH}" in response.json()["error"]["message"]
 
 
 async def test_a_deep_but_sane_tool_schema_is_served(engine: EngineUnderTest):
