@@ -41,11 +41,21 @@ DEPTHS = st.sampled_from(
     ]
 )
 DIGITS = st.sampled_from([1, 10, 19, 20, 39, 309, 4300, 4301, 5000, 10_000])
-BODY_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"]
+BODY_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+]
 VALID: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
     "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 16},
+    "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"model": MODEL, "prompt": "hi"},
     "/detokenize": {"model": MODEL, "tokens": [1, 2]},
 }
