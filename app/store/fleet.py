@@ -1,0 +1,407 @@
+"""The fleet's membership in PostgreSQL (docs/design.md §16): its events and its replicas.
+
+How this works: every change is one row appended to ``fleet_events`` (migration 0013);
+a row trigger projects it into ``replicas`` (one row per replica id) and sends
+``NOTIFY phasegate_fleet`` in the same transaction, so the change, its projection and
+its announcement commit together. Each event names the gateway instance that wrote it,
+and PostgreSQL refuses the insert while that instance is fenced (:class:`InstanceFenced`).
+
+- :meth:`FleetStore.reconcile_declared` brings a declared source (``file``, ``dns``) to
+  the set it declares: ``joined`` for a new or changed replica, ``left`` for one it no
+  longer lists, nothing for one already as declared. It runs under a transaction-level
+  advisory lock and diffs against the committed membership inside it, so two instances
+  reconciling the same declaration never write the same change twice. A cordon
+  survives it (the projection keeps a cordoned replica cordoned when it joins again).
+- :meth:`FleetStore.change` cordons, uncordons, or makes leave one replica: the event
+  copies what the replica declared from its row, locked, and is written only from the
+  states the change applies to.
+- A joined worker renews a lease on its row (:meth:`FleetStore.renew`, on PostgreSQL's
+  clock); :meth:`FleetStore.lapse_expired` marks each replica whose lease lapsed
+  ``lapsed`` exactly once however many instances run it: the rows are claimed with
+  ``FOR UPDATE SKIP LOCKED`` and re-checked on the committed row (as the instance sweep,
+  :mod:`app.store.instances`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+
+from app.store.errors import InstanceFenced
+from app.store.postgres import PostgresEventStore
+
+EVENTS = ("joined", "cordoned", "uncordoned", "left", "lapsed", "refused")
+STATES = ("serving", "cordoned", "left", "lapsed")
+SOURCES = ("file", "dns", "admin", "join")
+DECLARED_SOURCES = ("file", "dns")
+MEMBER_STATES = ("serving", "cordoned")  # members: placement may see them
+RECONCILE_LOCK = 0x70686173_666C  # "phasfl": serialises the reconciliations of declared sources
+_FENCED_SQLSTATE = "PG410"
+CORDON_KEPT = "the cordon stays on its new incarnation"
+
+Models = tuple[tuple[str, "str | None"], ...]  # each model with its declared revision (None: undeclared)
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """One replica as a source declares it."""
+
+    replica_id: str
+    url: str
+    kind: str = "worker"
+    models: Models = ()  # empty: every configured model
+    incarnation: str = ""  # empty: a new one is made when it joins
+
+    def same_as(self, member: Member) -> bool:
+        return (self.url, self.kind, dict(self.models)) == (member.url, member.kind, dict(member.models))
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One row of ``replicas``."""
+
+    replica_id: str
+    incarnation: str
+    kind: str
+    url: str
+    models: Models
+    state: str
+    source: str
+    since: datetime
+    last_seq: int
+    drain_until: datetime | None = None
+    leaving: bool = False
+    lease_expires_at: datetime | None = None
+
+    @property
+    def member(self) -> bool:
+        return self.state in MEMBER_STATES
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.replica_id,
+            "incarnation": self.incarnation,
+            "kind": self.kind,
+            "url": self.url,
+            "models": [{"name": name, "revision": revision} for name, revision in self.models],
+            "state": self.state,
+            "source": self.source,
+            "since": self.since.isoformat(),
+            "drain_until": self.drain_until.isoformat() if self.drain_until else None,
+            "leaving": self.leaving,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A fleet event as written."""
+
+    seq: int
+    event: str
+    replica_id: str
+    source: str
+    reason: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+_INSERT = """
+    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
+                              drain_until, instance_id)
+    VALUES (:event, :replica_id, :incarnation, :kind, :url, CAST(:models AS jsonb), :source, :actor, :reason,
+            NULL, :instance_id)
+    RETURNING seq
+"""
+# cordoned, uncordoned, left: what the replica declared is copied from its row, locked
+_CHANGE = """
+    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
+                              drain_until, instance_id)
+    SELECT :event, replica_id, incarnation, replica_kind, url, models, :source, :actor, :reason,
+           now() + CAST(:drain_ms AS integer) * interval '1 millisecond', :instance_id
+      FROM replicas WHERE replica_id = :replica_id AND state = ANY(CAST(:states AS text[]))
+    RETURNING seq
+"""
+_MEMBERS = """
+    SELECT replica_id, incarnation, replica_kind, url, models, state, source, since, last_seq, drain_until,
+           leaving, lease_expires_at
+      FROM replicas {where} ORDER BY replica_id
+"""
+_RENEW = """
+    UPDATE replicas SET lease_ttl_ms = CAST(:ttl_ms AS integer),
+           lease_expires_at = now() + CAST(:ttl_ms AS integer) * interval '1 millisecond'
+     WHERE replica_id = :replica_id AND incarnation = :incarnation AND state IN ('serving', 'cordoned')
+    RETURNING state
+"""
+_LAPSE = """
+    WITH lapsed AS (
+        SELECT replica_id FROM replicas
+         WHERE state IN ('serving', 'cordoned') AND lease_expires_at <= now()
+         ORDER BY lease_expires_at LIMIT :limit
+           FOR UPDATE SKIP LOCKED)
+    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
+                              instance_id)
+    SELECT 'lapsed', r.replica_id, r.incarnation, r.replica_kind, r.url, r.models, r.source, :actor,
+           'its lease was not renewed', :instance_id
+      FROM replicas AS r JOIN lapsed USING (replica_id)
+    RETURNING replica_id
+"""
+_EVENTS = """
+    SELECT seq, event, replica_id, incarnation, replica_kind, url, models, source, actor, reason, drain_until,
+           instance_id, at
+      FROM fleet_events {where} ORDER BY seq DESC LIMIT :limit
+"""
+
+
+def models_json(models: Models) -> str:
+    return json.dumps(dict(models), sort_keys=True)
+
+
+def _models(value: Any) -> Models:
+    if isinstance(value, str):
+        value = json.loads(value)
+    return tuple(sorted((str(name), revision) for name, revision in (value or {}).items()))
+
+
+def _member(row: Any) -> Member:
+    m = row._mapping
+    return Member(
+        replica_id=m["replica_id"],
+        incarnation=m["incarnation"],
+        kind=m["replica_kind"],
+        url=m["url"],
+        models=_models(m["models"]),
+        state=m["state"],
+        source=m["source"],
+        since=m["since"],
+        last_seq=m["last_seq"],
+        drain_until=m["drain_until"],
+        leaving=m["leaving"],
+        lease_expires_at=m["lease_expires_at"],
+    )
+
+
+def _fenced(exc: BaseException) -> bool:
+    current: BaseException | None = exc
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) == _FENCED_SQLSTATE:
+            return True
+        current = getattr(current, "orig", None) or current.__cause__
+    return False
+
+
+class FleetStore:
+    """``fleet_events`` and ``replicas``, over a store's connection pool. ``instance_id``
+    names the gateway instance that writes (``None``: unguarded, as the CLI's tools)."""
+
+    def __init__(self, store: PostgresEventStore) -> None:
+        self._store = store
+
+    async def members(self, *, current_only: bool = False) -> list[Member]:
+        where = "WHERE state IN ('serving', 'cordoned')" if current_only else ""
+        async with self._store.reading() as connection:
+            return [_member(row) for row in await connection.execute(text(_MEMBERS.format(where=where)))]
+
+    async def member(self, replica_id: str) -> Member | None:
+        async with self._store.reading() as connection:
+            rows = await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": replica_id})
+            row = rows.first()
+        return None if row is None else _member(row)
+
+    async def events(self, *, limit: int = 50, replica_id: str | None = None) -> list[dict[str, Any]]:
+        """The latest fleet events, newest first."""
+        where = "WHERE replica_id = :replica_id" if replica_id is not None else ""
+        async with self._store.reading() as connection:
+            rows = await connection.execute(
+                text(_EVENTS.format(where=where)), {"limit": limit, "replica_id": replica_id}
+            )
+            return [
+                {
+                    **{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row._mapping.items()},
+                    "models": dict(_models(row._mapping["models"])),
+                }
+                for row in rows
+            ]
+
+    async def join(
+        self, declared: Declared, *, source: str, actor: str, instance_id: str | None, reason: str | None = None
+    ) -> Written:
+        """``declared`` joins (or joins again: a new incarnation replaces the old, which leaves)."""
+        async with self._writing() as connection:
+            await connection.execute(
+                text("SELECT 1 FROM replicas WHERE replica_id = :id FOR UPDATE"), {"id": declared.replica_id}
+            )
+            return await self._join(connection, declared, source, actor, instance_id, reason)
+
+    async def refuse(
+        self, declared: Declared, *, source: str, actor: str, reason: str, instance_id: str | None
+    ) -> Written:
+        """A replica that asked to join and was refused, recorded as such."""
+        async with self._writing() as connection:
+            return await self._insert(connection, "refused", declared, source, actor, reason, instance_id)
+
+    async def change(
+        self,
+        replica_id: str,
+        event: str,
+        *,
+        source: str,
+        actor: str,
+        instance_id: str | None,
+        reason: str | None = None,
+        drain_s: float | None = None,
+        incarnation: str | None = None,
+    ) -> Written | None:
+        """``cordoned``, ``uncordoned`` or ``left`` for ``replica_id``; ``None`` when it is in
+        no state that the change applies to (unknown, already left or lapsed; an uncordon
+        of a replica that is not cordoned)."""
+        states = {"cordoned": MEMBER_STATES, "uncordoned": ("cordoned",), "left": MEMBER_STATES}[event]
+        async with self._writing() as connection:
+            row = (
+                await connection.execute(
+                    text("SELECT incarnation FROM replicas WHERE replica_id = :id FOR UPDATE"), {"id": replica_id}
+                )
+            ).first()
+            if row is None or (incarnation is not None and row.incarnation != incarnation):
+                return None
+            drain_ms = None if drain_s is None else round(drain_s * 1000)
+            seq = (
+                await connection.execute(
+                    text(_CHANGE),
+                    {
+                        "event": event,
+                        "source": source,
+                        "actor": actor,
+                        "reason": reason,
+                        "drain_ms": drain_ms,
+                        "instance_id": instance_id,
+                        "replica_id": replica_id,
+                        "states": list(states),
+                    },
+                )
+            ).scalar()
+        return None if seq is None else Written(seq, event, replica_id, source, reason)
+
+    async def reconcile_declared(
+        self, source: str, declared: Iterable[Declared], *, actor: str, instance_id: str | None
+    ) -> list[Written]:
+        """Bring ``source``'s replicas to ``declared``: the fleet events written (none when
+        it already is). The one entry point for declared sources (the file, DNS)."""
+        if source not in DECLARED_SOURCES:
+            raise ValueError(f"{source!r} is not a declared source ({', '.join(DECLARED_SOURCES)})")
+        wanted = {d.replica_id: d for d in declared}
+        written: list[Written] = []
+        async with self._writing() as connection:
+            await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RECONCILE_LOCK})
+            rows = await connection.execute(text(_MEMBERS.format(where="") + " FOR UPDATE"))
+            current = {member.replica_id: member for member in map(_member, rows)}
+            for replica_id, want in sorted(wanted.items()):
+                have = current.get(replica_id)
+                if have is not None and have.member and (have.source != source or want.same_as(have)):
+                    continue  # as declared; or another source's, which keeps it
+                written.append(await self._join(connection, want, source, actor, instance_id, f"declared by {source}"))
+            for replica_id, have in sorted(current.items()):
+                if have.source == source and have.member and replica_id not in wanted:
+                    written.append(
+                        await self._leave(connection, have, source, actor, instance_id, f"no longer in the {source}")
+                    )
+        return written
+
+    async def renew(self, replica_id: str, incarnation: str, ttl_s: float) -> str | None:
+        """Extend a joined worker's lease by ``ttl_s`` from PostgreSQL's now: its state, or
+        ``None`` when it is no member under that incarnation (lapsed, left, replaced)."""
+        async with self._writing() as connection:
+            rows = await connection.execute(
+                text(_RENEW), {"replica_id": replica_id, "incarnation": incarnation, "ttl_ms": round(ttl_s * 1000)}
+            )
+            row = rows.first()
+        return None if row is None else str(row.state)
+
+    async def lapse_expired(self, *, actor: str, instance_id: str | None, limit: int = 64) -> list[str]:
+        """Mark ``lapsed`` each member whose lease lapsed, exactly once: the ids marked."""
+        async with self._writing() as connection:
+            rows = await connection.execute(text(_LAPSE), {"actor": actor, "instance_id": instance_id, "limit": limit})
+            return [row.replica_id for row in rows]
+
+    # --- internals -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[Any]:
+        """A writing transaction whose refusal for a fenced instance is :class:`InstanceFenced`."""
+        try:
+            async with self._store.writing() as connection:
+                yield connection
+        except InstanceFenced:
+            raise
+        except Exception as exc:
+            if _fenced(exc):
+                raise InstanceFenced(str(exc).splitlines()[0]) from exc
+            raise
+
+    async def _join(
+        self, connection: Any, declared: Declared, source: str, actor: str, instance_id: str | None, reason: str | None
+    ) -> Written:
+        have = (
+            await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": declared.replica_id})
+        ).first()
+        incarnation = declared.incarnation or new_incarnation()
+        old = None if have is None else _member(have)
+        replaced = old is not None and old.member and old.incarnation != incarnation
+        if old is not None and replaced:
+            await self._leave(connection, old, old.source, actor, instance_id, "replaced by a new incarnation")
+        declared = Declared(declared.replica_id, declared.url, declared.kind, declared.models, incarnation)
+        written = await self._insert(connection, "joined", declared, source, actor, reason, instance_id)
+        if old is not None and replaced and old.state == "cordoned":  # a cordon lasts until it is lifted
+            await self._insert(connection, "cordoned", declared, source, actor, CORDON_KEPT, instance_id)
+        return written
+
+    async def _leave(
+        self, connection: Any, member: Member, source: str, actor: str, instance_id: str | None, reason: str
+    ) -> Written:
+        declared = Declared(member.replica_id, member.url, member.kind, member.models, member.incarnation)
+        return await self._insert(connection, "left", declared, source, actor, reason, instance_id)
+
+    @staticmethod
+    async def _insert(
+        connection: Any,
+        event: str,
+        declared: Declared,
+        source: str,
+        actor: str,
+        reason: str | None,
+        instance_id: str | None,
+    ) -> Written:
+        seq = (
+            await connection.execute(
+                text(_INSERT),
+                {
+                    "event": event,
+                    "replica_id": declared.replica_id,
+                    "incarnation": declared.incarnation or new_incarnation(),
+                    "kind": declared.kind,
+                    "url": declared.url,
+                    "models": models_json(declared.models),
+                    "source": source,
+                    "actor": actor,
+                    "reason": reason,
+                    "instance_id": instance_id,
+                },
+            )
+        ).scalar_one()
+        return Written(int(seq), event, declared.replica_id, source, reason)
+
+
+def declared_models(names: Sequence[str], revisions: Mapping[str, str]) -> Models:
+    """``names`` (empty: every model) each with its revision in ``revisions``, if any."""
+    return tuple(sorted((name, revisions.get(name)) for name in names))
