@@ -108,9 +108,30 @@ class ReplicaConfig:
     url: str
     kind: str = "worker"  # "worker": phasegate worker; "openai": any OpenAI-compatible server
     models: tuple[str, ...] = ()  # empty: every configured model
+    # the revision it serves of each model that says one ("NAME=REV" in models); a model
+    # without one is taken to be at the configured revision (docs/design.md §16)
+    revisions: tuple[tuple[str, str], ...] = ()
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def revision_of(self, model: str) -> str | None:
+        return next((revision for name, revision in self.revisions if name == model), None)
+
+
+def replica_entry(values: dict[str, Any]) -> ReplicaConfig:
+    """One replica from a table (the file's ``[[replicas]]``, the admin API's body): its
+    ``models`` are names, each ``NAME`` or ``NAME=REVISION``."""
+    models = values.get("models", ())
+    if isinstance(models, str) or not all(isinstance(m, str) and m.strip("=") for m in models):
+        raise ConfigError(f"replica {values.get('id')}: models must be a list of NAME or NAME=REVISION")
+    names, revisions = [], []
+    for entry in models:
+        name, _, revision = entry.partition("=")
+        names.append(name)
+        if revision:
+            revisions.append((name, revision))
+    return ReplicaConfig(**{**values, "models": tuple(names), "revisions": tuple(revisions)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,8 +354,7 @@ def _build(values: dict[str, Any]) -> GatewayConfig:
     try:
         if "replicas" in values:
             values["replicas"] = tuple(
-                r if isinstance(r, ReplicaConfig) else ReplicaConfig(**{**r, "models": tuple(r.get("models", ()))})
-                for r in values["replicas"]
+                r if isinstance(r, ReplicaConfig) else replica_entry(r) for r in values["replicas"]
             )
         if isinstance(values.get("policy"), dict):
             values["policy"] = PolicyConfig.from_mapping(values["policy"])

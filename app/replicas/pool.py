@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from app.config import ReplicaConfig
 from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
 from app.replicas.renewer import LeaseRenewer
 from statemachine.events import FailureKind
-from statemachine.routing import PoolSnapshot, ReplicaView
+from statemachine.routing import PoolSnapshot, ReplicaView, rank
 
 log = logging.getLogger("phasegate.pool")
 
@@ -68,6 +68,9 @@ class Replica:
     frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
     others_load: int = 0  # other gateways' attempts on it, as of its last report
     incompatible: str | None = None  # why its probes find it unusable whatever its health (None: they do not)
+    incarnation: str = ""  # the fleet's incarnation of it (docs/design.md §16)
+    cordoned: bool = False  # no new attempt; live ones run on (to drain_deadline, if any)
+    drain_deadline: float | None = None  # on the pool's clock: its live attempts are fenced after it
     renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
 
     def __post_init__(self) -> None:
@@ -96,40 +99,104 @@ class ReplicaPool:
         self.on_health_change: Callable[[Replica], None] = lambda replica: None
         self._choices = 0
         self._serving: dict[tuple[str, ...], tuple[Replica, ...]] = {}  # by the models asked for: found once
+        self.retired: list[Replica] = []  # out of the fleet, with attempts still on them: closed once they end
+
+    # --- membership (docs/design.md §16) ---------------------------------------------
+
+    def admit(self, replica: Replica) -> None:
+        """``replica`` is a member now (a new one, or a new incarnation replacing the old)."""
+        old = self.replicas.get(replica.id)
+        if old is not None:
+            self._retire(old)
+        self.replicas[replica.id] = replica
+        self._serving.clear()
+
+    def retire(self, replica_id: str) -> Replica | None:
+        """``replica_id`` left the fleet: no new attempt; its live ones run to their end."""
+        replica = self.replicas.pop(replica_id, None)
+        if replica is not None:
+            self._retire(replica)
+            self._serving.clear()
+        return replica
+
+    def _retire(self, replica: Replica) -> None:
+        replica.cordoned = True
+        self.retired.append(replica)
+
+    async def reap(self) -> None:
+        """Close the clients of retired replicas whose attempts all ended."""
+        done = [replica for replica in self.retired if replica.outstanding <= 0]
+        self.retired = [replica for replica in self.retired if replica.outstanding > 0]
+        await asyncio.gather(*(replica.client.close() for replica in done), return_exceptions=True)
+
+    def unready(self) -> bool:
+        """Members that could take work, and none available: unready. No member at all (an
+        empty fleet, or every one cordoned) is ready: requests get ``no_replica_available``."""
+        serving = [replica for replica in self.replicas.values() if not replica.cordoned]
+        return bool(serving) and not any(self.available(replica) for replica in serving)
 
     def available(self, replica: Replica, model: str | None = None) -> bool:
         """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
-        return (model is None or replica.config.serves(model)) and self._available_at(replica, self.clock())
+        return (
+            (model is None or replica.config.serves(model))
+            and not replica.cordoned
+            and self._available_at(replica, self.clock())
+        )
 
     @staticmethod
     def _available_at(replica: Replica, now: float) -> bool:
         return replica.healthy is not False and replica.ejected_until <= now and replica.cooldown_until <= now
 
-    def snapshot(self, models: Iterable[str]) -> PoolSnapshot:
-        """The replicas that serve any of ``models``, as the policy places attempts over them."""
+    def snapshot(
+        self,
+        models: Iterable[str],
+        *,
+        revisions: Mapping[str, str | None] | None = None,
+        keep: Iterable[str] = (),
+        affinity_key: str | None = None,
+    ) -> PoolSnapshot:
+        """The replicas that may take an attempt of any of ``models``, as the policy places
+        attempts over them: bounded however large the fleet (:func:`bounded_candidates`).
+
+        A replica is a candidate for a model it serves at the revision ``revisions`` names
+        (a replica that declares none for it is taken to be at it), when available and
+        not cordoned; its view lists the models it may take (none: every one asked for).
+        The replicas in ``keep`` (those the request tried) are shown whatever they are,
+        so the policy sees a cordon or a lapse of the replica that just failed."""
         now = self.clock()
         wanted = tuple(models)
         serving = self._serving.get(wanted)
-        if serving is None:  # the replicas are the configuration's: which serve a model never changes
+        if serving is None:  # found again only when the fleet changes
             serving = tuple(r for r in self.replicas.values() if any(r.config.serves(model) for model in wanted))
             if len(self._serving) >= 256:  # model names no configuration knows: keep few
                 self._serving.clear()
             self._serving[wanted] = serving
-        return PoolSnapshot(
-            tuple(
-                ReplicaView(
-                    id=replica.id,
-                    models=replica.config.models,
-                    available=self._available_at(replica, now),
-                    outstanding=replica.outstanding,
-                    others_load=replica.others_load,
-                    cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
-                    last_chosen=replica.last_chosen,
-                )
-                for replica in serving
-            ),
-            self._choices,
-        )
+        kept = set(keep)
+        views: dict[str, ReplicaView] = {}
+        candidates: dict[str, list[ReplicaView]] = {model: [] for model in wanted}
+        for replica in serving:
+            eligible = tuple(model for model in wanted if _takes(replica, model, revisions))
+            available = self._available_at(replica, now)
+            if not (eligible and available and not replica.cordoned) and replica.id not in kept:
+                continue
+            view = ReplicaView(
+                id=replica.id,
+                models=() if len(eligible) == len(wanted) else (eligible or ("",)),
+                available=available,
+                outstanding=replica.outstanding,
+                others_load=replica.others_load,
+                cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
+                last_chosen=replica.last_chosen,
+                cordoned=replica.cordoned,
+            )
+            views[replica.id] = view
+            if view.takes_new:
+                for model in eligible:
+                    candidates[model].append(view)
+        chosen = set(kept)
+        for model_candidates in candidates.values():
+            chosen.update(view.id for view in bounded_candidates(model_candidates, affinity_key))
+        return PoolSnapshot(tuple(view for view in views.values() if view.id in chosen), self._choices)
 
     def placed(self, replica: Replica) -> None:
         """An attempt was placed on ``replica``: the next placement sees it chosen last."""
@@ -267,7 +334,37 @@ class ReplicaPool:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
-        await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
+        replicas = [*self.replicas.values(), *self.retired]
+        await asyncio.gather(*(replica.client.close() for replica in replicas))
+
+
+# Candidates a snapshot shows of one model at most: the least loaded and those the request's
+# affinity key ranks first. A ``Decided`` event records the snapshot, so it must stay small
+# at any fleet size (docs/routing.md); least_outstanding's choice is the same as over all.
+LEAST_LOADED_SHOWN = 12
+PREFERRED_SHOWN = 4
+
+
+def bounded_candidates(candidates: list[ReplicaView], affinity_key: str | None) -> list[ReplicaView]:
+    """The candidates a snapshot keeps of one model: all of them up to
+    ``LEAST_LOADED_SHOWN + PREFERRED_SHOWN``, else the least loaded and the preferred."""
+    if len(candidates) <= LEAST_LOADED_SHOWN + PREFERRED_SHOWN:
+        return candidates
+    by_load = sorted(candidates, key=lambda view: (view.load, view.last_chosen, view.id))
+    shown = by_load[:LEAST_LOADED_SHOWN]
+    if affinity_key is not None:
+        ranked = sorted(candidates, key=lambda view: rank(affinity_key, view.id), reverse=True)
+        shown += ranked[:PREFERRED_SHOWN]
+    return shown
+
+
+def _takes(replica: Replica, model: str, revisions: Mapping[str, str | None] | None) -> bool:
+    """Whether ``replica`` may take ``model`` at the revision wanted (docs/design.md §16)."""
+    if not replica.config.serves(model):
+        return False
+    wanted = (revisions or {}).get(model)
+    declared = replica.config.revision_of(model)
+    return wanted is None or declared is None or declared == wanted
 
 
 def _about_the_request(failure: UpstreamFailure) -> bool:
