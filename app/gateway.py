@@ -1,9 +1,10 @@
 """The composition root: one gateway process's store, pool, probes, instance and app.
 
 ``Gateway.open(config, database_url)`` connects the event log (applying migrations
-when asked), builds a client per configured replica, and returns a gateway whose
-``app`` is the Starlette application. Its lifespan registers the gateway instance
-(:mod:`app.driver.instance`: lease, heartbeat, sweeps) and starts the health probes;
+when asked) and returns a gateway whose ``app`` is the Starlette application. Its
+lifespan registers the gateway instance (:mod:`app.driver.instance`: lease, heartbeat,
+sweeps), then keeps the pool to the fleet in PostgreSQL (:mod:`app.driver.fleet`: the
+configuration's replicas join it as source ``file``), and starts the health probes;
 on shutdown it waits for in-flight bookkeeping (fences that complete after a stream
 ended), gives the instance's lease back, then flushes and closes the log.
 """
@@ -18,17 +19,19 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from app.api.fleet_admin import fleet_routes
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
 from app.driver import gauges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
+from app.driver.fleet import FleetKeeper
 from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
 from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
 from app.replicas.openai_upstream import OpenAIUpstream
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
 from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
@@ -58,8 +61,9 @@ class Gateway:
     def __init__(self, ctx: GatewayContext, store: PostgresEventStore) -> None:
         self.ctx = ctx
         self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
+        self.fleet = FleetKeeper(ctx, store, lambda replica: replica_client(replica, ctx.config))
         self._probes: asyncio.Task[None] | None = None
-        self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
+        self.app: Starlette = build_app(ctx, extra_routes=fleet_routes(ctx, self.fleet), lifespan=self._lifespan)
 
     @classmethod
     async def open(
@@ -73,8 +77,8 @@ class Gateway:
             await upgrade_async(database_url)
         store = await PostgresEventStore.connect(database_url, content_policy=config.content_policy)
         metrics = Metrics()
-        pool = ReplicaPool(
-            [Replica(replica, replica_client(replica, config)) for replica in config.replicas],
+        pool = ReplicaPool(  # its replicas are the fleet's, from PostgreSQL (app/driver/fleet.py)
+            [],
             eject_after_failures=config.eject_after_failures,
             ejection_s=config.ejection_s,
             ejection_max_s=config.ejection_max_s,
@@ -109,6 +113,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.instance.start()
+        await self.fleet.start()
         await self.ctx.pool.probe_all()
         self._probes = asyncio.get_running_loop().create_task(
             self.ctx.pool.run_probes(self.ctx.config.health_interval_s), name="replica probes"
@@ -125,6 +130,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probes
         await self.ctx.drain(SHUTDOWN_GRACE_S)
+        await self.fleet.stop()
         await self.instance.stop()
         await self.ctx.store.close()
         await self.ctx.pool.close()

@@ -46,7 +46,10 @@ log = logging.getLogger("phasegate.pool")
 # kept its word, so these do not count toward ejection: when an overloaded gateway
 # renewed late, counting them ejected a healthy replica and refused every request
 # (ops/bench/overhead.py at 2,000 held streams).
-GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled"})
+GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled", "replica_drained"})
+# An attempt on a cordoned replica still running at its drain deadline (docs/design.md §16):
+# the operator's doing, never the replica's fault
+REPLICA_DRAINED = "replica_drained"
 _REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN})
 # 4xx statuses on the replica's side of the call: its credentials (401, 403, 407: the
 # gateway's worker_token is not the worker's), its own time-out (408) and its overload (429).

@@ -83,6 +83,7 @@ class Member:
     drain_until: datetime | None = None
     leaving: bool = False
     lease_expires_at: datetime | None = None
+    drain_left_s: float | None = None  # to its drain deadline, on PostgreSQL's clock when read
 
     @property
     def member(self) -> bool:
@@ -133,7 +134,7 @@ _CHANGE = """
 """
 _MEMBERS = """
     SELECT replica_id, incarnation, replica_kind, url, models, state, source, since, last_seq, drain_until,
-           leaving, lease_expires_at
+           leaving, lease_expires_at, extract(epoch FROM drain_until - now())::float8 AS drain_left_s
       FROM replicas {where} ORDER BY replica_id
 """
 _RENEW = """
@@ -154,6 +155,14 @@ _LAPSE = """
            'its lease was not renewed', :instance_id
       FROM replicas AS r JOIN lapsed USING (replica_id)
     RETURNING replica_id
+"""
+# attempts of unfinished requests that have not ended, by replica (the log's read models)
+_LIVE_ATTEMPTS = """
+    SELECT a.replica_id, count(*) AS live
+      FROM requests AS r JOIN request_attempts AS a USING (request_id)
+     WHERE r.outcome IS NULL AND a.completed_at IS NULL AND a.released_at IS NULL AND a.failed_at IS NULL
+       AND a.lease_expired_at IS NULL AND a.cancel_acked_at IS NULL
+     GROUP BY a.replica_id
 """
 _EVENTS = """
     SELECT seq, event, replica_id, incarnation, replica_kind, url, models, source, actor, reason, drain_until,
@@ -187,6 +196,7 @@ def _member(row: Any) -> Member:
         drain_until=m["drain_until"],
         leaving=m["leaving"],
         lease_expires_at=m["lease_expires_at"],
+        drain_left_s=m["drain_left_s"],
     )
 
 
@@ -234,6 +244,26 @@ class FleetStore:
                 for row in rows
             ]
 
+    async def counts_after(self, seq: int) -> tuple[int, dict[tuple[str, str], int]]:
+        """The last event's seq, and the events after ``seq`` by (source, event)."""
+        async with self._store.reading() as connection:
+            rows = list(
+                await connection.execute(
+                    text(
+                        "SELECT source, event, count(*) AS n, max(seq) AS last FROM fleet_events"
+                        " WHERE seq > :seq GROUP BY source, event"
+                    ),
+                    {"seq": seq},
+                )
+            )
+        last = max([seq, *(int(row.last) for row in rows)])
+        return last, {(row.source, row.event): int(row.n) for row in rows}
+
+    async def live_attempts(self) -> dict[str, int]:
+        """Live attempts by replica, across every instance, from the log's read models."""
+        async with self._store.reading() as connection:
+            return {row.replica_id: int(row.live) for row in await connection.execute(text(_LIVE_ATTEMPTS))}
+
     async def join(
         self, declared: Declared, *, source: str, actor: str, instance_id: str | None, reason: str | None = None
     ) -> Written:
@@ -262,10 +292,12 @@ class FleetStore:
         reason: str | None = None,
         drain_s: float | None = None,
         incarnation: str | None = None,
+        leaving: bool = False,
     ) -> Written | None:
         """``cordoned``, ``uncordoned`` or ``left`` for ``replica_id``; ``None`` when it is in
         no state that the change applies to (unknown, already left or lapsed; an uncordon
-        of a replica that is not cordoned)."""
+        of a replica that is not cordoned). ``leaving`` with a cordon: the replica leaves
+        once its attempts end or its drain deadline passed (app/driver/fleet.py)."""
         states = {"cordoned": MEMBER_STATES, "uncordoned": ("cordoned",), "left": MEMBER_STATES}[event]
         async with self._writing() as connection:
             row = (
@@ -291,6 +323,10 @@ class FleetStore:
                     },
                 )
             ).scalar()
+            if seq is not None and leaving:
+                await connection.execute(
+                    text("UPDATE replicas SET leaving = true WHERE replica_id = :id"), {"id": replica_id}
+                )
         return None if seq is None else Written(seq, event, replica_id, source, reason)
 
     async def reconcile_declared(

@@ -9,7 +9,8 @@ membership, with its source (``file``, ``dns``, ``admin``, ``join``), its actor,
 reason and PostgreSQL's ``now()``. ``replicas`` is its projection, one row per replica
 id, kept by a row trigger in the insert's own transaction: the replica's state
 (``serving``, ``cordoned``, ``left``, ``lapsed``), where it came from, since when, and
-what it declared (kind, URL, models with their revisions). A joined worker's lease
+what it declared (kind, URL, models with their revisions), and whether it was asked to
+leave (``leaving``: set with the cordon that removal writes first). A joined worker's lease
 (``lease_expires_at``) lives on its row: renewals are not fleet events. The trigger
 also sends ``NOTIFY phasegate_fleet`` with the event's ``seq``, delivered when the
 transaction commits, which is how every gateway process learns of a change within a
@@ -131,8 +132,7 @@ BEGIN
             leaving = false, lease_ttl_ms = NULL, lease_expires_at = NULL;
     ELSIF NEW.event = 'cordoned' THEN
         UPDATE replicas SET state = 'cordoned', drain_until = NEW.drain_until, last_seq = NEW.seq,
-               since = CASE WHEN state = 'cordoned' THEN since ELSE NEW.at END,
-               leaving = leaving OR coalesce(NEW.reason = 'remove', false)
+               since = CASE WHEN state = 'cordoned' THEN since ELSE NEW.at END
          WHERE replica_id = NEW.replica_id;
     ELSIF NEW.event = 'uncordoned' THEN
         UPDATE replicas SET state = 'serving', drain_until = NULL, leaving = false, last_seq = NEW.seq,
