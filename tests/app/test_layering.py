@@ -35,6 +35,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # leaves: settings, the gateway's Prometheus metrics, child processes
     "app.config": frozenset({BOTTOM, "app.contract", "app.http_server"}),
     "app.metrics": frozenset(),
+    "app.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),

@@ -217,3 +217,49 @@ def test_a_delete_with_a_short_drain_ends_each_stream_by_the_rule(database_url: 
         left = next(e for e in fleet_events(a) if e["event"] == "left")
         assert left["replica_id"] == "w1" and "drain deadline" in left["reason"]
         assert sum(1 for e in fleet_events(a) if e["event"] == "left") == 1
+
+
+def test_the_replicas_command_adds_cordons_lists_and_removes(
+    database_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app import cli
+
+    with running_gateway(database_url, [], admin_token=TOKEN) as gateway, running_worker(args=SLOW) as worker:
+        base = ["replicas", "--gateway", gateway.url]
+        monkeypatch.delenv("PHASEGATE_ADMIN_TOKEN", raising=False)
+        assert cli.main([*base, "list"]) == 2  # no token
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        assert (
+            cli.main(
+                [
+                    *base,
+                    "--admin-token-file",
+                    str(token_file),
+                    "add",
+                    "w1",
+                    worker.base_url,
+                    "--model",
+                    f"{MODEL}=rev-x",
+                ]
+            )
+            == 0
+        )
+        assert capsys.readouterr().out.startswith("w1: serving")
+        monkeypatch.setenv("PHASEGATE_ADMIN_TOKEN", TOKEN)
+        assert cli.main([*base, "cordon", "w1", "--drain-s", "30"]) == 0
+        assert capsys.readouterr().out.startswith("w1: cordoned")
+        assert cli.main([*base, "list"]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert listed[0].split()[:5] == ["ID", "STATE", "SOURCE", "KIND", "LIVE"]
+        assert listed[1].split()[:5] == ["w1", "cordoned", "admin", "worker", "0"]
+        assert f"{MODEL}=rev-x (not the configured revision)" in listed[1]
+        assert cli.main([*base, "uncordon", "w1"]) == 0
+        assert cli.main([*base, "uncordon", "w1"]) == 1
+        assert "replica_not_cordoned" in capsys.readouterr().err
+        assert cli.main([*base, "remove", "w1"]) == 0
+        wait_for(lambda: next(e["event"] for e in fleet_events(gateway)) == "left", 5.0)
+        events = [(e["event"], e["actor"]) for e in reversed(fleet_events(gateway))]
+        assert [event for event, _ in events] == ["joined", "cordoned", "uncordoned", "cordoned", "left"]
+        assert {actor for _, actor in events[:-1]} == {"admin"}
+        assert "w1" not in gateway.gateway.ctx.pool.replicas
