@@ -20,6 +20,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from app.api.fleet_admin import fleet_routes
+from app.api.fleet_join import join_routes
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
 from app.driver import gauges
@@ -63,7 +64,8 @@ class Gateway:
         self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
         self.fleet = FleetKeeper(ctx, store, lambda replica: replica_client(replica, ctx.config))
         self._probes: asyncio.Task[None] | None = None
-        self.app: Starlette = build_app(ctx, extra_routes=fleet_routes(ctx, self.fleet), lifespan=self._lifespan)
+        fleet = [*fleet_routes(ctx, self.fleet), *join_routes(ctx, self.fleet)]
+        self.app: Starlette = build_app(ctx, extra_routes=fleet, lifespan=self._lifespan)
 
     @classmethod
     async def open(

@@ -43,6 +43,7 @@ log = logging.getLogger("phasegate.admin")
 
 ACTOR = "admin"
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+URL = re.compile(r"https?://[^\s/]+(/[^\s]*)?")
 MAX_DRAIN_S = 86400.0
 PROBE_S = 5.0  # how long an added replica has to answer its probe
 
@@ -243,7 +244,7 @@ class _FleetAdmin:
             raise InvalidRequest(why, param="id", code="invalid_replica_id")
         if kind not in REPLICA_KINDS:
             raise InvalidRequest(f"kind must be one of {', '.join(REPLICA_KINDS)}", param="kind", code="invalid_kind")
-        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", url):
+        if not isinstance(url, str) or not URL.fullmatch(url):
             raise InvalidRequest("url must be http(s)://host[:port]", param="url", code="invalid_url")
         try:
             entry = {"id": replica_id, "url": url.rstrip("/"), "kind": kind, "models": body.get("models", [])}
