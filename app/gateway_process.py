@@ -28,7 +28,7 @@ import pickle
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -55,6 +55,9 @@ def quiet_libraries() -> None:
     logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
 
 
+JOIN_WAIT_S = 15.0  # how long the start waits for the replicas that join by themselves
+
+
 async def run_gateway(
     config: GatewayConfig,
     url: str,
@@ -64,12 +67,15 @@ async def run_gateway(
     address: str | None = None,
     backlog: int = 2048,
     stop_asked: Callable[[], int | None] | None = None,
+    joining: Sequence[str] = (),
 ) -> None:
     """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
     ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
     to ``listen`` and how many connections it accepts each time a socket is readable.
     ``stop_asked``: the stop signal received while it started, if any (then it stops as
-    soon as it started, as on that signal, and ``on_started`` is not called)."""
+    soon as it started, as on that signal, and ``on_started`` is not called). ``joining``:
+    replicas that join by themselves (the demo's simulated workers) that ``on_started``
+    waits for, a few seconds at most, so that the first request finds them."""
     import uvicorn
 
     from app.gateway import Gateway
@@ -123,6 +129,9 @@ async def run_gateway(
         # raising the thresholds (10,000 or 50,000) bought 0.072 and 0.070 for +33 MiB.
         gc.collect()
         gc.freeze()
+        deadline = loop.time() + JOIN_WAIT_S
+        while not set(joining) <= set(gateway.ctx.pool.replicas) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         asked = stop_asked() if stop_asked is not None else None
         if asked is not None:
             server.handle_exit(asked, None)

@@ -6,7 +6,7 @@ it at (``--advertise``, else its listen address) and each model's revision
 (``--model NAME=REV``). It renews its lease every ``RENEW_EVERY_S``; told it is no
 member (it lapsed while cut off, or an operator removed it), it joins again. A drain
 (SIGTERM) cordons it first, so no new attempt comes while the running ones finish, and
-it leaves at its exit. A gateway that cannot be reached is tried again each second: the
+it leaves at its exit. A gateway that cannot be reached is tried again every half second: the
 worker serves whoever already knows it meanwhile.
 """
 
@@ -25,7 +25,7 @@ from app.contract.fleet_join import CORDON_PATH, JOIN_PATH, LEAVE_PATH, NOT_MEMB
 
 log = logging.getLogger("phasegate.worker")
 
-RETRY_S = 1.0
+RETRY_S = 0.5
 CALL_S = 10.0  # the gateway probes a joining worker (a real generation) before it answers
 
 
