@@ -263,3 +263,46 @@ def test_the_replicas_command_adds_cordons_lists_and_removes(
         assert [event for event, _ in events] == ["joined", "cordoned", "uncordoned", "cordoned", "left"]
         assert {actor for _, actor in events[:-1]} == {"admin"}
         assert "w1" not in gateway.gateway.ctx.pool.replicas
+
+
+def test_a_rolling_revision_never_retries_a_request_onto_other_weights(database_url: str) -> None:
+    from tests.app.conftest import add_fault
+
+    with ExitStack() as stack:
+        old = stack.enter_context(running_gateway(database_url, [], admin_token=TOKEN, models={MODEL: "A"}))
+        workers = {
+            name: stack.enter_context(running_worker(faults=True, args=SLOW)) for name in ("a1", "a2", "b1", "b2")
+        }
+        for name, worker in workers.items():
+            revision = name[0].upper()
+            assert add(old, worker, name, models=[f"{MODEL}={revision}"]).status_code == 201
+        listed = {r["id"]: r["models"][0] for r in httpx.get(f"{old.url}/admin/replicas", headers=AUTH).json()["data"]}
+        assert [name for name, model in sorted(listed.items()) if model["current"]] == ["a1", "a2"]
+        for name in ("a1", "a2"):  # every start of this prompt refused on the A replicas
+            add_fault(workers[name], action="reject", status=503, match={"prompt_contains": "retry me"}, times=None)
+        served = [chat(old, f"at revision A {n}") for n in range(4)]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "retry me"}], "max_tokens": 3}
+        refused = httpx.post(f"{old.url}/v1/chat/completions", json=body, timeout=30)
+        assert refused.status_code in (502, 503), refused.text
+        retried = refused.headers["x-request-id"]
+        # the revision switched: a gateway serving B (a reload, on the fleet it shares)
+        new = stack.enter_context(running_gateway(database_url, [], admin_token=TOKEN, models={MODEL: "B"}))
+        at_b = [chat(new, f"at revision B {n}") for n in range(4)]
+        for name in ("a1", "a2"):  # A drains
+            assert httpx.post(f"{new.url}/admin/replicas/{name}/cordon", headers=AUTH).status_code == 200
+        wait_for(lambda: all(old.gateway.ctx.pool.replicas[n].cordoned for n in ("a1", "a2")), 1.0)
+        drained = httpx.post(
+            f"{old.url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "late A"}]}
+        )
+        assert drained.status_code == 503 and drained.json()["error"]["code"] == "no_replica_available"
+        # per request, in the log: every attempt on a replica of the recorded revision
+        for gateway, request_ids in ((old, [*served, retried]), (new, at_b)):
+            for request_id in request_ids:
+                events = gateway.events(request_id)
+                (accepted,) = [e for e in events if isinstance(e, ev.RequestAccepted)]
+                replicas = [e.replica_id for e in events if isinstance(e, ev.AttemptStarted)]
+                assert replicas and all(r[0].upper() == accepted.model_revision for r in replicas), (
+                    request_id,
+                    replicas,
+                )
+        assert replica_of(old, retried) == ["a1", "a2"] or replica_of(old, retried) == ["a2", "a1"]
