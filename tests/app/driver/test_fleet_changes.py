@@ -86,6 +86,8 @@ def test_a_replica_added_through_one_instance_serves_through_the_other(database_
         model = {"name": MODEL, "revision": None, "configured_revision": "sim-rev-1", "current": True}
         assert entry["models"] == [model]
         assert [e["event"] for e in listed["events"]] == ["joined"]
+        page = httpx.get(f"{b.url}/ui/requests", headers=AUTH)  # the list page shows the fleet
+        assert page.status_code == 200 and 'data-replica="w1"' in page.text and "joined w1 (admin, admin" in page.text
 
 
 def test_bad_bodies_and_tokens_change_nothing(database_url: str) -> None:
