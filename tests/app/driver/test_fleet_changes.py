@@ -265,6 +265,12 @@ def test_the_replicas_command_adds_cordons_lists_and_removes(
         assert [event for event, _ in events] == ["joined", "cordoned", "uncordoned", "cordoned", "left"]
         assert {actor for _, actor in events[:-1]} == {"admin"}
         assert "w1" not in gateway.gateway.ctx.pool.replicas
+        # metrics: changes by source and event; the series of a replica that left are dropped
+        wait_for(lambda: gateway.metric("phasegate_fleet_changes_total", source="admin", event="left") == 1, 2.0)
+        assert gateway.metric("phasegate_fleet_changes_total", source="admin", event="cordoned") == 2
+        scraped = httpx.get(f"{gateway.url}/metrics").text
+        assert 'phasegate_replica_healthy{replica="w1"}' not in scraped
+        assert f'phasegate_fleet_replicas{{model="{MODEL}",state="serving"}} 0.0' in scraped
 
 
 def test_a_rolling_revision_never_retries_a_request_onto_other_weights(database_url: str) -> None:
