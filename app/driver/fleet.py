@@ -80,6 +80,7 @@ class FleetKeeper:
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[bool]] = set()
         self._counted: int | None = None  # the last fleet event counted in the metrics
+        self._reconciled = False  # the file reconciled since this process took the fleet's lock
 
     @property
     def actor(self) -> str:
@@ -141,10 +142,15 @@ class FleetKeeper:
         await self.ctx.pool.reap()
 
     async def _lead(self) -> None:
-        was = self.listener.leading
-        if await self.listener.try_lead() and not was:
+        """Take the fleet's lock if it is free; holding it, reconcile the file (again, after a
+        reconciliation that failed: PostgreSQL away, this instance fenced)."""
+        if not await self.listener.try_lead():
+            self._reconciled = False  # whoever takes the lock next reconciles
+            return
+        if not self._reconciled:
             log.info("fleet: this process reconciles the declared sources")
             await self.reconcile_file()
+            self._reconciled = True
 
     async def probe_new(self, replica: ReplicaConfig, timeout_s: float) -> tuple[str, str | None]:
         """One health probe of a replica not in the pool yet: its answer (``healthy``,
