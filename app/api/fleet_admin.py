@@ -37,7 +37,7 @@ from app.config import REPLICA_KINDS, ConfigError, ReplicaConfig, replica_entry
 from app.driver.context import GatewayContext
 from app.driver.fleet import FleetKeeper, declared_by_file
 from app.store.errors import InstanceFenced, StoreUnavailable
-from app.store.fleet import DECLARED_SOURCES, Member
+from app.store.fleet_model import DECLARED_SOURCES, Member
 
 log = logging.getLogger("phasegate.admin")
 

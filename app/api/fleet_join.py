@@ -38,7 +38,7 @@ from app.contract.fleet_join import (
 from app.driver.context import GatewayContext
 from app.driver.fleet import FleetKeeper
 from app.store.errors import InstanceFenced, StoreUnavailable
-from app.store.fleet import Declared
+from app.store.fleet_model import Declared
 
 log = logging.getLogger("phasegate.fleet")
 

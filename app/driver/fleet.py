@@ -35,8 +35,9 @@ from app.driver.context import GatewayContext
 from app.replicas.base import ProbeAnswer, ReplicaClient
 from app.replicas.pool import Replica
 from app.store.database import asyncpg_dsn
-from app.store.fleet import Declared, FleetStore, Member, declared_models
+from app.store.fleet import FleetStore
 from app.store.fleet_listen import FleetListener
+from app.store.fleet_model import Declared, Member, declared_models
 from app.store.postgres import PostgresEventStore
 
 log = logging.getLogger("phasegate.fleet")
@@ -81,6 +82,7 @@ class FleetKeeper:
         self._probes: set[asyncio.Task[bool]] = set()
         self._counted: int | None = None  # the last fleet event counted in the metrics
         self._reconciled = False  # the file reconciled since this process took the fleet's lock
+        self._failing = False  # the last tick failed (logged once an outage)
 
     @property
     def actor(self) -> str:
@@ -117,7 +119,13 @@ class FleetKeeper:
             try:
                 await self._tick(loop.time(), due)
             except Exception as exc:  # PostgreSQL away, a fenced instance: the next tick tries again
-                log.warning("fleet: %r", exc)
+                if not self._failing:  # once an outage: the pool stays as it was meanwhile
+                    log.warning("fleet: the membership cannot be kept for now (%r); the pool stays as it is", exc)
+                self._failing = True
+            else:
+                if self._failing:
+                    log.warning("fleet: the membership is kept again")
+                self._failing = False
 
     async def _tick(self, now: float, due: dict[str, float]) -> None:
         heard = self._wake.is_set()

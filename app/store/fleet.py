@@ -25,95 +25,29 @@ and PostgreSQL refuses the insert while that instance is fenced (:class:`Instanc
 from __future__ import annotations
 
 import contextlib
-import json
-import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import text
 
 from app.store.errors import InstanceFenced
+from app.store.fleet_model import (
+    CORDON_KEPT,
+    DECLARED_SOURCES,
+    MEMBER_STATES,
+    RECONCILE_LOCK,
+    Declared,
+    Member,
+    Written,
+    member_of,
+    models_json,
+    models_of,
+    new_incarnation,
+)
 from app.store.postgres import PostgresEventStore
 
-EVENTS = ("joined", "cordoned", "uncordoned", "left", "lapsed", "refused")
-STATES = ("serving", "cordoned", "left", "lapsed")
-SOURCES = ("file", "dns", "admin", "join")
-DECLARED_SOURCES = ("file", "dns")
-MEMBER_STATES = ("serving", "cordoned")  # members: placement may see them
-RECONCILE_LOCK = 0x70686173_666C  # "phasfl": serialises the reconciliations of declared sources
 _FENCED_SQLSTATE = "PG410"
-CORDON_KEPT = "the cordon stays on its new incarnation"
-
-Models = tuple[tuple[str, "str | None"], ...]  # each model with its declared revision (None: undeclared)
-
-
-def new_incarnation() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-@dataclass(frozen=True, slots=True)
-class Declared:
-    """One replica as a source declares it."""
-
-    replica_id: str
-    url: str
-    kind: str = "worker"
-    models: Models = ()  # empty: every configured model
-    incarnation: str = ""  # empty: a new one is made when it joins
-
-    def same_as(self, member: Member) -> bool:
-        return (self.url, self.kind, dict(self.models)) == (member.url, member.kind, dict(member.models))
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One row of ``replicas``."""
-
-    replica_id: str
-    incarnation: str
-    kind: str
-    url: str
-    models: Models
-    state: str
-    source: str
-    since: datetime
-    last_seq: int
-    drain_until: datetime | None = None
-    leaving: bool = False
-    lease_expires_at: datetime | None = None
-    drain_left_s: float | None = None  # to its drain deadline, on PostgreSQL's clock when read
-
-    @property
-    def member(self) -> bool:
-        return self.state in MEMBER_STATES
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.replica_id,
-            "incarnation": self.incarnation,
-            "kind": self.kind,
-            "url": self.url,
-            "models": [{"name": name, "revision": revision} for name, revision in self.models],
-            "state": self.state,
-            "source": self.source,
-            "since": self.since.isoformat(),
-            "drain_until": self.drain_until.isoformat() if self.drain_until else None,
-            "leaving": self.leaving,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    """A fleet event as written."""
-
-    seq: int
-    event: str
-    replica_id: str
-    source: str
-    reason: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 _INSERT = """
@@ -171,35 +105,6 @@ _EVENTS = """
 """
 
 
-def models_json(models: Models) -> str:
-    return json.dumps(dict(models), sort_keys=True)
-
-
-def _models(value: Any) -> Models:
-    if isinstance(value, str):
-        value = json.loads(value)
-    return tuple(sorted((str(name), revision) for name, revision in (value or {}).items()))
-
-
-def _member(row: Any) -> Member:
-    m = row._mapping
-    return Member(
-        replica_id=m["replica_id"],
-        incarnation=m["incarnation"],
-        kind=m["replica_kind"],
-        url=m["url"],
-        models=_models(m["models"]),
-        state=m["state"],
-        source=m["source"],
-        since=m["since"],
-        last_seq=m["last_seq"],
-        drain_until=m["drain_until"],
-        leaving=m["leaving"],
-        lease_expires_at=m["lease_expires_at"],
-        drain_left_s=m["drain_left_s"],
-    )
-
-
 def _fenced(exc: BaseException) -> bool:
     current: BaseException | None = exc
     seen: set[int] = set()
@@ -221,13 +126,13 @@ class FleetStore:
     async def members(self, *, current_only: bool = False) -> list[Member]:
         where = "WHERE state IN ('serving', 'cordoned')" if current_only else ""
         async with self._store.reading() as connection:
-            return [_member(row) for row in await connection.execute(text(_MEMBERS.format(where=where)))]
+            return [member_of(row) for row in await connection.execute(text(_MEMBERS.format(where=where)))]
 
     async def member(self, replica_id: str) -> Member | None:
         async with self._store.reading() as connection:
             rows = await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": replica_id})
             row = rows.first()
-        return None if row is None else _member(row)
+        return None if row is None else member_of(row)
 
     async def events(self, *, limit: int = 50, replica_id: str | None = None) -> list[dict[str, Any]]:
         """The latest fleet events, newest first."""
@@ -239,7 +144,7 @@ class FleetStore:
             return [
                 {
                     **{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row._mapping.items()},
-                    "models": dict(_models(row._mapping["models"])),
+                    "models": dict(models_of(row._mapping["models"])),
                 }
                 for row in rows
             ]
@@ -341,7 +246,7 @@ class FleetStore:
         async with self._writing() as connection:
             await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RECONCILE_LOCK})
             rows = await connection.execute(text(_MEMBERS.format(where="") + " FOR UPDATE"))
-            current = {member.replica_id: member for member in map(_member, rows)}
+            current = {member.replica_id: member for member in map(member_of, rows)}
             for replica_id, want in sorted(wanted.items()):
                 have = current.get(replica_id)
                 if have is not None and have.member and (have.source != source or want.same_as(have)):
@@ -392,7 +297,7 @@ class FleetStore:
             await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": declared.replica_id})
         ).first()
         incarnation = declared.incarnation or new_incarnation()
-        old = None if have is None else _member(have)
+        old = None if have is None else member_of(have)
         replaced = old is not None and old.member and old.incarnation != incarnation
         if old is not None and replaced:
             await self._leave(connection, old, old.source, actor, instance_id, "replaced by a new incarnation")
@@ -436,8 +341,3 @@ class FleetStore:
             )
         ).scalar_one()
         return Written(int(seq), event, declared.replica_id, source, reason)
-
-
-def declared_models(names: Sequence[str], revisions: Mapping[str, str]) -> Models:
-    """``names`` (empty: every model) each with its revision in ``revisions``, if any."""
-    return tuple(sorted((name, revisions.get(name)) for name in names))

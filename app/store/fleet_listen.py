@@ -42,6 +42,7 @@ class FleetListener:
         self._on_change = on_change
         self._connection: asyncpg.Connection | None = None
         self.leading = False
+        self._unreachable = False
 
     @property
     def connected(self) -> bool:
@@ -55,7 +56,9 @@ class FleetListener:
         try:
             connection = await asyncpg.connect(self.dsn, timeout=5)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-            log.warning("fleet: cannot listen for changes (%r); membership is read again once it can", exc)
+            if not self._unreachable:  # once an outage
+                log.warning("fleet: cannot listen for changes (%r); membership is read again once it can", exc)
+            self._unreachable = True
             return False
         try:
             await connection.add_listener(CHANNEL, self._notified)
@@ -63,6 +66,7 @@ class FleetListener:
             await connection.close()
             raise
         self._connection = connection
+        self._unreachable = False
         self._on_change()  # whatever was sent while nobody listened: read it all again
         return True
 

@@ -18,7 +18,8 @@ import pytest
 
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
-from app.store.fleet import Declared, FleetStore
+from app.store.fleet import FleetStore
+from app.store.fleet_model import Declared
 from app.store.instances import InstanceInfo, InstanceRegistry
 from ops import traces
 from ops.audit_queries import bind, bounded_queries, doc_queries, index_name

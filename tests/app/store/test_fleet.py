@@ -13,7 +13,8 @@ from sqlalchemy import text
 
 from app.store.database import asyncpg_dsn
 from app.store.errors import InstanceFenced
-from app.store.fleet import Declared, FleetStore
+from app.store.fleet import FleetStore
+from app.store.fleet_model import Declared
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 
