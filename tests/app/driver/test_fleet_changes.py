@@ -193,7 +193,13 @@ def test_a_cordon_lets_live_streams_end_and_places_nothing_new(database_url: str
 def test_a_delete_with_a_short_drain_ends_each_stream_by_the_rule(database_url: str) -> None:
     with ExitStack() as stack:
         a, b = stack.enter_context(two_gateways(database_url))
-        w1, w2 = (stack.enter_context(running_worker(args=[*SLOW, "--max-running", "64"])) for _ in range(2))
+        w1, w2 = (
+            stack.enter_context(running_worker(faults=True, args=[*SLOW, "--max-running", "64"])) for _ in range(2)
+        )
+        from tests.app.conftest import add_fault
+
+        # one attempt still in its prefill at the deadline: nothing sent yet, so it is retried
+        add_fault(w1, action="slow_prefill", prefill_ms=20000, match={"prompt_contains": "drained 5"})
         assert add(a, w1, "w1").status_code == 201
         wait_for(lambda: "w1" in b.gateway.ctx.pool.replicas)
         with ThreadPoolExecutor(1) as background:
@@ -209,11 +215,13 @@ def test_a_delete_with_a_short_drain_ends_each_stream_by_the_rule(database_url: 
             state = check_request(events, transcript)  # the client and the log agree
             failed = [e for e in events if isinstance(e, ev.UpstreamFailed)]
             assert [e.upstream_code for e in failed] == ["replica_drained"]
-            if state.first_delta_sent:  # after the first delta: the §6 error
+            if state.first_delta_attempt == 1:  # drained after its first delta: the §6 error
                 assert transcript.error is not None and transcript.error["code"] == "upstream_decode_interrupted"
-            else:  # before it: retried on the other replica
+            else:  # drained before it: retried on the other replica, which answered
                 assert transcript.error is None and state.replicas_tried == ("w1", "w2")
-        assert any(t.error is not None for t in transcripts)
+                assert state.first_delta_attempt == 2 and transcript.finish_reason == "length"
+        assert sum(t.error is not None for t in transcripts) == 5  # the five streaming
+        assert sum(t.error is None for t in transcripts) == 1  # the one in its prefill, retried
         assert replica.consecutive_failures == 0  # a drain never counts toward ejection
         wait_for(lambda: any(e["event"] == "left" for e in fleet_events(a)), 5.0)
         left = next(e for e in fleet_events(a) if e["event"] == "left")
