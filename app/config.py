@@ -123,7 +123,7 @@ def replica_entry(values: dict[str, Any]) -> ReplicaConfig:
     """One replica from a table (the file's ``[[replicas]]``, the admin API's body): its
     ``models`` are names, each ``NAME`` or ``NAME=REVISION``."""
     models = values.get("models", ())
-    if isinstance(models, str) or not all(isinstance(m, str) and m.strip("=") for m in models):
+    if isinstance(models, str) or not all(isinstance(m, str) and m.partition("=")[0] for m in models):
         raise ConfigError(f"replica {values.get('id')}: models must be a list of NAME or NAME=REVISION")
     names, revisions = [], []
     for entry in models:

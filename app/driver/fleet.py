@@ -37,7 +37,7 @@ from app.replicas.pool import Replica
 from app.store.database import asyncpg_dsn
 from app.store.fleet import FleetStore
 from app.store.fleet_listen import FleetListener
-from app.store.fleet_model import Declared, Member, declared_models
+from app.store.fleet_model import Declared, Member, Written, declared_models
 from app.store.postgres import PostgresEventStore
 
 log = logging.getLogger("phasegate.fleet")
@@ -178,14 +178,23 @@ class FleetKeeper:
 
     async def reconcile_file(self) -> None:
         """The configuration file's replicas, brought into the fleet (source ``file``)."""
+        await self.reconcile("file", declared_by_file(self.ctx.config.replicas))
+
+    async def reconcile(self, source: str, declared: Iterable[Declared]) -> list[Written] | None:
+        """Bring a declared source (``file``, ``dns``) to ``declared``, if this process holds
+        the fleet's lock: the events written; ``None`` when another process holds it (it
+        reconciles its own reading of the source). The entry point for a reload or a
+        resolution (:meth:`app.store.fleet.FleetStore.reconcile_declared` writes)."""
+        if not await self.listener.try_lead():
+            return None
         written = await self.fleet.reconcile_declared(
-            "file",
-            declared_by_file(self.ctx.config.replicas),
-            actor=self.actor,
-            instance_id=self.ctx.gateway_id,
+            source, declared, actor=self.actor, instance_id=self.ctx.gateway_id
         )
         for event in written:
             log.info("fleet: replica %s %s (%s)", event.replica_id, event.event, event.reason)
+        if written:
+            self._wake.set()  # applied here at once, as every other process does on the notification
+        return written
 
     async def refresh(self) -> None:
         """Read the membership and apply it to the pool; count the changes since the last read."""

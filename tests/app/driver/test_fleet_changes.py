@@ -143,6 +143,21 @@ def test_a_file_declared_replica_is_reconciled_once_and_cannot_be_deleted(databa
             refused = httpx.delete(f"{b.url}/admin/replicas/f1", headers=AUTH)
             assert refused.status_code == 409 and refused.json()["error"]["code"] == "replica_declared"
             assert httpx.post(f"{b.url}/admin/replicas/f1/cordon", headers=AUTH).json()["state"] == "cordoned"
+            # another declared source through the same entry point: only the lock's holder writes
+            from app.store.fleet_model import Declared
+
+            leader, follower = (a, b) if a.gateway.fleet.listener.leading else (b, a)
+            dns = [Declared("d1", worker.base_url, models=((MODEL, None),))]
+            assert follower.call(follower.gateway.fleet.reconcile("dns", dns)) is None
+            written = leader.call(leader.gateway.fleet.reconcile("dns", dns))
+            assert written is not None and [(w.event, w.replica_id, w.source) for w in written] == [
+                ("joined", "d1", "dns")
+            ]
+            assert leader.call(leader.gateway.fleet.reconcile("dns", dns)) == []  # already as declared
+            wait_for(lambda: "d1" in follower.gateway.ctx.pool.replicas, 1.0)
+            assert (
+                httpx.delete(f"{a.url}/admin/replicas/d1", headers=AUTH).json()["error"]["code"] == "replica_declared"
+            )
 
 
 def run_streams(gateway: RunningGateway, count: int, max_tokens: int, prompt: str) -> list[Any]:
