@@ -43,7 +43,8 @@ log = logging.getLogger("phasegate.admin")
 
 ACTOR = "admin"
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
-URL = re.compile(r"https?://[^\s/]+(/[^\s]*)?")
+URL = re.compile(r"https?://[A-Za-z0-9._~%:@\[\]-]+(/[!-~]*)?")  # printable ASCII: no NUL, no space
+NAME = re.compile(r"[^\x00-\x20\x7f=][^\x00-\x1f\x7f]{0,255}")  # a model's name or revision
 MAX_DRAIN_S = 86400.0
 PROBE_S = 5.0  # how long an added replica has to answer its probe
 
@@ -251,6 +252,10 @@ class _FleetAdmin:
             replica = replica_entry(entry)
         except (ConfigError, TypeError) as exc:
             raise InvalidRequest(str(exc), param="models", code="invalid_models") from None
+        if not all(NAME.fullmatch(text) for text in (*replica.models, *(rev for _, rev in replica.revisions))):
+            raise InvalidRequest(
+                "models: printable names, 256 characters at most", param="models", code="invalid_models"
+            )
         served = self.ctx.config.models
         unknown_models = [model for model in replica.models if served and model not in served]
         if unknown_models:

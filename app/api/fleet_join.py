@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from app.api.bodies import json_body
 from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
-from app.api.fleet_admin import REPLICA_ID, URL, Unprocessable
+from app.api.fleet_admin import NAME, REPLICA_ID, URL, Unprocessable
 from app.api.request_ids import new_request_id
 from app.config import ReplicaConfig
 from app.contract.fleet_join import (
@@ -114,7 +114,7 @@ class _Joins:
         if not isinstance(url, str) or not URL.fullmatch(url):
             raise InvalidRequest("url must be http(s)://host[:port]", param="url", code="invalid_url")
         if not isinstance(models, dict) or not all(
-            isinstance(name, str) and name and (rev is None or (isinstance(rev, str) and rev))
+            NAME.fullmatch(name) and (rev is None or (isinstance(rev, str) and NAME.fullmatch(rev)))
             for name, rev in models.items()
         ):
             raise InvalidRequest("models: {NAME: REVISION or null}", param="models", code="invalid_models")

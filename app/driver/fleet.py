@@ -163,7 +163,11 @@ class FleetKeeper:
     async def probe_new(self, replica: ReplicaConfig, timeout_s: float) -> tuple[str, str | None]:
         """One health probe of a replica not in the pool yet: its answer (``healthy``,
         ``unhealthy``, ``silent``, ``incompatible``) and why it is incompatible, if it is."""
-        client = self.make_client(replica)
+        try:
+            client = self.make_client(replica)
+        except Exception as exc:  # a URL its client cannot use
+            log.info("fleet: no client for %s: %r", replica.url, exc)
+            return ProbeAnswer.UNHEALTHY.value, None
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await client.health()
@@ -173,7 +177,8 @@ class FleetKeeper:
             log.info("fleet: probe of %s raised %r", replica.url, exc)
             answer = ProbeAnswer.UNHEALTHY
         finally:
-            await client.close()
+            with contextlib.suppress(Exception):
+                await client.close()
         return answer.value, client.incompatible
 
     async def reconcile_file(self) -> None:

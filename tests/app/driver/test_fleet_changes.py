@@ -109,6 +109,9 @@ def test_bad_bodies_and_tokens_change_nothing(database_url: str) -> None:
             ({"id": "x", "url": "http://127.0.0.1:9"}, 422, "replica_unreachable"),
             ({"id": "x", "url": worker.base_url, "kind": "openai", "models": [MODEL]}, 422, None),
             ([1, 2], 400, "invalid_body"),
+            ({"id": "x", "url": "http://h\x00st:1"}, 400, "invalid_url"),
+            ({"id": "x", "url": "http://[::1"}, 422, "replica_unreachable"),
+            ({"id": "x", "url": worker.base_url, "models": ["s\x00m"]}, 400, "invalid_models"),
         ]
         for body, status, code in cases:
             response = httpx.post(url, json=body, headers=AUTH, timeout=30)

@@ -122,6 +122,9 @@ def test_joining_needs_the_worker_token(database_url: str) -> None:
         wrong = {"authorization": "Bearer not-the-worker-token-at-all"}
         assert httpx.post(gateway.url + JOIN_PATH, json=body, headers=wrong).status_code == 401
         right = {"authorization": f"Bearer {WORKER_TOKEN}"}
+        for bad, code in (({"models": {"s\x00m": None}}, "invalid_models"), ({"id": "../x"}, "invalid_replica_id")):
+            refused = httpx.post(gateway.url + JOIN_PATH, json={**body, **bad}, headers=right)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == code
         unreachable = httpx.post(gateway.url + JOIN_PATH, json=body, headers=right, timeout=30)
         assert unreachable.status_code == 422 and unreachable.json()["error"]["code"] == "replica_unreachable"
         (refusal,) = events(gateway)
