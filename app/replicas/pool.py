@@ -25,6 +25,7 @@ The clock is injected so tests can move time.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -101,7 +102,8 @@ class ReplicaPool:
         self.clock = clock
         self.on_health_change: Callable[[Replica], None] = lambda replica: None
         self._choices = 0
-        self._serving: dict[tuple[str, ...], tuple[Replica, ...]] = {}  # by the models asked for: found once
+        # by the models asked for and their revisions: each serving replica with the models it may take
+        self._serving: dict[tuple[Any, ...], tuple[tuple[Replica, tuple[str, ...]], ...]] = {}
         self.retired: list[Replica] = []  # out of the fleet, with attempts still on them: closed once they end
 
     # --- membership (docs/design.md §16) ---------------------------------------------
@@ -109,7 +111,7 @@ class ReplicaPool:
     def admit(self, replica: Replica) -> None:
         """``replica`` is a member now (a new one, or a new incarnation replacing the old)."""
         old = self.replicas.get(replica.id)
-        if old is not None:
+        if old is not None and old is not replica:
             self._retire(old)
         self.replicas[replica.id] = replica
         self._serving.clear()
@@ -168,21 +170,32 @@ class ReplicaPool:
         so the policy sees a cordon or a lapse of the replica that just failed."""
         now = self.clock()
         wanted = tuple(models)
-        serving = self._serving.get(wanted)
-        if serving is None:  # found again only when the fleet changes
-            serving = tuple(r for r in self.replicas.values() if any(r.config.serves(model) for model in wanted))
+        asked = (wanted, tuple(sorted((revisions or {}).items())))
+        serving = self._serving.get(asked)
+        if serving is None:  # found again only when the fleet changes: which replica may take which model
+            found = (
+                (r, tuple(model for model in wanted if _takes(r, model, revisions))) for r in self.replicas.values()
+            )
+            serving = tuple((r, eligible) for r, eligible in found if eligible or any(map(r.config.serves, wanted)))
             if len(self._serving) >= 256:  # model names no configuration knows: keep few
                 self._serving.clear()
-            self._serving[wanted] = serving
+            self._serving[asked] = serving
         kept = set(keep)
-        views: dict[str, ReplicaView] = {}
-        candidates: dict[str, list[ReplicaView]] = {model: [] for model in wanted}
-        for replica in serving:
-            eligible = tuple(model for model in wanted if _takes(replica, model, revisions))
+        shown: dict[str, tuple[Replica, tuple[str, ...], bool]] = {}  # each replica shown: its models, available
+        candidates: dict[str, list[Replica]] = {model: [] for model in wanted}
+        for replica, eligible in serving:
             available = self._available_at(replica, now)
-            if not (eligible and available and not replica.cordoned) and replica.id not in kept:
-                continue
-            view = ReplicaView(
+            if eligible and available and not replica.cordoned:
+                for model in eligible:
+                    candidates[model].append(replica)
+                shown[replica.id] = (replica, eligible, available)
+            elif replica.id in kept:
+                shown[replica.id] = (replica, eligible, available)
+        chosen = set(kept)
+        for model_candidates in candidates.values():
+            chosen.update(replica.id for replica in bounded_candidates(model_candidates, affinity_key))
+        views = tuple(
+            ReplicaView(
                 id=replica.id,
                 models=() if len(eligible) == len(wanted) else (eligible or ("",)),
                 available=available,
@@ -192,14 +205,10 @@ class ReplicaPool:
                 last_chosen=replica.last_chosen,
                 cordoned=replica.cordoned,
             )
-            views[replica.id] = view
-            if view.takes_new:
-                for model in eligible:
-                    candidates[model].append(view)
-        chosen = set(kept)
-        for model_candidates in candidates.values():
-            chosen.update(view.id for view in bounded_candidates(model_candidates, affinity_key))
-        return PoolSnapshot(tuple(view for view in views.values() if view.id in chosen), self._choices)
+            for replica, eligible, available in shown.values()
+            if replica.id in chosen
+        )
+        return PoolSnapshot(views, self._choices)
 
     def placed(self, replica: Replica) -> None:
         """An attempt was placed on ``replica``: the next placement sees it chosen last."""
@@ -348,17 +357,17 @@ LEAST_LOADED_SHOWN = 12
 PREFERRED_SHOWN = 4
 
 
-def bounded_candidates(candidates: list[ReplicaView], affinity_key: str | None) -> list[ReplicaView]:
+def bounded_candidates(candidates: list[Replica], affinity_key: str | None) -> list[Replica]:
     """The candidates a snapshot keeps of one model: all of them up to
     ``LEAST_LOADED_SHOWN + PREFERRED_SHOWN``, else the least loaded and the preferred."""
     if len(candidates) <= LEAST_LOADED_SHOWN + PREFERRED_SHOWN:
         return candidates
-    by_load = sorted(candidates, key=lambda view: (view.load, view.last_chosen, view.id))
-    shown = by_load[:LEAST_LOADED_SHOWN]
-    if affinity_key is not None:
-        ranked = sorted(candidates, key=lambda view: rank(affinity_key, view.id), reverse=True)
-        shown += ranked[:PREFERRED_SHOWN]
-    return shown
+    by_load = heapq.nsmallest(
+        LEAST_LOADED_SHOWN, candidates, key=lambda r: (r.outstanding + r.others_load, r.last_chosen, r.id)
+    )
+    if affinity_key is None:
+        return by_load
+    return by_load + heapq.nlargest(PREFERRED_SHOWN, candidates, key=lambda r: rank(affinity_key, r.id))
 
 
 def _takes(replica: Replica, model: str, revisions: Mapping[str, str | None] | None) -> bool:
