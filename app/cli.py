@@ -8,6 +8,7 @@
     phasegate trace     export requests as a trace file, import one elsewhere
     phasegate keys      API keys, stored hashed: create (printed once), list, revoke
     phasegate tenants   a tenant's data: erase its content, keep the events
+    phasegate replicas  the fleet through a gateway's admin API: list, add, cordon, uncordon, remove
 
 Only the module of the subcommand named is imported (its parser with it), so
 ``phasegate worker`` does not load the gateway or SQLAlchemy and starts in a third of
@@ -33,6 +34,7 @@ PARSERS: dict[str, tuple[str, str]] = {
     "trace": ("app.incident.commands", "add_incident_parsers"),
     "keys": ("app.store.tenant_commands", "add_tenant_parsers"),
     "tenants": ("app.store.tenant_commands", "add_tenant_parsers"),
+    "replicas": ("app.fleet_cli", "add_replicas_parser"),
 }
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # reload, db, replay, trace, keys, tenants
+    return int(args.run(args))  # reload, db, replay, trace, keys, tenants, replicas
 
 
 def _adder(where: tuple[str, str]) -> Callable[[Any], None]:

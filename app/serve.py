@@ -1,7 +1,10 @@
 """``phasegate serve``: the gateway, with everything it needs when nothing is configured.
 
 With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
-starts two simulated workers as child processes. The port is bound first: a second
+starts two simulated workers (``--sim-workers N``) as child processes, which join the
+fleet by themselves under a worker token generated for the run, as any worker started
+with ``--join`` does (docs/worker-protocol.md); ``--sim-workers 0`` starts a gateway with
+an empty fleet: ready, answering 503 ``no_replica_available`` until a replica joins. The port is bound first: a second
 process on a taken port fails before it touches anything. SIGTERM (or Ctrl-C) drains
 (docs/design.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
 streams get up to ``drain_s`` and then their final error; a second signal ends them
@@ -32,21 +35,23 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import ipaddress
 import logging
 import os
 import secrets
 import shutil
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from app import logs
-from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
+from app.config import LOG_FORMATS, ConfigError, GatewayConfig, load_config, parse_replica
 from app.contract.worker_token import TOKEN_ENV
 from app.gateway_process import ChildSpec, frame, quiet_libraries, run_gateway
+from app.gateway_process import bind_listening as _bind
+from app.gateway_process import is_loopback as _is_loopback
 from app.http_server import write_ready_file
 from app.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
 from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir, start_worker
@@ -55,6 +60,7 @@ log = logging.getLogger("phasegate.serve")
 
 DEMO_MODEL = "phasegate-sim"
 DEMO_REVISION = "sim-1"
+JOINED = "joined the fleet"  # what a worker's log says once it joined (app/worker/joiner.py)
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -152,17 +158,19 @@ def serve(args: argparse.Namespace) -> int:
             with _uninterrupted():
                 url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
-        announce = functools.partial(_announce, config, generated_token, processes, args.ready_file)
+        joining = [child.name for child in children]
+        announce = functools.partial(_announce, config, generated_token, processes, args.ready_file, joining)
         settings.running = config
         if processes == 1:
             follow = functools.partial(_follow_hangups, settings)
+            stop_asked = lambda: _Deferred.received  # noqa: E731
             asyncio.run(
-                run_gateway(config, url, [listener], announce, stop_asked=lambda: _Deferred.received, on_open=follow)
+                run_gateway(config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining)
             )
             if _Deferred.received is not None:  # asked to stop while it started: as if the start was cut
                 code = 128 + _Deferred.received
         else:
-            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir)
+            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -259,38 +267,6 @@ def _uninterrupted() -> Iterator[None]:
         raise SystemExit(128 + _Deferred.pending)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, before anything else starts (uvicorn's own way of binding).
-
-    IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say they
-    are TCP, and a socket accepted from one made with 0 says 0. Without it a stream's
-    first event waited behind its response head for the client's delayed ACK (Nagle),
-    which added to the time to first token of one gateway process (``--processes 1``;
-    figures: docs/performance.md); the
-    processes of ``--processes N`` rebuild the socket from its descriptor, which asks the
-    kernel and says TCP."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -306,6 +282,7 @@ def _serve_processes(
     count: int,
     level: str,
     workdir: Path,
+    joining: list[Child],
 ) -> int:
     """``count`` gateway processes on ``listener`` (:class:`GatewayProcesses`), until a stop
     signal, forwarded to each, drained them all. The log's schema is migrated here, once.
@@ -343,10 +320,21 @@ def _serve_processes(
             gateways.forward(_Deferred.received)
             gateways.run()
             return 128 + _Deferred.received
+        _wait_joined(joining)
         announce()
         return gateways.run()
     finally:
         gateways.kill()
+
+
+def _wait_joined(children: list[Child], timeout_s: float = 15.0) -> None:
+    """Until each of the sim workers says it joined the fleet (its log), a few seconds at
+    most, so that the first request finds them (one gateway process waits in itself)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(children)
+    while waiting and time.monotonic() < deadline:
+        waiting = [child for child in waiting if JOINED not in child.log_path.read_text(errors="replace")]
+        time.sleep(0.05)
 
 
 def _model(text: str) -> tuple[str, str]:
@@ -357,36 +345,46 @@ def _model(text: str) -> tuple[str, str]:
 def _with_sim_workers(
     config: GatewayConfig, count: int, workdir: Path, ms_per_token: float | None, children: list[Child]
 ) -> GatewayConfig:
-    """``config`` with ``count`` sim workers as its replicas, each in ``children`` as soon as it
-    started (so a signal meanwhile still stops every one)."""
+    """``config`` with ``count`` sim workers started (each in ``children`` as soon as it
+    started, so a signal meanwhile still stops every one) that join the fleet by themselves
+    through this gateway (``--join``, docs/worker-protocol.md), with the worker token:
+    the configured one, else one generated for this run (:func:`app.supervisor.worker_token`)."""
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
-    names = [arg for name in models for arg in ("--model", name)]
+    names = [arg for name, revision in models.items() for arg in ("--model", f"{name}={revision}")]
     names += ["--log-format", config.log_format]  # their own log files, in the gateway's format
-    if config.worker_token:  # the configured token, not a generated one: the gateway sends that
+    if config.worker_token:  # the configured token, not a generated one: the gateway checks that
         os.environ[TOKEN_ENV] = config.worker_token
     if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept
         names += ["--sim-decode-ms-per-token", str(ms_per_token)]
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else "[::1]" if config.host == "::" else config.host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    names += ["--join", f"http://{host}:{config.port}"]
     for number in range(1, count + 1):
         worker_id = f"sim-{number}"
         with _uninterrupted():
             children.append(
                 start_worker(worker_id, ["--engine", "sim", "--worker-id", worker_id, *names], run_dir=workdir)
             )
-    replicas = tuple(ReplicaConfig(id=child.name, url=child.url) for child in children)
-    return load_config(None, **{**_as_dict(config), "replicas": replicas, "models": models})
+    return load_config(None, **{**_as_dict(config), "models": models})  # the worker token: from the environment
 
 
 def _as_dict(config: GatewayConfig) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def _announce(config: GatewayConfig, generated_token: str | None, processes: int, ready_file: Path | None) -> None:
+def _announce(
+    config: GatewayConfig, generated_token: str | None, processes: int, ready_file: Path | None, joining: list[str]
+) -> None:
     """Once serving: where (in ``ready_file`` too, when given), and how to try it."""
     if ready_file is not None:
         write_ready_file(ready_file, config.host, config.port)
     base = f"http://{config.host}:{config.port}"
     model = next(iter(config.models), DEMO_MODEL)
-    replicas = f"{len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)}"
+    if joining:
+        replicas = f"{len(joining)} simulated worker(s) joined the fleet: {', '.join(joining)}"
+    else:
+        listed = ", ".join(r.id for r in config.replicas) or "none"
+        replicas = f"{len(config.replicas)} replica(s) configured: {listed}"
     print(f"phasegate is serving {base} ({replicas}; {processes} gateway process(es))")
     print("try:")
     print(

@@ -38,6 +38,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.reload": frozenset({"app.config", "app.store"}),
     "app.metrics": frozenset(),
+    "app.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
