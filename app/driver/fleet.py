@@ -157,8 +157,9 @@ class FleetKeeper:
         await self.ctx.pool.reap()
 
     async def _lead(self) -> None:
-        """Take the fleet's lock if it is free; holding it, reconcile the file (again, after a
-        reconciliation that failed: PostgreSQL away, this instance fenced)."""
+        """Take the fleet's lock if it is free; holding it, reconcile every declared source as
+        this process read it (again, after a reconciliation that failed: PostgreSQL away,
+        this instance fenced)."""
         if not await self.listener.try_lead():
             self._reconciled = False  # whoever takes the lock next reconciles
             self.declared.drop("dns")  # resolved by the holder: a reading here would be stale
