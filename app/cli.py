@@ -10,6 +10,7 @@
     phasegate tenants   a tenant's data: erase its content, keep the events
     phasegate sql       psql on the log (the configured database; --tenant, --query N)
     phasegate admin-token  the embedded default's admin token (--rotate replaces it)
+    phasegate replicas  the fleet through a gateway's admin API: list, add, cordon, uncordon, remove
 
 Only the module of the subcommand named is imported (its parser with it), so
 ``phasegate worker`` does not load the gateway or SQLAlchemy and starts in a third of
@@ -37,6 +38,7 @@ PARSERS: dict[str, tuple[str, str]] = {
     "tenants": ("app.store.tenant_commands", "add_tenant_parsers"),
     "sql": ("app.store.sql_command", "add_sql_parser"),
     "admin-token": ("app.store.admin_token", "add_admin_token_parser"),
+    "replicas": ("app.fleet_cli", "add_replicas_parser"),
 }
 
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.worker.server import main as worker_main
 
         return worker_main(args)
-    return int(args.run(args))  # reload, db, replay, trace, keys, tenants, sql, admin-token
+    return int(args.run(args))  # reload, db, replay, trace, keys, tenants, sql, admin-token, replicas
 
 
 def _adder(where: tuple[str, str]) -> Callable[[Any], None]:

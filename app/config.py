@@ -109,9 +109,25 @@ class ReplicaConfig:
     url: str
     kind: str = "worker"  # "worker": phasegate worker; "openai": any OpenAI-compatible server
     models: tuple[str, ...] = ()  # empty: every configured model
+    # each model's revision where it says one ("NAME=REV"); others: the configured one (docs/design.md §16)
+    revisions: tuple[tuple[str, str], ...] = ()
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def revision_of(self, model: str) -> str | None:
+        return next((revision for name, revision in self.revisions if name == model), None)
+
+
+def replica_entry(values: dict[str, Any]) -> ReplicaConfig:
+    """One replica from a table (the file's ``[[replicas]]``, the admin API's body): its
+    ``models`` are names, each ``NAME`` or ``NAME=REVISION``."""
+    models = values.get("models", ())
+    if isinstance(models, str) or not all(isinstance(m, str) and m.partition("=")[0] for m in models):
+        raise ConfigError(f"replica {values.get('id')}: models must be a list of NAME or NAME=REVISION")
+    pairs = [entry.partition("=") for entry in models]
+    names, revisions = tuple(name for name, _, _ in pairs), tuple((name, rev) for name, _, rev in pairs if rev)
+    return ReplicaConfig(**{**values, "models": names, "revisions": revisions})
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,14 +364,12 @@ def _resolve_worker_token(values: dict[str, Any]) -> None:
 
 def _build(values: dict[str, Any]) -> GatewayConfig:
     known = {f.name for f in dataclasses.fields(GatewayConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
+    if unknown := sorted(set(values) - known):
         raise ConfigError(f"unknown settings: {', '.join(unknown)}")
     try:
         if "replicas" in values:
             values["replicas"] = tuple(
-                r if isinstance(r, ReplicaConfig) else ReplicaConfig(**{**r, "models": tuple(r.get("models", ()))})
-                for r in values["replicas"]
+                r if isinstance(r, ReplicaConfig) else replica_entry(r) for r in values["replicas"]
             )
         if "discover" in values:
             values["discover"] = parse_discover(values["discover"])

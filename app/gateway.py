@@ -1,15 +1,18 @@
 """The composition root: one gateway process's store, pool, probes, instance and app.
 
 ``Gateway.open(config, database_url)`` connects the event log (applying migrations
-when asked), builds a client per configured replica, and returns a gateway whose
-``app`` is the Starlette application. Its lifespan registers the gateway instance
-(:mod:`app.driver.instance`: lease, heartbeat, sweeps) and starts the health probes;
+when asked) and returns a gateway whose ``app`` is the Starlette application. Its
+lifespan registers the gateway instance (:mod:`app.driver.instance`: lease, heartbeat,
+sweeps), then keeps the pool to the fleet in PostgreSQL (:mod:`app.driver.fleet`: the
+configuration's replicas join it as source ``file``), and starts the health probes;
 on shutdown it waits for in-flight bookkeeping (fences that complete after a stream
 ended), gives the instance's lease back, then flushes and closes the log.
 
-The replicas come from the declared sources (app/replicas/declared.py): the file's
-``[[replicas]]``, and each ``[[discover]]`` name, resolved while the gateway runs
-(app/replicas/discovery.py). ``reload`` applies a configuration that the parent process
+The fleet's declared sources are the file's ``[[replicas]]`` and each ``[[discover]]``
+name, resolved while the gateway runs (app/replicas/discovery.py) by the process that
+holds the fleet's lock: each hands what it read to its
+:class:`~app.driver.fleet.FleetKeeper`, and the lock holder writes the changes; every
+pool follows the membership. ``reload`` applies a configuration that the parent process
 checked whole (app/reload.py), at once, between two requests.
 """
 
@@ -23,20 +26,23 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from app.api.fleet_admin import fleet_routes
+from app.api.fleet_join import join_routes
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
 from app.discover_config import DiscoverConfig
 from app.driver import gauges
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext, ToolRunner
+from app.driver.fleet import FleetKeeper
 from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
 from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
-from app.replicas.declared import DeclaredReplicas, dns_replicas
+from app.replicas.declared import dns_replicas
 from app.replicas.discovery import Address, Discovery, DiscoveryLoops
 from app.replicas.openai_upstream import OpenAIUpstream
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
 from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
@@ -66,13 +72,11 @@ class Gateway:
     def __init__(self, ctx: GatewayContext, store: PostgresEventStore) -> None:
         self.ctx = ctx
         self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
+        self.fleet = FleetKeeper(ctx, store, lambda replica: replica_client(replica, ctx.config))
         self._probes: asyncio.Task[None] | None = None
-        # the replicas the file declared at start are the pool's already
-        self.declared = DeclaredReplicas(
-            ctx.pool, lambda replica: replica_client(replica, self.ctx.config), ctx.spawn, ctx.config.replicas
-        )
         self.discovery = DiscoveryLoops(self._discovery, self._forget)
-        self.app: Starlette = build_app(ctx, lifespan=self._lifespan)
+        fleet = [*fleet_routes(ctx, self.fleet), *join_routes(ctx, self.fleet)]
+        self.app: Starlette = build_app(ctx, extra_routes=fleet, lifespan=self._lifespan)
 
     @classmethod
     async def open(
@@ -86,8 +90,8 @@ class Gateway:
             await upgrade_async(database_url)
         store = await PostgresEventStore.connect(database_url, content_policy=config.content_policy)
         metrics = Metrics()
-        pool = ReplicaPool(
-            [Replica(replica, replica_client(replica, config)) for replica in config.replicas],
+        pool = ReplicaPool(  # its replicas are the fleet's, from PostgreSQL (app/driver/fleet.py)
+            [],
             eject_after_failures=config.eject_after_failures,
             ejection_s=config.ejection_s,
             ejection_max_s=config.ejection_max_s,
@@ -125,16 +129,18 @@ class Gateway:
 
         def found(entry: DiscoverConfig, addresses: frozenset[Address]) -> None:
             metrics.discovered.labels(name=entry.name).set(len(addresses))
-            self.declared.on_declared_replicas("dns", dns_replicas(entry, addresses), scope=entry.name)
+            # this process holds the fleet's lock: it writes what it found (app/driver/fleet.py)
+            self.fleet.declare("dns", dns_replicas(entry, addresses), scope=entry.name, drain_s=entry.drain_s)
 
         def failed(entry: DiscoverConfig, reason: str) -> None:
             metrics.discovery_failures.labels(name=entry.name).inc()
 
-        return Discovery(entry, found, failed)
+        # resolved by the process holding the fleet's lock, the one that writes what it finds
+        return Discovery(entry, found, failed, active=lambda: self.fleet.listener.leading)
 
     def _forget(self, name: str) -> None:
         """A ``[[discover]]`` name a reload removed: its replicas leave, its series go."""
-        self.declared.forget("dns", name)
+        self.fleet.forget("dns", name)
         for family in (self.ctx.metrics.discovered, self.ctx.metrics.discovery_failures):
             with contextlib.suppress(KeyError):
                 family.remove(name)
@@ -146,12 +152,13 @@ class Gateway:
         self.ctx.config = config
         for reconfigure in self.ctx.reloaded:  # the API keys, the tenants' limits
             reconfigure(config)
-        self.declared.on_declared_replicas("file", config.replicas)
+        self.fleet.declare("file", config.replicas)  # the fleet's lock holder reconciles it
         self.discovery.follow(config.discover)
         log.info("gateway instance %s serves the configuration reloaded", self.instance_id)
 
     async def start(self) -> None:
         await self.instance.start()
+        await self.fleet.start()
         await self.ctx.pool.probe_all()
         self.discovery.follow(self.ctx.config.discover)
         self._probes = asyncio.get_running_loop().create_task(
@@ -170,6 +177,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probes
         await self.ctx.drain(SHUTDOWN_GRACE_S)
+        await self.fleet.stop()
         await self.instance.stop()
         await self.ctx.store.close()
         await self.ctx.pool.close()

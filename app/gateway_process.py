@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import ipaddress
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -88,6 +89,9 @@ def quiet_libraries() -> None:
     logging.getLogger("sse_starlette").setLevel(logging.INFO)  # its debug lines hold every chunk's text
 
 
+JOIN_WAIT_S = 15.0  # how long the start waits for the replicas that join by themselves
+
+
 async def run_gateway(
     config: GatewayConfig,
     url: str,
@@ -98,13 +102,16 @@ async def run_gateway(
     backlog: int = 2048,
     stop_asked: Callable[[], int | None] | None = None,
     on_open: Callable[[Gateway], None] | None = None,
+    joining: Sequence[str] = (),
 ) -> None:
     """Serve ``config``'s gateway on ``sockets`` until a signal drains and stops it;
     ``on_started`` is called once it accepts requests. ``backlog`` is what asyncio passes
     to ``listen`` and how many connections it accepts each time a socket is readable.
     ``stop_asked``: the stop signal received while it started, if any (then it stops as
     soon as it started, as on that signal, and ``on_started`` is not called). ``on_open``
-    gets the gateway once it is open, before it serves (where reloads are wired)."""
+    gets the gateway once it is open, before it serves (where reloads are wired).
+    ``joining``: replicas that join by themselves (the demo's simulated workers) that
+    ``on_started`` waits for, a few seconds at most, so that the first request finds them."""
     import uvicorn
 
     from app.gateway import Gateway
@@ -160,6 +167,9 @@ async def run_gateway(
         # cost memory (figures: docs/performance.md).
         gc.collect()
         gc.freeze()
+        deadline = loop.time() + JOIN_WAIT_S
+        while not set(joining) <= set(gateway.ctx.pool.replicas) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         asked = stop_asked() if stop_asked is not None else None
         if asked is not None:
             server.handle_exit(asked, None)
@@ -204,7 +214,7 @@ class Listening(socket.socket):
 
 def _own_socket(host: str) -> Listening:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = Listening(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see app/serve.py, _bind
+    sock = Listening(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see bind_listening
     sock.bind((host, 0))
     socket.socket.listen(sock, 128)
     return sock
@@ -264,3 +274,37 @@ def _read_reloads(loop: asyncio.AbstractEventLoop, gateway: Gateway, name: str) 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_listening(host: str, port: int) -> socket.socket:
+    """The listening socket ``phasegate serve`` makes before anything else starts
+    (uvicorn's own way of binding).
+
+    IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say they
+    are TCP, and a socket accepted from one made with 0 says 0. Without it a stream's
+    first event waited behind its response head for the client's delayed ACK (Nagle),
+    which added to the time to first token of one gateway process (``--processes 1``;
+    figures: docs/performance.md); the
+    processes of ``--processes N`` rebuild the socket from its descriptor, which asks the
+    kernel and says TCP."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -114,8 +115,28 @@ class Metrics:
             "phasegate_gateway_instance_fenced", "Times this gateway lost its lease and registered again", registry=r
         )
 
+        # the fleet (docs/design.md §16): members by model and state, set at each scrape;
+        # changes this process applied, by the source that made them
+        self.model_replicas = Gauge(
+            "phasegate_fleet_replicas",
+            "Fleet members by model and state (serving, cordoned)",
+            ["model", "state"],
+            registry=r,
+        )
+        self.fleet_changes = Counter(
+            "phasegate_fleet_changes",
+            "Fleet events this process saw applied, by source and event",
+            ["source", "event"],
+            registry=r,
+        )
+
         # called before each scrape is rendered, to set the gauges of the live state
         self.on_scrape: Callable[[], None] = lambda: None
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica that left the fleet: its series go (no gauge stays at its last value)."""
+        with contextlib.suppress(KeyError):
+            self.replica_healthy.remove(replica_id)
 
     def render(self) -> bytes:
         self.on_scrape()

@@ -1,7 +1,10 @@
 """``phasegate serve``: the gateway, with everything it needs when nothing is configured.
 
 With no ``DATABASE_URL`` it starts its embedded PostgreSQL; with no replicas it
-starts two simulated workers as child processes. The port is bound first: a second
+starts two simulated workers (``--sim-workers N``) as child processes, which join the
+fleet by themselves under a worker token generated for the run, as any worker started
+with ``--join`` does (docs/worker-protocol.md); ``--sim-workers 0`` starts a gateway with
+an empty fleet: ready, answering 503 ``no_replica_available`` until a replica joins. The port is bound first: a second
 process on a taken port fails before it touches anything. SIGTERM (or Ctrl-C) drains
 (docs/design.md §11): readiness fails, new requests get 503 ``gateway_draining``, open
 streams get up to ``drain_s`` and then their final error; a second signal ends them
@@ -32,9 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import ipaddress
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -43,18 +44,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from app import logs
-from app.config import LOG_FORMATS, ConfigError, GatewayConfig, ReplicaConfig, load_config, parse_replica
-from app.contract.worker_token import TOKEN_ENV
+from app import demo, logs
+from app.config import LOG_FORMATS, ConfigError, GatewayConfig, load_config, parse_replica
 from app.gateway_process import ChildSpec, frame, quiet_libraries, run_gateway
-from app.http_server import write_ready_file
+from app.gateway_process import bind_listening as _bind
+from app.gateway_process import is_loopback as _is_loopback
 from app.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
-from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir, start_worker
+from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir
 
 log = logging.getLogger("phasegate.serve")
-
-DEMO_MODEL = "phasegate-sim"
-DEMO_REVISION = "sim-1"
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -172,7 +170,9 @@ def serve(args: argparse.Namespace) -> int:
         if pid_file is not None:
             write_pid_file(pid_file)
         if not config.replicas and not config.discover:
-            config = _with_sim_workers(config, args.sim_workers, workdir, args.sim_ms_per_token, children)
+            config = demo.with_sim_workers(
+                config, args.sim_workers, workdir, args.sim_ms_per_token, children, _uninterrupted
+            )
             logs.redact(config.worker_token)  # generated for the sim workers
         if config.database_url:
             url = sqlalchemy_url(config.database_url)
@@ -181,17 +181,19 @@ def serve(args: argparse.Namespace) -> int:
             with _uninterrupted():
                 url = database.start()
             log.info("embedded PostgreSQL in %s", database.data_dir)
-        announce = functools.partial(_announce, config, generated_token, processes, args.ready_file)
+        joining = [child.name for child in children]
+        announce = functools.partial(demo.announce, config, generated_token, processes, args.ready_file, joining)
         settings.running = config
         if processes == 1:
             follow = functools.partial(_follow_hangups, settings)
+            stop_asked = lambda: _Deferred.received  # noqa: E731
             asyncio.run(
-                run_gateway(config, url, [listener], announce, stop_asked=lambda: _Deferred.received, on_open=follow)
+                run_gateway(config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining)
             )
             if _Deferred.received is not None:  # asked to stop while it started: as if the start was cut
                 code = 128 + _Deferred.received
         else:
-            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir)
+            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -288,38 +290,6 @@ def _uninterrupted() -> Iterator[None]:
         raise SystemExit(128 + _Deferred.pending)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, before anything else starts (uvicorn's own way of binding).
-
-    IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say they
-    are TCP, and a socket accepted from one made with 0 says 0. Without it a stream's
-    first event waited behind its response head for the client's delayed ACK (Nagle),
-    which added to the time to first token of one gateway process (``--processes 1``;
-    figures: docs/performance.md); the
-    processes of ``--processes N`` rebuild the socket from its descriptor, which asks the
-    kernel and says TCP."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -335,6 +305,7 @@ def _serve_processes(
     count: int,
     level: str,
     workdir: Path,
+    joining: list[Child],
 ) -> int:
     """``count`` gateway processes on ``listener`` (:class:`GatewayProcesses`), until a stop
     signal, forwarded to each, drained them all. The log's schema is migrated here, once.
@@ -372,6 +343,7 @@ def _serve_processes(
             gateways.forward(_Deferred.received)
             gateways.run()
             return 128 + _Deferred.received
+        demo.wait_joined(joining)
         announce()
         return gateways.run()
     finally:
@@ -381,50 +353,3 @@ def _serve_processes(
 def _model(text: str) -> tuple[str, str]:
     name, _, revision = text.partition("=")
     return name, revision or "unknown"
-
-
-def _with_sim_workers(
-    config: GatewayConfig, count: int, workdir: Path, ms_per_token: float | None, children: list[Child]
-) -> GatewayConfig:
-    """``config`` with ``count`` sim workers as its replicas, each in ``children`` as soon as it
-    started (so a signal meanwhile still stops every one)."""
-    models = config.models or {DEMO_MODEL: DEMO_REVISION}
-    names = [arg for name in models for arg in ("--model", name)]
-    names += ["--log-format", config.log_format]  # their own log files, in the gateway's format
-    if config.worker_token:  # the configured token, not a generated one: the gateway sends that
-        os.environ[TOKEN_ENV] = config.worker_token
-    if ms_per_token is not None:  # slow enough to watch a stream, kill a gateway and see it swept
-        names += ["--sim-decode-ms-per-token", str(ms_per_token)]
-    for number in range(1, count + 1):
-        worker_id = f"sim-{number}"
-        with _uninterrupted():
-            children.append(
-                start_worker(worker_id, ["--engine", "sim", "--worker-id", worker_id, *names], run_dir=workdir)
-            )
-    replicas = tuple(ReplicaConfig(id=child.name, url=child.url) for child in children)
-    return load_config(None, **{**_as_dict(config), "replicas": replicas, "models": models})
-
-
-def _as_dict(config: GatewayConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _announce(config: GatewayConfig, generated_token: str | None, processes: int, ready_file: Path | None) -> None:
-    """Once serving: where (in ``ready_file`` too, when given), and how to try it."""
-    if ready_file is not None:
-        write_ready_file(ready_file, config.host, config.port)
-    base = f"http://{config.host}:{config.port}"
-    model = next(iter(config.models), DEMO_MODEL)
-    replicas = f"{len(config.replicas)} replica(s): {', '.join(r.id for r in config.replicas)}"
-    print(f"phasegate is serving {base} ({replicas}; {processes} gateway process(es))")
-    print("try:")
-    print(
-        f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' "
-        f'-d \'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\''
-    )
-    if generated_token is not None:  # the data directory's (or this run's): printed once, here
-        print(f"requests and their timelines: {base}/ui/requests?token={generated_token}")
-    elif config.admin_token:
-        print(f"requests and their timelines: {base}/ui/requests (with the configured admin token)")
-    print("SQL over the request log: phasegate sql (--query N, --list, --tenant T: docs/audit.md)")
-    print("Ctrl-C drains the gateway, then stops it and everything it started.", flush=True)

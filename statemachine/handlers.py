@@ -72,6 +72,7 @@ def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
         "routing": routing,
         "affinity_key": event.affinity_key,
         "model": event.model,
+        "model_revision": event.model_revision,
         "tenant": event.tenant,
         "prompt_tokens": event.prompt_tokens,
         "n": event.n,

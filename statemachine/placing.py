@@ -99,14 +99,14 @@ def _same_replica(
     view = pool.view(replica)
     if state.waited_for != replica:
         tried = set(state.replicas_tried)
-        others = [v for v in pool.replicas if v.serves(source.model) and v.available and v.id not in tried]
+        others = [v for v in pool.replicas if v.serves(source.model) and v.takes_new and v.id not in tried]
         if view is None:
             return None, f"failover: {replica} left the pool"
         if others and (better := least_loaded(others)).load <= view.load:
             return None, f"failover: {better.id} is available and no more loaded than {replica}"
         if wait > 0:
             return WaitToRetry(reason, source.attempt, replica, wait, pool), ""
-    if view is None or not view.available:
+    if view is None or not view.takes_new:
         return None, f"failover: {replica} is not available after the wait"
     exclude = tuple(sorted(set(state.replicas_tried) - {replica}))
     attempt = len(state.attempts) + 1

@@ -141,6 +141,7 @@ class RequestState:
     phase: Phase = Phase.NEW
     seq: int = 0
     model: str = ""
+    model_revision: str = ""  # the revision its RequestAccepted recorded: its attempts stay on it (§16)
     tenant: str = ""
     prompt_tokens: int = 0
     n: int = 1

@@ -51,9 +51,15 @@ class ReplicaView:
     others_load: int = 0  # other gateways' attempts on it, as of its last report
     cooldown_s: float = 0.0  # what is left of a Retry-After cool-down
     last_chosen: int = 0  # the gateway's placement count when it was last chosen
+    cordoned: bool = False  # the operator's: no new attempt (docs/design.md §16)
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def takes_new(self) -> bool:
+        """Whether a new attempt may go to it: available and not cordoned."""
+        return self.available and not self.cordoned
 
     @property
     def load(self) -> int:
@@ -187,7 +193,7 @@ def place(
 ) -> Placement:
     """The replica for an attempt of ``model``, by ``config.strategy``."""
     excluded = set(exclude)
-    candidates = [view for view in pool.replicas if view.serves(model) and view.available and view.id not in excluded]
+    candidates = [view for view in pool.replicas if view.serves(model) and view.takes_new and view.id not in excluded]
     if not candidates:
         return Placement(None, f"no available replica serves {model}")
     if config.strategy is Strategy.ROUND_ROBIN:
@@ -207,7 +213,7 @@ def _by_affinity(candidates: list[ReplicaView], key: str, factor: float) -> Plac
     # the new attempt counted, so the least loaded always fits
     total = sum(view.load for view in candidates) + 1
     bound = math.ceil(factor * total / len(candidates)) + AFFINITY_SLACK
-    ranked = sorted(candidates, key=lambda view: _rank(key, view.id), reverse=True)
+    ranked = sorted(candidates, key=lambda view: rank(key, view.id), reverse=True)
     for position, view in enumerate(ranked):
         if view.load + 1 <= bound:
             why = Strategy.PREFIX_AFFINITY.value
@@ -218,7 +224,7 @@ def _by_affinity(candidates: list[ReplicaView], key: str, factor: float) -> Plac
 AFFINITY_SLACK = 1
 
 
-def _rank(key: str, replica_id: str) -> int:
+def rank(key: str, replica_id: str) -> int:
     """Rendezvous hashing's weight of ``replica_id`` for ``key``: stable across processes."""
     digest = hashlib.blake2b(f"{key}\x00{replica_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

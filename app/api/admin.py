@@ -50,6 +50,7 @@ from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store import queries
 from app.store.errors import StoreUnavailable
+from app.ui.fleet_panel import fleet_panel
 from app.ui.page import render_page
 from app.ui.request_list import BadFilter, RequestFilter, recent_requests, render_requests_page
 from statemachine.events import Event, RequestAccepted
@@ -167,7 +168,8 @@ class _Admin:
             wanted = dataclasses.replace(wanted, tenant=tenant)
         async with self._reading() as connection:
             page = await recent_requests(connection, wanted)
-        return HTMLResponse(render_requests_page(page, wanted))
+        fleet = await fleet_panel(self.ctx.store) if tenant is None else ""  # the operator's, not a tenant's
+        return HTMLResponse(render_requests_page(page, wanted, fleet=fleet))
 
     async def summary(self, request: Request, tenant: str | None) -> Response:
         request_id = request.path_params["request_id"]

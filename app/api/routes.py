@@ -19,7 +19,7 @@ import asyncio
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -29,7 +29,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from app.api.admin import admin_routes
 from app.api.answers import (
@@ -88,7 +88,7 @@ REFUSALS = {
 }
 
 
-def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
+def build_app(ctx: GatewayContext, *, extra_routes: Sequence[BaseRoute] = (), **starlette_options: Any) -> Starlette:
     authenticator = Authenticator(ctx.config, ctx.store)
     limiter = TenantLimiter(ctx.config.tenant_limits, ctx.drivers, lambda: ctx.budget.share)
     ctx.reloaded += [authenticator.reconfigure, lambda config: limiter.reconfigure(config.tenant_limits)]
@@ -108,6 +108,7 @@ def build_app(ctx: GatewayContext, **starlette_options: Any) -> Starlette:
         *responses_routes(ctx, authenticator),
         *messages_routes(ctx, authenticator, api._generate),
         *utility_routes(ctx, authenticator),
+        *extra_routes,  # the fleet's admin routes (app/api/fleet_admin.py)
         *unserved_routes(),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}

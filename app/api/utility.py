@@ -49,7 +49,7 @@ async def unready(ctx: GatewayContext) -> list[str]:
         await ctx.store.ping()
     except Exception as exc:
         problems.append(f"event log: {exc}")
-    if not ctx.pool.any_available():
+    if ctx.pool.unready():  # an empty fleet is ready: docs/design.md §16
         problems.append("no healthy replica")
     return problems
 

@@ -22,6 +22,7 @@ from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
 from app.replicas.base import Token, UpstreamFailure
+from app.replicas.pool import Replica
 from statemachine import events as ev
 from statemachine.actions import (
     Action,
@@ -58,6 +59,13 @@ class LoopActions:
     @property
     def state(self) -> RequestState:
         return self.recorder.state
+
+    def fence_drained(self, replica: Replica) -> bool:
+        run = self.run
+        if run is None or run.replica is not replica or run.drained:
+            return False
+        run.drain()
+        return True
 
     def _record_action(self, action: Action) -> Callable[[], Awaitable[Output | None]] | None:
         if isinstance(action, StartAttempt):

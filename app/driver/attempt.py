@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from app.config import Timeouts
 from app.contract.worker_protocol import RENEWAL_SLACK
 from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, Token, UpstreamFailure
-from app.replicas.pool import Replica
+from app.replicas.pool import REPLICA_DRAINED, Replica
 from statemachine.events import Deadline, FailureKind
 
 log = logging.getLogger("phasegate.driver")
@@ -56,6 +56,7 @@ class AttemptRun:
         self._frames: AsyncIterator[Frame] | None = None
         self._watch: _StallWatch | None = None
         self._released = False
+        self.drained = False  # its replica's drain deadline passed (docs/design.md §16)
         replica.outstanding += 1
 
     @property
@@ -136,6 +137,8 @@ class AttemptRun:
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
         assert self._frames is not None and self._watch is not None, "open() first"
+        if self.drained:
+            raise self._drained_failure()
         timeouts = self.timeouts
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
         if silent_prefill:  # an OpenAI upstream: its first-token deadline runs from the start
@@ -149,6 +152,8 @@ class AttemptRun:
             frame = await anext(self._frames)
         except asyncio.CancelledError:
             if watch.read_ended():  # the deadline passed, and nobody else cancelled the read
+                if self.drained:
+                    raise self._drained_failure() from None
                 what = f"no first token within {first_token_s:g}s" if silent_prefill else f"no frame for {limit:g}s"
                 raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, what) from None
             raise
@@ -165,6 +170,25 @@ class AttemptRun:
             # heartbeat proves less: an engine stuck with its queue full still sends them)
             self.replica.frames_read += 1
         return frame
+
+    def drain(self) -> None:
+        """Its replica's drain deadline passed: the read in progress (or the next) fails with
+        ``replica_drained``, fenced as any attempt whose liveness is uncertain (§7); it never
+        counts toward ejecting the replica (``GATEWAYS_DOING``)."""
+        if self.drained or self._released:
+            return
+        self.drained = True
+        watch = self._watch
+        if watch is not None and watch.since is not None and watch.task is not None and not watch.fired:
+            watch.fired = True  # as the stall deadline ends a read: this watch's cancel, and only it
+            watch.task.cancel()
+
+    def _drained_failure(self) -> UpstreamFailure:
+        return UpstreamFailure(
+            FailureKind.LIVENESS_UNCERTAIN,
+            f"replica {self.replica.id} was cordoned and its drain deadline passed",
+            code=REPLICA_DRAINED,
+        )
 
     def deadline_due(self) -> Deadline | None:
         """A first-token deadline that has passed and was not reported yet."""

@@ -15,7 +15,7 @@ from app.config import GatewayConfig
 from app.driver.batch_ages import BatchAges
 from app.driver.budget import RetryBudget
 from app.metrics import Metrics
-from app.replicas.pool import ReplicaPool
+from app.replicas.pool import Replica, ReplicaPool
 from app.store.base import EventStore
 from app.store.idempotency import IdempotencyKeys
 from statemachine.events import Event
@@ -47,6 +47,11 @@ class LiveRequest(Protocol):
     def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
 
     def cancel_now(self) -> None: ...
+
+    def fence_drained(self, replica: Replica) -> bool:
+        """Its live attempt, if on ``replica``, fails as ``replica_drained`` (its drain
+        deadline passed: docs/design.md §16); whether it did."""
+        ...
 
 
 class Tracing(Protocol):

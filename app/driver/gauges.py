@@ -30,3 +30,6 @@ def sample(ctx: GatewayContext) -> None:
     for model in sorted(models):
         healthy = sum(1 for replica in replicas if replica.healthy is True and replica.config.serves(model))
         metrics.model_replicas_healthy.labels(model=model).set(healthy)
+        for state, cordoned in (("serving", False), ("cordoned", True)):
+            members = sum(1 for r in replicas if r.cordoned is cordoned and r.config.serves(model))
+            metrics.model_replicas.labels(model=model, state=state).set(members)

@@ -50,6 +50,7 @@ from statemachine.phases import Phase
 from statemachine.policy import decide, ended_by_gateway, needs_pool
 from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import DEAD_KINDS, RequestState
+from statemachine.routing import PoolSnapshot
 
 log = logging.getLogger("phasegate.driver")
 
@@ -223,13 +224,24 @@ class RequestLoop(LoopActions):
         record nothing)."""
         return self.state is self._undecided[0] and self.ctx.config.policy is self._undecided[1]
 
+    def _snapshot(self, state: RequestState) -> PoolSnapshot:
+        """The pool as the policy places over it: the request's model at the revision its
+        ``RequestAccepted`` recorded, a fallback at the configured one (docs/design.md §16)."""
+        config = self.ctx.config
+        revisions = {model: config.model_revision(model) for model in self._models}
+        if state.model_revision and state.model_revision != "unknown":
+            revisions[state.model] = state.model_revision
+        return self.ctx.pool.snapshot(
+            self._models, revisions=revisions, keep=state.replicas_tried, affinity_key=state.affinity_key
+        )
+
     async def _decide_and_act(self) -> Output | None:
         """Decide and carry out until the policy has nothing to add."""
         while True:
             if self._decided_nothing_since():
                 return None
             state, policy = self.state, self.ctx.config.policy
-            pool = self.ctx.pool.snapshot(self._models) if needs_pool(state) else None
+            pool = self._snapshot(state) if needs_pool(state) else None
             actions = decide(state, policy, pool)
             if not actions:
                 if pool is None:

@@ -1,109 +1,99 @@
-"""The declared sources of replicas, the configuration file and DNS discovery, and (for
-now) the pool they make (docs/design.md §16).
+"""The declared sources of replicas, the configuration file and DNS discovery: the sets
+each source declares now (docs/design.md §16).
 
 Each source hands its whole set to :meth:`DeclaredReplicas.on_declared_replicas`: the
 file's ``[[replicas]]`` at start and at each reload (source ``file``), and each
 ``[[discover]]`` name's addresses whenever they change (source ``dns``, one set per name,
-the name as its ``scope``). This is the seam where, per docs/design.md §16, the instance
-that holds the fleet's lock turns declared sets into fleet events. Until that exists, each
-gateway process applies the union of the sets to its own pool, as its start does: a
-replica declared anew joins the pool (and is probed at once), one that no source declares
-any more leaves it, and one whose URL, kind or models changed is replaced. A replica
-that leaves gets no new attempt; its live attempts run on (they hold it), and its client
-is closed once the last of them ended.
+the name as its ``scope``). Nothing here touches the pool: the process that holds the
+fleet's advisory lock turns the sets marked changed (:meth:`DeclaredReplicas.changed`)
+into fleet events (app/driver/fleet.py, ``FleetKeeper``), and every process's pool
+follows the membership in PostgreSQL. Every process reads the file, so the one that takes
+the lock over reconciles the file as it read it; DNS names are resolved by the lock
+holder alone, and a process that does not hold it keeps no reading of them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from app.config import ReplicaConfig
 from app.discover_config import DiscoverConfig
-from app.replicas.base import ReplicaClient
-from app.replicas.pool import Replica, ReplicaPool
-
-log = logging.getLogger("phasegate.fleet")
 
 SOURCES = ("file", "dns")
-CLOSE_POLL_S = 1.0  # how often a replica that left is checked for live attempts before its client closes
+Key = tuple[str, str]  # (source, scope)
+
+
+def dns_replica_id(name: str, host: str, port: int) -> str:
+    """A DNS replica's id: its address and port, then ``@`` and the name that declared it
+    (the scope app/store/fleet_model.py's ``in_scope`` reads), so one name's set never
+    removes another's replicas, and the same pod is the same replica whichever instance
+    resolved it."""
+    return f"{host}:{port}@{name}"
 
 
 def dns_replicas(entry: DiscoverConfig, addresses: Iterable[tuple[str, int]]) -> tuple[ReplicaConfig, ...]:
-    """The replicas a ``[[discover]]`` name's addresses declare: one per address and port,
-    its id ``address:port`` (``[address]:port`` for IPv6), so the same pod is the same
-    replica whichever instance resolved it."""
+    """The replicas a ``[[discover]]`` name's addresses declare: one per address and port
+    (``[address]`` for IPv6), each model at the revision the entry names for it, if any."""
+    revisions = tuple((name, revision) for name, revision in entry.models if revision is not None)
     found = []
     for address, port in sorted(addresses):
         host = f"[{address}]" if ":" in address else address
-        found.append(ReplicaConfig(f"{host}:{port}", f"http://{host}:{port}", entry.kind, entry.model_names))
+        replica_id = dns_replica_id(entry.name, host, port)
+        url = f"http://{host}:{port}"
+        found.append(ReplicaConfig(replica_id, url, entry.kind, entry.model_names, revisions=revisions))
     return tuple(found)
 
 
 class DeclaredReplicas:
-    """The sets each declared source gave last, and the pool made of their union.
+    """The set each declared source (and scope) gave last, and which ones changed since
+    they were last reconciled. ``started_with``: the file's replicas at start."""
 
-    ``client_for`` builds a replica's client (app/gateway.py's ``replica_client``);
-    ``spawn`` runs the bookkeeping a change starts (a first probe, a client closed later);
-    ``started_with``: the file's replicas, the pool's at start."""
+    def __init__(self, started_with: Iterable[ReplicaConfig] = ()) -> None:
+        self.declared: dict[Key, tuple[ReplicaConfig, ...]] = {("file", ""): tuple(started_with)}
+        self.drain_s: dict[Key, float] = {}  # how long a replica the source dropped may finish
+        self._changed: set[Key] = {("file", "")}
 
-    def __init__(
-        self,
-        pool: ReplicaPool,
-        client_for: Callable[[ReplicaConfig], ReplicaClient],
-        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
-        started_with: Iterable[ReplicaConfig] = (),
+    def on_declared_replicas(
+        self, source: str, replicas: Iterable[ReplicaConfig], *, scope: str = "", drain_s: float | None = None
     ) -> None:
-        self.pool = pool
-        self.client_for = client_for
-        self.spawn = spawn
-        # (source, scope) -> its set; the file's at start, which the pool was made of
-        self.declared: dict[tuple[str, str], tuple[ReplicaConfig, ...]] = {("file", ""): tuple(started_with)}
-
-    def on_declared_replicas(self, source: str, replicas: Iterable[ReplicaConfig], *, scope: str = "") -> None:
         """``source`` (``file``, or ``dns`` with the name as ``scope``) declares ``replicas`` now,
-        in place of what it declared before."""
-        assert source in SOURCES, source
-        self.declared[(source, scope)] = tuple(replicas)
-        self._apply()
+        in place of what it declared before. ``drain_s``: a replica it no longer declares is
+        cordoned with that drain deadline, then leaves (``None``: it leaves at once)."""
+        if source not in SOURCES:
+            raise ValueError(f"{source!r} is not a declared source")
+        key = (source, scope)
+        self.declared[key] = tuple(replicas)
+        if drain_s is not None:
+            self.drain_s[key] = drain_s
+        self._changed.add(key)
 
     def forget(self, source: str, scope: str = "") -> None:
-        """``source`` declares nothing any more (a ``[[discover]]`` name removed by a reload)."""
-        if self.declared.pop((source, scope), None) is not None:
-            self._apply()
+        """``source`` declares nothing any more (a ``[[discover]]`` name removed by a reload):
+        its replicas leave at the next reconciliation, after which it is gone."""
+        if (source, scope) in self.declared:
+            self.on_declared_replicas(source, (), scope=scope)
 
-    def wanted(self) -> dict[str, ReplicaConfig]:
-        """The union of every source's set, by id; the first source to name an id wins."""
-        union: dict[str, ReplicaConfig] = {}
-        for (source, scope), replicas in self.declared.items():
-            for replica in replicas:
-                if union.setdefault(replica.id, replica) != replica:
-                    log.warning(
-                        "replica %s is declared twice, differently; %s %s is ignored", replica.id, source, scope
-                    )
-        return union
+    def changed(self) -> list[Key]:
+        """The sets changed since they were last reconciled, the file first."""
+        return sorted(self._changed, key=lambda key: (key[0] != "file", key))
 
-    def _apply(self) -> None:
-        wanted = self.wanted()
-        current = self.pool.replicas
-        kept = {rid: replica for rid, replica in current.items() if wanted.get(rid) == replica.config}
-        added = [Replica(config, self.client_for(config)) for rid, config in wanted.items() if rid not in kept]
-        left = [replica for rid, replica in current.items() if rid not in kept]
-        if not added and not left:
-            return
-        members = {**kept, **{replica.id: replica for replica in added}}
-        self.pool.set_members([members[rid] for rid in wanted])
-        for replica in left:
-            log.info("replica %s (%s) leaves the pool", replica.id, replica.config.url)
-            self.spawn(self._close_when_idle(replica), f"close {replica.id}")
-        for replica in added:
-            log.info("replica %s (%s, %s) joins the pool", replica.id, replica.config.url, replica.config.kind)
-            self.spawn(self.pool.probe(replica), f"probe {replica.id}")
+    def reconciled(self, key: Key, replicas: tuple[ReplicaConfig, ...]) -> None:
+        """``key``'s set ``replicas`` is in the fleet now (unless it changed meanwhile)."""
+        if self.declared.get(key) == replicas:
+            self._changed.discard(key)
+            if not replicas and key[0] != "file":
+                del self.declared[key]
+                self.drain_s.pop(key, None)
 
-    @staticmethod
-    async def _close_when_idle(replica: Replica) -> None:
-        while replica.outstanding > 0:
-            await asyncio.sleep(CLOSE_POLL_S)
-        await replica.client.close()
+    def drop(self, source: str) -> None:
+        """Forget every reading of ``source`` without declaring anything (this process does
+        not hold the fleet's lock, so it neither resolves nor writes: a reading kept from
+        when it did would be stale by the time it takes the lock again)."""
+        for key in [key for key in self.declared if key[0] == source]:
+            del self.declared[key]
+            self.drain_s.pop(key, None)
+            self._changed.discard(key)
+
+    def all_changed(self) -> None:
+        """Every set to be reconciled again (this process just took the fleet's lock)."""
+        self._changed = set(self.declared)

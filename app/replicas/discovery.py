@@ -104,16 +104,19 @@ class Discovery:
     """One ``[[discover]]`` name, resolved every ``every_s`` for as long as :meth:`run` runs.
 
     ``known`` is the last set resolved (None until one was); ``on_set`` gets each set that
-    differs from it, ``on_failure`` each failure, with its reason."""
+    differs from it, ``on_failure`` each failure, with its reason. ``active``: whether this
+    process resolves now (the one holding the fleet's lock does, docs/design.md §16); an
+    inactive turn forgets ``known``, so the first set resolved once active is handed on."""
 
     def __init__(
         self,
         entry: DiscoverConfig,
         on_set: Callable[[DiscoverConfig, frozenset[Address]], None],
         on_failure: Callable[[DiscoverConfig, str], None],
+        active: Callable[[], bool] = lambda: True,
     ) -> None:
         self.entry = entry
-        self.on_set, self.on_failure = on_set, on_failure
+        self.on_set, self.on_failure, self.active = on_set, on_failure, active
         self.known: frozenset[Address] | None = None
         self.resolutions = 0  # answered
         self.failures = 0
@@ -147,6 +150,10 @@ class Discovery:
 
     async def run(self) -> None:
         while True:
+            if not self.active():
+                self.known = None
+                await asyncio.sleep(min(self.entry.every_s, 1.0))
+                continue
             try:
                 await self.resolve_once()
             except Exception:  # a fault of this loop must not end discovery for good

@@ -25,9 +25,10 @@ The clock is injected so tests can move time.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from app.config import ReplicaConfig
 from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
 from app.replicas.renewer import LeaseRenewer
 from statemachine.events import FailureKind
-from statemachine.routing import PoolSnapshot, ReplicaView
+from statemachine.routing import PoolSnapshot, ReplicaView, rank
 
 log = logging.getLogger("phasegate.pool")
 
@@ -46,7 +47,10 @@ log = logging.getLogger("phasegate.pool")
 # kept its word, so these do not count toward ejection: when an overloaded gateway
 # renewed late, counting them ejected a healthy replica and refused every request
 # (ops/bench/overhead.py with many held streams; figures: docs/performance.md).
-GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled"})
+GATEWAYS_DOING = frozenset({"lease_expired", "lease_revoked", "cancelled", "replica_drained"})
+# An attempt on a cordoned replica still running at its drain deadline (docs/design.md §16):
+# the operator's doing, never the replica's fault
+REPLICA_DRAINED = "replica_drained"
 _REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, FailureKind.LIVENESS_UNCERTAIN})
 # 4xx statuses on the replica's side of the call: its credentials (401, 403, 407: the
 # gateway's worker_token is not the worker's), its own time-out (408) and its overload (429).
@@ -68,6 +72,9 @@ class Replica:
     frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
     others_load: int = 0  # other gateways' attempts on it, as of its last report
     incompatible: str | None = None  # why its probes find it unusable whatever its health (None: they do not)
+    incarnation: str = ""  # the fleet's incarnation of it (docs/design.md §16)
+    cordoned: bool = False  # no new attempt; live ones run on (to drain_deadline, if any)
+    drain_deadline: float | None = None  # on the pool's clock: its live attempts are fenced after it
     renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
 
     def __post_init__(self) -> None:
@@ -95,47 +102,113 @@ class ReplicaPool:
         self.clock = clock
         self.on_health_change: Callable[[Replica], None] = lambda replica: None
         self._choices = 0
-        self._serving: dict[tuple[str, ...], tuple[Replica, ...]] = {}  # by the models asked for: found once
+        # by the models asked for and their revisions: each serving replica with the models it may take
+        self._serving: dict[tuple[Any, ...], tuple[tuple[Replica, tuple[str, ...]], ...]] = {}
+        self.retired: list[Replica] = []  # out of the fleet, with attempts still on them: closed once they end
 
-    def set_members(self, replicas: Iterable[Replica]) -> None:
-        """The pool's replicas from now on (app/replicas/declared.py): one that is not among
-        them gets no new attempt; its live attempts hold it and run on."""
-        self.replicas = {replica.id: replica for replica in replicas}  # a new dict: a loop over the old one is safe
+    # --- membership (docs/design.md §16) ---------------------------------------------
+
+    def admit(self, replica: Replica) -> None:
+        """``replica`` is a member now (a new one, or a new incarnation replacing the old)."""
+        old = self.replicas.get(replica.id)
+        if old is not None and old is not replica:
+            self._retire(old)
+        self.replicas[replica.id] = replica
         self._serving.clear()
+
+    def retire(self, replica_id: str) -> Replica | None:
+        """``replica_id`` left the fleet: no new attempt; its live ones run to their end."""
+        replica = self.replicas.pop(replica_id, None)
+        if replica is not None:
+            self._retire(replica)
+            self._serving.clear()
+        return replica
+
+    def _retire(self, replica: Replica) -> None:
+        replica.cordoned = True
+        self.retired.append(replica)
+
+    async def reap(self) -> None:
+        """Close the clients of retired replicas whose attempts all ended."""
+        done = [replica for replica in self.retired if replica.outstanding <= 0]
+        self.retired = [replica for replica in self.retired if replica.outstanding > 0]
+        await asyncio.gather(*(replica.client.close() for replica in done), return_exceptions=True)
+
+    def unready(self) -> bool:
+        """Members that could take work, and none available: unready. No member at all (an
+        empty fleet, or every one cordoned) is ready: requests get ``no_replica_available``."""
+        serving = [replica for replica in self.replicas.values() if not replica.cordoned]
+        return bool(serving) and not any(self.available(replica) for replica in serving)
 
     def available(self, replica: Replica, model: str | None = None) -> bool:
         """Healthy, not ejected, not cooling down, and serving ``model`` if one is named."""
-        return (model is None or replica.config.serves(model)) and self._available_at(replica, self.clock())
+        return (
+            (model is None or replica.config.serves(model))
+            and not replica.cordoned
+            and self._available_at(replica, self.clock())
+        )
 
     @staticmethod
     def _available_at(replica: Replica, now: float) -> bool:
         return replica.healthy is not False and replica.ejected_until <= now and replica.cooldown_until <= now
 
-    def snapshot(self, models: Iterable[str]) -> PoolSnapshot:
-        """The replicas that serve any of ``models``, as the policy places attempts over them."""
+    def snapshot(
+        self,
+        models: Iterable[str],
+        *,
+        revisions: Mapping[str, str | None] | None = None,
+        keep: Iterable[str] = (),
+        affinity_key: str | None = None,
+    ) -> PoolSnapshot:
+        """The replicas that may take an attempt of any of ``models``, as the policy places
+        attempts over them: bounded however large the fleet (:func:`bounded_candidates`).
+
+        A replica is a candidate for a model it serves at the revision ``revisions`` names
+        (a replica that declares none for it is taken to be at it), when available and
+        not cordoned; its view lists the models it may take (none: every one asked for).
+        The replicas in ``keep`` (those the request tried) are shown whatever they are,
+        so the policy sees a cordon or a lapse of the replica that just failed."""
         now = self.clock()
         wanted = tuple(models)
-        serving = self._serving.get(wanted)
-        if serving is None:  # which replicas serve a model changes only with set_members
-            serving = tuple(r for r in self.replicas.values() if any(r.config.serves(model) for model in wanted))
+        asked = (wanted, tuple(sorted((revisions or {}).items())))
+        serving = self._serving.get(asked)
+        if serving is None:  # found again only when the fleet changes: which replica may take which model
+            found = (
+                (r, tuple(model for model in wanted if _takes(r, model, revisions))) for r in self.replicas.values()
+            )
+            serving = tuple((r, eligible) for r, eligible in found if eligible or any(map(r.config.serves, wanted)))
             if len(self._serving) >= 256:  # model names no configuration knows: keep few
                 self._serving.clear()
-            self._serving[wanted] = serving
-        return PoolSnapshot(
-            tuple(
-                ReplicaView(
-                    id=replica.id,
-                    models=replica.config.models,
-                    available=self._available_at(replica, now),
-                    outstanding=replica.outstanding,
-                    others_load=replica.others_load,
-                    cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
-                    last_chosen=replica.last_chosen,
-                )
-                for replica in serving
-            ),
-            self._choices,
+            self._serving[asked] = serving
+        kept = set(keep)
+        shown: dict[str, tuple[Replica, tuple[str, ...], bool]] = {}  # each replica shown: its models, available
+        candidates: dict[str, list[Replica]] = {model: [] for model in wanted}
+        for replica, eligible in serving:
+            available = self._available_at(replica, now)
+            if eligible and available and not replica.cordoned:
+                for model in eligible:
+                    candidates[model].append(replica)
+                shown[replica.id] = (replica, eligible, available)
+            elif replica.id in kept:
+                shown[replica.id] = (replica, eligible, available)
+        chosen = set(kept)
+        for model_candidates in candidates.values():
+            chosen.update(replica.id for replica in bounded_candidates(model_candidates, affinity_key))
+        views = tuple(
+            ReplicaView(
+                id=replica.id,
+                models=() if len(eligible) == len(wanted) else (eligible or ("",)),
+                available=available,
+                outstanding=replica.outstanding,
+                others_load=replica.others_load,
+                cooldown_s=round(max(replica.cooldown_until - now, 0.0), 3),
+                last_chosen=replica.last_chosen,
+                cordoned=replica.cordoned,
+            )
+            for replica, eligible, available in shown.values()
+            if replica.id in chosen
         )
+        return PoolSnapshot(views, self._choices)
 
     def placed(self, replica: Replica) -> None:
         """An attempt was placed on ``replica``: the next placement sees it chosen last."""
@@ -273,7 +346,37 @@ class ReplicaPool:
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
-        await asyncio.gather(*(replica.client.close() for replica in self.replicas.values()))
+        replicas = [*self.replicas.values(), *self.retired]
+        await asyncio.gather(*(replica.client.close() for replica in replicas))
+
+
+# Candidates a snapshot shows of one model at most: the least loaded and those the request's
+# affinity key ranks first. A ``Decided`` event records the snapshot, so it must stay small
+# at any fleet size (docs/routing.md); least_outstanding's choice is the same as over all.
+LEAST_LOADED_SHOWN = 12
+PREFERRED_SHOWN = 4
+
+
+def bounded_candidates(candidates: list[Replica], affinity_key: str | None) -> list[Replica]:
+    """The candidates a snapshot keeps of one model: all of them up to
+    ``LEAST_LOADED_SHOWN + PREFERRED_SHOWN``, else the least loaded and the preferred."""
+    if len(candidates) <= LEAST_LOADED_SHOWN + PREFERRED_SHOWN:
+        return candidates
+    by_load = heapq.nsmallest(
+        LEAST_LOADED_SHOWN, candidates, key=lambda r: (r.outstanding + r.others_load, r.last_chosen, r.id)
+    )
+    if affinity_key is None:
+        return by_load
+    return by_load + heapq.nlargest(PREFERRED_SHOWN, candidates, key=lambda r: rank(affinity_key, r.id))
+
+
+def _takes(replica: Replica, model: str, revisions: Mapping[str, str | None] | None) -> bool:
+    """Whether ``replica`` may take ``model`` at the revision wanted (docs/design.md §16)."""
+    if not replica.config.serves(model):
+        return False
+    wanted = (revisions or {}).get(model)
+    declared = replica.config.revision_of(model)
+    return wanted is None or declared is None or declared == wanted
 
 
 def _about_the_request(failure: UpstreamFailure) -> bool:

@@ -194,8 +194,11 @@ _OUTCOME_CHOICES = ("", *OUTCOMES)
 _MIGRATION_CHOICES = ("", *MIGRATIONS)
 
 
-def render_requests_page(page: RequestPage, wanted: RequestFilter, *, base: str = "/ui/requests") -> str:
-    """The whole list page: the filter form, the rows (each id links to its timeline), the next page."""
+def render_requests_page(
+    page: RequestPage, wanted: RequestFilter, *, base: str = "/ui/requests", fleet: str = ""
+) -> str:
+    """The whole list page: the filter form, the rows (each id links to its timeline), the next
+    page; ``fleet``: the fleet's panel (app/ui/fleet_panel.py), for the admin token."""
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -214,7 +217,7 @@ def render_requests_page(page: RequestPage, wanted: RequestFilter, *, base: str 
         )
     elif page.rows:
         parts.append("no older requests")
-    parts += ["</p>", "</body></html>"]
+    parts += ["</p>", fleet, "</body></html>"]
     return "\n".join(parts)
 
 

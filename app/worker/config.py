@@ -23,6 +23,9 @@ class WorkerConfig:
     worker_id: str = ""
     engine: str = "sim"  # "sim" or "vllm"
     models: tuple[str, ...] = ("sim",)  # the names start requests may use
+    revisions: tuple[tuple[str, str], ...] = ()  # each model's revision, declared when it joins (--model NAME=REV)
+    join: str | None = None  # a gateway to join the fleet through (docs/worker-protocol.md)
+    advertise: str | None = None  # the URL the gateway reaches it at (default: its listen address)
     max_running: int = 8
     max_queued: int = 64
     heartbeat_ms: int = 250
@@ -66,7 +69,11 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (see --ready-file)")
     p.add_argument("--worker-id", default=d.worker_id, help="name in metrics and headers (default host:pid)")
     p.add_argument("--engine", choices=["sim", "vllm"], default=d.engine)
-    p.add_argument("--model", action="append", dest="models", help="served model name (repeatable)")
+    p.add_argument(
+        "--model", action="append", dest="models", metavar="NAME[=REVISION]", help="served model (repeatable)"
+    )
+    p.add_argument("--join", metavar="URL", help="join the fleet through this gateway (needs the worker token)")
+    p.add_argument("--advertise", metavar="URL", help="the URL gateways reach this worker at (with --join)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="engine slots")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting attempts before 429")
     p.add_argument("--heartbeat-ms", type=int, default=d.heartbeat_ms, help="default heartbeat interval")
@@ -150,13 +157,25 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     )
     for problem in http.problems():
         raise SystemExit(f"phasegate worker: --http-{problem.replace('_', '-')}")
-    models = tuple(args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"]))
+    declared = args.models or ([Path(args.model_path).name] if args.engine == "vllm" else ["sim"])
+    if not all(entry.partition("=")[0] for entry in declared):
+        raise SystemExit("phasegate worker: --model takes NAME or NAME=REVISION")
+    models = tuple(entry.partition("=")[0] for entry in declared)
+    revisions = tuple((name, rev) for name, _, rev in (e.partition("=") for e in declared) if rev)
+    if args.advertise and not args.join:
+        raise SystemExit("phasegate worker: --advertise goes with --join")
+    for name, url in (("--join", args.join), ("--advertise", args.advertise)):
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise SystemExit(f"phasegate worker: {name} takes an http(s):// URL")
     return WorkerConfig(
         host=args.host,
         port=args.port,
         worker_id=args.worker_id,
         engine=args.engine,
         models=models,
+        revisions=revisions,
+        join=args.join,
+        advertise=args.advertise,
         max_running=args.max_running,
         max_queued=args.max_queued,
         heartbeat_ms=args.heartbeat_ms,

@@ -36,6 +36,8 @@ from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
 from app.worker.health import HealthProbe
+from app.worker.joiner import Joiner, advertised
+from app.worker.joiner import stop as stop_joining
 from app.worker.json_body import decode_json, decode_json_value
 from app.worker.lease_calls import parse_ref, parse_renewals
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
@@ -270,6 +272,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, worker: Worker, grace_s: float) -> None:
         super().__init__(config)
         self.worker = worker
+        self.joiner: Joiner | None = None  # with --join: cordoned first when it drains
         self.grace_s = grace_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_task: asyncio.Task[None] | None = None
@@ -286,6 +289,8 @@ class _Server(uvicorn.Server):
             self.drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
+        if self.joiner is not None:
+            await self.joiner.cordon()
         await self.worker.drain(self.grace_s)
         self.should_exit = True
 
@@ -333,8 +338,14 @@ async def _serve(config: WorkerConfig) -> int:
     if config.ready_file is not None:
         write_ready_file(config.ready_file, config.host, port)
     exit_code = 0
+    joiner, joining = None, None
+    if config.join is not None:
+        url = config.advertise or advertised(config.host, port)
+        models: dict[str, str | None] = {name: dict(config.revisions).get(name) for name in config.models}
+        joiner = server.joiner = Joiner(config.join, config.name, url, models, config.token)
 
     async def load() -> None:
+        nonlocal joining
         nonlocal exit_code
         try:
             await engine.start()
@@ -349,12 +360,15 @@ async def _serve(config: WorkerConfig) -> int:
         gc.freeze()
         worker.ready = True
         log.warning("worker %s ready on %s:%d (%s engine)", config.name, config.host, port, engine.name)
+        if joiner is not None:  # ready first: the gateway probes it before it lets it in
+            joining = asyncio.get_running_loop().create_task(joiner.run(), name="fleet membership")
 
     loader = asyncio.get_running_loop().create_task(load())
     try:
         await server.serve(sockets=[sock])
     finally:
         loader.cancel()
+        await stop_joining(joining, joiner)
         await engine.close()
     return exit_code
 

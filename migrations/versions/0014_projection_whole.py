@@ -1,7 +1,7 @@
 """The projection trigger's function written whole: one readable definition.
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 Create Date: 2026-12-06
 
 Why: until now no migration held the projection as one text. 0001 wrote it, 0002 wrote
@@ -26,7 +26,8 @@ The bulk loader (app/store/bulk_projection.py) stays a definition of its own, he
 row for row by tests/app/store/test_bulk.py.
 
 Online: ``CREATE OR REPLACE FUNCTION`` takes no lock on the tables; the next append uses
-the new text. Downgrade puts back the text 0012 made (the same statements).
+the new text. Downgrade puts back the text 0012 made (the same statements): 0013, below
+this one, makes the fleet's tables and leaves the projection as 0012 left it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 from alembic import context, op
 
 revision: str = "0014"
-down_revision: str | None = "0012"
+down_revision: str | None = "0013"
 branch_labels: str | None = None
 depends_on: str | None = None
 

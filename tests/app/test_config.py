@@ -87,3 +87,15 @@ def test_an_unreadable_file_is_named(tmp_path: Path) -> None:
 )
 def test_replica_flags(text: str, expected: ReplicaConfig) -> None:
     assert parse_replica(text, 3) == expected
+
+
+def test_a_replica_declares_each_model_s_revision() -> None:
+    from app.config import ConfigError, replica_entry
+
+    replica = replica_entry({"id": "r1", "url": "http://h:1", "models": ["a=rev2", "b"]})
+    assert replica.models == ("a", "b") and replica.revision_of("a") == "rev2" and replica.revision_of("b") is None
+    config = load_config(None, replicas=[{"id": "r1", "url": "http://h:1", "models": ["a=rev2"]}])
+    assert config.replicas[0].revisions == (("a", "rev2"),)
+    for bad in ("a", ["=rev"], [1]):
+        with pytest.raises(ConfigError, match="NAME or NAME=REVISION"):
+            replica_entry({"id": "r1", "url": "http://h:1", "models": bad})

@@ -38,6 +38,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.reload": frozenset({"app.config", "app.store"}),
     "app.metrics": frozenset(),
+    "app.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.supervisor": frozenset({"app.contract"}),
@@ -68,10 +69,12 @@ ALLOWED: dict[str, frozenset[str]] = {
         | {"app.discover_config"}
     ),
     "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing", "app.http_server"}),
+    # the embedded default's simulated workers that join, and the banner
+    "app.demo": frozenset({"app.config", "app.contract", "app.http_server", "app.supervisor"}),
     "app.serve": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
         | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing", "app.http_server"}
-        | {"app.reload"}
+        | {"app.reload", "app.demo"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

@@ -282,3 +282,30 @@ async def test_a_stop_asked_while_it_started_stops_it_once_started(database_url:
     finally:
         listener.close()
     assert announced == []
+
+
+def test_serve_with_no_sim_workers_is_ready_with_an_empty_fleet_until_a_worker_joins(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    from tests.support.workers import running_worker
+
+    token = "serve-fleet-worker-token-0123456789"
+    process, output = launch(
+        data_dir, tmp_path, "--port", "0", "--sim-workers", "0", env={"PHASEGATE_WORKER_TOKEN": token}
+    )
+    try:
+        base = wait_for_line(output, r"phasegate is serving (http://127\.0\.0\.1:\d+)", process).group(1)
+        assert "0 replica(s) configured: none" in output.read_text()
+        body = {"model": "phasegate-sim", "max_tokens": 3, "messages": [{"role": "user", "content": "Hello"}]}
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert http.get("/readyz").status_code == 200
+            refused = http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_replica_available"
+            args = ["--model", "phasegate-sim=sim-1", "--worker-id", "joined-1", "--join", base]
+            with running_worker(token=token, args=args):
+                deadline = time.monotonic() + 10
+                while (answered := http.post("/v1/chat/completions", json=body)).status_code != 200:
+                    assert time.monotonic() < deadline, answered.text
+                    time.sleep(0.1)
+    finally:
+        end(process)

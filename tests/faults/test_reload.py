@@ -8,11 +8,15 @@ PostgreSQL, a real sim worker, SIGHUP and ``phasegate reload``.
   its log;
 - a file that does not parse, one whose settings do not hold together, and one that
   changes the port are refused, each with its reason in the log (the port named), and
-  the running configuration serves on (``--processes 1``, reloaded by ``phasegate reload``).
+  the running configuration serves on (``--processes 1``, reloaded by ``phasegate reload``);
+- two instances on one database reading one file: a replica the file adds on SIGHUP (to
+  both) is one ``joined`` in ``fleet_events``, source ``file``, and serves through either;
+  one it removes is one ``left``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -21,14 +25,17 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 
+from app.store.database import asyncpg_dsn
 from ops.processes import free_port, phasegate, start, stop, wait_http
 from ops.transcript import Transcript
 from tests.faults.test_instances import instances, read_logs, wait_for
@@ -83,10 +90,20 @@ class Served:
 
 @contextlib.contextmanager
 def served(
-    database_url: str, config: Path, tmp_path: Path, *args: str, stop_with: int = signal.SIGKILL
+    database_url: str,
+    config: Path,
+    tmp_path: Path,
+    *args: str,
+    stop_with: int = signal.SIGKILL,
+    port: int | None = None,
+    log_name: str = "serve.log",
 ) -> Iterator[Served]:
-    port = int(config.read_text().split("port = ", 1)[1].split()[0])
-    log = tmp_path / "serve.log"
+    """``phasegate serve`` on ``config`` (on ``port`` where given: ``--port``, else the file's)."""
+    if port is None:
+        port = int(config.read_text().split("port = ", 1)[1].split()[0])
+    else:
+        args = (*args, "--port", str(port))
+    log = tmp_path / log_name
     command = phasegate("serve", "--config", str(config), "--log-level", "info", *args)
     process = start(command, {"DATABASE_URL": database_url}, log)
     gateway = Served(f"http://127.0.0.1:{port}", process, log, config)
@@ -273,3 +290,52 @@ def test_phasegate_reload_finds_the_demo_by_its_data_directory(tmp_path: Path) -
     finally:
         end(process)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def fleet_events(database_url: str) -> list[tuple[str, str, str]]:
+    """(event, replica id, source) of every fleet event, in order."""
+
+    async def fetch() -> list[tuple[str, str, str]]:
+        connection = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            rows = await connection.fetch("SELECT event, replica_id, source FROM fleet_events ORDER BY seq")
+            return [(row["event"], row["replica_id"], row["source"]) for row in rows]
+        finally:
+            await connection.close()
+
+    return asyncio.run(fetch())
+
+
+def test_two_instances_on_one_file_record_each_change_once(
+    database_url: str, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    with running_worker(args=WORKER_ARGS) as second:
+        config = tmp_path / "phasegate.toml"
+        written = free_port()  # the file's port: each instance listens on its own (--port)
+        config.write_text(settings(written, worker, added=False))
+        one, other = free_port(), free_port()
+        with (
+            served(database_url, config, tmp_path, port=one, log_name="a.log") as a,
+            served(database_url, config, tmp_path, port=other, log_name="b.log") as b,
+        ):
+            for gateway in (a, b):
+                wait_http(gateway.url + "/readyz")
+            wait_for(lambda: fleet_events(database_url) == [("joined", "w1", "file")], 10, "w1 to join once")
+            config.write_text(settings(written, worker, added=True, second=second))
+            for gateway in (a, b):  # each instance reads the same file again
+                gateway.process.send_signal(signal.SIGHUP)
+            for gateway in (a, b):  # w2 alone serves sim-2: each instance reaches it through the fleet
+                wait_for(lambda g=gateway: chat(g.url, KEY_B, ADDED).status_code == 200, 10, f"{gateway.url} to use w2")
+            assert fleet_events(database_url) == [("joined", "w1", "file"), ("joined", "w2", "file")]
+            config.write_text(settings(written, worker, added=False))
+            for gateway in (a, b):
+                gateway.process.send_signal(signal.SIGHUP)
+            wait_for(lambda: len(fleet_events(database_url)) == 3, 10, "w2 to leave")
+            time.sleep(1.0)  # the other instance's reconciliation, had it written one, would be here
+            assert fleet_events(database_url) == [
+                ("joined", "w1", "file"),
+                ("joined", "w2", "file"),
+                ("left", "w2", "file"),
+            ]
+            for gateway in (a, b):
+                assert "configuration reloaded from" in gateway.logs()

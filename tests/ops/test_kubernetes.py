@@ -142,15 +142,15 @@ def test_the_disruption_budget_keeps_a_gateway() -> None:
     assert budget["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
 
 
-KINDS = {"phasegate-worker": "worker", "vllm": "openai"}  # each Deployment, and the replica kind it is
+KINDS = {"vllm": "openai"}  # each discovered Deployment, and the replica kind it is (the workers join)
 
 
 def test_the_replicas_are_discovered_never_named_and_each_kind_is_autoscaled() -> None:
     """No pod name in any setting: each [[discover]] name is a headless Service selecting the
     ready pods of a Deployment that serves the kind, the port and the models it says, with an
-    autoscaler over it."""
+    autoscaler over it; the phasegate workers are not discovered but join by themselves."""
     settings = loaded_gateway_settings()
-    assert settings.replicas == (), "no replica is named: they are discovered"
+    assert settings.replicas == (), "no replica is named: they are discovered, or they join"
     text = one("ConfigMap", "phasegate-settings")["data"]["phasegate.toml"]
     assert "phasegate-worker-" not in text and "vllm-" not in text
     assert {entry.name for entry in settings.discover} == set(KINDS)
@@ -262,6 +262,34 @@ def test_the_worker_token_reaches_both_ends(tmp_path: Path) -> None:
     given = [arg.replace(worker_file, str(token_file)) for arg in args]
     config = load_worker_command(entrypoint[2:] + given)
     assert config.token == token and config.host == "0.0.0.0" and config.log_format == "json"
+
+
+def test_the_workers_join_through_the_gateways_service_at_their_pods_address(tmp_path: Path) -> None:
+    """Each worker pod joins the fleet by itself (docs/design.md §16): through the gateway's
+    Service and port, advertising its pod's IP on its own port, each model at the revision
+    the gateways serve; an autoscaler scales them, and no [[discover]] name lists them."""
+    settings = loaded_gateway_settings()
+    workers = one("Deployment", "phasegate-worker")
+    (container,) = containers(workers)
+    args = container["args"]
+    (join,) = [urlsplit(arg.split("=", 1)[1]) for arg in args if arg.startswith("--join=")]
+    service = one("Service", join.hostname)
+    gateway_pod = one("Deployment", "phasegate-gateway")["spec"]["template"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, gateway_pod["metadata"]["labels"])
+    assert join.port in {p["port"] for p in service["spec"]["ports"]}
+    (advertise,) = [urlsplit(arg.split("=", 1)[1]) for arg in args if arg.startswith("--advertise=")]
+    (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" and advertise.netloc.startswith("$(POD_IP):")
+    assert advertise.port in {p["containerPort"] for p in container["ports"]}
+    token_file = tmp_path / "worker-token"
+    token_file.write_text(one("Secret", "phasegate")["stringData"]["worker-token"] + "\n")
+    given = [f"--token-file={token_file}" if a.startswith("--token-file=") else a for a in args]
+    config = load_worker_command([*given, "--host=0.0.0.0"])
+    assert config.join == f"http://{join.hostname}:{join.port}" and config.revisions
+    assert all(settings.models[name] == revision for name, revision in config.revisions)
+    assert "phasegate-worker" not in {entry.name for entry in settings.discover}
+    scaler = [r for r in resources() if r["kind"] == "HorizontalPodAutoscaler"]
+    assert any(r["spec"]["scaleTargetRef"]["name"] == "phasegate-worker" for r in scaler)
 
 
 def test_the_cloudnativepg_cluster_and_the_database_url_agree() -> None:

@@ -1,65 +1,63 @@
 """The declared sources' seam (app/replicas/declared.py): each source's set replaces what it
-declared before, the pool is their union, a replica that leaves keeps its live attempts
-and its client closes once they ended, one whose settings changed is replaced."""
+declared before, marked changed until the fleet's lock holder reconciled it; a DNS name's
+replicas are named after the name, each model at the revision the entry gives it."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 from app.config import ReplicaConfig
 from app.discover_config import parse_discover
-from app.replicas.base import ReplicaClient
 from app.replicas.declared import DeclaredReplicas, dns_replicas
-from app.replicas.pool import Replica, ReplicaPool
-from app.replicas.worker import WorkerReplica
+from app.store.fleet_model import in_scope
 
 
-def seam(*started: ReplicaConfig) -> tuple[DeclaredReplicas, ReplicaPool, list[asyncio.Task[Any]]]:
-    def client(config: ReplicaConfig) -> ReplicaClient:
-        return WorkerReplica(config.id, config.url, connect_timeout_s=0.2)
+def test_a_dns_names_replicas_carry_the_name_and_each_models_revision() -> None:
+    (entry,) = parse_discover([{"name": "vllm.test", "port": 9, "kind": "openai", "models": ["tiny=r1", "big"]}])
+    found = dns_replicas(entry, {("127.0.0.5", 9), ("::1", 9)})
+    assert [r.id for r in found] == ["127.0.0.5:9@vllm.test", "[::1]:9@vllm.test"]
+    discovered = found[1]
+    assert (discovered.url, discovered.kind, discovered.models) == ("http://[::1]:9", "openai", ("tiny", "big"))
+    assert discovered.revisions == (("tiny", "r1"),)
+    assert discovered.revision_of("tiny") == "r1" and discovered.revision_of("big") is None
+    assert all(in_scope(r.id, "vllm.test") for r in found)
+    assert not in_scope(found[0].id, "other.test") and not in_scope("w1", "vllm.test") and in_scope("w1", "")
 
-    pool = ReplicaPool([Replica(config, client(config)) for config in started])
-    tasks: list[asyncio.Task[Any]] = []
-    return (
-        DeclaredReplicas(pool, client, lambda coro, name: tasks.append(asyncio.ensure_future(coro)), started),
-        pool,
-        tasks,
-    )
 
-
-async def test_each_source_replaces_its_own_set_and_the_pool_is_their_union() -> None:
+def test_each_source_replaces_its_own_set_and_stays_changed_until_reconciled() -> None:
     w1, w2 = ReplicaConfig("w1", "http://127.0.0.1:9"), ReplicaConfig("w2", "http://127.0.0.1:10")
-    declared, pool, tasks = seam(w1)
-    kept = pool.replicas["w1"]
-    (entry,) = parse_discover([{"name": "vllm.test", "port": 9, "kind": "openai", "models": ["tiny=r1"]}])
-    declared.on_declared_replicas("dns", dns_replicas(entry, {("127.0.0.5", 9), ("::1", 9)}), scope="vllm.test")
-    assert list(pool.replicas) == ["w1", "127.0.0.5:9", "[::1]:9"]
-    assert pool.replicas["w1"] is kept  # unchanged: the same replica, its counts and health kept
-    discovered = pool.replicas["[::1]:9"].config
-    assert (discovered.url, discovered.kind, discovered.models) == ("http://[::1]:9", "openai", ("tiny",))
-    assert [r.id for r in pool.snapshot(["tiny"]).replicas] == ["w1", "127.0.0.5:9", "[::1]:9"]
-    await asyncio.gather(*tasks)  # their first probes: nothing answers there
-    declared.on_declared_replicas("file", [w2])  # the file's set, reloaded: w1 leaves, w2 joins
-    assert list(pool.replicas) == ["w2", "127.0.0.5:9", "[::1]:9"]
+    declared = DeclaredReplicas([w1])
+    assert declared.changed() == [("file", "")]  # the file at start
+    declared.reconciled(("file", ""), (w1,))
+    assert declared.changed() == []
+    (entry,) = parse_discover([{"name": "vllm.test", "port": 9}])
+    dns = dns_replicas(entry, {("127.0.0.5", 9)})
+    declared.on_declared_replicas("dns", dns, scope="vllm.test", drain_s=30)
+    declared.on_declared_replicas("file", [w2])
+    assert declared.changed() == [("file", ""), ("dns", "vllm.test")]  # the file first
+    assert declared.drain_s == {("dns", "vllm.test"): 30}
+    declared.on_declared_replicas("dns", (), scope="vllm.test")
+    declared.reconciled(("dns", "vllm.test"), dns)  # an older set reconciled: the newer one stays due
+    assert ("dns", "vllm.test") in declared.changed()
+    declared.all_changed()
+    assert declared.changed() == [("file", ""), ("dns", "vllm.test")]
+
+
+def test_a_forgotten_name_declares_nothing_once_and_is_then_gone() -> None:
+    declared = DeclaredReplicas()
+    (entry,) = parse_discover([{"name": "vllm.test", "port": 9}])
+    declared.on_declared_replicas("dns", dns_replicas(entry, {("127.0.0.5", 9)}), scope="vllm.test", drain_s=5)
     declared.forget("dns", "vllm.test")
-    assert list(pool.replicas) == ["w2"]
-    await asyncio.gather(*tasks)  # the joiners' first probes, the leavers' closes
-    assert pool.replicas["w2"].consecutive_failures == 1  # probed as it joined: nothing answers there
-    await pool.close()
+    assert declared.declared[("dns", "vllm.test")] == ()  # its replicas leave at the next reconciliation
+    declared.reconciled(("dns", "vllm.test"), ())
+    assert ("dns", "vllm.test") not in declared.declared and declared.drain_s == {}
+    declared.forget("dns", "never.test")  # a name never resolved: nothing to do
+    assert ("dns", "never.test") not in declared.declared
 
 
-async def test_a_replica_that_leaves_keeps_its_attempts_and_one_that_changed_is_replaced() -> None:
+def test_readings_of_a_source_are_dropped_without_declaring_anything() -> None:
     w1 = ReplicaConfig("w1", "http://127.0.0.1:9")
-    declared, pool, tasks = seam(w1)
-    old = pool.replicas["w1"]
-    old.outstanding = 1  # a live attempt holds it
-    declared.on_declared_replicas("file", [ReplicaConfig("w1", "http://127.0.0.1:11")])
-    assert pool.replicas["w1"] is not old and pool.replicas["w1"].config.url == "http://127.0.0.1:11"
-    closing = tasks[0]
-    await asyncio.sleep(0.05)
-    assert not closing.done()  # its client stays open while the attempt runs
-    old.outstanding = 0
-    await asyncio.wait_for(closing, 5)
-    await asyncio.gather(*tasks)
-    await pool.close()
+    declared = DeclaredReplicas([w1])
+    (entry,) = parse_discover([{"name": "vllm.test", "port": 9}])
+    declared.on_declared_replicas("dns", dns_replicas(entry, {("127.0.0.5", 9)}), scope="vllm.test", drain_s=5)
+    declared.drop("dns")  # this process lost the fleet's lock: it resolves no more
+    assert list(declared.declared) == [("file", "")] and declared.drain_s == {}
+    assert declared.changed() == [("file", "")]

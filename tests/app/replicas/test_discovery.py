@@ -198,7 +198,7 @@ def test_a_gateway_serves_through_the_replicas_a_name_declares_and_keeps_them_wh
     ):
         discover = [{"name": NAME, "port": worker.port, "nameserver": server.nameserver, "every_s": 0.2}]
         with running_gateway(database_url, [], discover=discover) as gateway:
-            replica_id = f"127.0.0.1:{worker.port}"
+            replica_id = f"127.0.0.1:{worker.port}@{NAME}"
             deadline = time.monotonic() + 10
             while replica_id not in gateway.gateway.ctx.pool.replicas:
                 assert time.monotonic() < deadline, "the discovered replica never joined the pool"

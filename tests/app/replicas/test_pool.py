@@ -190,7 +190,8 @@ def test_a_probe_takes_the_load_the_replica_reports_into_the_snapshot() -> None:
     asyncio.run(p.probe(a))
     b.outstanding = 2
     p.cool_down(b, 1.5)
-    views = {view.id: view for view in p.snapshot(["m"]).replicas}
+    assert [view.id for view in p.snapshot(["m"]).replicas] == ["a"]  # b cannot take it: not shown
+    views = {view.id: view for view in p.snapshot(["m"], keep=["b"]).replicas}  # shown: the request tried it
     assert (views["a"].others_load, views["a"].load, views["a"].available) == (6, 7, True)
     assert (views["b"].outstanding, views["b"].cooldown_s, views["b"].available) == (2, 1.5, False)
     clock.now += 1.5

@@ -18,6 +18,8 @@ import pytest
 
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
+from app.store.fleet import FleetStore
+from app.store.fleet_model import Declared
 from app.store.instances import InstanceInfo, InstanceRegistry
 from ops import traces
 from ops.audit_queries import bind, bounded_queries, doc_queries, index_name
@@ -58,7 +60,18 @@ LOG = {
         traces.left_for_good("req_left", at=at(140)),
     )
 }
-PARAMETERS = {"request_id": "req_cut_1", "since": BASE, "last_hour": at(60), "trace_id": TRACE_ID, "team": "search"}
+PARAMETERS = {
+    "request_id": "req_cut_1",
+    "since": BASE,
+    "last_hour": at(60),
+    "trace_id": TRACE_ID,
+    "team": "search",
+    "model": "m",
+    "at": datetime.now(UTC) + timedelta(days=1),  # the fleet's events are written on PostgreSQL's clock
+}
+
+
+ADMIN: dict[str, Any] = {"source": "admin", "actor": "admin", "instance_id": None}
 
 
 def first(trace: traces.Trace, kind: type) -> Any:  # the first event of that type
@@ -234,6 +247,18 @@ def expect_by_metadata(rows: list[asyncpg.Record]) -> None:
     ]
 
 
+def expect_serving_at(result: list[asyncpg.Record]) -> None:
+    # r2 was cordoned, r4 left: r1 at its revision, r3 serving every model
+    assert rows(result) == [("r1", "rev-a", "joined"), ("r3", None, "joined")]
+
+
+def expect_taken_out(result: list[asyncpg.Record]) -> None:
+    assert [(r["event"], r["replica_id"], r["source"], r["actor"], r["reason"]) for r in result] == [
+        ("cordoned", "r2", "admin", "admin", "disk errors"),
+        ("left", "r4", "admin", "admin", "removed: its attempts ended"),
+    ]
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -256,6 +281,8 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     19: expect_recent_failures,
     20: expect_clients_that_left,
     21: expect_by_metadata,
+    22: expect_serving_at,
+    23: expect_taken_out,
 }
 
 
@@ -277,6 +304,16 @@ async def audited(event_store: PostgresEventStore, database_url: str) -> AsyncIt
     await registry.register(InstanceInfo("gw_live", "gw-live:8000", "h2", 12, "0.1.0", None), ttl_s=60.0)
     assert await registry.claim_lapsed("gw_live") == ["gw_dead"]
     await registry.swept("gw_dead", "gw_live", closed=1)
+    fleet = FleetStore(event_store)  # the fleet: four replicas joined, one cordoned, one left
+    for replica_id, models in (
+        ("r1", (("m", "rev-a"),)),
+        ("r2", (("m", "rev-b"),)),
+        ("r3", ()),
+        ("r4", (("m", None),)),
+    ):
+        await fleet.join(Declared(replica_id, f"http://{replica_id}:9000", models=models), **ADMIN)
+    await fleet.change("r2", "cordoned", **ADMIN, reason="disk errors")
+    await fleet.change("r4", "left", **ADMIN, reason="removed: its attempts ended")
     connection = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         yield connection

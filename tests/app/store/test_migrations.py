@@ -30,6 +30,8 @@ OURS = {
     "idempotency_keys",
     "api_keys",
     "analyst_tenants",
+    "fleet_events",
+    "replicas",
 }
 
 
