@@ -6,7 +6,6 @@ says, and a message sent during the drain is refused in Anthropic's shape."""
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -21,6 +20,7 @@ from tests.app.conftest import held
 from tests.faults import test_instances
 from tests.faults.test_instances import gateways, read_logs, wait_for
 from tests.support.gateway import MODEL
+from tests.support.message_stream import read_message_stream
 from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -37,17 +37,8 @@ def test_a_message_streaming_at_a_drain_ends_with_the_error_event(
     ended = threading.Event()
 
     def stream(url: str) -> None:
-        body = {"model": MODEL, "max_tokens": 2000, "stream": True}
-        body["messages"] = [{"role": "user", "content": "held at a drain"}]
         try:
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/messages", json=body) as answer:
-                ids.append(answer.headers["x-request-id"])
-                kind = ""
-                for line in answer.iter_lines():
-                    if line.startswith("event: "):
-                        kind = line.removeprefix("event: ")
-                    elif line.startswith("data: "):
-                        frames.append((kind, json.loads(line.removeprefix("data: "))))
+            read_message_stream(url, "held at a drain", frames, ids)
         finally:
             ended.set()
 

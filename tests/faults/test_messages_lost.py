@@ -7,7 +7,6 @@ the stream with Anthropic's ``error`` event carrying the §6 fields, its
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -21,7 +20,7 @@ from statemachine.invariants import violations
 from statemachine.state import fold
 from tests.faults import test_instances
 from tests.faults.test_instances import BATCH, gateways, logged_deltas, read_logs, terminal, wait_for
-from tests.support.gateway import MODEL
+from tests.support.message_stream import read_message_stream
 from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -39,17 +38,8 @@ def test_a_message_streaming_at_a_lost_lease_ends_with_the_error_event(
     ended = threading.Event()
 
     def stream(url: str) -> None:
-        body = {"model": MODEL, "max_tokens": 2000, "stream": True}
-        body["messages"] = [{"role": "user", "content": "count slowly"}]
         try:
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/messages", json=body) as answer:
-                ids.append(answer.headers["x-request-id"])
-                kind = ""
-                for line in answer.iter_lines():
-                    if line.startswith("event: "):
-                        kind = line.removeprefix("event: ")
-                    elif line.startswith("data: "):
-                        frames.append((kind, json.loads(line.removeprefix("data: "))))
+            read_message_stream(url, "count slowly", frames, ids)
         except httpx.HTTPError as exc:  # the gateway died under it: a defect here
             cut.append(exc)
         finally:
