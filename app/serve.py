@@ -142,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"phasegate serve: {exc}")
             return 2
     from app.store.database import sqlalchemy_url
-    from app.store.embedded import EmbeddedPostgres
+    from app.store.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
     try:
         listener = _bind(config.host, config.port)
@@ -178,8 +178,12 @@ def serve(args: argparse.Namespace) -> int:
             url = sqlalchemy_url(config.database_url)
         else:
             database = EmbeddedPostgres(config.data_dir)
-            with _uninterrupted():
-                url = database.start()
+            try:
+                with _uninterrupted():
+                    url = database.start()
+            except EmbeddedPostgresError as exc:  # its message says what to change: no traceback
+                print(f"phasegate serve: {exc}")
+                return 1
             log.info("embedded PostgreSQL in %s", database.data_dir)
         joining = [child.name for child in children]
         announce = functools.partial(demo.announce, config, generated_token, processes, args.ready_file, joining)

@@ -254,6 +254,22 @@ def test_a_configured_admin_token_is_never_printed(data_dir: Path, tmp_path: Pat
     assert token not in output.read_text()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as a user of its own only when root starts it")
+def test_a_data_directory_its_server_cannot_reach_is_said_in_one_line(tmp_path: Path) -> None:
+    """Under a directory its user cannot enter (root's 0700 home), the embedded server cannot
+    start: serve says why and what to change, with no traceback, and leaves nothing running."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    process, output = launch(closed / "data", tmp_path, "--port", "0")
+    try:
+        assert exited(process, output) == 1
+    finally:
+        end(process)
+    said = output.read_text()
+    assert "phasegate serve: PostgreSQL runs as" in said and "PHASEGATE_DATA_DIR" in said, said
+    assert "Traceback" not in said, said
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])
 def test_processes_must_be_a_whole_number_of_at_least_one(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     from app.cli import main
