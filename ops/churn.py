@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -227,9 +228,9 @@ def run_churn(
     try:
         url = database.start()
         upgrade(url)
-        front = Gateways(gateways, workdir / "phasegate.toml", url)
-        front.wait_ready()
-        churn = Churn(front, rng, decode_ms, *workers)
+        front = live = Gateways(gateways, workdir / "phasegate.toml", url)
+        live.wait_ready()
+        churn = Churn(live, rng, decode_ms, *workers)
         for _ in range(workers[0] + 1):
             churn.join()
         samples: list[Sample] = []
@@ -238,11 +239,11 @@ def run_churn(
         disruptions: list[str] = []
         threads = [
             churn.loop(churn_every_s),
-            _every(1.0, done, lambda: _sample(front, began, samples)),  # type: ignore[arg-type]
-            _once(seconds / 3, done, lambda: _restart_gateway(front, rng, disruptions)),  # type: ignore[arg-type]
+            _every(1.0, done, lambda: _sample(live, began, samples)),
+            _once(seconds / 3, done, lambda: _restart_gateway(live, rng, disruptions)),
             _once(2 * seconds / 3, done, lambda: _restart_database(database, disruptions)),
         ]
-        records = asyncio.run(clients(front.urls, clients_count, seconds, rng))
+        records = asyncio.run(clients(live.urls, clients_count, seconds, rng))
         done.set()
         churn.stopped.set()
         for thread in threads:
@@ -266,20 +267,20 @@ def run_churn(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _every(interval_s: float, done: threading.Event, action: object) -> threading.Thread:
+def _every(interval_s: float, done: threading.Event, action: Callable[[], object]) -> threading.Thread:
     def run() -> None:
         while not done.wait(interval_s):
-            action()  # type: ignore[operator]
+            action()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
 
 
-def _once(after_s: float, done: threading.Event, action: object) -> threading.Thread:
+def _once(after_s: float, done: threading.Event, action: Callable[[], object]) -> threading.Thread:
     def run() -> None:
         if not done.wait(after_s):
-            action()  # type: ignore[operator]
+            action()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
