@@ -45,7 +45,7 @@ from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
 from ops.chaos_check import until_all_ended  # noqa: E402
 from ops.churn_check import Sample, Verdict, check, judge_rss  # noqa: E402
-from ops.churn_traffic import MODEL, clients  # noqa: E402
+from ops.churn_traffic import MODEL, Record, clients  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: E402
 
 ADMIN_TOKEN = "churn-admin-token-0123456789"
@@ -144,7 +144,8 @@ class Churn:
         choices = ["join"] * (len(live) < self.most) + ["uncordon"] * bool(self.cordoned)
         if len(serving) > self.least:
             choices += ["leave", "cordon", "kill"]
-        action = self.rng.choice(choices or ["join"])
+        fresh = [c for c in choices if c not in self.changes]  # each kind early, then at random
+        action = self.rng.choice(fresh or choices or ["join"])
         if action == "join":
             self.join()
             return
@@ -215,8 +216,10 @@ def run_churn(
     decode_ms: float = 10.0,
     seed: int = 1,
     workers: tuple[int, int] = (2, 6),
+    after: Callable[[str, list[Record]], None] | None = None,
 ) -> Verdict:
-    """The whole soak, on a PostgreSQL of its own; returns the verdict (its table, its checks)."""
+    """The whole soak, on a PostgreSQL of its own; returns the verdict (its table, its checks).
+    ``after(database_url, records)``: called once the verdict is in, before the database goes."""
     rng = random.Random(seed)
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-churn-"))
     workdir.chmod(0o755)  # the embedded server's own user must enter it
@@ -257,6 +260,8 @@ def run_churn(
         asyncio.run(check(url, records, BATCH_DELTAS, verdict))
         judge_rss(samples, time.monotonic() - began if not samples else samples[-1].at + 1e-6, verdict)
         verdict.problems += [f"note: fleet change refused: {e}" for e in churn.errors[:10]]
+        if after is not None:
+            after(url, records)
         return verdict
     finally:
         if front is not None:
