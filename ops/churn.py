@@ -1,7 +1,7 @@
 """The churn soak: mixed traffic through gateway instances on one PostgreSQL while the fleet
 changes under them, then a verdict per request and on the gateways' memory.
 
-    python ops/churn.py --seconds 600                    # 10 minutes
+    python ops/churn.py --seconds 600                    # ten minutes
     python ops/churn.py --seconds 120 --clients 16 --seed 3
 
 Real processes: ``--gateways`` gateway instances (``phasegate serve --sim-workers 0``) on one
@@ -10,9 +10,11 @@ workers that join by themselves (``phasegate worker --engine sim --join``, docs/
 Clients (ops/churn_traffic.py) send chat streamed and whole, tool calls, background Responses
 polled to their end, and streams dropped and resumed with ``Last-Event-ID``. Meanwhile, every
 ``--churn-every`` seconds (jittered), one fleet change: a worker joins, leaves (``DELETE
-/admin/replicas/{id}``, then it is stopped), is cordoned or uncordoned (the admin API), or is
-SIGKILLed (it lapses). Once, at a third of the run, one gateway is stopped and started again;
-once, at two thirds, PostgreSQL is. Each gateway's RSS is read from /proc every second.
+/admin/replicas/{id}``, its attempts run to their end; then it is stopped), is drained
+(``phasegate replicas remove --drain-s 1``: its attempts still live after a second are
+fenced), is cordoned or uncordoned (the admin API), or is SIGKILLed (it lapses). Once, at a
+third of the run, one gateway is stopped and started again; once, at two thirds, PostgreSQL is.
+Each gateway's RSS is read from /proc every second.
 
 The verdict (ops/churn_check.py) and its table: requests by kind and outcome, fleet changes by
 kind, the checks (spliced or duplicated answers, requests that never ended, clients that differ
@@ -138,12 +140,21 @@ class Churn:
             self.errors.append(f"{method} {path}: {answer.status_code} {answer.text[:200]}")
         return answer.status_code < 300
 
+    def _cli(self, *args: str) -> bool:
+        """``phasegate replicas …`` against a random gateway, the token from the environment."""
+        command = phasegate("replicas", "--gateway", self.rng.choice(self.gateways.urls), *args)
+        env = {**os.environ, "PHASEGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            self.errors.append(f"phasegate replicas {' '.join(args)}: {done.returncode} {done.stderr[-200:]}")
+        return done.returncode == 0
+
     def step(self) -> None:
         live = [w for w, p in self.workers.items() if p.poll() is None]
         serving = [w for w in live if w not in self.cordoned]
         choices = ["join"] * (len(live) < self.most) + ["uncordon"] * bool(self.cordoned)
         if len(serving) > self.least:
-            choices += ["leave", "cordon", "kill"]
+            choices += ["leave", "drain", "cordon", "kill"]
         fresh = [c for c in choices if c not in self.changes]  # each kind early, then at random
         action = self.rng.choice(fresh or choices or ["join"])
         if action == "join":
@@ -159,11 +170,13 @@ class Churn:
         if action == "cordon" and self._admin("POST", f"/admin/replicas/{worker_id}/cordon"):
             self.cordoned.add(worker_id)
             self._count("cordon")
-        elif action == "leave" and self._admin("DELETE", f"/admin/replicas/{worker_id}"):
+        elif (action == "leave" and self._admin("DELETE", f"/admin/replicas/{worker_id}")) or (
+            action == "drain" and self._cli("remove", "--drain-s", "1", worker_id)
+        ):
             # it leaves once its attempts end; stopped then (a live worker asked to renew
             # a lease that is gone joins again: docs/worker-protocol.md)
             threading.Thread(target=self._stop_after_leaving, args=(worker_id,), daemon=True).start()
-            self._count("leave")
+            self._count(action)
         elif action == "kill":
             stop(self.workers[worker_id], signal.SIGKILL)
             self._count("kill")

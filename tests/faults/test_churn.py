@@ -18,7 +18,7 @@ from ops.churn import BATCH_DELTAS, run_churn
 from ops.churn_check import CHECKS, Verdict, check
 from ops.churn_traffic import KINDS, Record
 
-FLEET_CHANGES = ("join", "leave", "cordon", "uncordon", "kill", "gateway restart", "postgres restart")
+FLEET_CHANGES = ("join", "leave", "drain", "cordon", "uncordon", "kill", "gateway restart", "postgres restart")
 
 
 def doctored(records: list[Record]) -> dict[str, list[Record]]:
