@@ -14,8 +14,8 @@ Per request, judging only by what the client received and the request's log:
                   stream may be ahead of its log by two delivery batches at most, never behind;
                   output the log delivered to a request no client got an answer for
     rss growth    a gateway's resident memory, median of the last quarter of the run over the
-                  median of the first, above 1.10 (an incarnation that ran under half the run,
-                  a restarted one's first life, is shown, not judged)
+                  median of the first, above 1.10, for each gateway that ran the whole run (the
+                  restarted one's new process starts cold mid-run: shown, not judged)
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def _judge(record: Record, events: list[ev.Event], batch_deltas: int, verdict: V
             return
         text = answer_text(events)
         if whole["status"] not in ("completed", "failed", "cancelled", "incomplete"):
-            verdict.fail("never ended", f"{rid}: still {whole['status']} when the client stopped polling")
+            notes = f" ({len(record.notes)} polls refused: {record.notes[-2:]})" if record.notes else ""
+            verdict.fail("never ended", f"{rid}: still {whole['status']} when the client stopped polling{notes}")
         elif (whole["status"] in ("completed", "incomplete") and not whole.get("error")) != completed:
             verdict.fail("differs", f"{rid}: the client got {whole['status']}, the log says {state.outcome}")
         elif whole["text"] != text:
@@ -211,8 +212,8 @@ def _judge(record: Record, events: list[ev.Event], batch_deltas: int, verdict: V
 
 
 def judge_rss(samples: list[Sample], seconds: float, verdict: Verdict) -> None:
-    """Median RSS per quarter of the run, per gateway incarnation; growth judged where it ran
-    through the run's first and last quarters."""
+    """Median RSS per quarter of the run, per gateway incarnation; growth judged for the
+    gateways that ran the whole run (a restarted one starts cold mid-run: shown, not judged)."""
     for gateway, incarnation in sorted({(s.gateway, s.incarnation) for s in samples}):
         mine = [s for s in samples if (s.gateway, s.incarnation) == (gateway, incarnation)]
         quarters: list[int | None] = []
@@ -222,5 +223,5 @@ def judge_rss(samples: list[Sample], seconds: float, verdict: Verdict) -> None:
         name = f"gateway {gateway}" + (f" #{incarnation + 1}" if incarnation else "")
         verdict.rss[name] = quarters
         first, last = quarters[0], quarters[-1]
-        if first and last and last > first * RSS_GROWTH_LIMIT:
+        if incarnation == 0 and first and last and last > first * RSS_GROWTH_LIMIT:
             verdict.fail("rss growth", f"{name}: {first} KiB in the first quarter, {last} KiB in the last")

@@ -163,10 +163,14 @@ async def responses_bg(http: httpx.AsyncClient, url: str, urls: list[str], promp
     deadline = time.monotonic() + 120.0
     while answer.get("status") not in TERMINAL_STATUSES and time.monotonic() < deadline:
         await asyncio.sleep(0.25)
-        with contextlib.suppress(httpx.HTTPError, ValueError):
+        try:
             polled = await http.get(rng.choice(urls) + f"/v1/responses/{answer['id']}")
             if polled.status_code == 200:
                 answer = polled.json()
+            else:
+                record.notes.append(f"poll {polled.status_code} {polled.text[:120]}")
+        except (httpx.HTTPError, ValueError) as exc:
+            record.notes.append(f"poll failed: {exc!r}")
     record.whole = {"text": _output_text(answer), "status": answer.get("status"), "error": answer.get("error")}
     if answer.get("error"):
         transcript.error = answer["error"]
