@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -45,10 +46,12 @@ sys.path.insert(0, str(REPO))
 
 from app.store.embedded import EmbeddedPostgres  # noqa: E402
 from app.store.migrate import upgrade  # noqa: E402
+from app.store.postgres import PostgresEventStore  # noqa: E402
 from ops.chaos_check import until_all_ended  # noqa: E402
 from ops.churn_check import Sample, Verdict, check, judge_rss  # noqa: E402
 from ops.churn_traffic import MODEL, Record, clients  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: E402
+from statemachine.trace import dump_trace  # noqa: E402
 
 ADMIN_TOKEN = "churn-admin-token-0123456789"
 WORKER_TOKEN = "churn-worker-token-0123456789"
@@ -275,6 +278,8 @@ def run_churn(
         asyncio.run(check(url, records, BATCH_DELTAS, verdict))
         judge_rss(samples, time.monotonic() - began if not samples else samples[-1].at + 1e-6, verdict)
         verdict.problems += [f"note: fleet change refused: {e}" for e in churn.errors[:10]]
+        if verdict.problems:
+            asyncio.run(keep_evidence(url, verdict))
         if after is not None:
             after(url, records)
         return verdict
@@ -285,6 +290,28 @@ def run_churn(
             churn.close()
         database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def keep_evidence(database_url: str, verdict: Verdict) -> None:
+    """The log of every request a check failed on, as a trace ``phasegate replay`` reads,
+    under ``artifacts/churn/`` (the database goes with the run)."""
+    failing = sorted({rid for p in verdict.problems if not p.startswith("note") for rid in re.findall(_ID, p)})
+    if not failing:
+        return
+    folder = REPO / "artifacts" / "churn" / time.strftime("%Y%m%dT%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    store = await PostgresEventStore.connect(database_url)
+    try:
+        for request_id in failing[:50]:
+            trace = dump_trace(await store.read(request_id), {"source": "churn"})
+            (folder / f"{request_id}.jsonl").write_text("".join(trace))
+    finally:
+        await store.close()
+    (folder / "problems.txt").write_text("\n".join(verdict.problems) + "\n")
+    verdict.problems.append(f"note: the failing requests' logs are in {folder}")
+
+
+_ID = r"req_[0-9a-f]{24}"
 
 
 def _every(interval_s: float, done: threading.Event, action: Callable[[], object]) -> threading.Thread:

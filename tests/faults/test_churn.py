@@ -14,9 +14,13 @@ import asyncio
 import copy
 from typing import Any
 
+import pytest
+
 from ops.churn import BATCH_DELTAS, run_churn
 from ops.churn_check import CHECKS, Verdict, check
 from ops.churn_traffic import KINDS, Record
+
+pytestmark = pytest.mark.slow
 
 FLEET_CHANGES = ("join", "leave", "drain", "cordon", "uncordon", "kill", "gateway restart", "postgres restart")
 
