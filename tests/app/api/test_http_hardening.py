@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from app.config import ConfigError, load_config
+from app.store import migrate
 from tests.app.conftest import add_fault
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess
@@ -112,13 +113,15 @@ def test_the_metrics_and_cors_settings_are_checked() -> None:
 
 
 def test_x_should_retry_false_only_where_a_retry_cannot_help(
-    database_url: str, sim_pair: list[WorkerProcess], gateway: RunningGateway
+    empty_database_url: str, sim_pair: list[WorkerProcess], gateway: RunningGateway
 ) -> None:
     with gateway.http() as http:
         assert http.post("/v1/chat/completions", json={**BODY, "temperature": -1}).headers["x-should-retry"] == "false"
         assert http.post("/v1/chat/completions", json={**BODY, "model": "nope"}).headers["x-should-retry"] == "false"
         assert http.get("/v1/nothing").headers["x-should-retry"] == "false"
-    with running_gateway(database_url, []) as empty, empty.http() as http:
+    # a database of its own: every gateway on one database shares its fleet (docs/design.md §16)
+    migrate.upgrade(empty_database_url)
+    with running_gateway(empty_database_url, []) as empty, empty.http() as http:
         unavailable = http.post("/v1/chat/completions", json=BODY)
     assert unavailable.status_code == 503 and "x-should-retry" not in unavailable.headers  # later it may work
 
