@@ -19,18 +19,17 @@ that names it, never dropped (docs/responses.md).
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.api.responses_input import chat_messages
-from app.api.schemas import as_refusal, parse_request
+from app.api.schemas import as_refusal, parse_translated_chat
 from app.config import Limits
 from app.contract.declared import BadInput, checked
 from app.contract.responses import NOT_SERVED, PASSED_AS_IS, ResponsesRequest, responses_model
-from app.driver.request import CHAT, GenerationRequest, ResponsesCall
+from app.driver.request import GenerationRequest, ResponsesCall
 
 # read here and turned into chat fields (app/contract/responses.py declares them)
 TRANSLATED = tuple(name for name in ResponsesRequest.model_fields if name not in PASSED_AS_IS)
@@ -106,18 +105,7 @@ def parse_responses_request(body: Any, limits: Limits, earlier: Sequence[dict[st
     carrying how it was made (``GenerationRequest.responses``). ``earlier``: the chat
     messages of the conversation before it (``previous_response_id``, app/api/responses_log.py)."""
     chat, params = chat_body_of(body, earlier, limits)
-    try:
-        generation = parse_request(CHAT, chat, limits)
-    except InvalidRequest as error:
-        if error.param is not None:
-            name = re.split(r"[.\[]", error.param, maxsplit=1)[0]
-            if name in CLIENT_NAMES:
-                error.message = error.message.replace(name, CLIENT_NAMES[name])
-                error.param = CLIENT_NAMES[name]
-            elif name in ("tools", "tool_choice"):  # this API's tools have no function object
-                error.message = error.message.replace(error.param, error.param.replace(".function", ""))
-                error.param = error.param.replace(".function", "")
-        raise
+    generation = parse_translated_chat(chat, limits, CLIENT_NAMES)
     made = ResponsesCall(
         body=body, echo=params.echoed(body), output_logprobs=params.output_logprobs, background=params.background
     )

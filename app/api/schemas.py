@@ -14,7 +14,8 @@ nothing a worker or engine would refuse with a 5xx (docs/design.md §13).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
@@ -25,6 +26,25 @@ from app.contract.logprobs import requested_logprobs
 from app.contract.request_fields import OWN, WHOLE_ONLY
 from app.contract.requests import PROMPT_FORMS, ChatCompletionRequest, CompletionRequest, request_models
 from app.driver.request import CHAT, GenerationRequest
+
+
+def parse_translated_chat(chat: dict[str, Any], limits: Limits, client_names: Mapping[str, str]) -> GenerationRequest:
+    """A chat completion translated from another API's body (Responses, Messages),
+    validated as chat; a refusal names the field as that API's client sent it
+    (``client_names``: the chat field's name to the client's), and a tool's path without
+    the chat API's ``function`` object, which those APIs' tools do not have."""
+    try:
+        return parse_request(CHAT, chat, limits)
+    except InvalidRequest as error:
+        if error.param is not None:
+            name = re.split(r"[.\[]", error.param, maxsplit=1)[0]
+            if name in client_names:
+                error.message = error.message.replace(name, client_names[name])
+                error.param = client_names[name]
+            elif name in ("tools", "tool_choice"):
+                error.message = error.message.replace(error.param, error.param.replace(".function", ""))
+                error.param = error.param.replace(".function", "")
+        raise
 
 
 def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest:

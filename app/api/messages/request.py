@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 from app.api.errors import InvalidRequest, UnsupportedParameter
-from app.api.schemas import as_refusal, parse_request
+from app.api.schemas import as_refusal, parse_translated_chat
 from app.config import Limits
 from app.contract.declared import checked
 from app.contract.messages import NOT_SERVED, PASSED_AS_IS, CountTokensRequest, MessagesRequest, messages_model
-from app.driver.request import CHAT, GenerationRequest, MessagesCall
+from app.driver.request import GenerationRequest, MessagesCall
 
 # a chat field a refusal names, as the client named it here
 CLIENT_NAMES = {"stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens"}
@@ -38,18 +37,7 @@ def parse_messages_request(body: Any, limits: Limits) -> GenerationRequest:
     """A Messages API body validated into the chat completion its attempts ask for,
     carrying how it was made (``GenerationRequest.anthropic``)."""
     chat = chat_body_of(body, limits)
-    try:
-        generation = parse_request(CHAT, chat, limits)
-    except InvalidRequest as error:
-        if error.param is not None:
-            name = re.split(r"[.\[]", error.param, maxsplit=1)[0]
-            if name in CLIENT_NAMES:
-                error.message = error.message.replace(name, CLIENT_NAMES[name])
-                error.param = CLIENT_NAMES[name]
-            elif name in ("tools", "tool_choice"):  # this API's tools have no function object
-                error.message = error.message.replace(error.param, error.param.replace(".function", ""))
-                error.param = error.param.replace(".function", "")
-        raise
+    generation = parse_translated_chat(chat, limits, CLIENT_NAMES)
     made = MessagesCall(body=body, stop_sequences=tuple(body.get("stop_sequences") or ()))
     return dataclasses.replace(generation, anthropic=made)
 
