@@ -37,7 +37,7 @@ from app.config import REPLICA_KINDS, ConfigError, ReplicaConfig, replica_entry
 from app.driver.context import GatewayContext
 from app.driver.fleet import FleetKeeper, declared_by_file
 from app.store.errors import InstanceFenced, StoreUnavailable
-from app.store.fleet_model import DECLARED_SOURCES, Member
+from app.store.fleet_model import DECLARED_SOURCES, Member, Written
 
 log = logging.getLogger("phasegate.admin")
 
@@ -134,15 +134,27 @@ class _FleetAdmin:
         )
         return await self._answer(replica.id, status=201)
 
-    async def cordon(self, request: Request) -> Response:
-        replica_id = self._replica_id(request)
-        drain_s = await self._drain(request)
-        written = await self.fleet.change(
+    async def _admin_change(
+        self, replica_id: str, event: str, reason: str, drain_s: float | None = None, leaving: bool = False
+    ) -> Written | None:
+        """A fleet event written by this API, as its actor, through this instance."""
+        return await self.fleet.change(
             replica_id,
-            "cordoned",
+            event,
             source="admin",
             actor=ACTOR,
             instance_id=self.ctx.gateway_id,
+            reason=reason,
+            drain_s=drain_s,
+            leaving=leaving,
+        )
+
+    async def cordon(self, request: Request) -> Response:
+        replica_id = self._replica_id(request)
+        drain_s = await self._drain(request)
+        written = await self._admin_change(
+            replica_id,
+            "cordoned",
             reason="cordoned by the admin API",
             drain_s=drain_s,
         )
@@ -155,12 +167,9 @@ class _FleetAdmin:
         member = await self._member(replica_id)
         if member.state != "cordoned":
             raise Conflict(f"replica {replica_id} is not cordoned", code="replica_not_cordoned")
-        written = await self.fleet.change(
+        written = await self._admin_change(
             replica_id,
             "uncordoned",
-            source="admin",
-            actor=ACTOR,
-            instance_id=self.ctx.gateway_id,
             reason="uncordoned by the admin API",
         )
         if written is None:
@@ -176,12 +185,9 @@ class _FleetAdmin:
                 f"replica {replica_id} is declared by the {member.source}: change the {member.source}, or cordon it",
                 code="replica_declared",
             )
-        written = await self.fleet.change(
+        written = await self._admin_change(
             replica_id,
             "cordoned",
-            source="admin",
-            actor=ACTOR,
-            instance_id=self.ctx.gateway_id,
             reason="removal asked: leaves once its attempts end",
             drain_s=drain_s,
             leaving=True,
