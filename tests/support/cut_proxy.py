@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import threading
 
+from tests.support.loops import end_leftovers
+
 
 class CutBeforeHeaders:
     """A TCP proxy in front of the gateway that breaks the first connection when the
@@ -35,7 +37,7 @@ class CutBeforeHeaders:
                 await self._server.wait_closed()
             for writer in self._writers:
                 writer.transport.abort()
-            await asyncio.sleep(0)
+            await end_leftovers()  # and a connection accepted as the server closed
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

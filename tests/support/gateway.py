@@ -31,6 +31,7 @@ from app.gateway import Gateway
 from app.http_server import server_config
 from ops.processes import listening_socket
 from statemachine.events import Event
+from tests.support.loops import end_leftovers
 
 T = TypeVar("T")
 
@@ -150,8 +151,8 @@ def running_gateway(
         # its loop closed here, not by the garbage collector in whichever test runs next,
         # where the ResourceWarning would fail that test
         thread.join(30)
-        loop.run_until_complete(_cancel_leftovers())
         loop.run_until_complete(asyncio.sleep(0.05))  # transports of a cancelled connect close
+        loop.run_until_complete(end_leftovers())
         loop.close()
         listener.close()
         raise RuntimeError("the gateway did not start") from holder["error"]
@@ -163,13 +164,6 @@ def running_gateway(
             client.close()
         holder["server"].should_exit = True
         thread.join(30)
-        loop.run_until_complete(_cancel_leftovers())  # e.g. sse-starlette's shutdown watcher
+        loop.run_until_complete(end_leftovers())  # e.g. sse-starlette's shutdown watcher
         loop.close()
         listener.close()
-
-
-async def _cancel_leftovers() -> None:
-    leftover = asyncio.all_tasks() - {asyncio.current_task()}
-    for task in leftover:
-        task.cancel()
-    await asyncio.gather(*leftover, return_exceptions=True)

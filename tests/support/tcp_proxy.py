@@ -13,6 +13,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from tests.support.loops import end_leftovers
+
 
 class TcpProxy:
     def __init__(self, target_host: str, target_port: int) -> None:
@@ -112,6 +114,7 @@ class TcpProxy:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await end_leftovers()  # a connection accepted as the server closed
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
