@@ -38,6 +38,12 @@ def delivered_tokens(database_url: str, request_id: str, events: list[ev.Event])
     return row_tokens
 
 
+def delivered_deltas(database_url: str, request_id: str) -> int:
+    """``requests.delivered_deltas`` (the request list's count): the most deltas any reader
+    was shown, live or by a read after the end (``StreamResumed``'s ``to_index``)."""
+    return int(read_model_row(database_url, request_id)["delivered_deltas"])
+
+
 def shown(response: Any) -> int:
     """The output tokens a client was shown: the usage of what it read (a token a delta here)."""
     return int(response.usage.output_tokens)
@@ -59,6 +65,7 @@ def test_a_poll_after_the_end_is_a_read_the_log_records(
     events = gateway.events(request_id)
     assert reads(events) == [(0, TOKENS)]  # what the poll showed: every delta
     assert delivered_tokens(database_url, request_id, events) == shown(polled) == TOKENS
+    assert delivered_deltas(database_url, request_id) == TOKENS  # a delta a token here, as shown
     assert_log_sound(events)
 
 
@@ -75,6 +82,7 @@ def test_a_stream_after_the_end_is_a_read_the_log_records(
     assert reads(events) == [(0, TOKENS)]
     sent = sum(1 for event in streamed if event.type == "response.output_text.delta")
     assert delivered_tokens(database_url, request_id, events) == sent == TOKENS
+    assert delivered_deltas(database_url, request_id) == sent
     assert_log_sound(events)
 
 
