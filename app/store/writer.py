@@ -91,8 +91,7 @@ class GroupCommitWriter:
         self._work = asyncio.Event()  # something is queued, or closing
         self._urgent = asyncio.Event()  # stop lingering: a durable append, a full batch, a flush
         self._room = asyncio.Event()  # the queue has room again
-        self._unheld = asyncio.Event()  # cleared by ``hold``: nothing is written until set
-        self._unheld.set()
+        self._held = False  # ``hold``: nothing is written until ``bind_instance``
         self._progress = asyncio.Event()  # a batch settled (flush() checks again)
         self._flushers = 0
         self._tickets = 0
@@ -121,17 +120,14 @@ class GroupCommitWriter:
 
     def bind_instance(self, instance: str | None) -> None:
         """Append for ``instance`` from the next batch on: PostgreSQL refuses the
-        appends while its lease is lapsed (``InstanceFenced``); ``None``: unguarded.
-        A held writer (:meth:`hold`) writes again."""
-        self._instance = instance
-        self._unheld.set()
+        appends while its lease is lapsed (``InstanceFenced``); ``None``: unguarded."""
+        self._instance, self._held = instance, False
+        self._work.set()  # a held writer writes what it kept, under ``instance`` now
 
     def hold(self) -> None:
-        """Write nothing until the next :meth:`bind_instance`: the instance lost its lease
-        and registers again. What is queued (acknowledged appends: deliveries its clients
-        got) is written then, under the new id, rather than refused under the old one;
-        each append's expected version still refuses it where someone else wrote since."""
-        self._unheld.clear()
+        """Write nothing until the next :meth:`bind_instance` (the instance lost its lease): what
+        is queued is written under the new id then; expected versions refuse what another wrote."""
+        self._held = True
 
     @property
     def available(self) -> bool:
@@ -214,7 +210,7 @@ class GroupCommitWriter:
         if self._closing:
             return
         self._closing = True
-        for event in (self._work, self._urgent, self._room, self._unheld):
+        for event in (self._work, self._urgent, self._room):
             event.set()
         try:
             if self._task is not None:
@@ -245,12 +241,9 @@ class GroupCommitWriter:
         batch: list[PendingAppend] = []
         try:
             while self._queue or not self._closing:
-                if not self._queue:
+                if not self._queue or (self._held and not self._closing):
                     self._work.clear()
                     await self._work.wait()
-                    continue
-                if not self._unheld.is_set():
-                    await self._unheld.wait()
                     continue
                 await self._linger()
                 batch = self._in_flight = self._take_batch()
