@@ -152,8 +152,9 @@ class RequestState:
     affinity_key: str | None = None
     attempts: tuple[AttemptState, ...] = ()
     first_delta_attempt: int | None = None
-    delivered_deltas: int = 0
-    delivered_output_tokens: int = 0
+    delivered_deltas: int = 0  # delivered live: where the log's produced tail starts
+    delivered_output_tokens: int = 0  # the most any reader was shown (StreamResumed's tokens too)
+    read_deltas: int = 0  # the most deltas a reader of the ended request was shown (StreamResumed)
     tool_calls: tuple[EmittedToolCall, ...] = ()
     client_gone: bool = False  # no client attached since ClientDisconnected (until ClientResumed)
     background: bool = False  # a background response: no grace runs out for want of a client (§15)

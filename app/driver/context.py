@@ -44,6 +44,13 @@ class LiveRequest(Protocol):
         """When the request was accepted, on the monotonic clock."""
         ...
 
+    @property
+    def told(self) -> tuple[str, str] | None:
+        """The final error (code, message) its client was told that the log could not take
+        then (its log was lost), while this process still has to close it; else ``None``.
+        A sweep of this process closes it with that code (app/driver/instance.py)."""
+        ...
+
     def interrupt(self, code: str, message: str, *, record: bool) -> None: ...
 
     def cancel_now(self) -> None: ...

@@ -173,6 +173,7 @@ class RequestDriver(RequestLoop):
         what the client saw happen; the attempt stops and, once the log is back, the
         request is ended there (in the background)."""
         self.recorder.seal(output_delivered=output_delivered)
+        self.told = (log_loss.EVENT_LOG_UNAVAILABLE, log_loss.MESSAGE)  # what the close records
         self.ctx.spawn(self._close_after_log_loss(), name=f"log lost {self.request_id}")
 
     async def _close_after_log_loss(self) -> None:

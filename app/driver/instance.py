@@ -10,11 +10,17 @@ judged on this process's own monotonic clock too: it is valid until the send tim
 of the last answered renewal plus the TTL, earlier than PostgreSQL's view, so the
 instance knows it is fenced before anyone may sweep it. Fenced, it refuses new
 requests, ends its streams with the final error ``gateway_lost`` (the code the
-sweeper records) and registers again under a new id. A sweeper runs every
-``sweep_interval_s``: it claims lapsed instances and closes their open requests
+sweeper records) and registers again under a new id, taking its old id over in the
+same transaction: its own sweep closes what the old id left open, each request with
+the final error its client was told (``event_log_unavailable`` for one whose log was
+lost, :meth:`LiveRequest.told`), which no other instance could know. A sweeper runs
+every ``sweep_interval_s``: it claims lapsed instances and closes their open requests
 from the log (``gateway_lost``), cancelling their attempts. It marks a lapsed
 instance swept only once none of its requests is left open; until then it goes
-back to it each sweep. ``drain`` is SIGTERM's path: refuse new requests, let open
+back to it each sweep. A sweep that found the log away holds the sweeps for one
+lease TTL: an instance cut off by the same outage has that long, once the log is
+back, to renew or register again and close its own requests as it told their clients.
+``drain`` is SIGTERM's path: refuse new requests, let open
 streams run up to ``drain_s``, then end them with ``gateway_draining``, recorded.
 Every ``maintain_interval_s`` (and once at start) it maintains the log's day
 partitions (:mod:`app.store.partitions`: ahead, retention); the instances take
@@ -34,6 +40,7 @@ from importlib import metadata
 from app.driver.context import GatewayContext
 from app.driver.recovery import close_from_log
 from app.store.database import asyncpg_dsn
+from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.lease import LeaseKeeper, Renewal
 from app.store.postgres import PostgresEventStore
@@ -79,6 +86,7 @@ class GatewayInstance:
         self._expiry: asyncio.TimerHandle | None = None
         self._fencing: asyncio.Task[None] | None = None
         self._unswept: set[str] = set()  # lapsed instances claimed with requests left open
+        self._sweeps_held_until = 0.0  # monotonic: after an outage, cut-off instances come back first
         self._keeper: LeaseKeeper | None = None
 
     @property
@@ -103,7 +111,7 @@ class GatewayInstance:
         if self.ctx.config.maintain_interval_s > 0:
             self._tasks.append(loop.create_task(self._maintenance(), name="partition maintenance"))
 
-    async def _register(self) -> None:
+    async def _register(self, taking_over: str | None = None) -> None:
         config = self.ctx.config
         instance_id = new_instance_id()
         info = InstanceInfo(
@@ -115,9 +123,11 @@ class GatewayInstance:
             address=self.address,
         )
         sent_at = self.ctx.clock()
-        await self.registry.register(info, self.ttl_s)
+        took_over = await self.registry.register(info, self.ttl_s, taking_over=taking_over)
         self.ctx.gateway_id = instance_id
-        self._unswept = set()  # claims of the old id: others take them over once it lapsed
+        # claims of the old id pass to others once it lapsed; the old id itself, taken over,
+        # is swept here (its requests closed as their clients were told)
+        self._unswept = {taking_over} if took_over and taking_over is not None else set()
         self.store.writer.bind_instance(instance_id)
         self._lease_until(sent_at + self.ttl_s)
         if self._keeper is not None:
@@ -166,14 +176,16 @@ class GatewayInstance:
         old = self.instance_id
         log.error("gateway instance %s is fenced: its lease lapsed; its streams end (%s)", old, GATEWAY_LOST)
         self.ctx.refusal = GATEWAY_LOST
-        self.store.writer.bind_instance(old)  # still the old one: PostgreSQL refuses what is left
+        # nothing more is written as the old id; what the store still holds (deliveries its
+        # clients got) is written once the new id is registered, which takes the old one over
+        self.store.writer.hold()
         for driver in list(self.ctx.drivers.values()):
             driver.interrupt(GATEWAY_LOST, LOST_MESSAGE, record=False)
         self.ctx.metrics.instances_fenced.inc()
         try:
             while True:
                 try:
-                    await self._register()
+                    await self._register(taking_over=old)
                     return
                 except Exception as exc:
                     log.warning("gateway instance: registering again failed: %r", exc)
@@ -188,8 +200,13 @@ class GatewayInstance:
             await asyncio.sleep(self.ctx.config.sweep_interval_s)
             if self.ctx.refusal is not None:
                 continue  # a fenced or draining instance takes nothing over
+            if self.ctx.clock() < self._sweeps_held_until:
+                continue
             try:
                 await self.sweep()
+            except StoreUnavailable as exc:
+                self._sweeps_held_until = self.ctx.clock() + self.ttl_s
+                log.warning("gateway instance %s: sweep failed: %r; sweeps wait one lease", self.instance_id, exc)
             except Exception as exc:
                 log.warning("gateway instance %s: sweep failed: %r", self.instance_id, exc)
 
@@ -222,8 +239,15 @@ class GatewayInstance:
         return closed
 
     async def _close(self, request_id: str) -> int:
+        """Close ``request_id`` from the log: with the final error this process told its
+        client, if it still holds the request (its log was lost), else ``gateway_lost``."""
+        driver = self.ctx.drivers.get(request_id)
+        told = driver.told if driver is not None else None
         try:
-            await close_from_log(self.ctx, request_id)
+            if told is not None:
+                await close_from_log(self.ctx, request_id, code=told[0], message=told[1])
+            else:
+                await close_from_log(self.ctx, request_id)
         except Exception:  # one broken request must not keep the others open
             log.exception("could not close request %s of a lapsed instance", request_id)
             return 0

@@ -77,6 +77,7 @@ class RequestLoop(LoopActions):
         self.charges = FailureCharges(ctx.pool, request_id)  # failures on their way to ejection counts
         self._restarted = False  # a retry opened: the consumer drops what it buffered
         self._interrupted: Interruption | None = None  # the gateway ends the request (drain, fenced)
+        self.told: tuple[str, str] | None = None  # a final error the log could not take when told
         self._pulling: asyncio.Task[Any] | None = None  # the task waiting for the next frame
         self._poked = False  # an event recorded from outside the loop wants a decision now
         self._disconnects = 0  # clients that left: a grace timer acts only for the latest

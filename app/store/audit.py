@@ -131,7 +131,7 @@ def _request_fields(state: RequestState, row: Any) -> list[tuple[str, Any, Any]]
         ("attempts", len(state.attempts), row.attempts),
         ("replicas_tried", list(state.replicas_tried), list(row.replicas_tried)),
         ("first_delta_attempt", state.first_delta_attempt, row.first_delta_attempt),
-        ("delivered_deltas", state.delivered_deltas, row.delivered_deltas),
+        ("delivered_deltas", max(state.delivered_deltas, state.read_deltas), row.delivered_deltas),
         ("delivered_output_tokens", state.delivered_output_tokens, row.delivered_output_tokens),
         ("tool_calls", len(state.tool_calls), row.tool_calls),
         ("client_disconnected", state.disconnects > 0, row.client_disconnected_at is not None),

@@ -4,8 +4,11 @@ Each ``phasegate serve`` process is one row of ``gateway_instances`` (migration
 0004) with a lease. Renewing returns how many instances are live, which the
 instances use to share the global retry budget. A live instance claims lapsed ones
 with ``FOR UPDATE SKIP LOCKED``, so each is taken over by one sweeper however many
-look at once; a claim whose sweeper itself lapsed may be taken again. The lease's
-clock is PostgreSQL's ``now()``: the appends that the lease guards are judged by it.
+look at once; a claim whose sweeper itself lapsed may be taken again. An instance
+that registers again under a new id (fenced: its lease lapsed) takes its old id over in
+the same transaction, unless a live sweeper already holds it: only that process knows
+what the old id's clients were told. The lease's clock is PostgreSQL's ``now()``: the
+appends that the lease guards are judged by it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ _CLAIM = text(
     RETURNING instance_id
     """
 )
+_TAKE_OVER = text(
+    """
+    UPDATE gateway_instances AS old SET swept_by = :sweeper, sweep_started_at = now()
+     WHERE old.instance_id = :old AND old.swept_at IS NULL AND old.released_at IS NULL
+       AND (old.swept_by IS NULL OR NOT EXISTS (
+            SELECT 1 FROM gateway_instances AS sweeper
+             WHERE sweeper.instance_id = old.swept_by AND sweeper.lease_expires_at > now()
+               AND sweeper.released_at IS NULL AND sweeper.swept_by IS NULL))
+    RETURNING instance_id
+    """
+)
 _SWEPT = text(
     "UPDATE gateway_instances SET swept_at = now(), requests_swept = :closed"
     " WHERE instance_id = :instance_id AND swept_by = :sweeper"
@@ -96,7 +110,10 @@ class InstanceRegistry:
     def __init__(self, store: PostgresEventStore) -> None:
         self._store = store
 
-    async def register(self, info: InstanceInfo, ttl_s: float) -> None:
+    async def register(self, info: InstanceInfo, ttl_s: float, *, taking_over: str | None = None) -> bool:
+        """Register ``info``; with ``taking_over`` (the id this process held before), claim
+        that one for the new id in the same transaction, lapsed or not (it writes nothing
+        more once claimed), unless a live sweeper holds it. Whether it was claimed."""
         async with self._store.writing() as connection:
             await connection.execute(
                 _REGISTER,
@@ -110,6 +127,10 @@ class InstanceRegistry:
                     "ttl_ms": round(ttl_s * 1000),
                 },
             )
+            if taking_over is None:
+                return False
+            rows = await connection.execute(_TAKE_OVER, {"old": taking_over, "sweeper": info.instance_id})
+            return bool(list(rows))
 
     async def release(self, instance_id: str) -> None:
         async with self._store.writing() as connection:

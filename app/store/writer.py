@@ -91,6 +91,7 @@ class GroupCommitWriter:
         self._work = asyncio.Event()  # something is queued, or closing
         self._urgent = asyncio.Event()  # stop lingering: a durable append, a full batch, a flush
         self._room = asyncio.Event()  # the queue has room again
+        self._held = False  # ``hold``: nothing is written until ``bind_instance``
         self._progress = asyncio.Event()  # a batch settled (flush() checks again)
         self._flushers = 0
         self._tickets = 0
@@ -120,7 +121,13 @@ class GroupCommitWriter:
     def bind_instance(self, instance: str | None) -> None:
         """Append for ``instance`` from the next batch on: PostgreSQL refuses the
         appends while its lease is lapsed (``InstanceFenced``); ``None``: unguarded."""
-        self._instance = instance
+        self._instance, self._held = instance, False
+        self._work.set()  # a held writer writes what it kept, under ``instance`` now
+
+    def hold(self) -> None:
+        """Write nothing until the next :meth:`bind_instance` (the instance lost its lease): what
+        is queued is written under the new id then; expected versions refuse what another wrote."""
+        self._held = True
 
     @property
     def available(self) -> bool:
@@ -234,7 +241,7 @@ class GroupCommitWriter:
         batch: list[PendingAppend] = []
         try:
             while self._queue or not self._closing:
-                if not self._queue:
+                if not self._queue or (self._held and not self._closing):
                     self._work.clear()
                     await self._work.wait()
                     continue

@@ -38,6 +38,12 @@ def delivered_tokens(database_url: str, request_id: str, events: list[ev.Event])
     return row_tokens
 
 
+def delivered_deltas(database_url: str, request_id: str) -> int:
+    """``requests.delivered_deltas`` (the request list's count): the most deltas any reader
+    was shown, live or by a read after the end (``StreamResumed``'s ``to_index``)."""
+    return int(read_model_row(database_url, request_id)["delivered_deltas"])
+
+
 def shown(response: Any) -> int:
     """The output tokens a client was shown: the usage of what it read (a token a delta here)."""
     return int(response.usage.output_tokens)
@@ -59,6 +65,7 @@ def test_a_poll_after_the_end_is_a_read_the_log_records(
     events = gateway.events(request_id)
     assert reads(events) == [(0, TOKENS)]  # what the poll showed: every delta
     assert delivered_tokens(database_url, request_id, events) == shown(polled) == TOKENS
+    assert delivered_deltas(database_url, request_id) == TOKENS  # a delta a token here, as shown
     assert_log_sound(events)
 
 
@@ -75,6 +82,7 @@ def test_a_stream_after_the_end_is_a_read_the_log_records(
     assert reads(events) == [(0, TOKENS)]
     sent = sum(1 for event in streamed if event.type == "response.output_text.delta")
     assert delivered_tokens(database_url, request_id, events) == sent == TOKENS
+    assert delivered_deltas(database_url, request_id) == sent
     assert_log_sound(events)
 
 
@@ -126,3 +134,27 @@ def test_a_stream_read_while_live_then_after_the_end(
     assert fold(events).delivered_deltas == TOKENS and reads(events) == []  # read live: delivered
     list(client.responses.retrieve(queued.id, stream=True))
     assert reads(gateway.events(request_id)) == [(0, TOKENS)]
+
+
+def test_a_poll_and_a_stream_of_one_ended_response_say_the_same(
+    gateway: RunningGateway, unique_prompt: Callable[[str], str]
+) -> None:
+    """For one log, a poll and a stream say the same response: the stream's last event is
+    ``response.completed`` whatever the status (as vLLM sends it; the SDK's stream helper
+    takes its final response from that event alone, docs/responses.md), and the response
+    it carries is the poll's, ``incomplete`` at ``max_output_tokens`` in both; read after
+    the end from the log, and read live."""
+    client = gateway.openai()
+    queued = client.responses.create(**asked(unique_prompt("polled and streamed after its end")), background=True)
+    ended(gateway, request_id_of(queued))
+    polled = client.responses.retrieve(queued.id)
+    streamed = list(client.responses.retrieve(queued.id, stream=True))
+    assert streamed[-1].type == "response.completed"
+    assert polled.status == streamed[-1].response.status == "incomplete"
+    assert polled.incomplete_details is not None and polled.incomplete_details.reason == "max_output_tokens"
+    assert streamed[-1].response.model_dump() == polled.model_dump()
+    assert client.responses.retrieve(queued.id).model_dump() == polled.model_dump()  # a second read: the same
+
+    live = list(client.responses.create(**asked(unique_prompt("streamed live, then polled")), stream=True))
+    assert live[-1].type == "response.completed" and live[-1].response.status == "incomplete"
+    assert client.responses.retrieve(live[-1].response.id).model_dump() == live[-1].response.model_dump()

@@ -112,3 +112,75 @@ async def test_a_sweep_that_left_a_request_open_goes_back_to_it(event_store: Pos
     assert fold(await event_store.read("req_reswept")).phase is Phase.TERMINATED
     rows = {row["instance_id"]: row for row in await InstanceRegistry(event_store).recent()}
     assert rows["gw_dead"]["swept_at"] is not None and rows["gw_dead"]["requests_swept"] == 1
+
+
+async def test_an_instance_that_registers_again_takes_its_old_id_over(event_store: PostgresEventStore) -> None:
+    """Fenced, an instance registers under a new id and claims its old one in the same
+    transaction: only that process knows what the old id's clients were told, so no other
+    instance sweeps it; a take-over a live sweeper already holds is left to that sweeper."""
+    registry = InstanceRegistry(event_store)
+    await registry.register(info("gw_old"), ttl_s=0.01)
+    await registry.register(info("gw_other"), ttl_s=30.0)
+    await asyncio.sleep(0.05)  # gw_old lapses
+    assert await registry.register(info("gw_new"), ttl_s=30.0, taking_over="gw_old") is True
+    assert await registry.claim_lapsed("gw_other") == []
+    rows = {row["instance_id"]: row for row in await registry.recent()}
+    assert rows["gw_old"]["swept_by"] == "gw_new" and not rows["gw_old"]["live"]
+
+    await registry.register(info("gw_gone"), ttl_s=0.01)
+    await asyncio.sleep(0.05)
+    assert await registry.claim_lapsed("gw_other") == ["gw_gone"]
+    assert await registry.register(info("gw_back"), ttl_s=30.0, taking_over="gw_gone") is False
+    rows = {row["instance_id"]: row for row in await registry.recent()}
+    assert rows["gw_gone"]["swept_by"] == "gw_other"
+
+
+@dataclasses.dataclass
+class ToldItsClient:
+    """What the sweep reads of a request this process still holds (a ``RequestDriver``
+    whose log was lost): the final error its client was told."""
+
+    request_id: str
+    told: tuple[str, str] | None
+
+
+async def test_a_sweep_closes_a_request_with_the_error_its_own_process_told(event_store: PostgresEventStore) -> None:
+    await open_request_of_lapsed_instance(event_store, "req_told")
+    context = sweeper_context(event_store, "gw_sweeper")
+    told = ("event_log_unavailable", "the request log became unavailable; the answer stops here")
+    context.drivers["req_told"] = ToldItsClient("req_told", told)  # type: ignore[assignment]
+    assert await GatewayInstance(context, event_store).sweep() == 1
+
+    (failed,) = [event for event in await event_store.read("req_told") if isinstance(event, ev.RequestFailed)]
+    assert (failed.code, failed.partial_output) == ("event_log_unavailable", False)
+
+
+async def test_sweeps_wait_one_lease_after_the_log_was_away(event_store: PostgresEventStore) -> None:
+    """A sweep that found the log away holds the sweeps for one lease TTL: an instance cut
+    off by the same outage comes back first and closes its own requests."""
+    await open_request_of_lapsed_instance(event_store, "req_held")
+    context = sweeper_context(event_store, "gw_sweeper")
+    ttl_s = 1.0
+    context.config = dataclasses.replace(context.config, instance_lease_ttl_s=ttl_s, sweep_interval_s=0.02)
+    sweeper = GatewayInstance(context, event_store)
+    claim = sweeper.registry.claim_lapsed
+    failed_at: list[float] = []
+
+    async def away_once(instance_id: str, limit: int = 8) -> list[str]:
+        if not failed_at:
+            failed_at.append(context.clock())
+            raise StoreUnavailable("PostgreSQL is unreachable (for this test)")
+        return await claim(instance_id, limit)
+
+    sweeper.registry.claim_lapsed = away_once  # type: ignore[method-assign]
+    sweeps = asyncio.get_running_loop().create_task(sweeper._sweeps())
+    try:
+        await asyncio.sleep(ttl_s / 2)
+        assert failed_at and fold(await event_store.read("req_held")).phase is not Phase.TERMINATED
+        while fold(await event_store.read("req_held")).phase is not Phase.TERMINATED:
+            assert context.clock() < failed_at[0] + ttl_s + 5, "the held sweeps never came back"
+            await asyncio.sleep(0.05)
+        assert context.clock() >= failed_at[0] + ttl_s
+    finally:
+        sweeps.cancel()
+        await asyncio.gather(sweeps, return_exceptions=True)

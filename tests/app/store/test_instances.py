@@ -91,3 +91,24 @@ async def test_a_claim_whose_sweeper_lapsed_is_taken_again(event_store: Postgres
     assert await registry.claim_lapsed("gw_next") == []  # its claim holds while it lives
     await asyncio.sleep(0.35)
     assert sorted(await registry.claim_lapsed("gw_next")) == ["gw_dead2", "gw_sweeper_dies"]
+
+
+async def test_a_held_writer_writes_what_it_kept_under_the_id_it_is_bound_to_next(
+    event_store: PostgresEventStore,
+) -> None:
+    """A fenced instance holds its writer: an acknowledged append (a delivery its client
+    got) is written neither under the lapsed id (refused) nor dropped, but once the
+    instance registered again, under the new id that took the old one over."""
+    registry = InstanceRegistry(event_store)
+    await registry.register(info("gw_before"), ttl_s=0.3)
+    event_store.writer.bind_instance("gw_before")
+    trace = traces.completed("req_kept")
+    await event_store.append("req_kept", 0, trace.events[:3])
+    event_store.writer.hold()
+    await event_store.append("req_kept", 3, trace.events[3:4], durable=False)  # acknowledged: kept
+    await asyncio.sleep(0.4)  # gw_before lapses; nothing was written meanwhile
+    assert await event_store.read("req_kept") == trace.events[:3]
+    assert await registry.register(info("gw_after"), ttl_s=30.0, taking_over="gw_before") is True
+    event_store.writer.bind_instance("gw_after")
+    await event_store.flush()
+    assert await event_store.read("req_kept") == trace.events[:4]

@@ -122,8 +122,8 @@ def test_phasegate_db_upgrade_and_check(
     assert cli.main(["db", "current"]) == 0
     assert cli.main(["db", "check"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "schema at revision 0015",
-        "0015",
+        "schema at revision 0016",
+        "0016",
         "0 disagreements between the read models and the log",
     ]
     assert cli.main(["db", "downgrade", "base"]) == 0
@@ -134,7 +134,7 @@ def test_the_alembic_command_line_uses_database_url(empty_database_url: str) -> 
     alembic = [sys.executable, "-m", "alembic", "-c", str(ROOT / "alembic.ini")]
     subprocess.run([*alembic, "upgrade", "head"], env=environment, check=True, capture_output=True, cwd=ROOT)
     current = subprocess.run([*alembic, "current"], env=environment, check=True, capture_output=True, cwd=ROOT)
-    assert "0015 (head)" in current.stdout.decode()
+    assert "0016 (head)" in current.stdout.decode()
 
 
 async def test_inputs_holding_nul_survive_a_downgrade_as_replacement_characters(database_url: str) -> None:
