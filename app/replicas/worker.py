@@ -19,6 +19,7 @@ import httpx
 from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, Token, UpstreamFailure
+from app.replicas.pooled import is_pooling
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
 from app.tracing import inject_traceparent
@@ -56,6 +57,8 @@ class WorkerReplica:
         )
 
     async def start(self, request: AttemptRequest) -> _WorkerStream:
+        if is_pooling(request.endpoint):  # not yet a kind of attempt of the worker protocol
+            raise UpstreamFailure(FailureKind.REJECTED, "a worker serves no pooling requests")
         try:
             stream = await self.client.start(
                 request_id=request.request_id,
