@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.contract.logprobs import TokenLogprob
-from app.replicas.base import PooledAnswer
+from app.replicas.base import PooledAnswer as PooledAnswer  # the answer a Finished carries, for the API
 from statemachine.actions import FailRequest
 from statemachine.deltas import CONTENT, Prompt
 

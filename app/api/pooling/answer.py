@@ -13,8 +13,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from app.driver.driver import RequestDriver
-from app.driver.outputs import Cancelled, Failed, Finished, Output
-from app.replicas.base import PooledAnswer
+from app.driver.outputs import Cancelled, Failed, Finished, Output, PooledAnswer
 
 
 class PooledResponse(JSONResponse):
