@@ -57,8 +57,8 @@ class WorkerReplica:
         )
 
     async def start(self, request: AttemptRequest) -> _WorkerStream:
-        if is_pooling(request.endpoint):  # not yet a kind of attempt of the worker protocol
-            raise UpstreamFailure(FailureKind.REJECTED, "a worker serves no pooling requests")
+        pooling = request.endpoint if is_pooling(request.endpoint) else None
+        apart = _SENT_APART if pooling is None else frozenset()  # a pooling request's messages are its input
         try:
             stream = await self.client.start(
                 request_id=request.request_id,
@@ -69,7 +69,8 @@ class WorkerReplica:
                 messages=request.messages,
                 prompt=request.prompt,
                 params=request.sampling,
-                vllm={name: value for name, value in request.passed.items() if name not in _SENT_APART},
+                vllm={name: value for name, value in request.passed.items() if name not in apart},
+                pooling=pooling,
             )
         except RequestRefused:
             raise

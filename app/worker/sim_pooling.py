@@ -195,3 +195,13 @@ def _cohere(body: dict[str, Any], model: str, request_id: str) -> tuple[Any, dic
         "meta": meta,
         "response_type": "embeddings_by_type",
     }, {}
+
+
+def prompt_tokens(value: Any, headers: dict[str, str]) -> int:
+    """The prompt tokens an answer states (its ``usage``, Cohere's ``billed_units``, or a
+    bytes answer's ``metadata``; 0 for ``bytes_only``, which states none)."""
+    said = json.loads(headers["metadata"]) if isinstance(value, bytes) and "metadata" in headers else value
+    if not isinstance(said, dict):
+        return 0
+    usage = said.get("usage") or {"prompt_tokens": said.get("meta", {}).get("billed_units", {}).get("input_tokens")}
+    return int(usage.get("prompt_tokens") or 0)
