@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from app.cli import main as cli_main
 from app.config import ReplicaConfig
 from app.worker import sim_pooling
 from statemachine import events as ev
@@ -23,6 +24,7 @@ from statemachine.jsonform import to_json
 from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
+from tests.support.audit import fetch_sql
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.scripted_upstream import ScriptedUpstream, running_scripted_upstream
 
@@ -213,3 +215,26 @@ def test_langchains_openai_embeddings_through_the_gateway(gateway: RunningGatewa
         sim_pooling.vector(MODEL, "second"),
     ]
     assert embeddings.embed_query("a query") == sim_pooling.vector(MODEL, "a query")
+
+
+ADMIN_TOKEN = "pooling-admin-token"
+
+
+def test_the_request_list_the_timeline_the_read_model_and_replay_know_a_pooling_request(
+    database_url: str, upstreams: tuple[ScriptedUpstream, ScriptedUpstream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replicas = [ReplicaConfig(id=f"u{i}", url=u.base_url, kind="openai") for i, u in enumerate(upstreams, 1)]
+    with running_gateway(database_url, replicas, admin_token=ADMIN_TOKEN) as gateway:
+        answered = post(gateway, "/v2/rerank", {"model": MODEL, "query": "q", "documents": ["a", "b"]})
+        request_id = answered.headers["x-request-id"]
+        logged(gateway, request_id)
+        with gateway.http(headers={"authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+            listing = http.get("/ui/requests")
+            timeline = http.get(f"/ui/requests/{request_id}")
+    assert listing.status_code == 200 and f'data-request="{request_id}"' in listing.text
+    assert timeline.status_code == 200 and request_id in timeline.text
+    (row,) = fetch_sql(database_url, "SELECT * FROM requests WHERE request_id = :id", id=request_id)
+    # its prompt tokens there are the accept's estimate (three characters: one token)
+    assert (row["endpoint"], row["outcome"], row["attempts"], row["prompt_tokens"]) == ("/v2/rerank", "completed", 1, 1)
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    assert cli_main(["replay", "-q", request_id]) == 0
