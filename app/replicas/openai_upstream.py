@@ -166,10 +166,13 @@ class OpenAIUpstream:
         return None  # closing the stream is the only cancel; it is never acknowledged
 
     async def health(self) -> ProbeAnswer:
-        """A real 1-token generation."""
+        """A real 1-token generation; a server that serves no generation (a pooling model's
+        ``vllm serve``: no ``/v1/completions``, 404) answers its ``/health`` instead."""
         body = {"model": self.health_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
             response = await self._client.post("/v1/completions", json=body, timeout=self.response_timeout_s)
+            if response.status_code == 404:
+                response = await self._client.get("/health", timeout=self.response_timeout_s)
         except httpx.TimeoutException:
             return ProbeAnswer.SILENT
         except httpx.HTTPError:
