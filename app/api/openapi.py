@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from app.api.messages.openapi import SCHEMAS as MESSAGES_SCHEMAS
 from app.api.messages.openapi import messages_paths
 from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
@@ -159,13 +161,14 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
 
     limits = config.limits
     schemas: dict[str, Any] = {}
-    for declared in (
+    declared_models: list[type[BaseModel]] = [
         *request_models(limits.max_tokens, limits.max_n),
         responses_model(limits.max_tokens, limits.max_n),
         messages_model(limits.max_tokens, limits.max_n),
         CountTokensRequest,
         *POOLING_MODELS,
-    ):
+    ]
+    for declared in declared_models:
         schema = declared.model_json_schema(ref_template=_REF + "{model}")
         for name, part in schema.pop("$defs", {}).items():
             assert schemas.setdefault(name, part) == part, f"two request models declare {name} apart"
