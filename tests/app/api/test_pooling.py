@@ -238,3 +238,20 @@ def test_the_request_list_the_timeline_the_read_model_and_replay_know_a_pooling_
     assert (row["endpoint"], row["outcome"], row["attempts"], row["prompt_tokens"]) == ("/v2/rerank", "completed", 1, 1)
     monkeypatch.setenv("DATABASE_URL", database_url)
     assert cli_main(["replay", "-q", request_id]) == 0
+
+
+@pytest.mark.parametrize("policy", ["full", "digest"])
+def test_a_pooling_requests_input_is_kept_under_the_content_policy(
+    database_url: str, upstreams: tuple[ScriptedUpstream, ScriptedUpstream], policy: str
+) -> None:
+    replicas = [ReplicaConfig(id=f"u{i}", url=u.base_url, kind="openai") for i, u in enumerate(upstreams, 1)]
+    body = {"model": MODEL, "input": ["a private text"]}
+    with running_gateway(database_url, replicas, content_policy=policy) as gateway:
+        request_id = post(gateway, "/v1/embeddings", body).headers["x-request-id"]
+        logged(gateway, request_id)
+        kept = gateway.call(gateway.gateway.ctx.store.read_input(request_id))
+    assert kept is not None
+    if policy == "full":
+        assert kept.body == body
+    else:
+        assert "private" not in json.dumps(kept.body) and set(kept.body) == {"sha256"}
