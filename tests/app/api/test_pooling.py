@@ -255,3 +255,12 @@ def test_a_pooling_requests_input_is_kept_under_the_content_policy(
         assert kept.body == body
     else:
         assert "private" not in json.dumps(kept.body) and set(kept.body) == {"sha256"}
+
+
+def test_a_pooling_request_has_no_stream_to_resume(gateway: RunningGateway) -> None:
+    request_id = post(gateway, "/v1/embeddings", {"input": "a"}).headers["x-request-id"]
+    logged(gateway, request_id)
+    with gateway.http() as http:
+        resumed = http.get(f"/v1/requests/{request_id}/stream")
+    assert resumed.status_code == 409 and resumed.json()["error"]["code"] == "resume_unavailable"
+    assert "pooling request" in resumed.json()["error"]["message"]
