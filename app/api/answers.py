@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.api.errors import failure_body, retry_headers
 from app.api.json_answer import JSONAnswer
+from app.api.pooling.answer import pooled_answer
 from app.api.responses_shape import Shape, shape_for
 from app.api.sse import ChoiceAnswer
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
@@ -37,6 +38,8 @@ T = TypeVar("T")
 
 
 async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:
+    if driver.request.pooling is not None:  # no deltas: the replica's answer, whole
+        return await pooled_answer(driver, output)
     deltas: dict[int, list[Delta]] = {}
     while not isinstance(output, Finished):
         if isinstance(output, Failed | Cancelled):

@@ -38,6 +38,8 @@ def check_resumable(events: list[ev.Event], *, responses: bool = False) -> None:
     """The log holds the text a stream is resumed from (409 ``resume_unavailable`` if not);
     a response's stream is read again as a response (``responses``), never as a chat's."""
     accepted = events[0]
+    if isinstance(accepted, ev.RequestAccepted) and accepted.endpoint.startswith("/"):  # docs/design.md §17
+        raise ResumeUnavailable(f"a pooling request ({accepted.endpoint}) has no stream, and its answer is not stored")
     if isinstance(accepted, ev.RequestAccepted) and (accepted.endpoint == RESPONSES) != responses:
         raise ResumeUnavailable(
             "not a response" if responses else "a response's stream is read with GET /v1/responses/{id}?stream=true"

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from app.api.messages.openapi import SCHEMAS as MESSAGES_SCHEMAS
 from app.api.messages.openapi import messages_paths
 from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
 from app.api.openapi_responses import responses_paths
+from app.api.pooling.openapi import SCHEMAS as POOLING_SCHEMAS
+from app.api.pooling.openapi import pooling_paths
 from app.config import GatewayConfig
 from app.contract.messages import CountTokensRequest, messages_model
+from app.contract.pooling import MODELS as POOLING_MODELS
 from app.contract.requests import request_models
 from app.contract.responses import responses_model
 
@@ -156,14 +161,16 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
 
     limits = config.limits
     schemas: dict[str, Any] = {}
-    for declared in (
+    declared_models: list[type[BaseModel]] = [
         *request_models(limits.max_tokens, limits.max_n),
         responses_model(limits.max_tokens, limits.max_n),
         messages_model(limits.max_tokens, limits.max_n),
         CountTokensRequest,
-    ):
+        *POOLING_MODELS,
+    ]
+    for declared in declared_models:
         schema = declared.model_json_schema(ref_template=_REF + "{model}")
-        for name, part in schema.pop("$defs").items():
+        for name, part in schema.pop("$defs", {}).items():
             assert schemas.setdefault(name, part) == part, f"two request models declare {name} apart"
         served: dict[str, Any] = (
             {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
@@ -182,6 +189,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
             "/v1/completions": {"post": _generation("createCompletion", "Completion", security)},
             **responses_paths(_generation("createResponse", "Response", security), security),
             **messages_paths(security),
+            **pooling_paths(security),
             "/v1/models": {
                 "get": {
                     "operationId": "listModels",
@@ -206,6 +214,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
                 "Error": _ERROR,
                 **RESPONSES_SCHEMAS,
                 **MESSAGES_SCHEMAS,  # (named apart from the request models' parts above)
+                **POOLING_SCHEMAS,
             },
         },
     }

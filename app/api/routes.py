@@ -56,6 +56,7 @@ from app.api.errors import (
 from app.api.limits import TenantLimiter
 from app.api.messages.routes import messages_routes
 from app.api.openapi import openapi_document
+from app.api.pooling.routes import pooling_routes
 from app.api.request_ids import new_request_id
 from app.api.responses_log import earlier_turns
 from app.api.responses_request import parse_responses_request
@@ -107,6 +108,7 @@ def build_app(ctx: GatewayContext, *, extra_routes: Sequence[BaseRoute] = (), **
         *cancel_routes(ctx, authenticator),
         *responses_routes(ctx, authenticator),
         *messages_routes(ctx, authenticator, api._generate),
+        *pooling_routes(api._generate),
         *utility_routes(ctx, authenticator),
         *extra_routes,  # the fleet's admin routes (app/api/fleet_admin.py)
         *unserved_routes(),

@@ -19,8 +19,10 @@ from typing import Any
 # 3: a choice's tool calls are streamed in pieces (token frames under ``tool_calls``);
 # 4: a choice's first token frame says what vLLM's server says of the prompt, where asked;
 # 5: a token named by its id (return_tokens_as_token_ids) carries its text in its logprobs;
-# 6: a renewal names its number and the last one answered (RENEWAL_SLACK)
-VERSION = 6
+# 6: a renewal names its number and the last one answered (RENEWAL_SLACK);
+# 7: a pooling request is an attempt of its own kind (``pooling``: its route), answered by
+#    one done frame carrying the answer (docs/design.md §17)
+VERSION = 7
 HEADER = "x-phasegate-protocol"
 
 # How far past the TTL of the last renewal the gateway got an answer to (or of the start) a

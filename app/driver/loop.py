@@ -174,6 +174,7 @@ class RequestLoop(LoopActions):
                     self.tool_calls.by_choice,
                     tuple(frame.stop_reasons),
                     frame.usage_details,
+                    frame.answer,
                 )
                 return
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.contract.logprobs import TokenLogprob
+from app.replicas.base import PooledAnswer as PooledAnswer  # the answer a Finished carries, for the API
 from statemachine.actions import FailRequest
 from statemachine.deltas import CONTENT, Prompt
 
@@ -38,6 +39,7 @@ class Finished:
     tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     stop_reasons: tuple[str | int | None, ...] = ()  # per choice, as the replica said
     usage_details: dict[str, Any] | None = None  # the usage's other fields (prompt_tokens_details, …)
+    answer: PooledAnswer | None = None  # a pooling request's whole answer (docs/design.md §17)
 
     @property
     def full_usage(self) -> dict[str, Any]:

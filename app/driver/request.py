@@ -44,6 +44,14 @@ class MessagesCall:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingCall:
+    """A pooling request (docs/design.md §17): no decode, one whole answer. Its ``endpoint``
+    is the route's path, on which each attempt asks its replica; ``raw`` is its body."""
+
+    prompt_tokens: int  # exact for token ids, else estimated as a completion's prompt is
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A request as the client made it. A sampling field the client did not give is
     ``None``: the replica's own default applies (the model's generation config, for vLLM)."""
@@ -81,6 +89,8 @@ class GenerationRequest:
     responses: ResponsesCall | None = field(default=None, compare=False, repr=False)
     # an Anthropic Messages API request (app/api/messages/request.py): the same, in that API's words
     anthropic: MessagesCall | None = field(default=None, compare=False, repr=False)
+    # a pooling request (app/api/pooling/request.py): its endpoint is its route's path
+    pooling: PoolingCall | None = field(default=None, compare=False, repr=False)
 
     @property
     def logged_endpoint(self) -> str:
@@ -139,6 +149,8 @@ class GenerationRequest:
     def estimated_prompt_tokens(self) -> int:
         """Exact for token ids; else a tokenizer-free estimate (about four characters a
         token) for the cost guard."""
+        if self.pooling is not None:
+            return self.pooling.prompt_tokens
         prompt = self.raw.get("prompt") if self.messages is None else None
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             return sum(len(ids) for ids in prompt) if isinstance(prompt[0], list) else len(prompt)

@@ -17,6 +17,7 @@ read, in order.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 from collections import deque
@@ -25,8 +26,9 @@ from typing import Any
 
 import httpx
 
+from app.contract import json_depth as deep_json
 from app.contract.logprobs import from_wire
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, tool_call_piece_problem, usage_of
+from app.replicas.base import Done, Frame, Heartbeat, PooledAnswer, Token, ToolCall, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -163,7 +165,8 @@ class AttemptFrames:
                 stops = obj.get("stop_reasons", [])
                 if not isinstance(stops, list) or any(s is not None and type(s) not in (str, int) for s in stops):
                     raise ValueError(f"stop reasons that are not strings or token ids: {stops!r}")
-                frame = Done(obj["finish_reason"], obj["finish_reasons"], usage, stops, usage_details=details)
+                answer = _answer(obj["answer"]) if "answer" in obj else None  # a pooling request's
+                frame = Done(obj["finish_reason"], obj["finish_reasons"], usage, stops, details, answer)
                 if not FINISH_REASONS.issuperset((frame.finish_reason, *frame.finish_reasons)):
                     raise ValueError(f"unknown finish reason in {frame.finish_reasons!r}")
                 self.done = True
@@ -183,6 +186,17 @@ class AttemptFrames:
         if code == "replica_exiting":
             raise ReplicaExiting(message, code=code)
         raise AttemptEnded(message, code=code, generated_tokens=generated)
+
+
+def _answer(said: Any) -> PooledAnswer:
+    """A done frame's pooling answer: its JSON value (``json``) or bytes (``bytes``, base64),
+    with its headers (docs/worker-protocol.md)."""
+    headers = said["headers"]
+    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+        raise ValueError(f"an answer's headers that are not strings: {headers!r:.200}")
+    if "bytes" in said:
+        return PooledAnswer(base64.b64decode(said["bytes"], validate=True), "application/octet-stream", headers)
+    return PooledAnswer(deep_json.dumps(said["json"]).encode(), "application/json", headers)
 
 
 def _prompt(obj: dict[str, Any]) -> Prompt | None:

@@ -94,6 +94,17 @@ class ToolCall:
     streamed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PooledAnswer:
+    """A pooling request's whole answer, as the replica gave it (docs/design.md §17): its
+    body (JSON, or vLLM's bytes for ``encoding_format: bytes``), its media type, and the
+    headers that belong to it (vLLM's ``metadata`` of a bytes answer)."""
+
+    body: bytes
+    media_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class Done:
     finish_reason: str
@@ -101,6 +112,7 @@ class Done:
     usage: dict[str, int] = field(default_factory=dict)
     stop_reasons: list[str | int | None] = field(default_factory=list)  # per choice, as the replica said
     usage_details: dict[str, Any] | None = None  # the usage's other fields, as received
+    answer: PooledAnswer | None = None  # a pooling request's: the whole answer, no tokens before it
 
 
 Frame = Heartbeat | Token | ToolCall | Done
@@ -147,7 +159,7 @@ class AttemptRequest:
     attempt: int
     lease_epoch: int
     lease_ttl_s: float
-    endpoint: str  # "chat.completions" or "completions"
+    endpoint: str  # "chat.completions", "completions", or a pooling route's path ("/v1/embeddings" …)
     model: str
     messages: tuple[dict[str, Any], ...] | None
     prompt: Any  # a completion's prompt as the client gave it: a string, token ids, a batch

@@ -36,6 +36,7 @@ from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, UpstreamFail
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
+from app.replicas.pooled import PooledStream, is_pooling
 from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
 from app.tracing import inject_traceparent, trace_headers
 from statemachine.events import FailureKind
@@ -82,7 +83,9 @@ class OpenAIUpstream:
         fixed = {**self._client.headers, "accept-encoding": "identity", "content-type": "application/json"}
         self._header_lines = b"".join(header_line(name, value) for name, value in fixed.items() if name != "host")
 
-    async def start(self, request: AttemptRequest) -> OpenAIStream:
+    async def start(self, request: AttemptRequest) -> OpenAIStream | PooledStream:
+        if is_pooling(request.endpoint):
+            return await self._pool(request)
         chat = request.endpoint == "chat.completions"
         content = _request_body(request, chat)
         # vLLM names its own request after this header: its logs then say which attempt it is
@@ -122,6 +125,33 @@ class OpenAIUpstream:
         echo = chat_echo(request.passed) if chat else ""
         return OpenAIStream(body, choices=request.choices, echo=echo)
 
+    async def _pool(self, request: AttemptRequest) -> PooledStream:
+        """A pooling request, on its route's path (docs/design.md §17): the client's body
+        with the attempt's model; its answer is read whole by the stream."""
+        content = json_body({**request.passed, "model": request.model})
+        headers = {"x-request-id": f"{request.request_id}.{request.attempt}", "content-type": "application/json"}
+        try:
+            async with asyncio.timeout(self.response_timeout_s):
+                sent = self._client.build_request("POST", request.endpoint, content=content, headers=headers)
+                response = await self._client.send(sent, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
+        except TimeoutError:
+            raise UpstreamFailure(
+                FailureKind.LIVENESS_UNCERTAIN, f"no response within {self.response_timeout_s:g}s"
+            ) from None
+        except httpx.TransportError as exc:
+            raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"connection failed: {exc!r}") from None
+        if response.status_code != 200:
+            try:
+                whole = await response.aread()
+            except httpx.HTTPError:
+                whole = b""
+            finally:
+                await response.aclose()
+            raise _refusal(response.status_code, response.reason_phrase, response.headers.get("retry-after"), whole)
+        return PooledStream(response)
+
     async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, BodyReads]:
         headers = {"x-request-id": request_name, "content-type": "application/json"}
         url = self._chat_url if chat else self._completions_url
@@ -136,10 +166,13 @@ class OpenAIUpstream:
         return None  # closing the stream is the only cancel; it is never acknowledged
 
     async def health(self) -> ProbeAnswer:
-        """A real 1-token generation."""
+        """A real 1-token generation; a server that serves no generation (a pooling model's
+        ``vllm serve``: no ``/v1/completions``, 404) answers its ``/health`` instead."""
         body = {"model": self.health_model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
         try:
             response = await self._client.post("/v1/completions", json=body, timeout=self.response_timeout_s)
+            if response.status_code == 404:
+                response = await self._client.get("/health", timeout=self.response_timeout_s)
         except httpx.TimeoutException:
             return ProbeAnswer.SILENT
         except httpx.HTTPError:

@@ -19,6 +19,7 @@ import httpx
 from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, Token, UpstreamFailure
+from app.replicas.pooled import is_pooling
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
 from app.tracing import inject_traceparent
@@ -56,6 +57,8 @@ class WorkerReplica:
         )
 
     async def start(self, request: AttemptRequest) -> _WorkerStream:
+        pooling = request.endpoint if is_pooling(request.endpoint) else None
+        apart = _SENT_APART if pooling is None else frozenset()  # a pooling request's messages are its input
         try:
             stream = await self.client.start(
                 request_id=request.request_id,
@@ -66,7 +69,8 @@ class WorkerReplica:
                 messages=request.messages,
                 prompt=request.prompt,
                 params=request.sampling,
-                vllm={name: value for name, value in request.passed.items() if name not in _SENT_APART},
+                vllm={name: value for name, value in request.passed.items() if name not in apart},
+                pooling=pooling,
             )
         except RequestRefused:
             raise

@@ -143,6 +143,7 @@ class WorkerClient:
         vllm: Mapping[str, Any] | None = None,
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
+        pooling: str | None = None,
     ) -> AttemptFrames:
         """Start an attempt; return its frames once the worker accepted it.
 
@@ -152,7 +153,8 @@ class WorkerClient:
         own ``read_timeout`` when not given, and no bound here where that is ``None``
         (a caller that times its reads itself, as the gateway's stall timer does).
         ``params`` are the sampling fields every engine reads; ``vllm`` the client's fields
-        as vLLM's server takes them, for a vLLM engine (docs/worker-protocol.md).
+        as vLLM's server takes them, for a vLLM engine (docs/worker-protocol.md); ``pooling``
+        a pooling request's route, its input in ``vllm`` (docs/design.md §17).
         """
         body: dict[str, Any] = {
             "request_id": request_id,
@@ -169,6 +171,8 @@ class WorkerClient:
             body["params"] = dict(params)
         if vllm is not None:
             body["vllm"] = dict(vllm)
+        if pooling is not None:
+            body["pooling"] = pooling
         if heartbeat_s is not None:
             body["heartbeat_ms"] = round(heartbeat_s * 1000)
         return await self._starts.start(body, self.read_timeout if read_timeout is None else read_timeout)

@@ -37,6 +37,7 @@ class EngineOutput:
     finish, the stop string or token id that ended the choice, as vLLM says it."""
 
     __slots__ = (
+        "answer",
         "choice",
         "finish_reason",
         "key",
@@ -70,6 +71,17 @@ class EngineOutput:
         # with a choice's first delta, what vLLM's server says of the prompt there, where asked
         # (its token ids, its rendered text: app/worker/vllm_requests.py)
         self.prompt: tuple[list[int] | None, str | None] | None = None
+        # a pooling request's whole answer, with its finish (docs/design.md §17)
+        self.answer: PooledOutput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PooledOutput:
+    """A pooling request's answer as vLLM's server gives it: a JSON value, or the bytes of
+    an embedding's ``bytes`` formats, and the headers that go with it (``metadata``)."""
+
+    value: Any
+    headers: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)

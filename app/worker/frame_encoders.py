@@ -6,10 +6,12 @@ its two free-form parts, not from a dict.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from app.worker.engine import PooledOutput
 from app.worker.protocol import Code
 
 _dumps = json.dumps
@@ -68,14 +70,23 @@ def tool_call_frame(
 
 
 def done_frame(
-    finish_reasons: list[str], usage: Mapping[str, Any], stop_reasons: Sequence[str | int | None] = ()
+    finish_reasons: list[str],
+    usage: Mapping[str, Any],
+    stop_reasons: Sequence[str | int | None] = (),
+    answer: PooledOutput | None = None,
 ) -> bytes:
+    """The done frame; a pooling request's carries its answer (``answer``: ``json``, its
+    JSON value, or ``bytes``, base64; with its ``headers``)."""
     frame: dict[str, Any] = {
         "type": "done",
         "finish_reason": finish_reasons[0],
         "finish_reasons": finish_reasons,
         "usage": dict(usage),
     }
+    if answer is not None:
+        value = answer.value
+        said = {"bytes": base64.b64encode(value).decode()} if isinstance(value, bytes) else {"json": value}
+        frame["answer"] = said | {"headers": answer.headers}
     if any(stop is not None for stop in stop_reasons):  # the stop string or token id, per choice
         frame["stop_reasons"] = list(stop_reasons)
     return _dumps(frame).encode() + b"\n"

@@ -180,6 +180,7 @@ async def _decode(
     stats = worker.stats
     monotonic = time.monotonic
     until_yield = _YIELD_EVERY
+    answer = output.answer  # a pooling request's: its one output carries it
     while True:
         until_yield -= 1
         if not until_yield:
@@ -281,4 +282,4 @@ async def _decode(
         "total_tokens": attempt.prepared.prompt_tokens + attempt.generated_tokens,
     }
     details = attempt.prepared.usage_details() if attempt.prepared.usage_details is not None else None
-    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})}, stop_reasons)
+    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})}, stop_reasons, answer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 from app.contract.declared import BadInput
 from app.contract.engine_inputs import check_message, check_response_format, check_tool_choice, check_tools
 from app.contract.logprobs import requested_logprobs
+from app.contract.pooling import ROUTES as POOLING_ROUTES
 from app.contract.vllm_extras import SAMPLING_EXTRAS, check_sampling_extras, check_structured_outputs
 
 
@@ -109,6 +111,7 @@ SAMPLING_FIELDS = frozenset(
 )
 START_FIELDS = frozenset(
     {
+        "pooling",
         "request_id",
         "attempt",
         "lease_epoch",
@@ -171,6 +174,9 @@ class AttemptSpec:
     # a completion's batch of prompts, ``prompt`` the first (empty: one prompt); prompt k's
     # choices are k·n … k·n + n − 1, as vLLM's server numbers them
     batch: tuple[str | tuple[int, ...], ...] = ()
+    # a pooling request's route (docs/design.md §17): its input is in ``fields``, its answer
+    # one done frame; None for a generation
+    pooling: str | None = None
 
     @property
     def choices(self) -> int:
@@ -183,7 +189,8 @@ class AttemptSpec:
             return " ".join(map(str, self.prompt))
         if self.prompt is not None:
             return self.prompt
-        assert self.messages is not None
+        if self.messages is None:  # a pooling request's input, as the client gave it
+            return json.dumps(self.fields, sort_keys=True)
         return "\n".join(f"{m['role']}: {_content_text(m.get('content'))}" for m in self.messages)
 
 
@@ -248,10 +255,17 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
     fields = body.get("vllm")
     if fields is not None and not isinstance(fields, dict):
         raise invalid("vllm", "must be an object")
-    if messages is None and prompt is None and fields and fields.get("prompt_embeds") is not None:
+    pooling = body.get("pooling")
+    if pooling is not None and pooling not in POOLING_ROUTES:
+        raise invalid("pooling", f"must be one of {', '.join(POOLING_ROUTES)}")
+    if pooling is not None and (messages is not None or prompt is not None):
+        raise invalid("pooling", "a pooling request's input is in vllm, not in messages or prompt")
+    if pooling is not None:
+        messages, prompt = None, None
+    elif messages is None and prompt is None and fields and fields.get("prompt_embeds") is not None:
         why = "prompt_embeds: the worker takes a prompt as text or token ids, not as embeddings"
         raise Refusal(400, Code.UNSUPPORTED_FIELD, why, field="prompt_embeds")
-    if messages is None and prompt is None:
+    if messages is None and prompt is None and pooling is None:
         raise Refusal(400, Code.MISSING_FIELD, "one of messages or prompt is required", field="messages")
     if messages is not None and prompt is not None:
         raise invalid("prompt", "give messages or prompt, not both")
@@ -274,6 +288,7 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         heartbeat_s=heartbeat_s,
         fields=params if fields is None else fields,
         batch=batch if len(batch) > 1 else (),
+        pooling=pooling,
     )
 
 

@@ -24,12 +24,14 @@ import dataclasses
 import hashlib
 import json
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from app.contract import json_depth as deep_json
-from app.worker.engine import EngineFailed, EngineOutput, Prepared, ToolCallOutput, prompt_too_long
+from app.worker import sim_pooling
+from app.worker.engine import EngineFailed, EngineOutput, PooledOutput, Prepared, ToolCallOutput, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
 
 _CONSONANTS = "bdfgklmnprstvz"
@@ -106,6 +108,8 @@ class SimEngine:
             await self.abort(rid)
 
     def prepare(self, spec: AttemptSpec) -> Prepared:
+        if spec.pooling is not None:
+            return _pooled(spec)
         # each prompt of a batch on its own (its text and tokens), as one prompt is
         texts = [render_prompt(dataclasses.replace(spec, prompt=p)) for p in spec.batch] or [render_prompt(spec)]
         prompts = [(text, max(1, len(text.split()))) for text in texts]
@@ -167,6 +171,12 @@ class SimEngine:
         put = running.queue.put_nowait
         if timing.prefill_s_per_token:
             await asyncio.sleep(timing.prefill_s_per_token * prepared.prompt_tokens)
+        if spec.pooling is not None:  # no decode: the answer, whole
+            output = EngineOutput(0, [], "", "stop")
+            output.answer = prepared.payload
+            put(output)
+            put(_FINISHED)
+            return
         n = spec.sampling.n
         choices = [
             _Choice(spec, text, c, self.max_model_len - prompt_tokens, k * n)
@@ -292,3 +302,17 @@ class _Choice:
             if self.finish_reason == "stop" and self.text.startswith('{"text": "'):
                 text += '"}'
         return EngineOutput(self.choice, [token_id], text, self.finish_reason)
+
+
+def _pooled(spec: AttemptSpec) -> Prepared:
+    """A pooling request, answered now (its vectors are a pure function of the request:
+    app/worker/sim_pooling.py) and handed out after the prefill's time."""
+    assert spec.pooling is not None
+    try:
+        value, headers = sim_pooling.answer(
+            spec.pooling, dict(spec.fields), spec.model, spec.request_id, int(time.time())
+        )
+    except sim_pooling.PoolingRefused as refused:
+        raise Refusal(400, Code.INVALID_FIELD, str(refused), field=refused.param) from None
+    tokens = sim_pooling.prompt_tokens(value, headers)
+    return Prepared(spec=spec, prompt_tokens=tokens, payload=PooledOutput(value, headers))

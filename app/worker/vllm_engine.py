@@ -39,7 +39,7 @@ from typing import Any
 from app.contract.logprobs import LOWEST_LOGPROB, clamped
 from app.worker import vllm_utility
 from app.worker.engine import EngineFailed, EngineOutput, Prepared
-from app.worker.protocol import AttemptSpec
+from app.worker.protocol import AttemptSpec, Code, Refusal
 from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
@@ -111,6 +111,9 @@ class VllmEngine:
 
     def prepare(self, spec: AttemptSpec) -> Prepared:
         assert self._requests is not None and self._parsers is not None
+        if spec.pooling is not None:  # docs/design.md §17: served by a pooling runner, not built here yet
+            why = f"{spec.pooling}: the vllm engine of a worker serves generation; a pooling model through vllm serve"
+            raise Refusal(501, Code.NOT_SERVED, why, field="pooling")
         parsing = self._parsers.for_attempt(spec)  # (chat only: a batch is a completion's)
         adjust = parsing.adjust if parsing is not None else None
         reads = [self._requests.read(dataclasses.replace(spec, prompt=p)) for p in spec.batch] or [

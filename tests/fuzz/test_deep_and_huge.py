@@ -47,6 +47,8 @@ BODY_ROUTES = [
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/score",
     "/tokenize",
     "/detokenize",
 ]
@@ -56,9 +58,12 @@ VALID: dict[str, dict[str, Any]] = {
     "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 16},
     "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"model": MODEL, "input": "hi"},
+    "/score": {"model": MODEL, "queries": "hi", "documents": ["there"]},
     "/tokenize": {"model": MODEL, "prompt": "hi"},
     "/detokenize": {"model": MODEL, "tokens": [1, 2]},
 }
+POOLED = ("/v1/embeddings", "/score")
 INTEGER_FIELDS = ["max_tokens", "max_output_tokens", "seed", "n", "top_k", "logprobs", "top_logprobs", "min_tokens"]
 
 
@@ -122,7 +127,8 @@ def test_deep_bodies_on_every_gateway_route(stack: Stack, tally: Tally) -> None:
             body = data.draw(deep_body(VALID.get(route, {})))
             response = http.post(route, content=body, headers=KEY)
             if not sim_has_no_tokenizer(tally, "gateway.deep", response):
-                gateway_family.judge(stack, tally, "gateway.deep", response, generation=route.startswith("/v1/c"))
+                generation = route.startswith("/v1/c") or route in POOLED  # a 2xx: an accepted request
+                gateway_family.judge(stack, tally, "gateway.deep", response, generation=generation)
 
         gateway_family.run_family(stack, tally, property_)
 

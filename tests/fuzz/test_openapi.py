@@ -1,7 +1,8 @@
 """schemathesis against the running gateway, from the ``/openapi.json`` it serves.
 
 Each operation of the description (chat completions, completions, models, the Responses
-API's create, read, list, cancel and delete, the Messages API's create and count_tokens) gets cases that
+API's create, read, list, cancel and delete, the Messages API's create and count_tokens, the
+pooling routes) gets cases that
 fit it (positive) and cases that break it (negative), sent to the live ``phasegate serve``
 with a tenant's key. schemathesis judges each answer: no 5xx, a status and a content type
 the description lists, a body that fits its schema, and every negative case refused. The
@@ -43,6 +44,15 @@ FAMILIES = {
     "/v1/responses/{response_id}/cancel": "responses.cancel",
     "/v1/messages": "messages",
     "/v1/messages/count_tokens": "messages.count_tokens",
+    "/v1/embeddings": "pooling.embeddings",
+    "/v2/embed": "pooling.embed",
+    "/pooling": "pooling.pooling",
+    "/classify": "pooling.classify",
+    "/score": "pooling.score",
+    "/v1/score": "pooling.v1_score",
+    "/rerank": "pooling.rerank",
+    "/v1/rerank": "pooling.v1_rerank",
+    "/v2/rerank": "pooling.v2_rerank",
 }
 CHECKS: list[CheckFunction] = [
     not_a_server_error,
@@ -68,6 +78,9 @@ def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
     assert messages["properties"]["model"]["enum"] == [MODEL, None] and "max_tokens" in messages["required"]
     assert messages["properties"]["max_tokens"]["maximum"] == MAX_TOKENS
     assert messages["properties"]["container"]["type"] == "null"
+    embeddings = document["components"]["schemas"]["CreateEmbeddingRequest"]
+    assert embeddings["properties"]["model"]["enum"] == [MODEL, None]
+    assert embeddings["properties"]["encoding_format"]["enum"] == ["float", "base64", "bytes", "bytes_only"]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
@@ -78,7 +91,7 @@ def test_schemathesis(stack: Stack, tally: Tally, mode: GenerationMode) -> None:
     before = stack.log_apart_from(set(tally.accepted))
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 10
+    assert len(operations) == 19
     for operation in operations:
         run_operation(stack, tally, operation, mode, checks)
     assert stack.log_apart_from(tally.accepted) == before, "refused requests changed the log"

@@ -31,6 +31,7 @@ prompt's (:func:`prompt_token_ids`) where vLLM puts them (a chat stream's role c
 completion choice's first chunk) and, with a ``stop`` finish, the end-of-sequence id
 (:data:`EOS`) in a chunk of no text, as vLLM sends it; ``return_prompt_text`` gets the prompt
 as its rendered text (chat: in the role chunk).
+A pooling request (``/v1/embeddings``, ``/score`` …) gets the sim engine's answer.
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
 runs per ``Idempotency-Key`` (``GET /admin/tools``).
 """
@@ -59,7 +60,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.contract.pooling import ROUTES as POOLING_ROUTES
+from app.worker import sim_pooling
 from ops.processes import listening_socket
+
+POOLING_PATHS = tuple(POOLING_ROUTES)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -149,6 +154,34 @@ class Upstream:
         except asyncio.CancelledError:
             self.aborted.append(request_id)
             raise
+
+    async def pool(self, request: Request) -> Response:
+        """A pooling request (vLLM's routes): the sim engine's answer (app/worker/sim_pooling.py);
+        its behaviours: ``status``, ``hang``, ``delay_first_s``, ``die_at`` (the process exits
+        before it answers)."""
+        body = orjson.loads(await request.body())
+        self.requests += 1
+        self.last_body = body
+        request_name = request.headers.get("x-request-id", "x.0")
+        behaviour = self._take(int(request_name.rsplit(".", 1)[-1] or 0))
+        if behaviour.get("hang"):
+            await asyncio.sleep(3600)
+        await asyncio.sleep(float(behaviour.get("delay_first_s", 0)))
+        if behaviour.get("die_at") is not None:
+            os._exit(1)
+        status = behaviour.get("status")
+        if status:
+            error = {"message": behaviour.get("message", f"scripted {status}"), "type": "BadRequestError"}
+            error |= {"code": status, "param": behaviour.get("param")}
+            return JSONResponse({"error": error}, status_code=status)
+        try:
+            answer, headers = sim_pooling.answer(request.url.path, body, body["model"], request_name, int(time.time()))
+        except sim_pooling.PoolingRefused as refused:
+            error = {"message": str(refused), "type": "BadRequestError", "param": refused.param, "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
+        if isinstance(answer, bytes):
+            return Response(answer, media_type="application/octet-stream", headers=headers)
+        return JSONResponse(answer, headers=headers)
 
     def _take(self, attempt: int) -> dict[str, Any]:
         """The first queued behaviour for this attempt number (or for any attempt)."""
@@ -357,6 +390,7 @@ def build(token_delay_s: float = 0.002) -> Starlette:
         routes=[
             Route("/v1/chat/completions", upstream.generate, methods=["POST"]),
             Route("/v1/completions", upstream.generate, methods=["POST"]),
+            *(Route(path, upstream.pool, methods=["POST"]) for path in POOLING_PATHS),
             Route("/admin/script", upstream.admin_script, methods=["POST"]),
             Route("/admin/requests", upstream.admin_requests, methods=["GET"]),
             Route("/admin/tools", upstream.admin_tools, methods=["GET"]),
