@@ -26,8 +26,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 
-from app.api.fleet_admin import fleet_routes
-from app.api.fleet_join import join_routes
+from app.api.admin.fleet import fleet_routes
+from app.api.admin.fleet_join import join_routes
 from app.api.routes import build_app
 from app.config import GatewayConfig, ReplicaConfig
 from app.discover_config import DiscoverConfig

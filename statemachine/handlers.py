@@ -294,7 +294,7 @@ def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
     if not 0 <= event.from_index <= event.to_index <= max(state.delivered_deltas, state.produced_deltas):
         raise illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) were never delivered")
     # the most any reader was shown (docs/design.md §15); delivered_deltas stays what was
-    # delivered live: it is where the log's produced tail starts (app/api/from_log.py)
+    # delivered live: it is where the log's produced tail starts (app/api/resume/log.py)
     return {"delivered_output_tokens": max(state.delivered_output_tokens, event.tokens)}
 
 

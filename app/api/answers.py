@@ -18,10 +18,10 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app.api.chat.shape import ChoiceAnswer
 from app.api.errors import failure_body, retry_headers
 from app.api.json_answer import JSONAnswer
-from app.api.responses_shape import Shape, shape_for
-from app.api.sse import ChoiceAnswer
+from app.api.responses.shape import Shape, shape_for
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver

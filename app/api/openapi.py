@@ -1,6 +1,6 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of the OpenAI routes phasegate serves
 (chat completions, completions, models, and the Responses API's routes:
-app/api/openapi_responses.py), for client generators and API fuzzers.
+app/api/responses/openapi.py), for client generators and API fuzzers.
 
 The request bodies are the JSON schemas of the models the gateway validates them with
 (app/contract/requests.py, under the configured limits of ``max_tokens`` and ``n``), not
@@ -19,8 +19,8 @@ from typing import Any
 
 from app.api.messages.openapi import SCHEMAS as MESSAGES_SCHEMAS
 from app.api.messages.openapi import messages_paths
-from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
-from app.api.openapi_responses import responses_paths
+from app.api.responses.openapi import SCHEMAS as RESPONSES_SCHEMAS
+from app.api.responses.openapi import responses_paths
 from app.config import GatewayConfig
 from app.contract.messages import CountTokensRequest, messages_model
 from app.contract.requests import request_models

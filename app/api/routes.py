@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from app.api.admin import admin_routes
+from app.api.admin.routes import admin_routes
 from app.api.answers import (
     failure_response,
     log_unavailable,
@@ -42,7 +42,8 @@ from app.api.answers import (
 )
 from app.api.auth import Authenticator
 from app.api.bodies import json_body
-from app.api.cancel import cancel_routes
+from app.api.cancel.routes import cancel_routes
+from app.api.chat.request import parse_request
 from app.api.errors import (
     ApiError,
     IdempotencyKeyReused,
@@ -57,15 +58,14 @@ from app.api.limits import TenantLimiter
 from app.api.messages.routes import messages_routes
 from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
-from app.api.responses_log import earlier_turns
-from app.api.responses_request import parse_responses_request
-from app.api.responses_routes import attach_response, responses_routes
-from app.api.responses_shape import ResponsesShape, shape_for
-from app.api.resume import attach, resume_routes
-from app.api.schemas import parse_request
+from app.api.responses.log import earlier_turns
+from app.api.responses.request import parse_responses_request
+from app.api.responses.routes import attach_response, responses_routes
+from app.api.responses.shape import ResponsesShape, shape_for
+from app.api.resume.routes import attach, resume_routes
 from app.api.token_stream import TokenStreamResponse, client_gone
-from app.api.unserved import unserved_routes
-from app.api.utility import unready, utility_routes
+from app.api.utility.routes import unready, utility_routes
+from app.api.utility.unserved import unserved_routes
 from app.driver import log_loss
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
@@ -108,7 +108,7 @@ def build_app(ctx: GatewayContext, *, extra_routes: Sequence[BaseRoute] = (), **
         *responses_routes(ctx, authenticator),
         *messages_routes(ctx, authenticator, api._generate),
         *utility_routes(ctx, authenticator),
-        *extra_routes,  # the fleet's admin routes (app/api/fleet_admin.py)
+        *extra_routes,  # the fleet's admin routes (app/api/admin/fleet.py)
         *unserved_routes(),
     ]
     handlers = {HTTPException: _http_error, Exception: _unexpected_error}

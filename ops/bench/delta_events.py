@@ -15,10 +15,10 @@ import argparse
 import timeit
 from collections.abc import Callable
 
-from app.api.responses_request import parse_responses_request
-from app.api.responses_shape import ResponsesShape
-from app.api.schemas import parse_request
-from app.api.sse import ResponseShape, response_id
+from app.api.chat.request import parse_request
+from app.api.chat.shape import ResponseShape, response_id
+from app.api.responses.request import parse_responses_request
+from app.api.responses.shape import ResponsesShape
 from app.config import Limits
 from app.driver.request import CHAT
 

@@ -33,8 +33,8 @@ from app.api.errors import ApiError, BadGateway, InvalidRequest, NotFound, Servi
 from app.api.messages.request import count_body_of, parse_messages_request
 from app.api.messages.shape import MessagesShape, anthropic_error
 from app.api.request_ids import id_header, new_request_id
-from app.api.responses_log import follow_response
-from app.api.resume import at_owner, attach_live
+from app.api.responses.log import follow_response
+from app.api.resume.routes import at_owner, attach_live
 from app.driver.context import GatewayContext
 from app.driver.request import CHAT, GenerationRequest, MessagesCall
 from statemachine import events as ev

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from app.api.sse import ChoiceAnswer
+from app.api.chat.shape import ChoiceAnswer
 from app.driver.request import GenerationRequest
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
 

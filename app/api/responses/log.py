@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
-from app.api.from_log import LoggedDelta, deltas_of, failure_of, final_answer, produced_tail
 from app.api.messages.shape import MessagesShape
 from app.api.request_ids import check_request_id
-from app.api.responses_input import chat_messages
-from app.api.responses_shape import ResponsesShape
-from app.api.resume import record_resumed
+from app.api.responses.input import chat_messages
+from app.api.responses.shape import ResponsesShape
+from app.api.resume.log import LoggedDelta, deltas_of, failure_of, final_answer, produced_tail
+from app.api.resume.routes import record_resumed
 from app.driver.context import GatewayContext
 from app.driver.outputs import full_usage
 from app.driver.request import RESPONSES
@@ -62,7 +62,7 @@ async def response_events(store: EventStore, tenant: str, response_id: str, para
 
 def response_from_log(request_id: str, events: list[ev.Event], shape: ResponsesShape) -> dict[str, Any]:
     """The response object as the log has it. A live one shows no output here: showing it
-    is a delivery, which only its owner may record (app/api/responses_poll.py)."""
+    is a delivery, which only its owner may record (app/api/responses/poll.py)."""
     terminal = next((e for e in events if isinstance(e, ENDED)), None)
     if terminal is None:
         return shape.response("in_progress")

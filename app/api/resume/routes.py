@@ -42,8 +42,13 @@ from starlette.routing import Route
 
 from app.api.answers import failure_response, stream_body, unless_client_leaves, whole_answer
 from app.api.auth import Authenticator
+from app.api.chat.shape import ResponseShape
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
-from app.api.from_log import (
+from app.api.messages.shape import MessagesShape
+from app.api.owner import forward_stream, owner_address
+from app.api.request_ids import check_request_id, id_header
+from app.api.responses.shape import ResponsesShape, shape_for
+from app.api.resume.log import (
     LoggedDelta,
     check_resumable,
     delta_event,
@@ -53,11 +58,6 @@ from app.api.from_log import (
     shape_from_log,
     whole_from_log,
 )
-from app.api.messages.shape import MessagesShape
-from app.api.owner import forward_stream, owner_address
-from app.api.request_ids import check_request_id, id_header
-from app.api.responses_shape import ResponsesShape, shape_for
-from app.api.sse import ResponseShape
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext

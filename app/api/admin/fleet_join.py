@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.api.admin.fleet import NAME, REPLICA_ID, URL, Unprocessable
 from app.api.bodies import json_body
 from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
-from app.api.fleet_admin import NAME, REPLICA_ID, URL, Unprocessable
 from app.api.request_ids import new_request_id
 from app.config import ReplicaConfig
 from app.contract.fleet_join import (

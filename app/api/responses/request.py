@@ -8,12 +8,12 @@ chat body here, as vLLM's own Responses server turns it into chat messages (``in
 system message first; ``function_call`` items an assistant message's tool calls, their
 ``function_call_output`` items tool messages, reasoning items handed back the assistant
 message's ``reasoning``), and that chat body is then validated as any other
-(app/api/schemas.py). What the response object echoes (``instructions``, the tools in
+(app/api/chat/request.py). What the response object echoes (``instructions``, the tools in
 this API's form, ``text``…) is kept beside it in :class:`ResponsesParams`.
 
 A field phasegate cannot honour (``conversation``, built-in tools…) is refused with a 400
 that names it, never dropped (docs/responses.md).
-``previous_response_id`` is resolved from the log before this (app/api/responses_log.py).
+``previous_response_id`` is resolved from the log before this (app/api/responses/log.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.api.chat.request import as_refusal, parse_translated_chat
 from app.api.errors import InvalidRequest, UnsupportedParameter
-from app.api.responses_input import chat_messages
-from app.api.schemas import as_refusal, parse_translated_chat
+from app.api.responses.input import chat_messages
 from app.config import Limits
 from app.contract.declared import BadInput, checked
 from app.contract.responses import NOT_SERVED, PASSED_AS_IS, ResponsesRequest, responses_model
@@ -103,7 +103,7 @@ CLIENT_NAMES = {
 def parse_responses_request(body: Any, limits: Limits, earlier: Sequence[dict[str, Any]] = ()) -> GenerationRequest:
     """A Responses API body validated into the chat completion its attempts ask for,
     carrying how it was made (``GenerationRequest.responses``). ``earlier``: the chat
-    messages of the conversation before it (``previous_response_id``, app/api/responses_log.py)."""
+    messages of the conversation before it (``previous_response_id``, app/api/responses/log.py)."""
     chat, params = chat_body_of(body, earlier, limits)
     generation = parse_translated_chat(chat, limits, CLIENT_NAMES)
     made = ResponsesCall(

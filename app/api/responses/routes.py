@@ -1,15 +1,15 @@
 """``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``: a response as
-the log holds it, on any instance (docs/design.md §15, app/api/responses_log.py).
+the log holds it, on any instance (docs/design.md §15, app/api/responses/log.py).
 
 A finished response comes back whole: its output, usage and status, or its failure
 with the output the client was sent. A live one is ``in_progress``, with the output its
 owner shows, and records as delivered, since showing output is a delivery
-(app/api/responses_poll.py; another instance passes the poll on). ``?stream=true``
+(app/api/responses/poll.py; another instance passes the poll on). ``?stream=true``
 reads its stream again (``starting_after``: from the event after that one): attached
 to its live loop where it waits for a reader (a background response, a client back
 within its grace), at its owner while it is live on another instance, else from the
 log, as its client was sent it, then what was produced with nobody attached.
-``POST /v1/responses/{id}/cancel`` is the stop button (app/api/cancel.py).
+``POST /v1/responses/{id}/cancel`` is the stop button (app/api/cancel/routes.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
-from app.api.cancel import stop
+from app.api.cancel.routes import stop
 from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
-from app.api.from_log import check_resumable
 from app.api.json_answer import JSONAnswer
 from app.api.request_ids import id_header
-from app.api.responses_log import (
+from app.api.responses.log import (
     ENDED,
     body_of,
     follow_response,
@@ -40,10 +39,11 @@ from app.api.responses_log import (
     response_from_log,
     shown_deltas,
 )
-from app.api.responses_poll import poll_live
-from app.api.responses_request import parse_responses_request
-from app.api.responses_shape import ResponsesShape
-from app.api.resume import at_owner, attach_live, ended, logged, record_resumed
+from app.api.responses.poll import poll_live
+from app.api.responses.request import parse_responses_request
+from app.api.responses.shape import ResponsesShape
+from app.api.resume.log import check_resumable
+from app.api.resume.routes import at_owner, attach_live, ended, logged, record_resumed
 from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store.base import RequestInput

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from app.api.errors import ServiceUnavailable
-from app.api.from_log import ResumeUnavailable
-from app.api.responses_shape import ResponsesShape
+from app.api.responses.shape import ResponsesShape
+from app.api.resume.log import ResumeUnavailable
 from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.store.errors import StoreError

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.api.responses_routes import MAX_ITEMS
+from app.api.responses.routes import MAX_ITEMS
 
 _REF = "#/components/schemas/"
 _STRING = {"type": "string"}

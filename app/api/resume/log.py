@@ -1,5 +1,5 @@
 """Answers rebuilt from the log (docs/design.md §12): a request's deltas as stream chunks, how
-it ended, and its whole answer, for a resumed stream or an idempotent POST (app/api/resume.py).
+it ended, and its whole answer, for a resumed stream or an idempotent POST (app/api/resume/routes.py).
 
 ``DeltasDelivered`` and ``DeltasProduced`` record each delta's choice, length and tokens
 (a delta of no tokens is a choice's tool calls, their JSON), so the log alone gives every
@@ -16,9 +16,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from app.api.chat.shape import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
 from app.api.errors import ApiError, failure_body
 from app.api.json_answer import JSONAnswer
-from app.api.sse import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
 from app.driver.outputs import Failed, full_usage
 from app.driver.request import RESPONSES, GenerationRequest
 from statemachine import events as ev

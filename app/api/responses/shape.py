@@ -24,8 +24,8 @@ from typing import Any
 
 import orjson
 
+from app.api.chat.shape import ChoiceAnswer, ResponseShape, response_id
 from app.api.messages.shape import MessagesShape
-from app.api.sse import ChoiceAnswer, ResponseShape, response_id
 from app.contract import json_depth as deep_json
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
