@@ -35,6 +35,7 @@ from app.api.admin.routes import admin_routes
 from app.api.answers import (
     failure_response,
     log_unavailable,
+    shape_for,
     stream_body,
     unless_client_leaves,
     until_committed,
@@ -48,6 +49,7 @@ from app.api.errors import (
     ApiError,
     IdempotencyKeyReused,
     InvalidRequest,
+    LogUnavailable,
     NotFound,
     RateLimited,
     ServiceUnavailable,
@@ -60,9 +62,10 @@ from app.api.openapi import openapi_document
 from app.api.request_ids import new_request_id
 from app.api.responses.log import earlier_turns
 from app.api.responses.request import parse_responses_request
-from app.api.responses.routes import attach_response, responses_routes
-from app.api.responses.shape import ResponsesShape, shape_for
-from app.api.resume.routes import attach, resume_routes
+from app.api.responses.routes import responses_routes
+from app.api.responses.shape import ResponsesShape
+from app.api.resume.attach import attach
+from app.api.resume.routes import resume_routes
 from app.api.token_stream import TokenStreamResponse, client_gone
 from app.api.utility.routes import unready, utility_routes
 from app.api.utility.unserved import unserved_routes
@@ -186,10 +189,8 @@ class _Api:
             key = _idempotency_key(request)
             if key is not None:
                 original = await self._claim(tenant, key, request_id, generation)
-                if original is not None and generation.responses is not None:  # the same POST again
-                    return await attach_response(self.ctx, original, request, stream=generation.stream)
                 if original is not None:  # the same POST again: its request, from the log
-                    return await attach(self.ctx, original, request, stream=generation.stream)
+                    return await attach(self.ctx, original, request, generation)
             # no await from here to driver.accept(): the admitted request is live at once
             self.limiter.admit(tenant, request_id, generation.estimated_prompt_tokens)
         except ApiError as error:
@@ -273,9 +274,7 @@ class _Api:
         try:
             claimed = await keys.claim(tenant, key, request_id, digest, self.ctx.config.idempotency_ttl_s)
         except StoreError:
-            raise ServiceUnavailable(
-                "the request log is unavailable; retry shortly", code="event_log_unavailable"
-            ) from None
+            raise LogUnavailable() from None
         if claimed.new:
             return None
         if claimed.body_digest != digest:

@@ -31,7 +31,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.bodies import json_body
-from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
+from app.api.errors import (
+    ApiError,
+    Forbidden,
+    InvalidRequest,
+    LogUnavailable,
+    NotFound,
+    Unauthorized,
+)
 from app.api.request_ids import new_request_id
 from app.config import REPLICA_KINDS, ConfigError, ReplicaConfig, replica_entry
 from app.driver.context import GatewayContext
@@ -89,9 +96,7 @@ class _FleetAdmin:
                 return JSONResponse(error.body(exchange), status_code=error.status, headers={"x-request-id": exchange})
             except (StoreUnavailable, InstanceFenced) as exc:
                 log.error("fleet admin: %s", exc)
-                unavailable = ServiceUnavailable(
-                    "the fleet's store is unavailable; retry shortly", code="event_log_unavailable"
-                )
+                unavailable = LogUnavailable("the fleet's store")
                 return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
             response.headers["x-request-id"] = exchange
             response.headers["cache-control"] = "no-store"

@@ -23,7 +23,14 @@ from starlette.routing import Route
 
 from app.api.admin.fleet import NAME, REPLICA_ID, URL, Unprocessable
 from app.api.bodies import json_body
-from app.api.errors import ApiError, Forbidden, InvalidRequest, NotFound, ServiceUnavailable, Unauthorized
+from app.api.errors import (
+    ApiError,
+    Forbidden,
+    InvalidRequest,
+    LogUnavailable,
+    NotFound,
+    Unauthorized,
+)
 from app.api.request_ids import new_request_id
 from app.config import ReplicaConfig
 from app.contract.fleet_join import (
@@ -75,9 +82,7 @@ class _Joins:
                 return JSONResponse(error.body(exchange), status_code=error.status, headers={"x-request-id": exchange})
             except (StoreUnavailable, InstanceFenced) as exc:
                 log.error("fleet join: %s", exc)
-                unavailable = ServiceUnavailable(
-                    "the fleet's store is unavailable; retry shortly", code="event_log_unavailable"
-                )
+                unavailable = LogUnavailable("the fleet's store")
                 return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
             response.headers["x-request-id"] = exchange
             return response

@@ -40,6 +40,7 @@ from app.api.errors import (
     ApiError,
     Forbidden,
     InvalidRequest,
+    LogUnavailable,
     NotFound,
     ServiceUnavailable,
     Unauthorized,
@@ -101,9 +102,7 @@ class _Admin:
                 return JSONResponse(error.body(exchange), status_code=error.status, headers=headers)
             except StoreUnavailable as exc:
                 log.error("admin read failed: %s", exc)
-                unavailable = ServiceUnavailable(
-                    "the request log is unavailable; retry shortly", code="event_log_unavailable"
-                )
+                unavailable = LogUnavailable()
                 return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
             response.headers["x-request-id"] = exchange
             response.headers["cache-control"] = "no-store"

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
-from app.api.errors import ApiError, NotFound, ServiceUnavailable
+from app.api.errors import ApiError, LogUnavailable, NotFound, ServiceUnavailable
 from app.api.owner import FORWARD_TIMEOUT_S, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.driver.context import GatewayContext
@@ -48,7 +48,7 @@ class _Cancel:
             try:
                 events = await self.ctx.store.read(request_id)
             except StoreUnavailable:
-                raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+                raise LogUnavailable() from None
             accepted = events[0] if events else None
             if not isinstance(accepted, ev.RequestAccepted) or accepted.tenant != tenant:
                 raise NotFound(f"no request '{request_id}'", code="request_not_found")

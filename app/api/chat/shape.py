@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from app.api.shape import ChoiceAnswer, Shape
 from app.contract.logprobs import TokenLogprob, chat_bytes
 from app.driver.request import CHAT, GenerationRequest
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -34,8 +34,8 @@ def sse_event(event_id: int | str, payload: str) -> bytes:
     return f"id: {event_id}\ndata: {payload}\n\n".encode()
 
 
-def response_id(request: GenerationRequest, request_id: str) -> str:
-    """The OpenAI id of the response to ``request``, from the gateway's request id."""
+def completion_id(request: GenerationRequest, request_id: str) -> str:
+    """The OpenAI id of the chat completion or completion answering ``request``, from the gateway's request id."""
     prefix = "chatcmpl" if request.endpoint == CHAT else "cmpl"
     return f"{prefix}-{request_id.removeprefix('req_')}"
 
@@ -54,8 +54,10 @@ def _text_json(text: str) -> bytes:
         return _dumps(text).encode()
 
 
-class ResponseShape:
-    """Builds the bodies of one request's response, streamed or not."""
+class ChatShape(Shape):
+    """Builds the bodies of one chat completion's or completion's answer, streamed or not."""
+
+    numbered = False  # its event ids are its delta indexes
 
     def __init__(self, request: GenerationRequest, response_id: str, created: int, model: str | None = None) -> None:
         self.request = request
@@ -275,44 +277,6 @@ class ResponseShape:
             if prompt_text is not None:
                 body["prompt_text"] = prompt_text
         return body
-
-
-@dataclass
-class ChoiceAnswer:
-    """One choice of a whole answer, as its deltas come: their texts by key (content,
-    reasoning…), their tokens' log probabilities, and the choice's tool calls."""
-
-    texts: dict[str, list[str]] = field(default_factory=dict)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    prompt: Prompt | None = None  # what the replica said of the choice's prompt
-    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by their index
-
-    def add(
-        self,
-        key: str,
-        text: str,
-        logprobs: Sequence[TokenLogprob] | None,
-        token_ids: Sequence[int] = (),
-        prompt: Prompt | None = None,
-    ) -> None:
-        self.logprobs.extend(logprobs or ())
-        self.token_ids.extend(token_ids)
-        self.prompt = prompt or self.prompt
-        if key != TOOL_CALLS:
-            self.texts.setdefault(key, []).append(text)
-            return
-        for place, piece in enumerate(orjson.loads(text)):  # whole calls, or a piece of them
-            index = piece.get("index", place)
-            function = piece.get("function") or {}
-            call = self._calls.get(index)
-            if call is None:
-                call = self._calls[index] = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
-                self.tool_calls.append(call)
-            call["id"] = call["id"] or piece.get("id")
-            call["function"]["name"] += function.get("name") or ""
-            call["function"]["arguments"] += function.get("arguments") or ""
 
 
 def _prompt_fields(prompt: Prompt | None) -> str:

@@ -12,28 +12,22 @@ conversation cannot be continued (400, saying why).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 from app.api.errors import InvalidRequest, NotFound, failure_body
-from app.api.messages.shape import MessagesShape
 from app.api.request_ids import check_request_id
 from app.api.responses.input import chat_messages
+from app.api.responses.request import parse_responses_request
 from app.api.responses.shape import ResponsesShape
 from app.api.resume.log import LoggedDelta, deltas_of, failure_of, final_answer, produced_tail
-from app.api.resume.routes import record_resumed
 from app.driver.context import GatewayContext
-from app.driver.outputs import full_usage
 from app.driver.request import RESPONSES
 from app.store.base import EventStore, RequestInput
-from app.store.errors import StoreUnavailable
 from statemachine import events as ev
 from statemachine.state import fold
 
 MAX_TURNS = 256  # previous responses followed back at most, each one read
-ENDED = (ev.RequestCompleted, ev.RequestFailed, ev.RequestCancelled)
-FOLLOW_EVERY_S = 0.02  # how often a live response's log is read again
+ENDED = ev.TERMINAL_EVENTS
 
 
 def request_id_of(response_id: str, param: str = "response_id") -> str:
@@ -82,46 +76,24 @@ def shown_deltas(events: list[ev.Event]) -> int:
     return state.delivered_deltas + len(produced_tail(events, state))
 
 
-def _delta_events(shape: ResponsesShape | MessagesShape, delta: LoggedDelta) -> bytes:
+def _delta_events(shape: ResponsesShape, delta: LoggedDelta) -> bytes:
     return shape.content_event(delta.index, delta.text, key=delta.key, logprobs=delta.logprobs)
 
 
-async def follow_response(
-    ctx: GatewayContext, request_id: str, events: list[ev.Event], shape: ResponsesShape | MessagesShape
-) -> AsyncIterator[bytes]:
-    """The response's stream read again from the log, from its first event (the shape
-    leaves out those up to ``shape.after``): what its client was sent, numbered as it was,
-    reading on while the request is live, then what was produced with no client attached
-    and the ending. Output is read only once it was delivered or the response ended, so
-    a reader never gets a delta a retry could replace; what it was sent from the log is
-    recorded (``StreamResumed``)."""
-    seen = 0
-    while True:
-        for event in events[seen:]:
-            seen += 1
-            if isinstance(event, ev.DeltasDelivered):
-                for delta in deltas_of(event):
-                    yield _delta_events(shape, delta)
-            elif isinstance(event, ENDED):
-                state = fold(events[:seen])
-                tail = produced_tail(events[:seen], state)
-                for delta in tail:
-                    yield _delta_events(shape, delta)
-                sent = state.delivered_deltas + len(tail)
-                if isinstance(event, ev.RequestCompleted):
-                    reasons = event.finish_reasons or (event.finish_reason,)
-                    usage = full_usage(event.usage, event.usage_details)
-                    yield shape.ending(sent, reasons, event.stop_reasons, usage)
-                else:
-                    failed = failure_of(event, state, events[:seen])
-                    yield shape.failure_event(sent, failure_body(request_id, failed))
-                await record_resumed(ctx, request_id, 0, sent)
-                return
-        await asyncio.sleep(FOLLOW_EVERY_S)
-        try:
-            events = await ctx.store.read(request_id)
-        except StoreUnavailable:
-            continue  # the log is away: the reader waits for it
+def shape_of(
+    ctx: GatewayContext, request_id: str, events: list[ev.Event], body: dict[str, Any] | None
+) -> ResponsesShape:
+    """The response's shape, from its recorded ``body`` (what it echoes); a log without
+    the body (content_policy) echoes what a body of only its model would."""
+    accepted = events[0]
+    assert isinstance(accepted, ev.RequestAccepted)
+    bare = {"model": accepted.model, "input": ""}
+    try:
+        generation = parse_responses_request(body or bare, ctx.config.limits)
+    except InvalidRequest:  # a body an earlier release took
+        generation = parse_responses_request(bare, ctx.config.limits)
+    created = int(accepted.occurred_at.timestamp())
+    return ResponsesShape(generation, request_id, created, fold(events).answered_by)
 
 
 def kept_body(recorded: RequestInput | None) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.api.errors import ServiceUnavailable
+from app.api.errors import LogUnavailable
 from app.api.responses.shape import ResponsesShape
 from app.api.resume.log import ResumeUnavailable
 from app.driver.context import GatewayContext
@@ -45,7 +45,7 @@ async def poll_live(ctx: GatewayContext, request_id: str, shape: ResponsesShape)
                 await driver.commit()  # durable before the poll answers with any output
             except StoreError:
                 driver.log_lost(output_delivered=False)
-                raise ServiceUnavailable("the request log is unavailable", code="event_log_unavailable") from None
+                raise LogUnavailable() from None
         for delta in taken:
             driver.delivered(delta)
         driver.client_gone()  # the poller leaves; the response goes on

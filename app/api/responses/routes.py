@@ -20,36 +20,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.auth import Authenticator
 from app.api.cancel.routes import stop
-from app.api.errors import ApiError, InvalidRequest, NotFound, ServiceUnavailable
+from app.api.errors import ApiError, InvalidRequest, LogUnavailable, NotFound
 from app.api.json_answer import JSONAnswer
 from app.api.request_ids import id_header
 from app.api.responses.log import (
     ENDED,
     body_of,
-    follow_response,
     kept_body,
     response_events,
     response_from_log,
+    shape_of,
     shown_deltas,
 )
 from app.api.responses.poll import poll_live
-from app.api.responses.request import parse_responses_request
-from app.api.responses.shape import ResponsesShape
+from app.api.resume.attach import at_owner, ended, stream_from
+from app.api.resume.follow import record_resumed
 from app.api.resume.log import check_resumable
-from app.api.resume.routes import at_owner, attach_live, ended, logged, record_resumed
 from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
 from app.store.base import RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
-from statemachine.state import fold
 
 log = logging.getLogger("phasegate.api")
 
@@ -90,7 +87,7 @@ class _Responses:
             tenant = await self.authenticator.tenant(request.headers.get("authorization", ""))
             return await serve(request, await self._read(tenant, response_id))
         except StoreUnavailable:
-            error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
+            error: ApiError = LogUnavailable()
         except ApiError as refused:
             error = refused
         return JSONResponse(error.body(response_id), status_code=error.status, headers=id_header(response_id))
@@ -111,7 +108,9 @@ class _Responses:
         shape = shape_of(self.ctx, stored.request_id, stored.events, kept_body(stored.recorded))
         if stream:
             check_resumable(stored.events, responses=True)
-            return await stream_response(self.ctx, request, stored.request_id, stored.events, shape, after)
+            shape.after = after
+            path = f"/v1/responses/{stored.response_id}"
+            return await stream_from(self.ctx, request, stored.request_id, stored.events, shape, path)
         headers = id_header(stored.request_id)
         if not stored.ended:  # its owner shows its output, and records that it did
             polled = await poll_live(self.ctx, stored.request_id, shape)
@@ -178,64 +177,10 @@ class _Stored:
     ended: bool
 
 
-def shape_of(
-    ctx: GatewayContext, request_id: str, events: list[ev.Event], body: dict[str, Any] | None
-) -> ResponsesShape:
-    """The response's shape, from its recorded ``body`` (what it echoes); a log without
-    the body (content_policy) echoes what a body of only its model would."""
-    accepted = events[0]
-    assert isinstance(accepted, ev.RequestAccepted)
-    bare = {"model": accepted.model, "input": ""}
-    try:
-        generation = parse_responses_request(body or bare, ctx.config.limits)
-    except InvalidRequest:  # a body an earlier release took
-        generation = parse_responses_request(bare, ctx.config.limits)
-    created = int(accepted.occurred_at.timestamp())
-    return ResponsesShape(generation, request_id, created, fold(events).answered_by)
-
-
-async def stream_response(
-    ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event], shape: ResponsesShape, after: int
-) -> Response:
-    """The response's stream from the event after ``after``: attached to its live loop
-    here, passed through from its owner while live elsewhere, else read from the log."""
-    live = await attach_live(ctx, request_id, request, -1, stream=True, events_after=after)
-    if live is None:
-        live = await at_owner(ctx, request, events, f"/v1/responses/{shape.response_id}")
-    if live is not None:
-        return live
-    shape.after = after
-    body = follow_response(ctx, request_id, events, shape)
-    return EventSourceResponse(body, headers=id_header(request_id), ping=15, send_timeout=30, sep="\n")
-
-
 def _owner(events: list[ev.Event]) -> str | None:
     accepted = events[0]
     assert isinstance(accepted, ev.RequestAccepted)
     return accepted.gateway
-
-
-async def attach_response(ctx: GatewayContext, request_id: str, request: Request, *, stream: bool) -> Response:
-    """Answer a POST whose ``Idempotency-Key`` started the response ``request_id`` (the
-    same POST again), from the log: its stream from the start (attached where it waits
-    for a reader), a background one at once as it stands, or, whole, once it ended."""
-    headers = id_header(request_id)
-    try:
-        events = await logged(ctx, request_id)
-        shape = shape_of(ctx, request_id, events, kept_body(await ctx.store.read_input(request_id)))
-        check_resumable(events, responses=True)  # the log keeps its text (content_policy)
-        if stream:
-            return await stream_response(ctx, request, request_id, events, shape, -1)
-        accepted = events[0]
-        if isinstance(accepted, ev.RequestAccepted) and accepted.background:
-            return JSONAnswer(response_from_log(request_id, events, shape), headers=headers)
-        events = await ended(ctx, request_id, events)
-        return JSONAnswer(response_from_log(request_id, events, shape), headers=headers)
-    except StoreUnavailable:
-        error: ApiError = ServiceUnavailable("the request log is unavailable", code="event_log_unavailable")
-    except ApiError as refused:
-        error = refused
-    return JSONResponse(error.body(request_id), status_code=error.status, headers=headers)
 
 
 def input_items(given: Any, response_id: str) -> list[dict[str, Any]]:

@@ -24,8 +24,7 @@ from typing import Any
 
 import orjson
 
-from app.api.chat.shape import ChoiceAnswer, ResponseShape, response_id
-from app.api.messages.shape import MessagesShape
+from app.api.shape import ChoiceAnswer, Shape
 from app.contract import json_depth as deep_json
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
@@ -108,10 +107,10 @@ class _Item:
         return {"id": self.id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-class ResponsesShape:
+class ResponsesShape(Shape):
     """Builds one response's stream events and its response object."""
 
-    unopened: set[int] | None = None  # (the chat shape's role chunks: none here)
+    numbered = True  # its events' sequence_number
 
     def __init__(self, request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> None:
         assert request.responses is not None
@@ -227,12 +226,6 @@ class ResponsesShape:
             self._event("response.created", {"response": initial}),
             self._event("response.in_progress", {"response": initial}),
         ]
-
-    def from_the_start(self) -> None:
-        """(The chat shape's role chunks: none here; the stream's first events open it.)"""
-
-    def opening(self, choice: int, prompt: Any = None) -> bytes:
-        return b""
 
     def content_event(
         self,
@@ -385,15 +378,3 @@ class ResponsesShape:
 
 
 _PREFIX = {MESSAGE: "msg", REASONING: "rs", "function_call": "fc"}
-
-Shape = ResponseShape | ResponsesShape | MessagesShape
-
-
-def shape_for(request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> Shape:
-    """The answer's shape for the API the client called: a Responses API answer, or a
-    chat completion or completion; an Anthropic message (app/api/messages/shape.py)."""
-    if request.anthropic is not None:
-        return MessagesShape(request, request_id, created, model)
-    if request.responses is not None:
-        return ResponsesShape(request, request_id, created, model)
-    return ResponseShape(request, response_id(request, request_id), created, model)

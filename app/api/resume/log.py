@@ -9,21 +9,17 @@ text: :func:`check_resumable` refuses with 409 ``resume_unavailable``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse
-
-from app.api.chat.shape import DONE, ChoiceAnswer, ResponseShape, response_id, sse_event
-from app.api.errors import ApiError, failure_body
-from app.api.json_answer import JSONAnswer
+from app.api.errors import ApiError
+from app.api.shape import ChoiceAnswer
 from app.driver.outputs import Failed, full_usage
-from app.driver.request import RESPONSES, GenerationRequest
+from app.driver.request import RESPONSES
 from statemachine import events as ev
 from statemachine.batches import delta_keys
-from statemachine.deltas import CONTENT, TOOL_CALLS, Prompt, TokenLogprob
+from statemachine.deltas import CONTENT, Prompt, TokenLogprob
 from statemachine.request_state import RequestState
 from statemachine.state import fold
 
@@ -52,26 +48,6 @@ def check_resumable(events: list[ev.Event], *, responses: bool = False) -> None:
                 f"; its outcome: {outcome.value if outcome else 'still running'}"
             )
             raise error
-
-
-def shape_from_log(request_id: str, events: list[ev.Event]) -> ResponseShape:
-    """How the request's answer is shaped (its endpoint, model, choices, log probabilities),
-    from its ``RequestAccepted``; the model named is the one whose answer the log holds (a
-    fallback's, if one answered)."""
-    accepted = events[0]
-    assert isinstance(accepted, ev.RequestAccepted)
-    request = GenerationRequest(
-        endpoint=accepted.endpoint,
-        model=accepted.model,
-        stream=True,
-        include_usage=False,
-        max_tokens=0,
-        n=accepted.n,
-        logprobs=accepted.logprobs,
-        return_token_ids=accepted.return_token_ids,
-    )
-    created = int(accepted.occurred_at.timestamp())
-    return ResponseShape(request, response_id(request, request_id), created, fold(events).answered_by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,38 +97,6 @@ def produced_tail(events: list[ev.Event], state: RequestState) -> list[LoggedDel
     return [produced[index] for index in sorted(produced) if index >= state.delivered_deltas]
 
 
-def delta_event(shape: ResponseShape, delta: LoggedDelta) -> bytes:
-    """The delta's SSE event, as it was sent."""
-    logprobs = delta.logprobs
-    if shape.request.logprobs is None or (delta.key == TOOL_CALLS and not delta.tokens):
-        logprobs = None  # (a choice's whole tool calls, or the rest of a chunk: none of their own)
-    elif logprobs is None:
-        logprobs = ()  # asked for, and not in the log (an older one): an empty list, as OpenAI's shape wants
-    return shape.content_event(
-        delta.index,
-        delta.text,
-        delta.choice,
-        key=delta.key,
-        logprobs=logprobs,
-        token_ids=delta.token_ids,
-        prompt=delta.prompt,
-    )
-
-
-def ending(shape: ResponseShape, request_id: str, events: list[ev.Event], state: RequestState) -> Iterator[bytes]:
-    """What followed the deltas (``events`` end with the terminal one): the finish, or the
-    final error; then ``[DONE]``."""
-    terminal = events[-1]
-    next_id = max(state.delivered_deltas, state.produced_deltas)
-    if isinstance(terminal, ev.RequestCompleted):
-        reasons = terminal.finish_reasons or (terminal.finish_reason,) * max(state.n, 1)
-        yield from shape.finish_events(next_id, reasons, terminal.stop_reasons)
-    else:
-        failed = failure_of(terminal, state, events)
-        yield sse_event(next_id, json.dumps(failure_body(request_id, failed)))
-    yield DONE
-
-
 def failure_of(terminal: ev.Event, state: RequestState, events: list[ev.Event]) -> Failed:
     """The failure as its client was told it: the status the policy decided (its logged
     ``fail_request``; 502 for an ending no decision gave, a sweep's), and, for a request its
@@ -175,19 +119,6 @@ def failure_of(terminal: ev.Event, state: RequestState, events: list[ev.Event]) 
     assert isinstance(terminal, ev.RequestCancelled)
     message = f"the request was cancelled ({terminal.reason})"
     return Failed("request_cancelled", message, partial, state.delivered_output_tokens, False, http_status=499)
-
-
-def whole_from_log(
-    request_id: str, events: list[ev.Event], shape: ResponseShape, headers: dict[str, str]
-) -> JSONResponse:
-    """The whole answer of a request that ended, from its log: the final attempt's deltas,
-    delivered or produced while no client was attached (docs/design.md §12), or its failure."""
-    state = fold(events)
-    terminal = next(e for e in events if isinstance(e, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled))
-    if not isinstance(terminal, ev.RequestCompleted):
-        failed = failure_of(terminal, state, events)
-        return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
-    return JSONAnswer(shape.completion(*final_answer(events, state, terminal)), headers=headers)
 
 
 def final_answer(
