@@ -92,7 +92,7 @@ class HttpLimits:
         return found
 
 
-class Phase(enum.Enum):
+class ConnectionPhase(enum.Enum):
     HEADERS = "headers"
     BODY = "body"
     IDLE = "idle"
@@ -134,8 +134,8 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.phase: Phase | None = None
-        self.reading: Phase | None = None  # the part of a request the parser is in; None between requests
+        self.phase: ConnectionPhase | None = None
+        self.reading: ConnectionPhase | None = None  # the part of a request the parser is in; None between requests
         self.expires_at = 0.0  # the phase's deadline, on the loop's clock
         self.timer: asyncio.TimerHandle | None = None  # due at or before expires_at
         self.received_in_phase = False
@@ -144,27 +144,31 @@ class LimitedProtocol(HttpToolsProtocol):
         self.head_size = 0  # the head being parsed: its target's and header fields' bytes
         self.too_large = False
         self.timeouts = {
-            Phase.HEADERS: self.limits.header_timeout_s,
-            Phase.BODY: self.limits.body_timeout_s,
-            Phase.IDLE: self.limits.keep_alive_s,
+            ConnectionPhase.HEADERS: self.limits.header_timeout_s,
+            ConnectionPhase.BODY: self.limits.body_timeout_s,
+            ConnectionPhase.IDLE: self.limits.keep_alive_s,
         }
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._enter(Phase.HEADERS)
+        self._enter(ConnectionPhase.HEADERS)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # the rest of a refused request: read, so that the client reads the answer
-        if self.phase is Phase.IDLE:
-            self._enter(Phase.HEADERS)  # the first byte of the next request
+        if self.phase is ConnectionPhase.IDLE:
+            self._enter(ConnectionPhase.HEADERS)  # the first byte of the next request
         self.received_in_phase = True
-        if self.reading is not Phase.BODY:
+        if self.reading is not ConnectionPhase.BODY:
             self.head_read += len(data)
         super().data_received(data)
-        if self.reading is Phase.HEADERS and self.head_read > self.limits.max_header_bytes and not self.lingering:
+        if (
+            self.reading is ConnectionPhase.HEADERS
+            and self.head_read > self.limits.max_header_bytes
+            and not self.lingering
+        ):
             self.too_large = True  # an incomplete head already over the limit
             self.send_400_response("request header fields too large")
         self._follow()
@@ -185,7 +189,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.reading = Phase.HEADERS
+        self.reading = ConnectionPhase.HEADERS
         self.head_size = _REQUEST_LINE
 
     def on_url(self, url: bytes) -> None:
@@ -201,7 +205,7 @@ class LimitedProtocol(HttpToolsProtocol):
         if self.head_size + len(self.parser.get_method()) > self.limits.max_header_bytes:
             self.too_large = True
             raise _HeadTooLarge  # the parser fails: uvicorn calls send_400_response
-        self.reading = Phase.BODY
+        self.reading = ConnectionPhase.BODY
         super().on_headers_complete()
         cycle = self.cycle  # a request read now has a cycle whose task has not run yet
         if cycle is not None and CLIENT_GONE not in cycle.scope:
@@ -241,16 +245,16 @@ class LimitedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if self.transport.is_closing() or self.lingering:
             self._disarm()
-        elif self.reading is Phase.BODY:
-            self._enter(Phase.BODY)
+        elif self.reading is ConnectionPhase.BODY:
+            self._enter(ConnectionPhase.BODY)
         elif cycle is not None and not cycle.response_complete:
             self._disarm()  # the application has the request (a pipelined head waits for it)
-        elif self.reading is Phase.HEADERS or self.phase is Phase.HEADERS:
-            self._enter(Phase.HEADERS)  # part of the next request came (perhaps pipelined)
+        elif self.reading is ConnectionPhase.HEADERS or self.phase is ConnectionPhase.HEADERS:
+            self._enter(ConnectionPhase.HEADERS)  # part of the next request came (perhaps pipelined)
         else:
-            self._enter(Phase.IDLE)
+            self._enter(ConnectionPhase.IDLE)
 
-    def _enter(self, phase: Phase) -> None:
+    def _enter(self, phase: ConnectionPhase) -> None:
         if phase is self.phase:
             return  # a trickle does not move the deadline
         self.phase = phase
@@ -275,7 +279,7 @@ class LimitedProtocol(HttpToolsProtocol):
             self.timer = self.loop.call_at(self.expires_at, self._on_timer)
             return
         log.debug("closing a connection: its %s took too long", self.phase.value)
-        if self.phase is Phase.HEADERS and self.received_in_phase:
+        if self.phase is ConnectionPhase.HEADERS and self.received_in_phase:
             self._refuse(408, "request_timeout", f"the request's headers took over {self.limits.header_timeout_s:g} s")
             return
         self.transport.close()

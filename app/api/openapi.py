@@ -168,7 +168,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         served: dict[str, Any] = (
             {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
         )
-        if len(config.models) == 1:  # a body that names none asks for the one served (app/api/routes.py)
+        if len(config.models) == 1:  # a body that names none asks for the one served (app/api/generate.py)
             served = {"type": ["string", "null"], "enum": [*config.models, None]}
             schema["required"] = [name for name in schema.get("required", ()) if name != "model"]
         schema["properties"]["model"] = served

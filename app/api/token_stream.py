@@ -12,7 +12,7 @@ sse-starlette's headers and its ``SendTimeoutError`` but runs the stream in the
 request's own task:
 
 - the response starts once the body's first item is ready: a stream's body waits there
-  for its commit point, begun while the response was made ready (app/api/routes.py),
+  for its commit point, begun while the response was made ready (app/api/generate.py),
   and may refuse the stream instead (:class:`Refused`: a 503 goes out in its place);
 - the response's start and end go through Starlette's ``send``, so its wrappers see the
   response start and end as they would; every body event goes to the server's

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from app.contract.logprobs import from_wire
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall, tool_call_piece_problem, usage_of
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCallFrame, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -157,7 +157,7 @@ class AttemptFrames:
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
                 streamed = obj.get("streamed", False) is True  # its pieces went out as token frames
-                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"], streamed)
+                return ToolCallFrame(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"], streamed)
             if kind == "done":
                 usage, details = usage_of(obj["usage"])  # a reasoning parser's completion_tokens_details
                 stops = obj.get("stop_reasons", [])

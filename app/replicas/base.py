@@ -81,7 +81,7 @@ def tool_call_piece_problem(calls: Any) -> str | None:
 
 
 @dataclass(slots=True)
-class ToolCall:
+class ToolCallFrame:
     """A choice's whole tool call, for the tool ledger. ``streamed``: its pieces already
     went to the client as the replica streamed them (tokens under ``tool_calls``,
     with the replica's id); otherwise the client gets it whole, under the gateway's id."""
@@ -103,7 +103,7 @@ class Done:
     usage_details: dict[str, Any] | None = None  # the usage's other fields, as received
 
 
-Frame = Heartbeat | Token | ToolCall | Done
+Frame = Heartbeat | Token | ToolCallFrame | Done
 
 
 def usage_of(given: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any] | None]:

@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire, named_text
-from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
+from app.replicas.base import Done, Frame, Token, ToolCallFrame, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.openai_chunks import parse_chunk
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -166,7 +166,7 @@ class OpenAIStream:
         if len(finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
         for (number, call_index), call in sorted(pending_calls.items()):
-            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"], streamed=True)
+            yield ToolCallFrame(number, call_index, call["id"], call["name"], call["arguments"], streamed=True)
         reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
         stops = [stop_reasons.get(number) for number in sorted(finish_reasons)]
         yield Done(reasons[0], reasons, usage or {}, stops if any(s is not None for s in stops) else [], usage_details)

@@ -45,7 +45,7 @@ from app.contract.fleet_join import (
 from app.driver.context import GatewayContext
 from app.driver.fleet import FleetKeeper
 from app.store.errors import InstanceFenced, StoreUnavailable
-from app.store.fleet_model import Declared
+from app.store.fleet_model import DeclaredReplica
 
 log = logging.getLogger("phasegate.fleet")
 
@@ -125,7 +125,7 @@ class _Joins:
             raise InvalidRequest("models: {NAME: REVISION or null}", param="models", code="invalid_models")
         served = self.ctx.config.models
         unknown = [name for name in models if served and name not in served]
-        declared = Declared(replica_id, url.rstrip("/"), "worker", tuple(sorted(models.items())), incarnation)
+        declared = DeclaredReplica(replica_id, url.rstrip("/"), "worker", tuple(sorted(models.items())), incarnation)
         actor = f"worker {replica_id}"
         if unknown:
             await self._refused(declared, actor, f"model {unknown[0]!r} is not served by this gateway")
@@ -153,7 +153,7 @@ class _Joins:
             status_code=201,
         )
 
-    async def _refused(self, declared: Declared, actor: str, reason: str) -> None:
+    async def _refused(self, declared: DeclaredReplica, actor: str, reason: str) -> None:
         log.warning("fleet: %s refused: %s", actor, reason)
         await self.fleet.refuse(declared, source="join", actor=actor, reason=reason, instance_id=self.ctx.gateway_id)
 

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (docs/design.md §17): ``POST /v1/messages`` and ``POST
 /v1/messages/count_tokens``, and a message's stream resumed from the log.
 
-A message is generated as any request is (app/api/routes.py): the body is read into the
+A message is generated as any request is (app/api/generate.py): the body is read into the
 chat completion its attempts ask for (app/api/messages/request.py), and its answer and
 stream take this API's shape (app/api/messages/shape.py). Clients speak Anthropic's way:
 the key comes in ``x-api-key`` (or ``Authorization``), ``anthropic-version`` and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -29,6 +28,7 @@ from starlette.routing import Route
 from app.api.auth import Authenticator
 from app.api.bodies import json_body
 from app.api.errors import ApiError, BadGateway, InvalidRequest, NotFound, ServiceUnavailable, retry_headers
+from app.api.generate import Generate
 from app.api.messages.request import count_body_of, parse_messages_request
 from app.api.messages.shape import anthropic_error
 from app.api.request_ids import id_header, new_request_id
@@ -37,8 +37,6 @@ from app.driver.request import GenerationRequest
 
 log = logging.getLogger("phasegate.api")
 
-Parse = Callable[[Any, str], Awaitable[GenerationRequest]]
-Generate = Callable[[Request, Parse], Awaitable[Response]]
 KEPT_HEADERS = ("x-request-id", "x-should-retry", "retry-after", "www-authenticate")
 
 

@@ -1,5 +1,7 @@
-"""``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``: a response as
-the log holds it, on any instance (docs/design.md §15, app/api/responses/log.py).
+"""The Responses API (docs/design.md §15): ``POST /v1/responses``, served as every generation
+is (app/api/generate.py, the body read by app/api/responses/request.py); and ``GET
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``: a response as the log
+holds it, on any instance (app/api/responses/log.py).
 
 A finished response comes back whole: its output, usage and status, or its failure
 with the output the client was sent. A live one is ``in_progress``, with the output its
@@ -27,11 +29,13 @@ from starlette.routing import Route
 from app.api.auth import Authenticator
 from app.api.cancel.routes import stop
 from app.api.errors import ApiError, InvalidRequest, LogUnavailable, NotFound
+from app.api.generate import Generate
 from app.api.json_answer import JSONAnswer
 from app.api.request_ids import id_header
 from app.api.responses.log import (
     ENDED,
     body_of,
+    earlier_turns,
     kept_body,
     response_events,
     response_from_log,
@@ -39,11 +43,13 @@ from app.api.responses.log import (
     shown_deltas,
 )
 from app.api.responses.poll import poll_live
+from app.api.responses.request import parse_responses_request
 from app.api.resume.attach import at_owner, ended, stream_from
 from app.api.resume.follow import record_resumed
 from app.api.resume.log import check_resumable
 from app.contract.integers import IntegerRefused, parse_integer
 from app.driver.context import GatewayContext
+from app.driver.request import GenerationRequest
 from app.store.base import RequestInput
 from app.store.errors import StoreUnavailable
 from statemachine import events as ev
@@ -53,9 +59,10 @@ log = logging.getLogger("phasegate.api")
 MAX_ITEMS = 100
 
 
-def responses_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[Route]:
-    routes = _Responses(ctx, authenticator)
+def responses_routes(ctx: GatewayContext, authenticator: Authenticator, generate: Generate) -> list[Route]:
+    routes = _Responses(ctx, authenticator, generate)
     return [
+        Route("/v1/responses", routes.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", routes.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", routes.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", routes.input_items, methods=["GET"]),
@@ -64,9 +71,20 @@ def responses_routes(ctx: GatewayContext, authenticator: Authenticator) -> list[
 
 
 class _Responses:
-    def __init__(self, ctx: GatewayContext, authenticator: Authenticator) -> None:
+    def __init__(self, ctx: GatewayContext, authenticator: Authenticator, generate: Generate) -> None:
         self.ctx = ctx
         self.authenticator = authenticator
+        self.generate = generate
+
+    async def create(self, request: Request) -> Response:
+        return await self.generate(request, self._parse)
+
+    async def _parse(self, body: Any, tenant: str) -> GenerationRequest:
+        """A Responses request, after the conversation its ``previous_response_id`` names
+        (from the log, within the tenant)."""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        earlier = await earlier_turns(self.ctx.store, tenant, previous) if isinstance(previous, str) else []
+        return parse_responses_request(body, self.ctx.config.limits, earlier)
 
     async def retrieve(self, request: Request) -> Response:
         return await self._answer(request, self._retrieve)
