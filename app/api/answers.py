@@ -30,7 +30,7 @@ from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import GenerationRequest
-from app.http_cycle import ChunkWriter
+from app.http.cycle import ChunkWriter
 from app.store.errors import StoreError
 from statemachine.deltas import TOOL_CALLS
 

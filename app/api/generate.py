@@ -54,9 +54,9 @@ from app.driver.context import GatewayContext
 from app.driver.driver import RequestDriver
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import GenerationRequest
-from app.http_cycle import CHUNK_WRITER
-from app.logs import bind_request
+from app.http.cycle import CHUNK_WRITER
 from app.store.errors import StoreError
+from app.telemetry.logs import bind_request
 
 log = logging.getLogger("phasegate.api")
 

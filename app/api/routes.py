@@ -39,8 +39,8 @@ from app.api.utility.gateway import gateway_routes
 from app.api.utility.routes import utility_routes
 from app.api.utility.unserved import unserved_routes
 from app.driver.context import GatewayContext
-from app.logs import LogContext
-from app.tracing import RequestSpans
+from app.telemetry.logs import LogContext
+from app.telemetry.tracing import RequestSpans
 
 log = logging.getLogger("phasegate.api")
 

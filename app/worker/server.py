@@ -28,10 +28,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app import logs
 from app.contract import worker_protocol
 from app.contract.integers import IntegerRefused, exceeds, parse_integer
-from app.http_server import server_config, write_ready_file
+from app.http.server import server_config, write_ready_file
+from app.telemetry import logs
 from app.worker.auth import RequireToken
 from app.worker.config import WorkerConfig, make_engine
 from app.worker.faults import FaultBook
@@ -320,7 +320,7 @@ async def _serve(config: WorkerConfig) -> int:
     port = sock.getsockname()[1]
     server = _Server(
         # header and body timeouts, keep-alive (longer than the gateway's httpx: a request
-        # sent on a connection the worker was closing got a reset), 431: app/http_server.py
+        # sent on a connection the worker was closing got a reset), 431: app/http/server.py
         server_config(
             app,
             config.http,

@@ -22,8 +22,8 @@ from app.api.errors import ApiError, LogUnavailable, NotFound, ServiceUnavailabl
 from app.api.owner import FORWARD_TIMEOUT_S, owner_address
 from app.api.request_ids import check_request_id, id_header
 from app.driver.context import GatewayContext
-from app.logs import bind_request
 from app.store.errors import StoreUnavailable
+from app.telemetry.logs import bind_request
 from statemachine import events as ev
 from statemachine.state import fold
 

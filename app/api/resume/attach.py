@@ -40,9 +40,9 @@ from app.driver.driver import RequestDriver
 from app.driver.feed import AttachedClient
 from app.driver.outputs import Delta, Failed, Output, Restarted
 from app.driver.request import GenerationRequest
-from app.http_cycle import CHUNK_WRITER
-from app.logs import bind_request
+from app.http.cycle import CHUNK_WRITER
 from app.store.errors import StoreUnavailable
+from app.telemetry.logs import bind_request
 from statemachine import events as ev
 from statemachine.state import fold
 

@@ -33,7 +33,7 @@ from app.api.resume.log import check_resumable
 from app.api.shape import Shape
 from app.driver.context import GatewayContext
 from app.driver.request import MESSAGES
-from app.logs import bind_request
+from app.telemetry.logs import bind_request
 from statemachine import events as ev
 
 log = logging.getLogger("phasegate.api")

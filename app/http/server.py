@@ -34,13 +34,13 @@ passes (a lingering close, as Apache and nginx do).
 
 A response without ``Content-Length`` is chunked for an HTTP/1.1 client; uvicorn's
 httptools protocol chunks it for an HTTP/1.0 client too, which cannot read that, so
-here that body is delimited by the connection's close (``app.http_cycle.Cycle``).
+here that body is delimited by the connection's close (``app.http.cycle.Cycle``).
 
 Each request's scope also carries ``CLIENT_GONE``: a future resolved when the connection
 is lost before the response completed, for an application that must notice a client
 leaving while it sends nothing (a stream waiting for its next token) without a task of
 its own blocked on ``receive()``; and ``CHUNK_WRITER``, which writes a streamed response's
-body chunks straight to the socket (``app.http_cycle.ChunkWriter``).
+body chunks straight to the socket (``app.http.cycle.ChunkWriter``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import Any, ClassVar, cast
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.http_cycle import CHUNK_WRITER, ChunkWriter, Cycle
+from app.http.cycle import CHUNK_WRITER, ChunkWriter, Cycle
 
 log = logging.getLogger("phasegate.http")
 

@@ -1,4 +1,4 @@
-"""The embedded default's demo, for ``phasegate serve`` (app/serve.py): simulated workers
+"""The embedded default's demo, for ``phasegate serve`` (app/process/serve.py): simulated workers
 that join the fleet by themselves, waiting for them, and the banner printed once serving.
 
 The workers join through this gateway with ``--join`` (docs/worker-protocol.md), under
@@ -18,8 +18,8 @@ from typing import Any
 
 from app.config import GatewayConfig, load_config
 from app.contract.worker_token import TOKEN_ENV
-from app.http_server import write_ready_file
-from app.supervisor import Child, start_worker
+from app.http.server import write_ready_file
+from app.process.supervisor import Child, start_worker
 
 DEMO_MODEL = "phasegate-sim"
 DEMO_REVISION = "sim-1"
@@ -47,7 +47,7 @@ def with_sim_workers(
     """``config`` with ``count`` sim workers started (each in ``children`` as soon as it
     started, so a signal meanwhile still stops every one) that join the fleet by themselves
     through this gateway (``--join``, docs/worker-protocol.md), with the worker token:
-    the configured one, else one generated for this run (:func:`app.supervisor.worker_token`).
+    the configured one, else one generated for this run (:func:`app.process.supervisor.worker_token`).
     ``hold`` holds a stop signal while each starts."""
     models = config.models or {DEMO_MODEL: DEMO_REVISION}
     names = [arg for name, revision in models.items() for arg in ("--model", f"{name}={revision}")]

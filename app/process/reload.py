@@ -5,8 +5,8 @@ settings again as it read them at start (the ``--config`` file, the environment,
 flags: :class:`Settings`), and check them whole. A file that does not load, or that
 changes a setting only a restart can change, is refused: the reason goes to the log and
 the running configuration serves on. Otherwise the new configuration goes to every
-gateway process of the instance at once (app/serve.py, app/gateway_process.py), which
-apply it between two requests (app/gateway.py, ``Gateway.reload``).
+gateway process of the instance at once (app/process/serve.py, app/process/gateway_process.py), which
+apply it between two requests (app/process/gateway.py, ``Gateway.reload``).
 
 What a reload changes (:data:`RELOADABLE`): the replicas (``[[replicas]]`` and
 ``[[discover]]``), the models and their revisions, routing, API keys, the request limits

@@ -19,7 +19,7 @@ this process (:func:`run_gateway`).
 
 ``SIGHUP`` (``phasegate reload``) reads the configuration again: applied at once in every
 gateway process, or refused with the reason in the log while the running one serves on
-(app/reload.py). Its pid is in ``--pid-file``, else in its embedded PostgreSQL's data
+(app/process/reload.py). Its pid is in ``--pid-file``, else in its embedded PostgreSQL's data
 directory, for ``phasegate reload`` to find.
 
 With no ``admin_token`` configured and a loopback listen address (the demo's case), it
@@ -44,13 +44,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from app import demo, logs
 from app.config import LOG_FORMATS, ConfigError, GatewayConfig, load_config, parse_replica
-from app.gateway_process import ChildSpec, frame, quiet_libraries, run_gateway
-from app.gateway_process import bind_listening as _bind
-from app.gateway_process import is_loopback as _is_loopback
-from app.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
-from app.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir
+from app.process import demo
+from app.process.gateway_process import ChildSpec, frame, quiet_libraries, run_gateway
+from app.process.gateway_process import bind_listening as _bind
+from app.process.gateway_process import is_loopback as _is_loopback
+from app.process.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
+from app.process.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir
+from app.telemetry import logs
 
 log = logging.getLogger("phasegate.serve")
 
@@ -134,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
     quiet_libraries()
     logs.redact(*_secrets(config))
     if config.otel_endpoint:
-        from app import tracing
+        from app.telemetry import tracing
 
         try:
             tracing.configure(config.otel_endpoint, config.otel_service_name)

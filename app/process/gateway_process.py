@@ -1,7 +1,7 @@
-"""One gateway process: uvicorn serving a :class:`~app.gateway.Gateway` on sockets bound before.
+"""One gateway process: uvicorn serving a :class:`~app.process.gateway.Gateway` on sockets bound before.
 
 ``phasegate serve`` runs it in its own process (``--processes 1``) or starts N children
-that each run it (``python -m app.gateway_process``, :mod:`app.supervisor`). How a child
+that each run it (``python -m app.process.gateway_process``, :mod:`app.process.supervisor`). How a child
 works: the parent bound the port once; the child inherits that listening socket (its
 descriptor number on the command line), reads what to serve from its standard input
 (a :class:`ChildSpec`, pickled by the parent, which alone writes it, in a frame: its
@@ -11,7 +11,7 @@ behind. Each child is an instance of its own (docs/design.md §11): its own id, 
 sweeps, named ``host:port/i``. Its instance address (where another instance forwards a
 stop button) is a second socket of its own on the same host, since the shared port may
 reach any child. Its standard input stays open: each configuration reload the parent
-accepted comes as a new frame (app/reload.py), which the child applies between two
+accepted comes as a new frame (app/process/reload.py), which the child applies between two
 requests (``Gateway.reload``). The parent forwards SIGTERM and SIGINT to the children as SIGTERM:
 the first drains, the second ends open streams now, the third stops at once.
 """
@@ -40,12 +40,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from app import logs
 from app.config import GatewayConfig
-from app.http_server import server_config
+from app.http.server import server_config
+from app.telemetry import logs
 
 if TYPE_CHECKING:
-    from app.gateway import Gateway
+    from app.process.gateway import Gateway
 
 PR_SET_PDEATHSIG = 1
 
@@ -114,7 +114,7 @@ async def run_gateway(
     ``on_started`` waits for, a few seconds at most, so that the first request finds them."""
     import uvicorn
 
-    from app.gateway import Gateway
+    from app.process.gateway import Gateway
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, whose first SIGTERM or SIGINT drains the gateway before it stops."""
@@ -148,7 +148,7 @@ async def run_gateway(
     server = DrainingServer(
         server_config(
             gateway.app,
-            config.http_limits,  # header and body timeouts, keep-alive, 431 (app/http_server.py)
+            config.http_limits,  # header and body timeouts, keep-alive, 431 (app/http/server.py)
             host=config.host,
             port=config.port,
             log_level="warning",
@@ -221,7 +221,7 @@ def _own_socket(host: str) -> Listening:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.gateway_process")
+    parser = argparse.ArgumentParser(prog="python -m app.process.gateway_process")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--ready-file", type=Path, required=True)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     logs.redact(*spec.secrets)
     if config.otel_endpoint:
-        from app import tracing
+        from app.telemetry import tracing
 
         tracing.configure(config.otel_endpoint, config.otel_service_name)  # the parent checked it works
     listener = Listening(fileno=args.listen_fd)

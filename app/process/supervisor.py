@@ -112,7 +112,7 @@ class GatewayChild:
 
 
 class GatewayProcesses:
-    """N gateway processes (``python -m app.gateway_process``) serving one listening socket.
+    """N gateway processes (``python -m app.process.gateway_process``) serving one listening socket.
 
     Each child gets the socket's descriptor and ``spec`` on its standard input, in a process
     group of its own, so a terminal's Ctrl-C reaches this parent alone, which forwards
@@ -137,7 +137,7 @@ class GatewayProcesses:
         self._launched += 1
         ready_file = self.run_dir / f"gateway-{index}.{self._launched}.ready.json"
         fd = self.listener.fileno()
-        command = [sys.executable, "-m", "app.gateway_process", "--index", str(index), "--listen-fd", str(fd)]
+        command = [sys.executable, "-m", "app.process.gateway_process", "--index", str(index), "--listen-fd", str(fd)]
         command += ["--ready-file", str(ready_file), "--parent", str(os.getpid())]
         process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
         child = GatewayChild(index, process, ready_file)

@@ -13,7 +13,7 @@ name, resolved while the gateway runs (app/replicas/discovery.py) by the process
 holds the fleet's lock: each hands what it read to its
 :class:`~app.driver.fleet.FleetKeeper`, and the lock holder writes the changes; every
 pool follows the membership. ``reload`` applies a configuration that the parent process
-checked whole (app/reload.py), at once, between two requests.
+checked whole (app/process/reload.py), at once, between two requests.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from app.driver.context import GatewayContext, ToolRunner
 from app.driver.fleet import FleetKeeper
 from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
-from app.metrics import Metrics
 from app.replicas.base import ReplicaClient
 from app.replicas.declared import dns_replicas
 from app.replicas.discovery import Address, Discovery, DiscoveryLoops
@@ -47,7 +46,8 @@ from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
-from app.tracing import AttemptSpans
+from app.telemetry.metrics import Metrics
+from app.telemetry.tracing import AttemptSpans
 
 log = logging.getLogger("phasegate.gateway")
 
@@ -146,7 +146,7 @@ class Gateway:
                 family.remove(name)
 
     def reload(self, config: GatewayConfig) -> None:
-        """Serve ``config`` from now on: checked whole by the parent (app/reload.py), applied
+        """Serve ``config`` from now on: checked whole by the parent (app/process/reload.py), applied
         here at once, with no await in between, so no request sees half of it. A request
         accepted before keeps what it was accepted with (its routing, revision, timeouts)."""
         self.ctx.config = config

@@ -1,4 +1,4 @@
-"""A request's response on the server (``app/http_server.py``): uvicorn's request-response
+"""A request's response on the server (``app/http/server.py``): uvicorn's request-response
 cycle, with a streamed body's chunks written by a ``ChunkWriter`` and its head sent in
 the same write as its first chunk.
 
