@@ -45,6 +45,8 @@ from app.http.server import server_config
 from app.telemetry import logs
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from app.process.gateway import Gateway
 
 PR_SET_PDEATHSIG = 1
@@ -158,31 +160,41 @@ async def run_gateway(
         )
     )
 
-    async def started() -> None:
-        while not server.started:
-            await asyncio.sleep(0.05)
-        # The startup heap (the modules, the app, the configuration) is static from here
-        # on: frozen, the collector's full passes no longer walk it (as the worker does).
-        # It saves a little CPU and no memory, where raising the collector's thresholds
-        # cost memory (figures: docs/performance.md).
-        gc.collect()
-        gc.freeze()
-        deadline = loop.time() + JOIN_WAIT_S
-        while not set(joining) <= set(gateway.ctx.pool.replicas) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        asked = stop_asked() if stop_asked is not None else None
-        if asked is not None:
-            server.handle_exit(asked, None)
-            return
-        on_started()
-
-    watch = loop.create_task(started())
+    watch = loop.create_task(_when_started(server, gateway, joining, stop_asked, on_started))
     try:
         await server.serve(sockets=sockets)
     finally:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
+
+
+async def _when_started(
+    server: uvicorn.Server,
+    gateway: Gateway,
+    joining: Sequence[str],
+    stop_asked: Callable[[], int | None] | None,
+    on_started: Callable[[], None],
+) -> None:
+    """Once ``server`` accepts requests: the startup heap frozen, the replicas that join by
+    themselves waited for, then ``on_started``; or the stop asked while it started."""
+    loop = asyncio.get_running_loop()
+    while not server.started:
+        await asyncio.sleep(0.05)
+    # The startup heap (the modules, the app, the configuration) is static from here
+    # on: frozen, the collector's full passes no longer walk it (as the worker does).
+    # It saves a little CPU and no memory, where raising the collector's thresholds
+    # cost memory (figures: docs/performance.md).
+    gc.collect()
+    gc.freeze()
+    deadline = loop.time() + JOIN_WAIT_S
+    while not set(joining) <= set(gateway.ctx.pool.replicas) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    asked = stop_asked() if stop_asked is not None else None
+    if asked is not None:
+        server.handle_exit(asked, None)
+        return
+    on_started()
 
 
 # --- a child of ``phasegate serve --processes N`` ------------------------------------------------

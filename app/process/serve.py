@@ -114,34 +114,10 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    # Until the server runs (and after it stopped), SIGTERM and Ctrl-C unwind through the
-    # finally below as SystemExit: no KeyboardInterrupt traceback, nothing left running.
-    # While it runs, DrainingServer handles them.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_on_signal)
-    signal.signal(signal.SIGHUP, _Deferred.hangup)  # a reload asked while it starts: once it serves
-    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
-    if args.replica:
-        overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
-    if args.model:
-        overrides["models"] = dict(_model(text) for text in args.model)
-    try:
-        config = load_config(args.config, **overrides)
-    except ConfigError as exc:
-        print(f"phasegate serve: {exc}")
-        return 2
-    settings = Settings(args.config, overrides, config)
-    logs.configure(args.log_level, config.log_format)
-    quiet_libraries()
-    logs.redact(*_secrets(config))
-    if config.otel_endpoint:
-        from app.telemetry import tracing
-
-        try:
-            tracing.configure(config.otel_endpoint, config.otel_service_name)
-        except tracing.TracingUnavailable as exc:
-            print(f"phasegate serve: {exc}")
-            return 2
+    configured = _configure(args)
+    if isinstance(configured, int):
+        return configured  # a bad setting, said
+    settings, config = configured
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
@@ -159,14 +135,7 @@ def serve(args: argparse.Namespace) -> int:
     database: EmbeddedPostgres | None = None
     workdir = run_dir()
     pid_file = pid_file_of(config, args.pid_file)
-    generated_token = None
-    if config.admin_token is None and _is_loopback(config.host):
-        # the embedded default's is kept in its data directory, so its URL lasts across starts
-        from app.store.admin_token import stable_admin_token
-
-        embedded = not config.database_url
-        generated_token = stable_admin_token(config.data_dir) if embedded else secrets.token_urlsafe(24)
-        config = dataclasses.replace(config, admin_token=generated_token)
+    config, generated_token = _with_admin_token(config)
     try:
         if pid_file is not None:
             write_pid_file(pid_file)
@@ -211,6 +180,52 @@ def serve(args: argparse.Namespace) -> int:
             database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _configure(args: argparse.Namespace) -> tuple[Settings, GatewayConfig] | int:
+    """The signals set for the start, the configuration loaded, the logs and traces set
+    up; an exit code where a setting is wrong."""
+    # Until the server runs (and after it stopped), SIGTERM and Ctrl-C unwind through the
+    # finally of serve() as SystemExit: no KeyboardInterrupt traceback, nothing left running.
+    # While it runs, DrainingServer handles them.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _Deferred.hangup)  # a reload asked while it starts: once it serves
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
+    if args.replica:
+        overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
+    if args.model:
+        overrides["models"] = dict(_model(text) for text in args.model)
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        print(f"phasegate serve: {exc}")
+        return 2
+    settings = Settings(args.config, overrides, config)
+    logs.configure(args.log_level, config.log_format)
+    quiet_libraries()
+    logs.redact(*_secrets(config))
+    if config.otel_endpoint:
+        from app.telemetry import tracing
+
+        try:
+            tracing.configure(config.otel_endpoint, config.otel_service_name)
+        except tracing.TracingUnavailable as exc:
+            print(f"phasegate serve: {exc}")
+            return 2
+    return settings, config
+
+
+def _with_admin_token(config: GatewayConfig) -> tuple[GatewayConfig, str | None]:
+    """Where no admin token is set and the gateway listens on loopback, one generated (the
+    embedded default's kept in its data directory, so its URL lasts across starts)."""
+    if config.admin_token is not None or not _is_loopback(config.host):
+        return config, None
+    from app.store.admin_token import stable_admin_token
+
+    embedded = not config.database_url
+    generated = stable_admin_token(config.data_dir) if embedded else secrets.token_urlsafe(24)
+    return dataclasses.replace(config, admin_token=generated), generated
 
 
 class _Deferred:

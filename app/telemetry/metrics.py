@@ -15,7 +15,16 @@ APPEND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._requests(self.registry)
+        self._latencies(self.registry)
+        self._replicas(self.registry)
+        self._live_state(self.registry)
+        self._fleet(self.registry)
+        # called before each scrape is rendered, to set the gauges of the live state
+        self.on_scrape: Callable[[], None] = lambda: None
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """Requests and what became of them: outcomes, refusals, migrations, fences."""
         self.requests = Counter("phasegate_requests", "Requests by model and outcome", ["model", "outcome"], registry=r)
         self.rejected = Counter(
             "phasegate_requests_rejected", "Requests refused before acceptance, by error code", ["code"], registry=r
@@ -38,6 +47,9 @@ class Metrics:
         self.fences = Counter(
             "phasegate_fenced_attempts", "Fenced attempts by how they were released", ["released_by"], registry=r
         )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        """What the client waited for, and what the log's appends took."""
         self.ttft = Histogram(
             "phasegate_time_to_first_token_seconds",
             "Acceptance to the first delta written to the client",
@@ -68,6 +80,9 @@ class Metrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
             registry=r,
         )
+
+    def _replicas(self, r: CollectorRegistry) -> None:
+        """The pool's replicas, those DNS discovery declares, and the requests in flight."""
         self.replica_healthy = Gauge(
             "phasegate_replica_healthy", "1 while a replica is in the pool", ["replica"], registry=r
         )
@@ -85,7 +100,9 @@ class Metrics:
             ["name"],
             registry=r,
         )
-        # The gateway's live state, set at each scrape (on_scrape: app/driver/gauges.py)
+
+    def _live_state(self, r: CollectorRegistry) -> None:
+        """The gateway's live state, set at each scrape (on_scrape: app/driver/gauges.py)."""
         self.retry_budget_available = Gauge(
             "phasegate_retry_budget_available", "Retries the global retry budget allows now", registry=r
         )
@@ -115,8 +132,9 @@ class Metrics:
             "phasegate_gateway_instance_fenced", "Times this gateway lost its lease and registered again", registry=r
         )
 
-        # the fleet (docs/design.md §16): members by model and state, set at each scrape;
-        # changes this process applied, by the source that made them
+    def _fleet(self, r: CollectorRegistry) -> None:
+        """The fleet (docs/design.md §16): members by model and state, set at each scrape;
+        changes this process applied, by the source that made them."""
         self.model_replicas = Gauge(
             "phasegate_fleet_replicas",
             "Fleet members by model and state (serving, cordoned)",
@@ -129,9 +147,6 @@ class Metrics:
             ["source", "event"],
             registry=r,
         )
-
-        # called before each scrape is rendered, to set the gauges of the live state
-        self.on_scrape: Callable[[], None] = lambda: None
 
     def forget_replica(self, replica_id: str) -> None:
         """A replica that left the fleet: its series go (no gauge stays at its last value)."""
