@@ -28,8 +28,8 @@ from typing import Any
 
 # subcommand -> (module, the function there that adds its parser or parsers)
 PARSERS: dict[str, tuple[str, str]] = {
-    "serve": ("app.serve", "add_serve_parser"),
-    "reload": ("app.reload", "add_reload_parser"),
+    "serve": ("app.process.serve", "add_serve_parser"),
+    "reload": ("app.process.reload", "add_reload_parser"),
     "worker": ("app.worker.config", "add_worker_parser"),
     "db": ("app.store.commands", "add_db_parser"),
     "replay": ("app.incident.commands", "add_incident_parsers"),
@@ -38,7 +38,7 @@ PARSERS: dict[str, tuple[str, str]] = {
     "tenants": ("app.store.tenant_commands", "add_tenant_parsers"),
     "sql": ("app.store.sql_command", "add_sql_parser"),
     "admin-token": ("app.store.admin_token", "add_admin_token_parser"),
-    "replicas": ("app.fleet_cli", "add_replicas_parser"),
+    "replicas": ("app.process.fleet_cli", "add_replicas_parser"),
 }
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         _adder(adder)(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from app.serve import serve
+        from app.process.serve import serve
 
         return serve(args)
     if args.command == "worker":

@@ -18,7 +18,7 @@ from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError, check_token, read_token_file
 from app.discover_config import DiscoverConfig, DiscoverError, parse_discover
-from app.http_server import HttpLimits
+from app.http.server import HttpLimits
 from statemachine.policy_config import PolicyConfig
 from statemachine.routing import DEFAULT_ROUTING, RoutingConfig
 
@@ -206,7 +206,7 @@ class GatewayConfig:
     content_policy: str = "full"  # how delivered text is kept in the log: full, digest or none
     max_body_bytes: int = 1 << 20
     # how long a client may take over a request's headers (trickled or not), over its body,
-    # and how long a kept-alive connection may idle (app/http_server.py); headers over
+    # and how long a kept-alive connection may idle (app/http/server.py); headers over
     # http_max_header_bytes get 431
     http_header_timeout_s: float = _HTTP_DEFAULTS.header_timeout_s
     http_body_timeout_s: float = _HTTP_DEFAULTS.body_timeout_s

@@ -24,7 +24,7 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from app.store.postgres import PostgresEventStore
 from ops.chaos_check import accepted, never_ended
 from ops.churn_traffic import Record

@@ -32,7 +32,7 @@ def listening_socket() -> socket.socket:
     port is chosen and freed for the server to bind, which another process could take first."""
     sock = socket.socket(
         socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-    )  # TCP: asyncio sets TCP_NODELAY (app/serve.py)
+    )  # TCP: asyncio sets TCP_NODELAY (app/process/serve.py)
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
     return sock

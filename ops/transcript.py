@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.sse import ChoiceAnswer
+from app.api.shape import ChoiceAnswer
 from statemachine.deltas import TOOL_CALLS
 
 

@@ -393,7 +393,7 @@ Event = (
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in typing.get_args(Event)}
-TERMINAL_EVENT_TYPES: frozenset[type[Event]] = frozenset({RequestCompleted, RequestFailed, RequestCancelled})
+TERMINAL_EVENTS = (RequestCompleted, RequestFailed, RequestCancelled)  # the events that end a request: one a log
 
 
 def is_attempt_scoped(cls: type[Event]) -> bool:

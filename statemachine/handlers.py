@@ -295,7 +295,7 @@ def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
         raise illegal(state, event, f"deltas [{event.from_index}, {event.to_index}) were never delivered")
     # the most any reader was shown (docs/design.md §15): the reader then had every delta
     # before ``to_index``. delivered_deltas stays what was delivered live: it is where the
-    # log's produced tail starts (app/api/from_log.py); read_deltas keeps the reads' most
+    # log's produced tail starts (app/api/resume/log.py); read_deltas keeps the reads' most
     return {
         "delivered_output_tokens": max(state.delivered_output_tokens, event.tokens),
         "read_deltas": max(state.read_deltas, event.to_index),

@@ -23,8 +23,6 @@ from statemachine.policy_config import PolicyConfig
 from statemachine.replay import replay
 from statemachine.request_state import DEAD_KINDS
 
-TERMINALS = (ev.RequestCompleted, ev.RequestFailed, ev.RequestCancelled)
-
 
 def violations(events: Sequence[Event], config: PolicyConfig | None = None) -> list[str]:
     """Every rule ``events`` (one request, in seq order) breaks; empty when none."""
@@ -35,7 +33,7 @@ def violations(events: Sequence[Event], config: PolicyConfig | None = None) -> l
         found.append("events of several requests are mixed")
     if [event.seq for event in events] != list(range(1, len(events) + 1)):
         found.append("seq has a gap or a repeat")
-    terminals = sum(isinstance(event, TERMINALS) for event in events)
+    terminals = sum(isinstance(event, ev.TERMINAL_EVENTS) for event in events)
     if terminals != 1:
         found.append(f"{terminals} terminal events")
     found.extend(_overlaps(events))

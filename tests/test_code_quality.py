@@ -3,6 +3,7 @@ statemachine/, the size of modules, and no history or measured figures in the co
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -41,6 +42,33 @@ def test_modules_stay_small(package: str) -> None:
     assert sizes, f"no modules under {package}/"
     over = {name: lines for name, lines in sorted(sizes.items()) if lines > MAX_LINES}
     assert over == {}, f"modules over {MAX_LINES} lines (split them by concern): {over}"
+
+
+MAX_FUNCTION_LINES = 80  # docs/style.md: a function reads top to bottom; nested functions count in their parent
+
+
+def test_functions_stay_short() -> None:
+    long = {}
+    for package in ("app", "statemachine"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long[f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}"] = lines
+    assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines (split them by what they do): {long}"
+
+
+def test_no_two_classes_share_a_name() -> None:
+    # docs/style.md: a name says which class it is, wherever it is read; nested classes count
+    found: dict[str, list[str]] = {}
+    for package in ("app", "statemachine"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ClassDef):
+                    found.setdefault(node.name, []).append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}")
+    assert len(found) > 100, "the packages moved: this test reads nothing"
+    assert {name: where for name, where in found.items() if len(where) > 1} == {}
 
 
 # History a reader cannot look up: an issue's number, or the name of a CI run ("ci" and its

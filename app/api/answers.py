@@ -18,23 +18,36 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app.api.chat.shape import ChatShape, completion_id
 from app.api.errors import failure_body, retry_headers
 from app.api.json_answer import JSONAnswer
+from app.api.messages.shape import MessagesShape
 from app.api.pooling.answer import pooled_answer
-from app.api.responses_shape import Shape, shape_for
-from app.api.sse import ChoiceAnswer
+from app.api.responses.shape import ResponsesShape
+from app.api.shape import ChoiceAnswer, Shape
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
 from app.driver.loop import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
-from app.http_cycle import ChunkWriter
+from app.driver.request import GenerationRequest
+from app.http.cycle import ChunkWriter
 from app.store.errors import StoreError
 from statemachine.deltas import TOOL_CALLS
 
 log = logging.getLogger("phasegate.api")
 
 T = TypeVar("T")
+
+
+def shape_for(request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> Shape:
+    """The answer's shape for the API the client called: a Responses API answer, an
+    Anthropic message, or a chat completion or completion."""
+    if request.anthropic is not None:
+        return MessagesShape(request, request_id, created, model)
+    if request.responses is not None:
+        return ResponsesShape(request, request_id, created, model)
+    return ChatShape(request, completion_id(request, request_id), created, model)
 
 
 async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONResponse:

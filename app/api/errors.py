@@ -12,6 +12,7 @@
     ├── RateLimited          429   a tenant over one of its limits (app/api/limits.py), with Retry-After
     ├── ClientGone           499   the client left before its request was read whole (nobody reads it)
     └── ServiceUnavailable   503   the log is down, or the gateway is stopping
+        └── LogUnavailable         the request log (or the fleet's store) cannot be read or written now
 
 Each says whether the same request may succeed if sent again (``retryable``). Where it
 cannot, the response carries ``x-should-retry: false`` (:func:`retry_headers`), which the
@@ -135,6 +136,15 @@ class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+class LogUnavailable(ServiceUnavailable):
+    """The log is away: every route that reads or writes it refuses with this one error."""
+
+    code = "event_log_unavailable"
+
+    def __init__(self, what: str = "the request log") -> None:
+        super().__init__(f"{what} is unavailable; retry shortly")
 
 
 class BadGateway(ApiError):

@@ -1,6 +1,6 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of the OpenAI routes phasegate serves
 (chat completions, completions, models, and the Responses API's routes:
-app/api/openapi_responses.py), for client generators and API fuzzers.
+app/api/responses/openapi.py), for client generators and API fuzzers.
 
 The request bodies are the JSON schemas of the models the gateway validates them with
 (app/contract/requests.py, under the configured limits of ``max_tokens`` and ``n``), not
@@ -21,10 +21,10 @@ from pydantic import BaseModel
 
 from app.api.messages.openapi import SCHEMAS as MESSAGES_SCHEMAS
 from app.api.messages.openapi import messages_paths
-from app.api.openapi_responses import SCHEMAS as RESPONSES_SCHEMAS
-from app.api.openapi_responses import responses_paths
 from app.api.pooling.openapi import SCHEMAS as POOLING_SCHEMAS
 from app.api.pooling.openapi import pooling_paths
+from app.api.responses.openapi import SCHEMAS as RESPONSES_SCHEMAS
+from app.api.responses.openapi import responses_paths
 from app.config import GatewayConfig
 from app.contract.messages import CountTokensRequest, messages_model
 from app.contract.pooling import MODELS as POOLING_MODELS
@@ -175,7 +175,7 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
         served: dict[str, Any] = (
             {"type": "string", "enum": sorted(config.models)} if config.models else {"type": "string"}
         )
-        if len(config.models) == 1:  # a body that names none asks for the one served (app/api/routes.py)
+        if len(config.models) == 1:  # a body that names none asks for the one served (app/api/generate.py)
             served = {"type": ["string", "null"], "enum": [*config.models, None]}
             schema["required"] = [name for name in schema.get("required", ()) if name != "model"]
         schema["properties"]["model"] = served

@@ -12,11 +12,11 @@ sse-starlette's headers and its ``SendTimeoutError`` but runs the stream in the
 request's own task:
 
 - the response starts once the body's first item is ready: a stream's body waits there
-  for its commit point, begun while the response was made ready (app/api/routes.py),
+  for its commit point, begun while the response was made ready (app/api/generate.py),
   and may refuse the stream instead (:class:`Refused`: a 503 goes out in its place);
 - the response's start and end go through Starlette's ``send``, so its wrappers see the
   response start and end as they would; every body event goes to the server's
-  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http_cycle.py``): no ASGI message, no
+  ``ChunkWriter`` (``CHUNK_WRITER``, ``app/http/cycle.py``): no ASGI message, no
   wrapper, no framing by the server's ``send`` per event (under another server, through Starlette's ``send``);
 - the client leaving is a callback on the server's ``CLIENT_GONE`` future (a task
   awaiting ``receive()`` only under a server without it: ``client_gone``): it cancels the
@@ -27,7 +27,7 @@ request's own task:
   reading still ends the stream ``send_timeout`` after the send it blocked began;
 - pings are a timer too, which sends a comment only while no event is being sent;
 - the server's exit needs no watch: the gateway drains its streams before it tells
-  uvicorn to stop (``app/gateway_process.py``).
+  uvicorn to stop (``app/process/gateway_process.py``).
 
 A HEAD request gets sse-starlette's own answer (the head, no body).
 """
@@ -44,8 +44,8 @@ from sse_starlette.sse import SendTimeoutError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.http_cycle import CHUNK_WRITER
-from app.http_server import CLIENT_GONE
+from app.http.cycle import CHUNK_WRITER
+from app.http.server import CLIENT_GONE
 
 log = logging.getLogger("phasegate.api")
 

@@ -5,7 +5,7 @@ client of phasegate may send them (docs/design.md §14; app/contract/request_fie
 phasegate does with each field): every field vLLM declares, with its JSON type, and with
 its range where phasegate reads it. A field the client did not send stays ``None`` and is
 not sent on. Any field they do not declare is allowed, as vLLM allows it. Both the
-gateway's checks (app/api/schemas.py) and ``/openapi.json`` (app/api/openapi.py) come from
+gateway's checks (app/api/chat/request.py) and ``/openapi.json`` (app/api/openapi.py) come from
 them; what JSON Schema cannot say (``stream_options`` only with ``stream``, a named
 ``tool_choice`` among the tools, a constraint given twice) is checked where the request is
 built, with the same :class:`~app.contract.declared.BadInput`.

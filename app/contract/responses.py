@@ -7,7 +7,7 @@ translated (``input``, ``tools``, ``text``, ``reasoning``…) are declared here 
 they are read; a value phasegate understands and does not serve (a built-in tool, a
 reasoning summary, ``truncation: auto``) is :class:`~app.contract.declared.NotServed`; a
 field it does not serve at all is declared null only, and refused by name before this;
-any other field is not allowed. The gateway's checks (app/api/responses_request.py) and
+any other field is not allowed. The gateway's checks (app/api/responses/request.py) and
 ``/openapi.json`` both come from :func:`responses_model`. What JSON Schema cannot say
 (``store: false`` with ``background``, ``stream_options`` only with ``stream``) is checked
 where the chat body is built.

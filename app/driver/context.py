@@ -14,10 +14,10 @@ from typing import Any, Protocol
 from app.config import GatewayConfig
 from app.driver.batch_ages import BatchAges
 from app.driver.budget import RetryBudget
-from app.metrics import Metrics
 from app.replicas.pool import Replica, ReplicaPool
 from app.store.base import EventStore
 from app.store.idempotency import IdempotencyKeys
+from app.telemetry.metrics import Metrics
 from statemachine.events import Event
 from statemachine.request_state import RequestState
 
@@ -62,7 +62,7 @@ class LiveRequest(Protocol):
 
 
 class Tracing(Protocol):
-    """What the driver tells tracing (app/tracing.py), which it must not import: the trace
+    """What the driver tells tracing (app/telemetry/tracing.py), which it must not import: the trace
     of a request being accepted, and every event it records. Called synchronously, on
     the request's path: an implementation does little and never raises."""
 

@@ -41,7 +41,7 @@ from app.replicas.pool import Replica
 from app.store.database import asyncpg_dsn
 from app.store.fleet import FleetStore
 from app.store.fleet_listen import FleetListener
-from app.store.fleet_model import Declared, Member, Written, declared_models
+from app.store.fleet_model import DeclaredReplica, Member, Written, declared_models
 from app.store.postgres import PostgresEventStore
 
 log = logging.getLogger("phasegate.fleet")
@@ -54,9 +54,9 @@ LEAVE_EVERY_S = 1.0  # replicas asked to leave looked at this often
 JOIN_WAIT_S = 5.0  # at start, how long a process waits for the file's replicas to be members
 
 
-def declared_by_file(replicas: Iterable[ReplicaConfig]) -> list[Declared]:
+def declared_by_file(replicas: Iterable[ReplicaConfig]) -> list[DeclaredReplica]:
     """The configuration file's replicas (or a DNS name's), as a declared source's set."""
-    return [Declared(r.id, r.url, r.kind, declared_models(r.models, dict(r.revisions))) for r in replicas]
+    return [DeclaredReplica(r.id, r.url, r.kind, declared_models(r.models, dict(r.revisions))) for r in replicas]
 
 
 def replica_config(member: Member) -> ReplicaConfig:
@@ -224,7 +224,7 @@ class FleetKeeper:
         await self.reconcile("file", declared_by_file(self.ctx.config.replicas))
 
     async def reconcile(
-        self, source: str, declared: Iterable[Declared], *, scope: str = "", drain_s: float | None = None
+        self, source: str, declared: Iterable[DeclaredReplica], *, scope: str = "", drain_s: float | None = None
     ) -> list[Written] | None:
         """Bring a declared source (``file``, ``dns``) to ``declared``, if this process holds
         the fleet's lock: the events written; ``None`` when another process holds it (it

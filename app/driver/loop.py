@@ -37,7 +37,7 @@ from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.shielded import shielded
 from app.driver.tools import ToolCalls
-from app.replicas.base import Done, Heartbeat, Token, ToolCall, UpstreamFailure
+from app.replicas.base import Done, Heartbeat, Token, ToolCallFrame, UpstreamFailure
 from app.store.content import stricter
 from statemachine import events as ev
 from statemachine.actions import (
@@ -165,7 +165,7 @@ class RequestLoop(LoopActions):
                         detail=f"queued for {waited:.1f}s",
                         deadline=deadline,
                     )
-            elif type(frame) is ToolCall:
+            elif type(frame) is ToolCallFrame:
                 await self.tool_calls.emitted(run.attempt, run.lease_epoch, frame)
             elif type(frame) is Done:
                 yield Finished(

@@ -41,7 +41,7 @@ from app.driver.shielded import begun, shielded
 from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.actions import Action, FailRequest
-from statemachine.events import TERMINAL_EVENT_TYPES, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
+from statemachine.events import TERMINAL_EVENTS, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
 from statemachine.policy import decided_fields
 from statemachine.request_state import RequestState
 from statemachine.state import advance
@@ -277,7 +277,7 @@ class Recorder:
         self.close_batch()
         kept = []
         for event in self._queued:
-            if type(event) in TERMINAL_EVENT_TYPES:
+            if type(event) in TERMINAL_EVENTS:
                 break
             if not output_delivered and isinstance(event, FirstDeltaCommitted):
                 break

@@ -1,4 +1,4 @@
-"""What a client asked for, validated: the driver's input (``app.api.schemas`` builds it)."""
+"""What a client asked for, validated: the driver's input (``app.api.chat.request`` builds it)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class GenerationRequest:
     metadata: dict[str, str] | None = None  # recorded in the log, not acted on
     return_token_ids: bool = False  # vLLM's extra: each delta's token ids, and the prompt's, go to the client
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
-    # a Responses API request (app/api/responses_request.py): its attempts are the chat
+    # a Responses API request (app/api/responses/request.py): its attempts are the chat
     # completion ``raw`` holds
     responses: ResponsesCall | None = field(default=None, compare=False, repr=False)
     # an Anthropic Messages API request (app/api/messages/request.py): the same, in that API's words

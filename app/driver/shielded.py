@@ -11,7 +11,7 @@ through ``asyncio.shield``: cancelling the caller cancels its wait, never the wo
 
 ``begun(coroutine)`` starts the same way but does not wait: the caller gets a future of
 the outcome and does other work while the rest runs (the commit point's append while
-the response is made ready: app/api/routes.py).
+the response is made ready: app/api/generate.py).
 
 The first step runs in the caller's task, so it must not keep that task for later
 (``asyncio.timeout`` or ``current_task()`` before the first suspension).

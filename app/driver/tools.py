@@ -21,7 +21,7 @@ import httpx
 
 from app.driver.context import GatewayContext, ToolRunner
 from app.driver.recorder import Recorder
-from app.replicas.base import ToolCall
+from app.replicas.base import ToolCallFrame
 from app.store.content import kept_text, kept_tool_result, kept_tool_text
 from statemachine import events as ev
 
@@ -54,7 +54,7 @@ class ToolCalls:
         self.by_choice = {}
         self._occurrences = {}
 
-    async def emitted(self, attempt: int, lease_epoch: int, frame: ToolCall) -> None:
+    async def emitted(self, attempt: int, lease_epoch: int, frame: ToolCallFrame) -> None:
         """The attempt asked for a tool call: record it, and run it unless the ledger
         says another attempt already claimed it."""
         request_id = self.recorder.request_id

@@ -28,7 +28,16 @@ import httpx
 
 from app.contract import json_depth as deep_json
 from app.contract.logprobs import from_wire
-from app.replicas.base import Done, Frame, Heartbeat, PooledAnswer, Token, ToolCall, tool_call_piece_problem, usage_of
+from app.replicas.base import (
+    Done,
+    Frame,
+    Heartbeat,
+    PooledAnswer,
+    Token,
+    ToolCallFrame,
+    tool_call_piece_problem,
+    usage_of,
+)
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt
@@ -159,7 +168,7 @@ class AttemptFrames:
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
                 streamed = obj.get("streamed", False) is True  # its pieces went out as token frames
-                return ToolCall(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"], streamed)
+                return ToolCallFrame(obj["choice"], obj["index"], obj["id"], obj["name"], obj["arguments"], streamed)
             if kind == "done":
                 usage, details = usage_of(obj["usage"])  # a reasoning parser's completion_tokens_details
                 stops = obj.get("stop_reasons", [])

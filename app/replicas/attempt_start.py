@@ -32,7 +32,7 @@ from app.replicas.worker_errors import (
     error_fields,
     transport_error,
 )
-from app.tracing import trace_headers
+from app.telemetry.tracing import trace_headers
 
 
 class AttemptStarts:

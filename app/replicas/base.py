@@ -81,7 +81,7 @@ def tool_call_piece_problem(calls: Any) -> str | None:
 
 
 @dataclass(slots=True)
-class ToolCall:
+class ToolCallFrame:
     """A choice's whole tool call, for the tool ledger. ``streamed``: its pieces already
     went to the client as the replica streamed them (tokens under ``tool_calls``,
     with the replica's id); otherwise the client gets it whole, under the gateway's id."""
@@ -115,7 +115,7 @@ class Done:
     answer: PooledAnswer | None = None  # a pooling request's: the whole answer, no tokens before it
 
 
-Frame = Heartbeat | Token | ToolCall | Done
+Frame = Heartbeat | Token | ToolCallFrame | Done
 
 
 def usage_of(given: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any] | None]:

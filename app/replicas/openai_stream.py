@@ -30,11 +30,12 @@ import httpx
 import orjson
 
 from app.contract.logprobs import TokenLogprob, from_wire, named_text
-from app.replicas.base import Done, Frame, Token, ToolCall, UpstreamFailure, tool_call_piece_problem, usage_of
+from app.replicas.base import Frame, Token, UpstreamFailure, tool_call_piece_problem, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.openai_chunks import parse_chunk
+from app.replicas.stream_ending import StreamEnding
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
-from statemachine.events import FINISH_REASONS, FailureKind
+from statemachine.events import FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
 # without it: an upstream that never sends [DONE] must not hold the answer back.
@@ -73,11 +74,7 @@ class OpenAIStream:
         return self._frames
 
     async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
-        finish_reasons: dict[int, str] = {}
-        stop_reasons: dict[int, str | int | None] = {}
-        usage: dict[str, int] | None = None
-        usage_details: dict[str, Any] | None = None
-        pending_calls: dict[tuple[int, int], dict[str, str]] = {}
+        ending = StreamEnding()
         prompts: dict[int, Prompt] = {}  # what the replica said of a choice's prompt, until its first token
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
@@ -87,8 +84,8 @@ class OpenAIStream:
         rest: bytes | None = b""  # a line whose end is not read yet; None once the body ended
         try:
             while True:
-                finished = len(finish_reasons) >= self._choices
-                if finished and usage is not None:
+                finished = len(ending.finish_reasons) >= self._choices
+                if finished and ending.usage is not None:
                     break  # everything is here: do not wait for [DONE]
                 if not lines:
                     if rest is None:
@@ -114,7 +111,7 @@ class OpenAIStream:
                     break
                 chunk = parse_chunk(data)
                 if isinstance(chunk.get("usage"), dict):
-                    usage, usage_details = usage_of(chunk["usage"])
+                    ending.usage, ending.usage_details = usage_of(chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     said = _prompt_of(chunk, choice)
@@ -145,31 +142,13 @@ class OpenAIStream:
                         index, self._index = self._index, self._index + 1
                         yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None))
                         self._take = self._take if self._echo_due else self._held_take
-                    for call in calls or ():
-                        slot = pending_calls.setdefault(
-                            (number, call.get("index", 0)), {"id": "", "name": "", "arguments": ""}
-                        )
-                        slot["id"] = slot["id"] or call.get("id") or ""
-                        function = call.get("function") or {}
-                        slot["name"] += function.get("name") or ""
-                        slot["arguments"] += function.get("arguments") or ""
-                    if choice.get("finish_reason"):
-                        if choice["finish_reason"] not in FINISH_REASONS:  # the log could not hold it
-                            raise UpstreamFailure(
-                                FailureKind.LIVENESS_UNCERTAIN, f"unknown finish reason {choice['finish_reason']!r}"
-                            )
-                        finish_reasons[number] = choice["finish_reason"]
-                        stop = choice.get("stop_reason")
-                        stop_reasons[number] = stop if stop is None or type(stop) in (str, int) else str(stop)
+                    ending.note(number, choice, calls)
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
-        if len(finish_reasons) < self._choices:
+        if len(ending.finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
-        for (number, call_index), call in sorted(pending_calls.items()):
-            yield ToolCall(number, call_index, call["id"], call["name"], call["arguments"], streamed=True)
-        reasons = [finish_reasons[number] for number in sorted(finish_reasons)]
-        stops = [stop_reasons.get(number) for number in sorted(finish_reasons)]
-        yield Done(reasons[0], reasons, usage or {}, stops if any(s is not None for s in stops) else [], usage_details)
+        for frame in ending.frames():
+            yield frame
 
     def _tapped(self, received: bytes) -> bool:
         """A read offered by the body's tap: taken if it is plain tokens' events only

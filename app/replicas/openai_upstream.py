@@ -38,7 +38,7 @@ from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.pooled import PooledStream, is_pooling
 from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
-from app.tracing import inject_traceparent, trace_headers
+from app.telemetry.tracing import inject_traceparent, trace_headers
 from statemachine.events import FailureKind
 
 

@@ -28,8 +28,8 @@ import asyncio
 import logging
 from typing import Protocol
 
-from app import logs, tracing
 from app.replicas.base import AttemptRequest, ReplicaClient, UpstreamFailure
+from app.telemetry import logs, tracing
 
 log = logging.getLogger("phasegate.pool")
 

@@ -22,7 +22,7 @@ from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, Token, Upstr
 from app.replicas.pooled import is_pooling
 from app.replicas.worker_client import LeaseRenewed, WorkerClient
 from app.replicas.worker_errors import ConnectTimedOut, LivenessUncertain, RequestRefused, WorkerError
-from app.tracing import inject_traceparent
+from app.telemetry.tracing import inject_traceparent
 from statemachine.events import FailureKind
 
 # the client's fields a start request carries in fields of their own, not under ``vllm``

@@ -37,7 +37,7 @@ from app.store.fleet_model import (
     DECLARED_SOURCES,
     MEMBER_STATES,
     RECONCILE_LOCK,
-    Declared,
+    DeclaredReplica,
     Member,
     Written,
     in_scope,
@@ -171,7 +171,7 @@ class FleetStore:
             return {row.replica_id: int(row.live) for row in await connection.execute(text(_LIVE_ATTEMPTS))}
 
     async def join(
-        self, declared: Declared, *, source: str, actor: str, instance_id: str | None, reason: str | None = None
+        self, declared: DeclaredReplica, *, source: str, actor: str, instance_id: str | None, reason: str | None = None
     ) -> Written:
         """``declared`` joins (or joins again: a new incarnation replaces the old, which leaves)."""
         async with self._writing() as connection:
@@ -181,7 +181,7 @@ class FleetStore:
             return await self._join(connection, declared, source, actor, instance_id, reason)
 
     async def refuse(
-        self, declared: Declared, *, source: str, actor: str, reason: str, instance_id: str | None
+        self, declared: DeclaredReplica, *, source: str, actor: str, reason: str, instance_id: str | None
     ) -> Written:
         """A replica that asked to join and was refused, recorded as such."""
         async with self._writing() as connection:
@@ -238,7 +238,7 @@ class FleetStore:
     async def reconcile_declared(
         self,
         source: str,
-        declared: Iterable[Declared],
+        declared: Iterable[DeclaredReplica],
         *,
         actor: str,
         instance_id: str | None,
@@ -316,7 +316,13 @@ class FleetStore:
             raise
 
     async def _join(
-        self, connection: Any, declared: Declared, source: str, actor: str, instance_id: str | None, reason: str | None
+        self,
+        connection: Any,
+        declared: DeclaredReplica,
+        source: str,
+        actor: str,
+        instance_id: str | None,
+        reason: str | None,
     ) -> Written:
         have = (
             await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": declared.replica_id})
@@ -326,7 +332,7 @@ class FleetStore:
         replaced = old is not None and old.member and old.incarnation != incarnation
         if old is not None and replaced:
             await self._leave(connection, old, old.source, actor, instance_id, "replaced by a new incarnation")
-        declared = Declared(declared.replica_id, declared.url, declared.kind, declared.models, incarnation)
+        declared = DeclaredReplica(declared.replica_id, declared.url, declared.kind, declared.models, incarnation)
         written = await self._insert(connection, "joined", declared, source, actor, reason, instance_id)
         if old is not None and replaced and old.state == "cordoned":  # a cordon lasts until it is lifted
             await self._insert(connection, "cordoned", declared, source, actor, CORDON_KEPT, instance_id)
@@ -335,14 +341,14 @@ class FleetStore:
     async def _leave(
         self, connection: Any, member: Member, source: str, actor: str, instance_id: str | None, reason: str
     ) -> Written:
-        declared = Declared(member.replica_id, member.url, member.kind, member.models, member.incarnation)
+        declared = DeclaredReplica(member.replica_id, member.url, member.kind, member.models, member.incarnation)
         return await self._insert(connection, "left", declared, source, actor, reason, instance_id)
 
     @staticmethod
     async def _insert(
         connection: Any,
         event: str,
-        declared: Declared,
+        declared: DeclaredReplica,
         source: str,
         actor: str,
         reason: str | None,

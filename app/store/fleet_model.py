@@ -1,5 +1,5 @@
 """The fleet's vocabulary and rows (docs/design.md §16): what a source declares of a
-replica (:class:`Declared`), a row of ``replicas`` (:class:`Member`), a fleet event as
+replica (:class:`DeclaredReplica`), a row of ``replicas`` (:class:`Member`), a fleet event as
 written (:class:`Written`); :mod:`app.store.fleet` reads and writes them."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def new_incarnation() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Declared:
+class DeclaredReplica:
     """One replica as a source declares it."""
 
     replica_id: str

@@ -19,7 +19,7 @@ from app.store.codec import to_row
 from app.store.content import kept_input
 from app.store.errors import StoreClosed, StoreError, StreamConflict
 from statemachine.events import (
-    TERMINAL_EVENT_TYPES,
+    TERMINAL_EVENTS,
     DeltasDelivered,
     DeltasProduced,
     Event,
@@ -114,7 +114,7 @@ class InMemoryEventStore(EventStore):
         for request_id, stream in self._streams.items():
             accepted = stream[0][1]
             assert isinstance(accepted, RequestAccepted)
-            ended = any(type(event) in TERMINAL_EVENT_TYPES for _, event in stream)
+            ended = any(type(event) in TERMINAL_EVENTS for _, event in stream)
             if not ended and (gateway is None or accepted.gateway == gateway):
                 unfinished.append((accepted.occurred_at, request_id))
         return [request_id for _, request_id in sorted(unfinished)]

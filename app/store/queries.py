@@ -20,8 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.store import schema
 from app.store.codec import from_row
-from statemachine.events import Event
-from statemachine.invariants import TERMINALS
+from statemachine.events import TERMINAL_EVENTS, Event
 
 OUTCOMES = ("completed", "failed", "cancelled", "unfinished")
 
@@ -29,7 +28,7 @@ OUTCOMES = ("completed", "failed", "cancelled", "unfinished")
 def ended(accepted: str) -> str:
     """SQL: the request of ``accepted`` (an alias of ``request_events``) has its terminal
     event in the log, found through its day's stream key; no read model asked."""
-    types = ", ".join(f"'{terminal.__name__}'" for terminal in TERMINALS)
+    types = ", ".join(f"'{terminal.__name__}'" for terminal in TERMINAL_EVENTS)
     return (
         f"EXISTS (SELECT 1 FROM request_events ended WHERE ended.request_id = {accepted}.request_id"
         f" AND ended.accepted_on = {accepted}.accepted_on AND ended.type IN ({types}))"

@@ -311,7 +311,7 @@ def _client_lane(canvas: _Canvas, y: float, top: float, bottom: float) -> None:
             shape = f'<path d="M{x - 6} {y} L{x + 6} {y - 6} L{x + 6} {y + 6} Z" fill="#333"/>'
             words = f"resumed: deltas {event.from_index}-{event.to_index}"
             canvas.mark("client-resumed", event, shape, label=_label(x, y + 24, words))
-        elif isinstance(event, ev.RequestCompleted | ev.RequestFailed | ev.RequestCancelled):
+        elif isinstance(event, ev.TERMINAL_EVENTS):
             _terminal(canvas, event, x, y)
     text = "".join(delivered)
     said = f"delivered {plural(tokens, 'token')}" if tokens else "nothing delivered"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app.contract.worker_token import TOKEN_ENV, TokenError
-from app.http_server import HttpLimits
+from app.http.server import HttpLimits
 from app.worker.auth import LOOPBACK_HOSTS, token_from
 from app.worker.engine import Engine
 

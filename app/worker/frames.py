@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
 from app.worker.attempt import Attempt, Stop
-from app.worker.engine import Engine, EngineFailed, EngineOutput
+from app.worker.engine import Engine, EngineFailed, EngineOutput, PooledOutput
 from app.worker.faults import Fault, FaultAction, Point
 from app.worker.frame_encoders import done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
 from app.worker.protocol import Code
@@ -206,45 +206,18 @@ async def _decode(
                 choice, call.index, call.tool_call_id, call.name, call.arguments, streamed=call.streamed
             )
             # the engine's own tool call, reached after k tokens: publish it, then die
-            die_after = (
-                fault is not None
-                and fault.action is FaultAction.TOOL_CALL_THEN_DIE
-                and fault_at == attempt.published_tokens
-            )
+            tool_fault = fault is not None and fault.action is FaultAction.TOOL_CALL_THEN_DIE
+            die_after = tool_fault and fault_at == attempt.published_tokens
         elif token_count or output.text:
-            if attempt.published_tokens == fault_at:
+            if attempt.published_tokens == fault_at:  # the one check a token makes of the fault
                 assert fault is not None
-                action = fault.action
-                if action is FaultAction.DIE:
-                    if fault.point is Point.BEFORE_FRAME:
-                        die()
-                    die_after = fault.point is Point.AFTER_FRAME
-                elif action is FaultAction.STALL:
-                    # cancel, lease expiry or drain ends it (wait(), not await: a
-                    # cancelled reader must not cancel the shared signal)
-                    await asyncio.wait((attempt.stop_signal,))
-                    yield None
+                step = _FaultStep()
+                async for faulted in _token_fault(worker, attempt, fault, step):
+                    yield faulted
+                if step.ends:
                     return
-                elif action is FaultAction.HOLD:
-                    # until the test releases it; cancel, lease expiry or drain end it as a stall's
-                    released = asyncio.ensure_future(fault.released.wait())
-                    await asyncio.wait((attempt.stop_signal, released), return_when=FIRST)
-                    released.cancel()
-                    if attempt.stop is not None:
-                        return
-                    fault_at = fault.at_token  # the release may have moved the hold on
-                elif action is FaultAction.MALFORMED_FRAME:
-                    yield _MALFORMED_FRAME
-                    if not worker.may_publish(attempt):
-                        return
-                elif action is FaultAction.CLOSE_WITHOUT_DONE:
-                    worker.stop(attempt, Stop.FAULT)
-                    return
-                elif action is FaultAction.TOOL_CALL_THEN_DIE:
-                    call_id = tool_call_id(attempt.spec.request_id, 0, 0)
-                    yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
-                    await asyncio.sleep(0.02)  # let the frame leave
-                    die()
+                die_after = step.die_after
+                fault_at = fault.at_token  # a hold's release may have moved it on
             frame = token_frame(
                 choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
@@ -269,17 +242,74 @@ async def _decode(
             output = await anext(outputs)
         except StopAsyncIteration:
             raise EngineFailed("the engine ended the request without a finish reason") from None
+    done = _finished(worker, attempt, finish_reasons, stop_reasons, answer)
+    if done is not None:
+        yield done
+
+
+def _finished(
+    worker: AttemptHost,
+    attempt: Attempt,
+    finish_reasons: list[str | None],
+    stop_reasons: list[str | int | None],
+    answer: PooledOutput | None,
+) -> bytes | None:
+    """The attempt's ``done`` frame once every choice finished; ``None`` where it may no
+    longer publish (or a fault closes it without one)."""
     worker.release(attempt)
+    fault = attempt.fault
     if fault is not None and fault.action is FaultAction.CLOSE_WITHOUT_DONE:
         worker.stop(attempt, Stop.FAULT)
     if not worker.may_publish(attempt):
-        return
+        return None
     attempt.phase = "done"
-    stats.finished += 1
+    worker.stats.finished += 1
     usage = {
         "prompt_tokens": attempt.prepared.prompt_tokens,
         "completion_tokens": attempt.generated_tokens,
         "total_tokens": attempt.prepared.prompt_tokens + attempt.generated_tokens,
     }
     details = attempt.prepared.usage_details() if attempt.prepared.usage_details is not None else None
-    yield done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})}, stop_reasons, answer)
+    return done_frame([r or "stop" for r in finish_reasons], {**usage, **(details or {})}, stop_reasons, answer)
+
+
+class _FaultStep:
+    """What the fault at a token left to do: end the frames, or die after this token's."""
+
+    ends = False
+    die_after = False
+
+
+async def _token_fault(
+    worker: AttemptHost, attempt: Attempt, fault: Fault, step: _FaultStep
+) -> AsyncGenerator[bytes | None, None]:
+    """The fault's action at the token it names (its frames, ``None`` for a stall); what
+    is left to do goes in ``step``."""
+    action = fault.action
+    if action is FaultAction.DIE:
+        if fault.point is Point.BEFORE_FRAME:
+            die()
+        step.die_after = fault.point is Point.AFTER_FRAME
+    elif action is FaultAction.STALL:
+        # cancel, lease expiry or drain ends it (wait(), not await: a
+        # cancelled reader must not cancel the shared signal)
+        await asyncio.wait((attempt.stop_signal,))
+        yield None
+        step.ends = True
+    elif action is FaultAction.HOLD:
+        # until the test releases it; cancel, lease expiry or drain end it as a stall's
+        released = asyncio.ensure_future(fault.released.wait())
+        await asyncio.wait((attempt.stop_signal, released), return_when=FIRST)
+        released.cancel()
+        step.ends = attempt.stop is not None
+    elif action is FaultAction.MALFORMED_FRAME:
+        yield _MALFORMED_FRAME
+        step.ends = not worker.may_publish(attempt)
+    elif action is FaultAction.CLOSE_WITHOUT_DONE:
+        worker.stop(attempt, Stop.FAULT)
+        step.ends = True
+    elif action is FaultAction.TOOL_CALL_THEN_DIE:
+        call_id = tool_call_id(attempt.spec.request_id, 0, 0)
+        yield tool_call_frame(0, 0, call_id, fault.tool_name, fault.tool_arguments)
+        await asyncio.sleep(0.02)  # let the frame leave
+        die()

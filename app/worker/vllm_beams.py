@@ -25,14 +25,14 @@ class BeamSearches:
             BeamSearchOnlineMixin,
         )
 
-        class _Server(BeamSearchOnlineMixin):  # type: ignore[misc, unused-ignore]
+        class _BeamServer(BeamSearchOnlineMixin):  # type: ignore[misc, unused-ignore]
             """What vLLM's beam search reads of its server: the renderer and the engine."""
 
             def __init__(self) -> None:
                 self.renderer = llm.renderer
                 self.engine_client = llm
 
-        self._server = _Server()
+        self._server = _BeamServer()
         self._running: dict[str, asyncio.Task[list[Any]]] = {}
 
     async def outputs(self, engine_input: Any, request_id: str, params: Any) -> AsyncGenerator[Any, None]:

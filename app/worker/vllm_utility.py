@@ -1,6 +1,6 @@
 """vLLM's utility routes on the worker's vLLM engine: ``/v1/tokenize``, ``/v1/detokenize``
 and ``/v1/version``, answered as ``vllm serve`` answers ``/tokenize``, ``/detokenize`` and
-``/version`` (the gateway relays them: app/api/utility.py).
+``/version`` (the gateway relays them: app/api/utility/routes.py).
 
 The bodies are read with vLLM's own request models (``vllm.entrypoints.serve.tokenize``),
 so the same fields are taken and the same defaults apply, and rendered by vLLM's renderer

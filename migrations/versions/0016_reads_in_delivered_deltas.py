@@ -9,7 +9,7 @@ shown, and left ``delivered_deltas`` what was delivered live, so a background re
 read whole after its end showed 16 tokens delivered in 0 deltas. A read after the end is
 recorded as ``StreamResumed`` whose ``to_index`` says how many deltas that reader had
 (every one before it); the fold keeps the reads' most (``read_deltas``) beside the live
-count, which stays where the log's produced tail starts (app/api/from_log.py), and the
+count, which stays where the log's produced tail starts (app/api/resume/log.py), and the
 read models take the greater of the two: the general UPDATE here (a ``StreamResumed``
 never rides the deliveries-only one) and the bulk projection (app/store/bulk_projection.py).
 

@@ -3,7 +3,7 @@
     python -m ops.bench.delta_events [--number 200000]
 
 The event a streamed answer writes for each delta of plain text, the per-token path: a
-chat completion chunk (``ResponseShape.content_event``: pre-encoded bytes around the
+chat completion chunk (``ChatShape.content_event``: pre-encoded bytes around the
 text's JSON) and a Responses API ``response.output_text.delta`` (``ResponsesShape``:
 a numbered event, one ``orjson.dumps`` of its fields, the text kept for the item's
 ``…done`` events). Prints microseconds an event.
@@ -15,10 +15,10 @@ import argparse
 import timeit
 from collections.abc import Callable
 
-from app.api.responses_request import parse_responses_request
-from app.api.responses_shape import ResponsesShape
-from app.api.schemas import parse_request
-from app.api.sse import ResponseShape, response_id
+from app.api.chat.request import parse_request
+from app.api.chat.shape import ChatShape, completion_id
+from app.api.responses.request import parse_responses_request
+from app.api.responses.shape import ResponsesShape
 from app.config import Limits
 from app.driver.request import CHAT
 
@@ -30,7 +30,7 @@ def builders() -> dict[str, Callable[[], bytes]]:
     """Each wire format's delta event, built as a streamed answer builds it."""
     limits = Limits()
     chat = parse_request(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, limits)
-    chat_shape = ResponseShape(chat, response_id(chat, REQUEST_ID), 1796324087)
+    chat_shape = ChatShape(chat, completion_id(chat, REQUEST_ID), 1796324087)
     responses = parse_responses_request({"model": "tiny", "input": "hi"}, limits)
     responses_shape = ResponsesShape(responses, REQUEST_ID, 1796324087)
     responses_shape.content_event(0, TEXT)  # the item's opening events go out with the first

@@ -1,4 +1,4 @@
-"""What the HTTP server costs a request (app/http_server.py): uvicorn's two protocols, h11
+"""What the HTTP server costs a request (app/http/server.py): uvicorn's two protocols, h11
 and httptools, against the limited one that phasegate serves on (httptools held to the limits).
 
     python ops/bench/http_limits.py [--requests 1000] [--rounds 20]
@@ -30,7 +30,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.http_server import HttpLimits, server_config
+from app.http.server import HttpLimits, server_config
 
 BODY = b'{"model": "sim", "messages": [{"role": "user", "content": "hello"}]}'
 REQUEST = (

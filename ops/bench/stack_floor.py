@@ -21,9 +21,9 @@ anything of its own, written the ordinary way; ``ops/bench/peers.py`` prints it 
 phasegate.
 
 ``--lean`` is the floor of phasegate's own way through the same stack: its server
-(``app/http_server.py``: uvicorn's httptools protocol held to the HTTP limits) and each
+(``app/http/server.py``: uvicorn's httptools protocol held to the HTTP limits) and each
 upstream chunk written, from the upstream connection's ``data_received``, to the client
-by the server's ``ChunkWriter`` (``app/http_cycle.py``), no ASGI message a chunk and no
+by the server's ``ChunkWriter`` (``app/http/cycle.py``), no ASGI message a chunk and no
 task woken while the client keeps up: as phasegate's token tap writes a caught-up
 client's events. The request's way in, the response's start and its end still go
 through Starlette.
@@ -41,8 +41,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from app.http_cycle import CHUNK_WRITER, ChunkWriter
-from app.http_server import HttpLimits, server_config
+from app.http.cycle import CHUNK_WRITER, ChunkWriter
+from app.http.server import HttpLimits, server_config
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]

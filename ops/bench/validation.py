@@ -4,7 +4,7 @@
     python -m ops.bench.validation before=/tmp/before after=.     # alternating rounds
     python -m ops.bench.validation . --number 20000
 
-Each tree's ``app.api.schemas.parse_request`` is timed in a process of its own (the tree
+Each tree's ``app.api.chat.request.parse_request`` is timed in a process of its own (the tree
 first on its ``sys.path``), on the bodies below, already decoded from JSON as the route
 gives them: a minimal chat request, an agent's turn (a system prompt, a tool call and its
 result, two tools, sampling fields and vLLM extras), a structured-output request and a
@@ -97,8 +97,8 @@ BODIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def measure(number: int) -> dict[str, float]:
     """Microseconds a request for each body, in this process's tree (the best of five)."""
-    from app.api.responses_request import parse_responses_request
-    from app.api.schemas import parse_request
+    from app.api.chat.request import parse_request
+    from app.api.responses.request import parse_responses_request
     from app.config import Limits
     from app.driver.request import CHAT, COMPLETIONS
 

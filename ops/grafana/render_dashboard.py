@@ -4,7 +4,7 @@
     python -m ops.grafana.render_dashboard --check  # exit 1 if the JSON is stale
 
 The panels are data: a title, a unit and PromQL expressions over the metrics that the
-gateway (app/metrics.py) and the workers (app/worker/metrics.py) export.
+gateway (app/telemetry/metrics.py) and the workers (app/worker/metrics.py) export.
 tests/ops/test_dashboard.py fails when the checked-in JSON differs from this rendering,
 or when an expression names a metric that a live gateway and worker do not export.
 """

@@ -1,4 +1,4 @@
-"""The HTTP limits of both processes (app/http_server.py), over real sockets: a real
+"""The HTTP limits of both processes (app/http/server.py), over real sockets: a real
 ``phasegate serve`` (real PostgreSQL, a real sim worker) and that real ``phasegate worker``,
 each with timeouts of a second.
 

@@ -4,11 +4,15 @@
 
 and the worker, a process of its own, imports only ``app.contract``: the rules it and the
 gateway must share (the worker token's, the engine inputs' checks), a leaf; and
-``app.logs``, the leaf that formats every phasegate process's lines; and
-``app.http_server``, the HTTP server both run, with its cycle ``app.http_cycle``.
+``app.telemetry.logs``, the leaf that formats every phasegate process's lines; and
+``app.http.server``, the HTTP server both run, with its cycle ``app.http.cycle``.
 
-Every module under app/ belongs to a unit: a package (``app.driver``) or a top-level
-module (``app.cli``). ``ALLOWED`` says which other units each one may import; the worker
+Every module under app/ belongs to a unit: a package (``app.driver``, ``app.api`` with its
+rooms ``app.api.chat``, ``app.api.responses``, ``app.api.messages``, ``app.api.resume``…)
+or a module (``app.cli``, ``app.process.serve``, ``app.telemetry.logs``): the process
+plumbing (``app.process``), the HTTP server (``app.http``) and the telemetry
+(``app.telemetry``) are packages of modules that are each a unit of their own.
+``ALLOWED`` says which other units each one may import; the worker
 is its own process and imports nothing of the gateway, least of all the log. Every
 import counts, wherever it stands: one under ``if TYPE_CHECKING:`` or inside a function
 is still an arrow. The cycle check follows the imports a module makes when it is loaded
@@ -32,49 +36,98 @@ BOTTOM = "statemachine"
 # test_the_table_runs_downward holds the table itself to that.
 ALLOWED: dict[str, frozenset[str]] = {
     "app": frozenset(),  # app/__init__.py
+    # the packages of the modules below: their __init__.py, empty
+    "app.process": frozenset(),
+    "app.http": frozenset(),
+    "app.telemetry": frozenset(),
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract", "app.http_server", "app.discover_config"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http.server", "app.discover_config"}),
     "app.discover_config": frozenset(),  # [[discover]]'s tables, checked
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
-    "app.reload": frozenset({"app.config", "app.store"}),
-    "app.metrics": frozenset(),
-    "app.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
-    "app.logs": frozenset(),  # what a log line is about, its format, its redaction
-    "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
-    "app.supervisor": frozenset({"app.contract"}),
+    "app.process.reload": frozenset({"app.config", "app.store"}),
+    "app.telemetry.metrics": frozenset(),
+    "app.process.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
+    "app.telemetry.logs": frozenset(),  # what a log line is about, its format, its redaction
+    "app.telemetry.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
+    "app.process.supervisor": frozenset({"app.contract"}),
     # the HTTP server both processes run (uvicorn held to timeouts and a header limit),
     # and its request-response cycle (a stream's chunks, its head held for its first)
-    "app.http_cycle": frozenset(),
-    "app.http_server": frozenset({"app.http_cycle"}),
+    "app.http.cycle": frozenset(),
+    "app.http.server": frozenset({"app.http.cycle"}),
     # what the gateway and its workers must agree on; imports nothing
     "app.contract": frozenset(),
     # the replica process: never the log, the driver, the API or the gateway's clients
-    "app.worker": frozenset({"app.contract", "app.logs", "app.http_server"}),
+    "app.worker": frozenset({"app.contract", "app.telemetry.logs", "app.http.server"}),
     # the store and the replicas never import the driver, the API, or each other
     "app.store": frozenset({BOTTOM, "app.contract"}),  # the encoder that writes any depth a body may have
-    "app.replicas": frozenset({BOTTOM, "app.config", "app.discover_config", "app.contract", "app.logs", "app.tracing"}),
+    "app.replicas": frozenset(
+        {BOTTOM, "app.config", "app.discover_config", "app.contract", "app.telemetry.logs", "app.telemetry.tracing"}
+    ),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
     # the pages; the list of requests reads the read models' table
     "app.ui": frozenset({BOTTOM, "app.contract", "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
-    "app.driver": frozenset({BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.replicas"}),
+    "app.driver": frozenset(
+        {BOTTOM, "app.config", "app.contract", "app.telemetry.metrics", "app.store", "app.replicas"}
+    ),
     "app.api": frozenset(
-        {BOTTOM, "app.config", "app.contract", "app.metrics", "app.store", "app.driver", "app.incident", "app.ui"}
-        | {"app.logs", "app.tracing", "app.http_server", "app.http_cycle"}  # the server's keys, its chunk writer
+        {
+            BOTTOM,
+            "app.config",
+            "app.contract",
+            "app.telemetry.metrics",
+            "app.store",
+            "app.driver",
+            "app.incident",
+            "app.ui",
+        }
+        | {
+            "app.telemetry.logs",
+            "app.telemetry.tracing",
+            "app.http.server",
+            "app.http.cycle",
+        }  # the server's keys, its chunk writer
     ),
     # the composition root of one gateway, and the process that runs it
-    "app.gateway": frozenset(
-        {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
+    "app.process.gateway": frozenset(
+        {
+            BOTTOM,
+            "app.config",
+            "app.telemetry.metrics",
+            "app.store",
+            "app.replicas",
+            "app.driver",
+            "app.api",
+            "app.telemetry.tracing",
+        }
         | {"app.discover_config"}
     ),
-    "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing", "app.http_server"}),
+    "app.process.gateway_process": frozenset(
+        {"app.config", "app.process.gateway", "app.telemetry.logs", "app.telemetry.tracing", "app.http.server"}
+    ),
     # the embedded default's simulated workers that join, and the banner
-    "app.demo": frozenset({"app.config", "app.contract", "app.http_server", "app.supervisor"}),
-    "app.serve": frozenset(
-        {BOTTOM, "app.config", "app.metrics", "app.supervisor", "app.store", "app.replicas", "app.driver", "app.api"}
-        | {"app.gateway", "app.gateway_process", "app.contract", "app.logs", "app.tracing", "app.http_server"}
-        | {"app.reload", "app.demo"}
+    "app.process.demo": frozenset({"app.config", "app.contract", "app.http.server", "app.process.supervisor"}),
+    "app.process.serve": frozenset(
+        {
+            BOTTOM,
+            "app.config",
+            "app.telemetry.metrics",
+            "app.process.supervisor",
+            "app.store",
+            "app.replicas",
+            "app.driver",
+            "app.api",
+        }
+        | {
+            "app.process.gateway",
+            "app.process.gateway_process",
+            "app.contract",
+            "app.telemetry.logs",
+            "app.telemetry.tracing",
+            "app.http.server",
+        }
+        | {"app.process.reload", "app.process.demo"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from app.gateway_process import Listening, _own_socket
-from app.serve import _bind
+from app.process.gateway_process import Listening, _own_socket
+from app.process.serve import _bind
 
 
 def rebuilt_from_its_descriptor(host: str) -> socket.socket:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app import logs
+from app.telemetry import logs
 from ops.processes import REPO, phasegate, ready_port, stop, wait_http
 from tests.app.conftest import SIM_ARGS
 from tests.support.audit import fetch_sql

@@ -1,4 +1,4 @@
-"""Reading the configuration again (app/reload.py): what a reload may change, what it
+"""Reading the configuration again (app/process/reload.py): what a reload may change, what it
 refuses and names, and what ``serve`` made of the file at start (the port it picked, a
 generated admin token, the demo's simulated workers) kept as it runs. The processes
 themselves: tests/faults/test_reload.py."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, ReplicaConfig, load_config
-from app.reload import ReloadRefused, Settings, needs_restart, pid_file_of, remove_pid_file, write_pid_file
+from app.process.reload import ReloadRefused, Settings, needs_restart, pid_file_of, remove_pid_file, write_pid_file
 from ops.processes import REPO
 
 BASE = """

@@ -203,7 +203,7 @@ def test_the_demo_prints_its_url_once_and_two_ctrl_c_stop_it_quietly(
     assert streaming.wait(30)
     children = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in children_of(process.pid)}
     workers = {pid for pid, command in children.items() if "worker" in command}
-    gateways = {pid for pid, command in children.items() if "app.gateway_process" in command}
+    gateways = {pid for pid, command in children.items() if "app.process.gateway_process" in command}
     count = int(wait_for_line(output, r"; (\d+) gateway process", process).group(1))
     assert len(workers) == 2 and len(gateways) == (count if count > 1 else 0)  # one serves in phasegate serve itself
     ctrl_c(process)
@@ -285,8 +285,8 @@ async def test_a_stop_asked_while_it_started_stops_it_once_started(database_url:
     migrations once left phasegate serving) is still seen: the server stops as soon as it
     started, and it is never announced."""
     from app.config import ReplicaConfig, load_config
-    from app.gateway_process import run_gateway
-    from app.serve import _bind
+    from app.process.gateway_process import run_gateway
+    from app.process.serve import _bind
 
     listener = _bind("127.0.0.1", 0)
     replica = ReplicaConfig(id="absent", url="http://127.0.0.1:9")  # never asked: nothing is served

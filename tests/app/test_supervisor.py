@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.supervisor import cpu_quota, default_processes
+from app.process.supervisor import cpu_quota, default_processes
 
 
 def lay(root: Path, files: dict[str, str]) -> None:

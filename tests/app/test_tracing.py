@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app import tracing
 from app.config import ReplicaConfig, Timeouts
+from app.telemetry import tracing
 from ops import traces
 from statemachine import events as ev
 from statemachine.request_state import RequestState

@@ -1,4 +1,4 @@
-"""vLLM's utility routes through phasegate (app/api/utility.py): ``/tokenize``,
+"""vLLM's utility routes through phasegate (app/api/utility/routes.py): ``/tokenize``,
 ``/detokenize``, ``/version`` and ``/health`` answer as ``vllm serve`` answers them, in front
 of it and in front of the vLLM worker (tests/compat/conftest.py ``target``).
 """

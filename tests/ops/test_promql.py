@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.metrics import Metrics
+from app.telemetry.metrics import Metrics
 from tests.ops.promql import exported_series, metric_names
 
 

@@ -27,8 +27,8 @@ import uvicorn
 
 from app.config import GatewayConfig, ReplicaConfig, load_config
 from app.driver.context import ToolRunner
-from app.gateway import Gateway
-from app.http_server import server_config
+from app.http.server import server_config
+from app.process.gateway import Gateway
 from ops.processes import listening_socket
 from statemachine.events import Event
 from tests.support.loops import end_leftovers

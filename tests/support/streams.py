@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.replicas.attempt_frames import AttemptFrames
-from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCall
+from app.replicas.base import Done, Frame, Heartbeat, Token, ToolCallFrame
 from app.replicas.worker_client import http_client
 from app.replicas.worker_errors import WorkerError
 
@@ -33,8 +33,8 @@ class Collected:
         return [f for f in self.frames if isinstance(f, Heartbeat)]
 
     @property
-    def tool_calls(self) -> list[ToolCall]:
-        return [f for f in self.frames if isinstance(f, ToolCall)]
+    def tool_calls(self) -> list[ToolCallFrame]:
+        return [f for f in self.frames if isinstance(f, ToolCallFrame)]
 
     @property
     def done(self) -> Done | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from ops.transcript import Transcript
 from statemachine import events as ev
 from statemachine.deltas import TOOL_CALLS

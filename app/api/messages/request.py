@@ -8,7 +8,7 @@ body here as vLLM's own Messages server turns it (``system`` a system message fi
 blocks' text joined; an assistant's ``tool_use`` blocks its tool calls, with the input as
 JSON arguments, and its ``thinking`` blocks its ``reasoning``; a user's ``tool_result``
 blocks tool messages ahead of the rest of its content), and
-that chat body is then validated as any other (app/api/schemas.py).
+that chat body is then validated as any other (app/api/chat/request.py).
 
 A field phasegate cannot honour is refused with a 400 that names it, never dropped
 (docs/messages.md).
@@ -20,8 +20,8 @@ import dataclasses
 import json
 from typing import Any
 
+from app.api.chat.request import as_refusal, parse_translated_chat
 from app.api.errors import InvalidRequest, UnsupportedParameter
-from app.api.schemas import as_refusal, parse_translated_chat
 from app.config import Limits
 from app.contract.declared import checked
 from app.contract.messages import NOT_SERVED, PASSED_AS_IS, CountTokensRequest, MessagesRequest, messages_model

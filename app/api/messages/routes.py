@@ -1,7 +1,7 @@
 """Anthropic's Messages API (docs/design.md §17): ``POST /v1/messages`` and ``POST
 /v1/messages/count_tokens``, and a message's stream resumed from the log.
 
-A message is generated as any request is (app/api/routes.py): the body is read into the
+A message is generated as any request is (app/api/generate.py): the body is read into the
 chat completion its attempts ask for (app/api/messages/request.py), and its answer and
 stream take this API's shape (app/api/messages/shape.py). Clients speak Anthropic's way:
 the key comes in ``x-api-key`` (or ``Authorization``), ``anthropic-version`` and
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,20 +28,15 @@ from starlette.routing import Route
 from app.api.auth import Authenticator
 from app.api.bodies import json_body
 from app.api.errors import ApiError, BadGateway, InvalidRequest, NotFound, ServiceUnavailable, retry_headers
+from app.api.generate import Generate
 from app.api.messages.request import count_body_of, parse_messages_request
-from app.api.messages.shape import MessagesShape, anthropic_error
+from app.api.messages.shape import anthropic_error
 from app.api.request_ids import id_header, new_request_id
-from app.api.responses_log import follow_response
-from app.api.resume import at_owner, attach_live
 from app.driver.context import GatewayContext
-from app.driver.request import CHAT, GenerationRequest, MessagesCall
-from statemachine import events as ev
-from statemachine.state import fold
+from app.driver.request import GenerationRequest
 
 log = logging.getLogger("phasegate.api")
 
-Parse = Callable[[Any, str], Awaitable[GenerationRequest]]
-Generate = Callable[[Request, Parse], Awaitable[Response]]
 KEPT_HEADERS = ("x-request-id", "x-should-retry", "retry-after", "www-authenticate")
 
 
@@ -134,29 +127,3 @@ def anthropic_answer(response: Response) -> Response:
 def _refused(error: ApiError, request_id: str) -> JSONResponse:
     headers = id_header(request_id) | retry_headers(error.retryable)
     return JSONResponse(anthropic_error(error.status, error.body(request_id)["error"]), error.status, headers=headers)
-
-
-def shape_from_log(request_id: str, events: list[ev.Event]) -> MessagesShape:
-    """A message's shape, from its ``RequestAccepted``: its id, and the model whose answer the log holds."""
-    accepted = events[0]
-    assert isinstance(accepted, ev.RequestAccepted)
-    request = GenerationRequest(
-        endpoint=CHAT, model=accepted.model, stream=True, include_usage=False, anthropic=MessagesCall(body={})
-    )
-    return MessagesShape(request, request_id, int(accepted.occurred_at.timestamp()), fold(events).answered_by)
-
-
-async def resume_message(
-    ctx: GatewayContext, request: Request, request_id: str, events: list[ev.Event], after: int
-) -> Response:
-    """A message's stream from the event after ``after``: attached to its live loop here,
-    passed through from its owner while live elsewhere, else rebuilt from the log."""
-    live = await attach_live(ctx, request_id, request, -1, stream=True, events_after=after)
-    if live is None:
-        live = await at_owner(ctx, request, events, f"/v1/requests/{request_id}/stream")
-    if live is not None:
-        return live
-    shape = shape_from_log(request_id, events)
-    shape.after = after
-    body = follow_response(ctx, request_id, events, shape)
-    return EventSourceResponse(body, headers=id_header(request_id), ping=15, send_timeout=30, sep="\n")

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from app.api.sse import ChoiceAnswer
+from app.api.shape import ChoiceAnswer, Shape
 from app.driver.request import GenerationRequest
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
 
@@ -98,10 +98,10 @@ def _is_json(text: str) -> bool:
     return True
 
 
-class MessagesShape:
+class MessagesShape(Shape):
     """Builds one message's stream events and its whole body."""
 
-    unopened: set[int] | None = None  # (the chat shape's role chunks: none here)
+    numbered = True  # its events' ids
 
     def __init__(self, request: GenerationRequest, request_id: str, created: int, model: str | None = None) -> None:
         self.request = request
@@ -178,12 +178,6 @@ class MessagesShape:
             "usage": {"input_tokens": 0, "output_tokens": 0},
         }
         return [self._event("message_start", {"message": message})]
-
-    def from_the_start(self) -> None:
-        """(The chat shape's role chunks: none here; the stream's first event opens it.)"""
-
-    def opening(self, choice: int, prompt: Any = None) -> bytes:
-        return b""
 
     def _open(self, block: dict[str, Any]) -> list[bytes]:
         events = self._close()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from app.api.chat.request import as_refusal
 from app.api.errors import InvalidRequest
-from app.api.schemas import as_refusal
 from app.contract.declared import checked
 from app.contract.pooling import ROUTES, SCORE_PAIRS
 from app.driver.request import GenerationRequest, PoolingCall

@@ -2,7 +2,7 @@
 ``/v2/embed``), ``/pooling``, ``/classify``, score (``/score``, ``/v1/score``) and rerank
 (``/rerank``, ``/v1/rerank``, ``/v2/rerank``), on every path ``vllm serve`` serves them.
 
-A pooling request is served as any request is (app/api/routes.py: authenticated, limited,
+A pooling request is served as any request is (app/api/generate.py: authenticated, limited,
 accepted into the log, retried before its answer): its body is checked against its route's
 declaration (app/api/pooling/request.py), each attempt asks its replica on the same path,
 and its answer is the replica's, whole (app/api/pooling/answer.py).
@@ -18,13 +18,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.api.errors import UnsupportedParameter, retry_headers
+from app.api.generate import Generate
 from app.api.pooling.request import parse_pooling_request
 from app.api.request_ids import id_header, new_request_id
 from app.contract.pooling import ROUTES
 from app.driver.request import GenerationRequest
-
-Parse = Callable[[Any, str], Awaitable[GenerationRequest]]
-Generate = Callable[[Request, Parse], Awaitable[Response]]
 
 
 def pooling_routes(generate: Generate) -> list[Route]:

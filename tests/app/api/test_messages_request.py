@@ -12,7 +12,7 @@ import pytest
 from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.api.messages.request import chat_body_of, count_body_of, parse_messages_request
 from app.api.messages.shape import MessagesShape, stop_reason
-from app.api.sse import ChoiceAnswer
+from app.api.shape import ChoiceAnswer
 from app.config import Limits
 from statemachine.deltas import CONTENT, TOOL_CALLS
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.replay import replay

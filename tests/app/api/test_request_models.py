@@ -14,10 +14,10 @@ from typing import Any
 import jsonschema
 import pytest
 
+from app.api.chat.request import parse_request
 from app.api.errors import InvalidRequest
 from app.api.openapi import openapi_document
-from app.api.responses_request import parse_responses_request
-from app.api.schemas import parse_request
+from app.api.responses.request import parse_responses_request
 from app.config import GatewayConfig, Limits
 from app.contract.request_fields import OWN, WHOLE_ONLY
 from app.contract.requests import PASSED_CHAT, PASSED_COMPLETIONS

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from app.api.responses_input import chat_messages
+from app.api.responses.input import chat_messages
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.replay import replay

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from app.api.chat.request import parse_request
 from app.api.errors import InvalidRequest, UnsupportedParameter
-from app.api.schemas import parse_request
 from app.config import Limits
 from app.contract.request_fields import OWN
 from app.driver.request import CHAT, COMPLETIONS

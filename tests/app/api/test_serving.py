@@ -292,7 +292,7 @@ def test_api_keys_map_to_tenants(database_url: str, sim_pair: list[WorkerProcess
 def test_no_byte_of_a_stream_goes_out_before_its_commit_point_is_durable(
     gateway: RunningGateway, database_url: str
 ) -> None:
-    """The commit point's append runs while the response is made ready (app/api/routes.py),
+    """The commit point's append runs while the response is made ready (app/api/generate.py),
     but its head and first events wait for it: with the log held (a transaction locks
     the events table), the client receives nothing, head included, until it lets go."""
     locker = gateway.call(asyncpg.connect(asyncpg_dsn(database_url)))

@@ -1,4 +1,4 @@
-"""A streamed answer's response on the real server (``app/http_server.py``'s protocol, a
+"""A streamed answer's response on the real server (``app/http/server.py``'s protocol, a
 real socket): its chunks framed by the server's ``ChunkWriter`` as HTTP/1.1 chunks, an
 HTTP/1.0 client's body delimited by the close instead, a HEAD answered without a body,
 a client that leaves mid-stream noticed through ``CLIENT_GONE`` while the stream waits
@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.api.token_stream import Refused, TokenStreamResponse
-from app.http_cycle import CHUNK_WRITER
-from app.http_server import CLIENT_GONE, HttpLimits, server_config
+from app.http.cycle import CHUNK_WRITER
+from app.http.server import CLIENT_GONE, HttpLimits, server_config
 from ops.processes import listening_socket
 
 EVENTS = [b'id: 0\ndata: {"n":0}\n\n', b'id: 1\ndata: {"n":1}\n\n', b"data: [DONE]\n\n"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from app.config import ReplicaConfig
 from statemachine import events as ev
 from statemachine.deltas import NO_TEXT

@@ -13,8 +13,8 @@ import pytest
 from sse_starlette.sse import SendTimeoutError
 
 from app.api.token_stream import TokenStreamResponse
-from app.http_cycle import CHUNK_WRITER
-from app.http_server import CLIENT_GONE
+from app.http.cycle import CHUNK_WRITER
+from app.http.server import CLIENT_GONE
 
 
 class Server:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from app.config import ReplicaConfig
 from statemachine import events as ev
 from statemachine.deltas import TOOL_CALLS

@@ -1,4 +1,4 @@
-"""What phasegate does not serve is refused by name (app/api/unserved.py, docs/design.md
+"""What phasegate does not serve is refused by name (app/api/utility/unserved.py, docs/design.md
 §17): a 404 in the OpenAI error shape with the stable code ``not_served`` and the reason,
 for every method, before any replica is asked and with nothing logged; and
 docs/compatibility.md lists each route with the same reason."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from app.api.unserved import NOT_SERVED
+from app.api.utility.unserved import NOT_SERVED
 from tests.app.api.test_serving import attempts_on
 from tests.support.gateway import RunningGateway
 from tests.support.workers import WorkerProcess

@@ -1,4 +1,4 @@
-"""vLLM's utility routes through a gateway over real sim workers (app/api/utility.py): the
+"""vLLM's utility routes through a gateway over real sim workers (app/api/utility/routes.py): the
 refusals that never reach a replica, and the sim engine's own (it has no tokenizer). What
 they answer from vLLM is tests/compat/test_utility_routes.py.
 """

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from app.api.from_log import deltas_of
+from app.api.resume.log import deltas_of
 from app.config import ReplicaConfig, Timeouts
 from statemachine import events as ev
 from statemachine.events import FailureKind, ReleaseReason

@@ -13,9 +13,9 @@ from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
 from app.driver.outputs import Delta
 from app.driver.recorder import Recorder
-from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.postgres import PostgresEventStore
+from app.telemetry.metrics import Metrics
 from ops.traces import Trace
 from statemachine import events as ev
 from statemachine.state import fold

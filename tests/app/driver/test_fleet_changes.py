@@ -147,10 +147,10 @@ def test_a_file_declared_replica_is_reconciled_once_and_cannot_be_deleted(databa
             assert refused.status_code == 409 and refused.json()["error"]["code"] == "replica_declared"
             assert httpx.post(f"{b.url}/admin/replicas/f1/cordon", headers=AUTH).json()["state"] == "cordoned"
             # another declared source through the same entry point: only the lock's holder writes
-            from app.store.fleet_model import Declared
+            from app.store.fleet_model import DeclaredReplica
 
             leader, follower = (a, b) if a.gateway.fleet.listener.leading else (b, a)
-            dns = [Declared("d1", worker.base_url, models=((MODEL, None),))]
+            dns = [DeclaredReplica("d1", worker.base_url, models=((MODEL, None),))]
             assert follower.call(follower.gateway.fleet.reconcile("dns", dns)) is None
             written = leader.call(leader.gateway.fleet.reconcile("dns", dns))
             assert written is not None and [(w.event, w.replica_id, w.source) for w in written] == [

@@ -20,10 +20,10 @@ from app.config import GatewayConfig
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
 from app.driver.instance import GatewayInstance
-from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.database import asyncpg_dsn
 from app.store.postgres import PostgresEventStore
+from app.telemetry.metrics import Metrics
 
 TTL_S = 1.5
 

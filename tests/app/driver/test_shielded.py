@@ -16,10 +16,10 @@ from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
 from app.driver.recorder import Recorder
 from app.driver.shielded import begun, shielded
-from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.database import asyncpg_dsn
 from app.store.postgres import PostgresEventStore
+from app.telemetry.metrics import Metrics
 from ops import traces
 from statemachine import events as ev
 from statemachine.state import fold

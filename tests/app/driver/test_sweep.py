@@ -18,11 +18,11 @@ from app.config import GatewayConfig, Timeouts
 from app.driver.budget import RetryBudget
 from app.driver.context import GatewayContext
 from app.driver.instance import GatewayInstance
-from app.metrics import Metrics
 from app.replicas.pool import ReplicaPool
 from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
+from app.telemetry.metrics import Metrics
 from ops import traces
 from statemachine import events as ev
 from statemachine.phases import Phase

@@ -253,7 +253,7 @@ async def test_a_workers_token_frames_that_come_while_the_frames_wait_are_taken_
     assert reading.offered == [["b"], ["c", "d"]]
     assert [(t.text, t.index, t.token_ids) for t in reading.taken] == [("b", 1, [1]), ("c", 2, [2]), ("d", 3, [3])]
     assert reading.yielded_texts() == ["a", "e"]  # the first, and the one read with a tool call
-    assert [type(f).__name__ for f in reading.yielded] == ["Token", "Heartbeat", "Token", "ToolCall", "Done"]
+    assert [type(f).__name__ for f in reading.yielded] == ["Token", "Heartbeat", "Token", "ToolCallFrame", "Done"]
 
 
 async def test_a_workers_token_frames_declined_are_returned_in_order() -> None:

@@ -19,7 +19,7 @@ import pytest
 from app.store import PostgresEventStore
 from app.store.database import asyncpg_dsn
 from app.store.fleet import FleetStore
-from app.store.fleet_model import Declared
+from app.store.fleet_model import DeclaredReplica
 from app.store.instances import InstanceInfo, InstanceRegistry
 from ops import traces
 from ops.audit_queries import bind, bounded_queries, doc_queries, index_name
@@ -311,7 +311,7 @@ async def audited(event_store: PostgresEventStore, database_url: str) -> AsyncIt
         ("r3", ()),
         ("r4", (("m", None),)),
     ):
-        await fleet.join(Declared(replica_id, f"http://{replica_id}:9000", models=models), **ADMIN)
+        await fleet.join(DeclaredReplica(replica_id, f"http://{replica_id}:9000", models=models), **ADMIN)
     await fleet.change("r2", "cordoned", **ADMIN, reason="disk errors")
     await fleet.change("r4", "left", **ADMIN, reason="removed: its attempts ended")
     connection = await asyncpg.connect(asyncpg_dsn(database_url))

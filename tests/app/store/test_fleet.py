@@ -14,7 +14,7 @@ from sqlalchemy import text
 from app.store.database import asyncpg_dsn
 from app.store.errors import InstanceFenced
 from app.store.fleet import FleetStore
-from app.store.fleet_model import Declared
+from app.store.fleet_model import DeclaredReplica
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.postgres import PostgresEventStore
 
@@ -25,8 +25,8 @@ async def instance(store: PostgresEventStore, instance_id: str, ttl_s: float = 3
     return instance_id
 
 
-def replica(replica_id: str, url: str = "http://127.0.0.1:9", **options: object) -> Declared:
-    return Declared(replica_id, url, **options)  # type: ignore[arg-type]
+def replica(replica_id: str, url: str = "http://127.0.0.1:9", **options: object) -> DeclaredReplica:
+    return DeclaredReplica(replica_id, url, **options)  # type: ignore[arg-type]
 
 
 async def test_events_are_projected_into_replicas(event_store: PostgresEventStore) -> None:

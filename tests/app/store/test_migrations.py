@@ -295,7 +295,7 @@ async def test_the_generated_columns_read_the_same_computed_on_read(empty_databa
 
 QUIET_UPGRADE = """
 import sys
-from app.logs import configure
+from app.telemetry.logs import configure
 configure(sys.argv[2])
 from app.store import migrate
 migrate.upgrade(sys.argv[1])
