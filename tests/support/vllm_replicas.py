@@ -15,7 +15,7 @@ first use, by the process that runs the ``vllm`` group (tests/support/scheduling
 The worker starts beside the server, not after it, and the replacements that the tests
 which end it will need (``spare_workers``) start one after the other behind it, while the
 other tests run: each start would otherwise stand in the group's way, which is the
-longest chain of the suite (README.md, "Test it").
+longest chain of the suite (docs/testing.md).
 
 Both use the engine settings of :data:`WORKER_ARGS` and the parsers of :data:`PARSER_ARGS`:
 two running and two queued, so queueing and 429 are cheap to reach, and a three-second
