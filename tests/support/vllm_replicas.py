@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,7 +77,7 @@ class SharedVllm:
         stop_starts(self._starting)
 
 
-def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
+def start_vllm_worker(env: VllmEnv, base_env: Mapping[str, str] | None = None) -> WorkerProcess:
     return start_worker(
         engine="vllm",
         python=env.python,
@@ -86,6 +86,7 @@ def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
         args=WORKER_ARGS,
         ready_timeout=300.0,
         unset_env=["VLLM_CPU_KVCACHE_SPACE"],
+        base_env=base_env,
     )
 
 
@@ -104,7 +105,9 @@ def shared_vllm(env: VllmEnv, *, spare_workers: int = 0) -> Iterator[SharedVllm]
     the other, in the background; on exit all stopped, and the server's whole process
     group (vLLM's engine core among it) checked gone."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-worker-start") as starts:
-        starting = [starts.submit(start_vllm_worker, env) for _ in range(1 + spare_workers)]
+        # each with this environment, not one that a test running meanwhile changed
+        environ = dict(os.environ)
+        starting = [starts.submit(start_vllm_worker, env, environ) for _ in range(1 + spare_workers)]
         try:
             with running_vllm_openai_server(
                 env,
