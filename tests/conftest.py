@@ -19,7 +19,8 @@ without a database.
 - ``event_store`` (function): a ``PostgresEventStore`` on ``database_url``, closed
   (flushed) after the test.
 - ``vllm`` (session): the run's one ``vllm serve`` and vLLM worker
-  (tests/support/vllm_replicas.py), for tests marked ``vllm``.
+  (tests/support/vllm_replicas.py), for tests marked ``vllm``; with a replacement worker
+  started meanwhile for each test marked ``ends_vllm_worker`` after the first.
 
 The suite runs in parallel processes (pytest-xdist, ``-n`` in pyproject.toml), each with
 its own embedded server; a module, or a named group of modules, is one process's unit of
@@ -51,6 +52,7 @@ from tests.support.vllm_replicas import SharedVllm, shared_vllm
 from tests.support.workers import vllm_env
 
 TEMPLATE = f"phasegate_template_{os.getpid()}"  # two runs may share one server
+ENDERS = pytest.StashKey[int]()  # how many of the run's tests end the shared vLLM worker
 _names = itertools.count(1)
 
 
@@ -82,13 +84,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(trylast=True)  # after pytest ordered the tests by their fixtures
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that runs vLLM is in one group: one process runs them all, on the run's
     one shared ``vllm serve`` and vLLM worker (tests/support/vllm_replicas.py). Those that
-    end that worker run after every other, so that it is started again only for one that
-    needs it alive."""
+    end that worker run after every other (the replacement each needs is started while the
+    others run). A test that runs vLLM's code in a child process of its own (marked
+    ``vllm_subprocess``) shares nothing with them: its module is a unit of its own, which
+    another process runs meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("ends_vllm_worker") is not None)
-    record_groups(items, {"vllm": "vllm"})
+    config.stash[ENDERS] = sum(item.get_closest_marker("ends_vllm_worker") is not None for item in items)
+    record_groups([item for item in items if item.get_closest_marker("vllm_subprocess") is None], {"vllm": "vllm"})
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -129,8 +134,10 @@ def postgres_server() -> Iterator[EmbeddedPostgres | None]:
 
 
 @pytest.fixture(scope="session")
-def vllm() -> Iterator[SharedVllm]:
-    with shared_vllm(vllm_env()) as shared:
+def vllm(request: pytest.FixtureRequest) -> Iterator[SharedVllm]:
+    # a worker for each test that ends one, but the first: that one ends the worker the others used
+    spares = max(0, request.config.stash.get(ENDERS, 0) - 1)
+    with shared_vllm(vllm_env(), spare_workers=spares) as shared:
         yield shared
 
 

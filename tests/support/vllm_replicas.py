@@ -12,6 +12,11 @@ first use, by the process that runs the ``vllm`` group (tests/support/scheduling
   that kills it or drains it is marked ``ends_vllm_worker``: those run last in the group
   (tests/conftest.py), and the next one to ask gets a new worker.
 
+The worker starts beside the server, not after it, and the replacements that the tests
+which end it will need (``spare_workers``) start one after the other behind it, while the
+other tests run: each start would otherwise stand in the group's way, which is the
+longest chain of the suite (docs/testing.md).
+
 Both use the engine settings of :data:`WORKER_ARGS` and the parsers of :data:`PARSER_ARGS`:
 two running and two queued, so queueing and 429 are cheap to reach, and a three-second
 drain.
@@ -22,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tests.support.workers import ManagedProcess, VllmEnv, WorkerProcess, running_vllm_openai_server, start_worker
@@ -45,30 +51,33 @@ SERVER_ARGS = ["--enforce-eager", *PARSER_ARGS]
 
 @dataclass
 class SharedVllm:
-    """The shared server (started at once) and worker (started on first use, again after a death)."""
+    """The shared server and worker (the worker again after a death: one started in the
+    background if one is left, else a new one)."""
 
     env: VllmEnv
     server: ManagedProcess
     server_url: str
+    _starting: list[Future[WorkerProcess]] = field(default_factory=list, repr=False)  # oldest first
     _worker: WorkerProcess | None = field(default=None, repr=False)
     worker_starts: int = 0
 
     def worker(self) -> WorkerProcess:
-        """The live worker: the one running, else a new one."""
+        """The live worker: the one running, else the next one started in the background, else a new one."""
         if self._worker is not None and not self._worker.alive():
             self._worker.kill()  # reap it and its engine processes
             self._worker = None
         if self._worker is None:
-            self._worker = start_vllm_worker(self.env)
+            self._worker = self._starting.pop(0).result() if self._starting else start_vllm_worker(self.env)
             self.worker_starts += 1
         return self._worker
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.kill()
+        stop_starts(self._starting)
 
 
-def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
+def start_vllm_worker(env: VllmEnv, base_env: Mapping[str, str] | None = None) -> WorkerProcess:
     return start_worker(
         engine="vllm",
         python=env.python,
@@ -77,25 +86,43 @@ def start_vllm_worker(env: VllmEnv) -> WorkerProcess:
         args=WORKER_ARGS,
         ready_timeout=300.0,
         unset_env=["VLLM_CPU_KVCACHE_SPACE"],
+        base_env=base_env,
     )
 
 
+def stop_starts(starting: list[Future[WorkerProcess]]) -> None:
+    """Each worker start not taken: not begun, or killed once started."""
+    for future in starting:
+        if not future.cancel():
+            with contextlib.suppress(Exception):  # a start that failed has nothing to stop
+                future.result().kill()
+    starting.clear()
+
+
 @contextlib.contextmanager
-def shared_vllm(env: VllmEnv) -> Iterator[SharedVllm]:
-    """The server started, the worker on demand; on exit both stopped, and the server's
-    whole process group (vLLM's engine core among it) checked gone."""
-    with running_vllm_openai_server(
-        env,
-        served_model_name=MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        args=SERVER_ARGS,
-        extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},  # its /v1/responses keeps responses (background)
-    ) as (process, url):
-        shared = SharedVllm(env, process, url)
+def shared_vllm(env: VllmEnv, *, spare_workers: int = 0) -> Iterator[SharedVllm]:
+    """The server and the worker started together, then ``spare_workers`` more one after
+    the other, in the background; on exit all stopped, and the server's whole process
+    group (vLLM's engine core among it) checked gone."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-worker-start") as starts:
+        # each with this environment, not one that a test running meanwhile changed
+        environ = dict(os.environ)
+        starting = [starts.submit(start_vllm_worker, env, environ) for _ in range(1 + spare_workers)]
         try:
-            yield shared
+            with running_vllm_openai_server(
+                env,
+                served_model_name=MODEL,
+                max_model_len=MAX_MODEL_LEN,
+                args=SERVER_ARGS,
+                extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},  # its /v1/responses keeps responses (background)
+            ) as (process, url):
+                shared = SharedVllm(env, process, url, starting)
+                try:
+                    yield shared
+                finally:
+                    shared.close()
         finally:
-            shared.close()
+            stop_starts(starting)  # the server's start failed: no worker outlives the run
     deadline = time.monotonic() + 10
     while group_alive(process.pid):
         assert time.monotonic() < deadline, f"vllm serve's process group {process.pid} outlived it"

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -161,10 +161,15 @@ class WorkerProcess(ManagedProcess):
 
 
 def _spawn(
-    cmd: Sequence[str], env: dict[str, str] | None, tmp: tempfile.TemporaryDirectory[str], unset: Sequence[str] = ()
+    cmd: Sequence[str],
+    env: dict[str, str] | None,
+    tmp: tempfile.TemporaryDirectory[str],
+    unset: Sequence[str] = (),
+    base_env: Mapping[str, str] | None = None,
 ) -> ManagedProcess:
     log_path = Path(tmp.name) / "process.log"
-    environ = {key: value for key, value in {**os.environ, **(env or {})}.items() if key not in unset}
+    base = os.environ if base_env is None else base_env
+    environ = {key: value for key, value in {**base, **(env or {})}.items() if key not in unset}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             list(cmd),
@@ -203,6 +208,7 @@ def start_worker(
     ready_timeout: float = 30.0,
     token: str | None = None,
     unset_env: Sequence[str] = (),
+    base_env: Mapping[str, str] | None = None,
 ) -> WorkerProcess:
     """Start ``phasegate worker`` on a free port and wait until /v1/ready answers 200.
 
@@ -210,7 +216,9 @@ def start_worker(
     ``faults`` adds ``--enable-faults``. For ``engine="vllm"`` give ``python`` and
     ``model_path`` (see :func:`vllm_env`). With ``token`` the worker requires it (given
     through ``$PHASEGATE_WORKER_TOKEN``) and :meth:`WorkerProcess.client` sends it.
-    ``unset_env`` names variables the worker must not inherit. The caller must
+    ``unset_env`` names variables the worker must not inherit; ``base_env`` is the
+    environment it inherits, if not this process's now (a start on another thread takes
+    the one its caller had, not one a test running meanwhile changed). The caller must
     :meth:`~ManagedProcess.kill` it.
     """
     tmp = tempfile.TemporaryDirectory(prefix="phasegate-worker-")
@@ -236,7 +244,7 @@ def start_worker(
     worker_env = {**VLLM_ENV, **(env or {})} if engine == "vllm" else dict(env or {})
     if token is not None:
         worker_env[TOKEN_ENV] = token
-    process = _spawn(cmd, worker_env, tmp, unset_env)
+    process = _spawn(cmd, worker_env, tmp, unset_env, base_env)
     deadline = time.monotonic() + ready_timeout
     while not ready_file.exists():
         if not process.alive() or time.monotonic() > deadline:

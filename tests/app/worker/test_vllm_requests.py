@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.workers import run_in_vllm, vllm_env
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_subprocess]  # not on the shared vLLM: a unit of its own
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}|{% endfor %}"
 
