@@ -24,7 +24,8 @@ from tests.compat.compare import ask, differences
 from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.workers import running_vllm_openai_server, vllm_env
 
-pytestmark = pytest.mark.vllm
+# its own vllm serve (an embedding model): a unit of its own, beside the shared vLLM group
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_subprocess]
 
 MODEL = "tiny-embed"
 CASES: dict[str, tuple[str, dict[str, object]]] = {
