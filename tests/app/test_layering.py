@@ -38,6 +38,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.reload": frozenset({"app.config", "app.store"}),
     "app.metrics": frozenset(),
+    "app.heap": frozenset(),  # freed heap memory handed back to the system
     "app.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
     "app.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
@@ -66,7 +67,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # the composition root of one gateway, and the process that runs it
     "app.gateway": frozenset(
         {BOTTOM, "app.config", "app.metrics", "app.store", "app.replicas", "app.driver", "app.api", "app.tracing"}
-        | {"app.discover_config"}
+        | {"app.discover_config", "app.heap"}
     ),
     "app.gateway_process": frozenset({"app.config", "app.gateway", "app.logs", "app.tracing", "app.http_server"}),
     # the embedded default's simulated workers that join, and the banner
