@@ -224,6 +224,8 @@ class StreamResumed(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class AttemptStarted(AttemptScoped):
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("model_revision",)}
     replica_id: str
     lease_expires_at: datetime
     # the replica confirms a cancel (a worker); else only the lease proves it stopped
@@ -232,6 +234,9 @@ class AttemptStarted(AttemptScoped):
     # any delivery, closing it fences the attempt (False in logs written before)
     aborts_on_close: bool = False
     model: str | None = None  # the model asked for, when a fallback's (None: the request's own)
+    # a fallback's revision, pinned by its first attempt: its later attempts stay on it, as
+    # the request's own stay on RequestAccepted's (None: the request's own model, or a log before)
+    model_revision: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
