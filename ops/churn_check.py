@@ -53,6 +53,7 @@ class Verdict:
     failed: Counter[str] = field(default_factory=Counter)  # check -> requests (or gateways) failing it
     rss: dict[str, list[int | None]] = field(default_factory=dict)  # gateway incarnation -> per quarter
     problems: list[str] = field(default_factory=list)
+    propagation: list[str] = field(default_factory=list)  # declared sources' changes, timed (ops/churn_sources.py)
 
     @property
     def passed(self) -> bool:
@@ -74,6 +75,8 @@ class Verdict:
         lines.append("")
         lines.append("fleet changes  " + "  ".join(f"{k} {v}" for k, v in sorted(self.fleet.items())))
         lines.append("")
+        if self.propagation:
+            lines += ["propagation (change -> listed serving, or no longer)", *self.propagation, ""]
         for check in CHECKS:
             lines.append(f"{check:<14} {self.failed[check]:>6}  {'FAIL' if self.failed[check] else 'ok'}")
         lines.append("")

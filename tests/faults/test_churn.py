@@ -1,6 +1,7 @@
 """The churn soak, two minutes of it (``SECONDS``): mixed traffic through two gateway instances on one
-PostgreSQL while workers join, leave, are cordoned, uncordoned and SIGKILLed, one gateway
-is restarted and PostgreSQL is restarted (docs/design.md §16). The full run is
+PostgreSQL while workers join, leave, are cordoned, uncordoned and SIGKILLed, a DNS name's
+records change and the configuration is reloaded, one gateway is restarted and PostgreSQL is
+restarted (docs/design.md §16). The full run is
 ``python ops/churn.py --seconds 1800`` (docs/operations.md).
 
 The verdict judges every request by what its client received against its log; the checks
@@ -19,6 +20,7 @@ import pytest
 
 from ops.churn import BATCH_DELTAS, run_churn
 from ops.churn_check import CHECKS, Verdict, check
+from ops.churn_sources import dnsmasq_binary
 from ops.churn_traffic import KINDS, Record
 
 # Two minutes in every run; PHASEGATE_CHURN=1 asks for ten, PHASEGATE_CHURN_SECONDS for
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 SECONDS = float(os.environ.get("PHASEGATE_CHURN_SECONDS") or (600.0 if os.environ.get("PHASEGATE_CHURN") else 120.0))
 
 FLEET_CHANGES = ("join", "leave", "drain", "cordon", "uncordon", "kill", "gateway restart", "postgres restart")
+SOURCE_CHANGES = ("dns add", "dns remove", "reload add", "reload remove")  # with dnsmasq (.ci/dnsmasq)
 
 
 def doctored(records: list[Record]) -> dict[str, list[Record]]:
@@ -70,6 +73,9 @@ def test_two_minutes_of_churn_leave_every_client_agreeing_with_its_log() -> None
         by_kind[kind] += count if outcome in ("completed", "retried+ok") else 0
     assert all(count >= 10 for count in by_kind.values()), by_kind
     assert all(verdict.fleet[change] >= 1 for change in FLEET_CHANGES), verdict.fleet
+    if dnsmasq_binary() is not None:  # the declared sources changed too, each change's propagation timed
+        assert all(verdict.fleet[change] >= 1 for change in SOURCE_CHANGES), verdict.fleet
+        assert {line.split()[0] for line in verdict.propagation} == {"dns", "reload"}, verdict.propagation
     assert verdict.fleet["join"] + verdict.fleet["kill"] + verdict.fleet["leave"] >= 10, verdict.fleet
     # RSS read through the run: the gateway never restarted has all four quarters
     assert any(all(quarters) for quarters in verdict.rss.values()), verdict.rss
