@@ -14,6 +14,8 @@ polled to their end, and streams dropped and resumed with ``Last-Event-ID``. Mea
 (``phasegate replicas remove --drain-s 1``: its attempts still live after a second are
 fenced), is cordoned or uncordoned (the admin API), or is SIGKILLed (it lapses). Once, at a
 third of the run, one gateway is stopped and started again; once, at two thirds, PostgreSQL is.
+Every ``--sources-every`` seconds a DNS record is added or removed (dnsmasq) or the settings file
+is reloaded with ``SIGHUP``, each change's propagation timed (ops/churn_sources.py).
 Each gateway's RSS is read from /proc every second.
 
 The verdict (ops/churn_check.py) and its table: requests by kind and outcome, fleet changes by
@@ -49,6 +51,8 @@ from app.store.migrate import upgrade  # noqa: E402
 from app.store.postgres import PostgresEventStore  # noqa: E402
 from ops.chaos_check import until_all_ended  # noqa: E402
 from ops.churn_check import Sample, Verdict, check, judge_rss  # noqa: E402
+from ops.churn_gateways import Gateways  # noqa: E402
+from ops.churn_sources import Dns, Sources, dnsmasq_binary  # noqa: E402
 from ops.churn_traffic import MODEL, Record, clients  # noqa: E402
 from ops.processes import free_port, phasegate, start, stop, wait_http  # noqa: E402
 from statemachine.trace import dump_trace  # noqa: E402
@@ -65,49 +69,6 @@ delivery_batch_tokens = 16
 """
 BATCH_DELTAS = 16
 ENV = {"PHASEGATE_WORKER_TOKEN": WORKER_TOKEN}
-
-
-class Gateways:
-    """Gateway instances on fixed ports; one can be restarted (a new instance, same port)."""
-
-    def __init__(self, count: int, settings: Path, database_url: str) -> None:
-        self.ports = [free_port() for _ in range(count)]
-        serve = ["--log-level", "warning", "--model", MODEL, "--sim-workers", "0", "--config", str(settings)]
-        self.commands = [phasegate("serve", "--processes", "1", "--port", str(p), *serve) for p in self.ports]
-        self.env = {**ENV, "DATABASE_URL": database_url}
-        self.processes = [start(command, self.env) for command in self.commands]
-        self.incarnations = [0] * count
-        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
-
-    def wait_ready(self) -> None:
-        for url in self.urls:
-            wait_http(url + "/readyz")
-
-    def restart(self, index: int) -> None:
-        stop(self.processes[index], signal.SIGTERM, grace_s=30.0)
-        self.processes[index] = start(self.commands[index], self.env)
-        self.incarnations[index] += 1
-        wait_http(self.urls[index] + "/readyz")
-
-    def rss_kib(self, index: int) -> int:
-        """The resident memory of the gateway's whole process group, from /proc."""
-        group, total = self.processes[index].pid, 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[2]) != group:  # the process group id
-                    continue
-                status = Path(f"/proc/{entry}/status").read_text()
-            except (OSError, ValueError, IndexError):
-                continue
-            total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        return total
-
-    def close(self, sig: int = signal.SIGTERM) -> None:
-        for process in self.processes:
-            stop(process, sig, grace_s=30.0)
 
 
 class Churn:
@@ -234,9 +195,12 @@ def run_churn(
     decode_ms: float = 10.0,
     seed: int = 1,
     workers: tuple[int, int] = (2, 6),
+    sources_every_s: float | None = None,
     after: Callable[[str, list[Record]], None] | None = None,
 ) -> Verdict:
     """The whole soak, on a PostgreSQL of its own; returns the verdict (its table, its checks).
+    ``sources_every_s``: how often a DNS record or the file changes (ops/churn_sources.py;
+    default three churn steps; 0: never, as without dnsmasq).
     ``after(database_url, records)``: called once the verdict is in, before the database goes."""
     rng = random.Random(seed)
     workdir = Path(tempfile.mkdtemp(prefix="phasegate-churn-"))
@@ -245,11 +209,20 @@ def run_churn(
     database = EmbeddedPostgres(workdir / "pg")
     front: Gateways | None = None
     churn: Churn | None = None
+    sources: Sources | None = None
     verdict = Verdict()
+    every_s = 3 * churn_every_s if sources_every_s is None else sources_every_s
+    binary = dnsmasq_binary() if every_s > 0 else None
     try:
         url = database.start()
         upgrade(url)
-        front = live = Gateways(gateways, workdir / "phasegate.toml", url)
+        if binary is not None:
+            dns = Dns(binary, workdir)
+            dns.start()
+            admin = lambda: _listed(front)  # noqa: E731
+            pids = lambda: [p.pid for p in front.processes if p.poll() is None] if front else []  # noqa: E731
+            sources = Sources(dns, workdir / "phasegate.toml", SETTINGS, _worker(decode_ms), _stop, admin, pids)
+        front = live = Gateways(gateways, workdir / "phasegate.toml", url, ENV)
         live.wait_ready()
         churn = Churn(live, rng, decode_ms, *workers)
         for _ in range(workers[0] + 1):
@@ -264,6 +237,9 @@ def run_churn(
             _once(seconds / 3, done, lambda: _restart_gateway(live, rng, disruptions)),
             _once(2 * seconds / 3, done, lambda: _restart_database(database, disruptions)),
         ]
+        if sources is not None:
+            sources.add_address()
+            threads.append(_every(every_s, done, lambda: disruptions.append(sources.step(rng.choice))))
         records = asyncio.run(clients(live.urls, clients_count, seconds, rng))
         done.set()
         churn.stopped.set()
@@ -275,6 +251,10 @@ def run_churn(
         churn.close()
         verdict.fleet.update(churn.changes)
         verdict.fleet.update(disruptions)
+        if sources is not None:
+            verdict.fleet["dns add"] += 1  # the first address, at the start
+            verdict.propagation = sources.report()
+            verdict.problems += [f"note: {e}" for e in sources.errors[:10]]
         asyncio.run(check(url, records, BATCH_DELTAS, verdict))
         judge_rss(samples, time.monotonic() - began if not samples else samples[-1].at + 1e-6, verdict)
         verdict.problems += [f"note: fleet change refused: {e}" for e in churn.errors[:10]]
@@ -288,8 +268,38 @@ def run_churn(
             front.close(signal.SIGKILL)
         if churn is not None:
             churn.close()
+        if sources is not None:
+            sources.close()
         database.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _worker(decode_ms: float) -> Callable[[str, int], subprocess.Popen[bytes]]:
+    """Starts a sim worker that does not join (DNS or the file declare it), once it serves."""
+
+    def started(host: str, port: int) -> subprocess.Popen[bytes]:
+        command = phasegate("worker", "--engine", "sim", "--model", MODEL, "--host", host, "--port", str(port))
+        command += ["--sim-decode-ms-per-token", str(decode_ms), "--heartbeat-ms", "200"]
+        process = start([*command, "--max-running", "500", "--max-queued", "500"], ENV)
+        wait_http(f"http://{host}:{port}/v1/health")
+        return process
+
+    return started
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    stop(process, signal.SIGTERM)
+
+
+def _listed(front: Gateways | None) -> list[dict[str, object]]:
+    """The fleet as the first gateway's admin API lists it."""
+    if front is None:
+        return []
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    listed: list[dict[str, object]] = httpx.get(front.urls[0] + "/admin/replicas", headers=auth, timeout=10).json()[
+        "data"
+    ]
+    return listed
 
 
 async def keep_evidence(database_url: str, verdict: Verdict) -> None:
@@ -359,6 +369,9 @@ def main() -> None:
     parser.add_argument("--churn-every", type=float, default=3.0, help="seconds between fleet changes (jittered)")
     parser.add_argument("--decode-ms", type=float, default=10.0, help="the sim workers' time per token")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--sources-every", type=float, help="seconds between DNS changes and reloads (0: none; default 3 churn steps)"
+    )
     options = parser.parse_args()
     if options.gateways < 2:
         parser.error("--gateways: 2 or more (one is restarted during the run)")
@@ -370,6 +383,7 @@ def main() -> None:
         churn_every_s=options.churn_every,
         decode_ms=options.decode_ms,
         seed=options.seed,
+        sources_every_s=options.sources_every,
     )
     print(verdict.table())
     print(f"{'took':<14} {time.monotonic() - began:>6.0f} s")

@@ -53,6 +53,7 @@ class Verdict:
     failed: Counter[str] = field(default_factory=Counter)  # check -> requests (or gateways) failing it
     rss: dict[str, list[int | None]] = field(default_factory=dict)  # gateway incarnation -> per quarter
     problems: list[str] = field(default_factory=list)
+    propagation: list[str] = field(default_factory=list)  # declared sources' changes, timed (ops/churn_sources.py)
 
     @property
     def passed(self) -> bool:
@@ -74,6 +75,8 @@ class Verdict:
         lines.append("")
         lines.append("fleet changes  " + "  ".join(f"{k} {v}" for k, v in sorted(self.fleet.items())))
         lines.append("")
+        if self.propagation:
+            lines += ["propagation (change -> listed serving, or no longer)", *self.propagation, ""]
         for check in CHECKS:
             lines.append(f"{check:<14} {self.failed[check]:>6}  {'FAIL' if self.failed[check] else 'ok'}")
         lines.append("")
@@ -206,9 +209,19 @@ def _judge(record: Record, events: list[ev.Event], batch_deltas: int, verdict: V
         verdict.fail("differs", f"{rid}: tool calls: the client got {transcript.tool_calls}, the log disagrees")
     elif transcript.error is not None and (
         transcript.error.get("code") != state.error_code
-        or transcript.error.get("delivered_output_tokens") != state.delivered_output_tokens
+        or transcript.error.get("delivered_output_tokens") != _failed_after(events)
     ):
-        verdict.fail("differs", f"{rid}: told {transcript.error}, the log {state.error_code}")
+        verdict.fail(
+            "differs", f"{rid}: told {transcript.error}, the log {state.error_code} after {_failed_after(events)}"
+        )
+
+
+def _failed_after(events: list[ev.Event]) -> int | None:
+    """The tokens its ``RequestFailed`` says were delivered: what its error tells every
+    reader. A read after the end (a resume that read the output produced meanwhile) counts
+    toward the fold's delivered tokens (docs/design.md §15), not toward the error's."""
+    failed = next((e for e in events if isinstance(e, ev.RequestFailed)), None)
+    return failed.delivered_output_tokens if failed is not None else None
 
 
 def judge_rss(samples: list[Sample], seconds: float, verdict: Verdict) -> None:

@@ -105,9 +105,7 @@ class RequestAccepted(RequestScoped):
     gateway: str | None = None  # the gateway process that owns the request (for recovery)
     trace_id: str | None = None  # the OpenTelemetry trace of the request (32 hex digits), when traced
     logprobs: int | None = None  # log probabilities asked for: alternatives at each token (None: none)
-    # how its attempts are placed: statemachine.routing.RoutingConfig's strategy and the fields
-    # off their defaults (None: the defaults, in logs written before placements were recorded)
-    routing: dict[str, Any] | None = None
+    routing: dict[str, Any] | None = None  # how attempts are placed: RoutingConfig off its defaults (None: all)
     affinity_key: str | None = None  # the conversation's key for prefix affinity (a hash, never the text)
     metadata: dict[str, Any] | None = None  # the client's metadata, recorded for audit queries, not acted on
     # a background response (docs/design.md §15): no disconnect grace applies; whole, it generates
@@ -224,14 +222,16 @@ class StreamResumed(RequestScoped):
 
 @dataclass(frozen=True, slots=True)
 class AttemptStarted(AttemptScoped):
+    SCHEMA_VERSION: ClassVar[int] = 2
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("model_revision",)}
     replica_id: str
     lease_expires_at: datetime
-    # the replica confirms a cancel (a worker); else only the lease proves it stopped
-    acknowledges_cancel: bool = True
+    acknowledges_cancel: bool = True  # the replica confirms a cancel (a worker); else only the lease
     # the replica aborts a request whose connection closed (vLLM's OpenAI server): before
     # any delivery, closing it fences the attempt (False in logs written before)
     aborts_on_close: bool = False
     model: str | None = None  # the model asked for, when a fallback's (None: the request's own)
+    model_revision: str | None = None  # a fallback's, as its first attempt pinned it (docs/design.md §16)
 
 
 @dataclass(frozen=True, slots=True)

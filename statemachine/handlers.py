@@ -118,6 +118,7 @@ def _on_attempt_started(state: RequestState, event: AttemptStarted) -> Changes:
         acknowledges_cancel=event.acknowledges_cancel,
         aborts_on_close=event.aborts_on_close,
         model=event.model or state.model,
+        model_revision=event.model_revision,
     )
     return {
         "attempts": (*state.attempts, attempt),

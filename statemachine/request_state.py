@@ -71,6 +71,7 @@ class AttemptState:
     started_at: datetime
     lease_expires_at: datetime
     model: str = ""  # the model it asked for: the request's, or a fallback's
+    model_revision: str | None = None  # a fallback's revision, as its AttemptStarted pinned it
     acknowledges_cancel: bool = True  # the replica confirms a cancel (a worker); else only the lease
     aborts_on_close: bool = False  # the replica aborts when its connection closes (an OpenAI server)
     first_token_received: bool = False
@@ -202,6 +203,14 @@ class RequestState:
 
     def attempts_on(self, model: str) -> int:
         return sum(attempt.model == model for attempt in self.attempts)
+
+    def revision_of(self, model: str) -> str | None:
+        """The revision every attempt of ``model`` stays on (docs/design.md §16): the
+        request's own model's from its ``RequestAccepted``, a fallback's from its first
+        attempt; ``None`` until one is known (the configured revision then applies)."""
+        if model == self.model:
+            return self.model_revision if self.model_revision not in ("", "unknown") else None
+        return next((a.model_revision for a in self.attempts if a.model == model and a.model_revision), None)
 
     def attempt(self, number: int) -> AttemptState | None:
         if 1 <= number <= len(self.attempts):

@@ -109,6 +109,7 @@ class LoopActions:
             acknowledges_cancel=replica.client.acknowledges_cancel,
             aborts_on_close=replica.client.aborts_on_close,
             model=action.model if action.model != request.model else None,
+            model_revision=self._fallback_revision(action.model),
         )
         run = AttemptRun(
             replica,
@@ -133,6 +134,13 @@ class LoopActions:
             return None
 
         return open_attempt
+
+    def _fallback_revision(self, model: str) -> str | None:
+        """A fallback's revision, recorded with its attempt so that its retries stay on it:
+        the one its first attempt pinned, else the configured one it is placed at now."""
+        if not model or model == self.request.model:
+            return None  # the request's own: RequestAccepted recorded it
+        return self.state.revision_of(model) or self.ctx.config.model_revision(model)
 
     def _wait_to_retry(self, action: WaitToRetry) -> Callable[[], Awaitable[Output | None]]:
         async def wait() -> Output | None:

@@ -28,7 +28,8 @@ from app.driver import log_loss
 from app.driver.feed import AttachedClient
 from app.driver.loop import RequestLoop
 from app.driver.outputs import Delta, Finished, Output
-from app.store.errors import StoreError
+from app.driver.recorder import STORE_OUTAGE_GRACE_S
+from app.store.errors import StoreError, StoreUnavailable
 from statemachine import events as ev
 from statemachine.deltas import TOOL_CALLS
 from statemachine.phases import Phase
@@ -77,16 +78,44 @@ class RequestDriver(RequestLoop):
         self.ctx.drivers[self.request_id] = self
         self.ctx.metrics.in_flight.inc()
         # the input, for replaying an incident; off the path to the first token
-        self._input_recorded = self.ctx.spawn(
-            self.ctx.store.record_input(
-                self.request_id,
-                request.client_body,
-                model_revision=self.ctx.config.model_revision(request.model),
-                seed=request.seed,
-                content_policy=self.recorder.content_policy,
-            ),
-            name=f"input {self.request_id}",
-        )
+        self._input_recorded = self.ctx.spawn(self._record_input(), name=f"input {self.request_id}")
+
+    async def _record_input(self) -> None:
+        """Write the request's input, retried through an outage as a durable append is
+        (``STORE_OUTAGE_GRACE_S``): its events that the log took later must not be all
+        that is left of it."""
+        request = self.request
+        deadline = self.ctx.clock() + STORE_OUTAGE_GRACE_S
+        delay = 0.05
+        while True:
+            try:
+                await self.ctx.store.record_input(
+                    self.request_id,
+                    request.client_body,
+                    model_revision=self.ctx.config.model_revision(request.model),
+                    seed=request.seed,
+                    content_policy=self.recorder.content_policy,
+                )
+                return
+            except StoreUnavailable:
+                if self.ctx.clock() + delay > deadline:
+                    raise
+                log.warning("event log unavailable; request %s retries its input's write", self.request_id)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _input_durable(self) -> None:
+        """Until the input is written: a response's later turn and every read of it are
+        built from it (docs/design.md §15). Written again once more where the first
+        write gave up; :class:`StoreUnavailable` where that fails too, so that the
+        response ends as the log lost it, never as a completion with no input."""
+        written = self._input_recorded
+        if written is None:
+            return
+        await asyncio.wait([written])
+        if written.cancelled() or written.exception() is not None:  # logged where it ran
+            self._input_recorded = self.ctx.spawn(self._record_input(), name=f"input {self.request_id} again")
+            await asyncio.shield(self._input_recorded)
 
     def run_in_background(self) -> asyncio.Future[None]:
         """A background response, just accepted: no client is attached (a reader attaches
@@ -153,8 +182,8 @@ class RequestDriver(RequestLoop):
     async def complete(self, finished: Finished) -> None:
         """Record the completion durably, before the final bytes go out. A response's
         input is durable before it is (docs/design.md §15: a later turn is built from it)."""
-        if self.request.responses is not None and self._input_recorded is not None:
-            await asyncio.wait([self._input_recorded])  # its failure is logged where it ran
+        if self.request.responses is not None:
+            await self._input_durable()
         self.recorder.record(
             ev.RequestCompleted,
             finish_reason=finished.finish_reasons[0] if finished.finish_reasons else "stop",

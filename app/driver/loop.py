@@ -228,11 +228,10 @@ class RequestLoop(LoopActions):
 
     def _snapshot(self, state: RequestState) -> PoolSnapshot:
         """The pool as the policy places over it: the request's model at the revision its
-        ``RequestAccepted`` recorded, a fallback at the configured one (docs/design.md §16)."""
+        ``RequestAccepted`` recorded, a fallback at the one its first attempt was placed at,
+        else (not tried yet) at the configured one (docs/design.md §16)."""
         config = self.ctx.config
-        revisions = {model: config.model_revision(model) for model in self._models}
-        if state.model_revision and state.model_revision != "unknown":
-            revisions[state.model] = state.model_revision
+        revisions = {model: state.revision_of(model) or config.model_revision(model) for model in self._models}
         return self.ctx.pool.snapshot(
             self._models, revisions=revisions, keep=state.replicas_tried, affinity_key=state.affinity_key
         )

@@ -37,6 +37,7 @@ from app.driver.context import GatewayContext, ToolRunner
 from app.driver.fleet import FleetKeeper
 from app.driver.instance import GatewayInstance
 from app.driver.tools import WebhookRunner
+from app.process import heap
 from app.replicas.base import ReplicaClient
 from app.replicas.declared import dns_replicas
 from app.replicas.discovery import Address, Discovery, DiscoveryLoops
@@ -74,6 +75,7 @@ class Gateway:
         self.instance = GatewayInstance(ctx, store, address=f"http://{ctx.config.host}:{ctx.config.port}")
         self.fleet = FleetKeeper(ctx, store, lambda replica: replica_client(replica, ctx.config))
         self._probes: asyncio.Task[None] | None = None
+        self._trims: asyncio.Task[None] | None = None  # freed heap memory returned (app/process/heap.py)
         self.discovery = DiscoveryLoops(self._discovery, self._forget)
         fleet = [*fleet_routes(ctx, self.fleet), *join_routes(ctx, self.fleet)]
         self.app: Starlette = build_app(ctx, extra_routes=fleet, lifespan=self._lifespan)
@@ -164,6 +166,7 @@ class Gateway:
         self._probes = asyncio.get_running_loop().create_task(
             self.ctx.pool.run_probes(self.ctx.config.health_interval_s), name="replica probes"
         )
+        self._trims = asyncio.get_running_loop().create_task(heap.trim_every(), name="heap trims")
 
     async def drain(self) -> None:
         """SIGTERM: refuse new requests, give open streams ``drain_s``, end the rest."""
@@ -172,10 +175,11 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.discovery.stop()
-        if self._probes is not None:
-            self._probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probes
+        for task in (self._probes, self._trims):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.ctx.drain(SHUTDOWN_GRACE_S)
         await self.fleet.stop()
         await self.instance.stop()

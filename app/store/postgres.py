@@ -37,11 +37,13 @@ from statemachine.events import Event
 logger = logging.getLogger("phasegate.store")
 
 # Accept days remembered, of the requests most recently accepted here: one for each
-# request still live, with room to spare. A forgotten one costs its appends a lookup
-# inside their INSERT, not a round trip. Kept in an OrderedDict, whose oldest entry is
-# dropped in O(1): a plain dict's ``next(iter(...))`` walks past every entry deleted
-# before it, a cost a request that grows with the map (figures: docs/performance.md).
-_ACCEPT_DAYS_KEPT = 200_000
+# request still live, with room to spare (each entry stays resident while kept: the
+# bound keeps the map well below what a gateway's memory notices, docs/performance.md).
+# A forgotten one costs its appends a lookup inside their INSERT, not a round trip.
+# Kept in an OrderedDict, whose oldest entry is dropped in O(1): a plain dict's
+# ``next(iter(...))`` walks past every entry deleted before it, a cost a request that
+# grows with the map (figures: docs/performance.md).
+_ACCEPT_DAYS_KEPT = 20_000
 
 
 # The input's partition is its request's accept day: the store's, else the request's

@@ -46,6 +46,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.process.reload": frozenset({"app.config", "app.store"}),
     "app.telemetry.metrics": frozenset(),
+    "app.process.heap": frozenset(),  # freed heap memory handed back to the system
     "app.process.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
     "app.telemetry.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.telemetry.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
@@ -101,7 +102,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "app.api",
             "app.telemetry.tracing",
         }
-        | {"app.discover_config"}
+        | {"app.discover_config", "app.process.heap"}
     ),
     "app.process.gateway_process": frozenset(
         {"app.config", "app.process.gateway", "app.telemetry.logs", "app.telemetry.tracing", "app.http.server"}

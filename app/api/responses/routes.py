@@ -112,12 +112,14 @@ class _Responses:
 
     async def _read(self, tenant: str, response_id: str) -> _Stored:
         """The tenant's response, its log and its recorded input, each read once. A deleted
-        one is gone (404): with every input kept (``content_policy`` full), an ended
-        response with none had its content erased."""
+        one is gone (404): with every input kept (``content_policy`` full), a completed
+        response with none had its content erased, since its completion waits for its
+        input. One that failed without it (the log lost it first) is read as it failed."""
         request_id, events = await response_events(self.ctx.store, tenant, response_id, "response_id")
         recorded = await self.ctx.store.read_input(request_id)
         ended = any(isinstance(e, ENDED) for e in events)
-        if ended and recorded is None and self.ctx.config.content_policy == "full":
+        completed = any(isinstance(e, ev.RequestCompleted) for e in events)
+        if completed and recorded is None and self.ctx.config.content_policy == "full":
             raise NotFound(f"response '{response_id}' was deleted", param="response_id", code="response_not_found")
         return _Stored(response_id, request_id, tenant, events, recorded, ended)
 

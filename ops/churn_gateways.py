@@ -1,0 +1,54 @@
+"""The churn soak's gateway instances (ops/churn.py): ``phasegate serve --sim-workers 0`` on
+fixed ports, one of which is restarted during the run, and their resident memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from ops.churn_traffic import MODEL
+from ops.processes import free_port, phasegate, start, stop, wait_http
+
+
+class Gateways:
+    """Gateway instances on fixed ports; one can be restarted (a new instance, same port)."""
+
+    def __init__(self, count: int, settings: Path, database_url: str, env: dict[str, str]) -> None:
+        self.ports = [free_port() for _ in range(count)]
+        serve = ["--log-level", "warning", "--model", MODEL, "--sim-workers", "0", "--config", str(settings)]
+        self.commands = [phasegate("serve", "--processes", "1", "--port", str(p), *serve) for p in self.ports]
+        self.env = {**env, "DATABASE_URL": database_url}
+        self.processes = [start(command, self.env) for command in self.commands]
+        self.incarnations = [0] * count
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    def wait_ready(self) -> None:
+        for url in self.urls:
+            wait_http(url + "/readyz")
+
+    def restart(self, index: int) -> None:
+        stop(self.processes[index], signal.SIGTERM, grace_s=30.0)
+        self.processes[index] = start(self.commands[index], self.env)
+        self.incarnations[index] += 1
+        wait_http(self.urls[index] + "/readyz")
+
+    def rss_kib(self, index: int) -> int:
+        """The resident memory of the gateway's whole process group, from /proc."""
+        group, total = self.processes[index].pid, 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) != group:  # the process group id
+                    continue
+                status = Path(f"/proc/{entry}/status").read_text()
+            except (OSError, ValueError, IndexError):
+                continue
+            total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        return total
+
+    def close(self, sig: int = signal.SIGTERM) -> None:
+        for process in self.processes:
+            stop(process, sig, grace_s=30.0)
