@@ -50,7 +50,7 @@ from tests.support.workers import WorkerProcess, running_worker
 # instance's lease while a second `phasegate serve` started beside it.
 LEASE_TTL_S = 10.0
 SWEEP_S = 0.5
-SWEEP_SLACK_S = 5.0  # a survivor's sweep may run late on a loaded machine, never by this much
+SWEEP_SLACK_S = 8.0  # a survivor's sweep may run late on a loaded machine (5.6 s seen), never by a lease
 BATCH = 4  # deltas per DeltasDelivered at most; the log may lag the client by two batches
 SETTINGS = f"""
 instance_lease_ttl_s = {LEASE_TTL_S}
