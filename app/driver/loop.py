@@ -32,6 +32,7 @@ from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
 from app.driver.feed import AttachedClient, Feed
 from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE, with_advice
+from app.driver.outcome_events import record_decided
 from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
@@ -250,7 +251,7 @@ class RequestLoop(LoopActions):
                 return None
             await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
-                self.recorder.record_decided(action)
+                record_decided(self.recorder, action)
             # record every action's events first, then await their side effects
             effects = [self._record_action(action) for action in actions]
             outcome: Output | None = None
