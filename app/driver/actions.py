@@ -23,7 +23,7 @@ from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
 from app.replicas.base import Token, UpstreamFailure
-from app.replicas.pool import Replica
+from app.replicas.replica import Replica
 from statemachine import events as ev
 from statemachine.actions import (
     Action,

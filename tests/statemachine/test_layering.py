@@ -35,7 +35,8 @@ BELOW: dict[str, frozenset[str]] = {
     "statemachine.events": _of("deltas"),
     "statemachine.phases": _of("errors", "events"),
     "statemachine.diagram": _of("phases"),
-    "statemachine.jsonform": _of("deltas", "errors", "events"),
+    "statemachine.field_parsers": _of("deltas"),
+    "statemachine.jsonform": _of("deltas", "errors", "events", "field_parsers"),
     "statemachine.batches": _of("deltas", "events"),
     # the fold: a request's state, its handlers, apply
     "statemachine.request_state": _of("events", "phases", "routing"),
