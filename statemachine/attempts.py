@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from statemachine.envelopes import AttemptScoped, RequestScoped
 from statemachine.errors import IllegalTransition
-from statemachine.events import AttemptScoped, RequestScoped
 from statemachine.evolve import evolve
 from statemachine.request_state import AttemptState, RequestState
 

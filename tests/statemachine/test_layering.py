@@ -32,7 +32,9 @@ BELOW: dict[str, frozenset[str]] = {
     "statemachine.routing": _of(),
     "statemachine.policy_config": _of(),
     # the vocabulary, the phase table, its diagram, the JSON form of events, delivery batches
-    "statemachine.events": _of("deltas"),
+    "statemachine.reasons": _of(),
+    "statemachine.envelopes": _of(),
+    "statemachine.events": _of("deltas", "envelopes", "reasons"),
     "statemachine.phases": _of("errors", "events"),
     "statemachine.diagram": _of("phases"),
     "statemachine.field_parsers": _of("deltas"),
@@ -40,7 +42,7 @@ BELOW: dict[str, frozenset[str]] = {
     "statemachine.batches": _of("deltas", "events"),
     # the fold: a request's state, its handlers, apply
     "statemachine.request_state": _of("events", "phases", "routing"),
-    "statemachine.attempts": _of("errors", "events", "evolve", "request_state"),
+    "statemachine.attempts": _of("envelopes", "errors", "evolve", "request_state"),
     "statemachine.handlers": _of("attempts", "batches", "events", "evolve", "phases", "request_state", "routing"),
     "statemachine.state": _of("attempts", "events", "evolve", "handlers", "phases", "request_state"),
     # the policy: its actions, where an attempt goes, decide
