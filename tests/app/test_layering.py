@@ -41,7 +41,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.http": frozenset(),
     "app.telemetry": frozenset(),
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract", "app.http.server", "app.discover_config"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http.server", "app.discover_config", "app.config_tables"}),
+    "app.config_tables": frozenset({BOTTOM}),  # the settings' tables, each checked
     "app.discover_config": frozenset(),  # [[discover]]'s tables, checked
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.process.reload": frozenset({"app.config", "app.store"}),
