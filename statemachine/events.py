@@ -3,80 +3,24 @@
 Every event carries ``request_id``, ``seq`` (1, 2, 3… per request) and ``occurred_at`` (the
 gateway's clock, read by the driver, never here); attempt-scoped ones ``attempt`` and
 ``lease_epoch``. Their JSON form, which the log stores and traces carry: :mod:`statemachine.jsonform`.
+Those envelopes are in :mod:`statemachine.envelopes`, and the reasons events carry in
+:mod:`statemachine.reasons`; both are imported from here where they are used.
 """
 
 from __future__ import annotations
 
-import enum
 import typing
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
 from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds
-
-# Why a choice stopped, as OpenAI and vLLM say it; the fold refuses any other word.
-FINISH_REASONS = frozenset(
-    {"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error", "repetition"}
-)
-
-
-class FailureKind(enum.StrEnum):
-    """What the driver observed when an attempt failed (docs/design.md §4)."""
-
-    REPLICA_EXITED = "replica_exited"  # process gone, connection refused/reset, worker exiting
-    LIVENESS_UNCERTAIN = "liveness_uncertain"  # stall, read timeout, partition, malformed stream
-    OVERLOADED = "overloaded"  # heartbeats show queueing or a long prefill
-    REJECTED = "rejected"  # refused before starting (queue full, 429, 5xx at start)
-    REQUEST_REFUSED = "request_refused"  # upstream 4xx on the request itself: not retryable
-
-
-class Deadline(enum.StrEnum):
-    """Which timer turned a slow attempt into an observed failure."""
-
-    SOFT = "soft"  # a slow replica is not migrated on this one
-    HARD = "hard"  # the attempt is given up: fenced, then retried if nothing was delivered
-
-
-class ReleaseReason(enum.StrEnum):
-    """Why an attempt is known to have stopped publishing."""
-
-    CANCEL_ACKED = "cancel_acked"
-    LEASE_EXPIRED = "lease_expired"
-    REPLICA_EXITED = "replica_exited"
-    # the gateway closed the stream of a replica that aborts on a closed connection (an
-    # OpenAI-compatible server), fenced before any delivery: assumed, not proven (docs/design.md §7)
-    CONNECTION_CLOSED = "connection_closed"
-
-
-# --- the envelopes (abstract: no concrete event inherits from another) -------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RequestScoped:
-    """Fields every event carries.
-
-    ``SCHEMA_VERSION`` is the event's newest form; ``ADDED`` names the body fields each later
-    version added (all with defaults), ``WIDENED`` those whose values it may write in a wider form.
-    An event is written in the oldest form that holds it: while its added fields keep their defaults
-    (and its values the narrower form) it is written as before, so an earlier release's logs read the
-    same and it can still read it (:func:`statemachine.jsonform.written_as`); every older form decodes."""
-
-    SCHEMA_VERSION: ClassVar[int] = 1
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {}
-    WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {}
-    request_id: str
-    seq: int
-    occurred_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class AttemptScoped(RequestScoped):
-    """Fields every event about one attempt carries."""
-
-    attempt: int
-    lease_epoch: int
-
+from statemachine.envelopes import AttemptScoped as AttemptScoped
+from statemachine.envelopes import RequestScoped as RequestScoped
+from statemachine.reasons import FINISH_REASONS as FINISH_REASONS
+from statemachine.reasons import Deadline as Deadline
+from statemachine.reasons import FailureKind as FailureKind
+from statemachine.reasons import ReleaseReason as ReleaseReason
 
 # --- request-scoped events -------------------------------------------------------------
 

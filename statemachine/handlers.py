@@ -6,13 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from statemachine.attempts import (
+    Changes,
+    illegal,
+    live_current,
+    replaced_last,
+    scoped,
+    unreleased,
+    with_attempt,
+    with_current,
+)
 from statemachine.batches import batch_problem
-from statemachine.errors import IllegalTransition
 from statemachine.events import (
     FINISH_REASONS,
     AttemptFenced,
     AttemptReleased,
-    AttemptScoped,
     AttemptStarted,
     CancelAcked,
     CancelSent,
@@ -31,7 +39,6 @@ from statemachine.events import (
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
-    RequestScoped,
     ResumeGraceExpired,
     RetryBudgetDenied,
     RetryWaitElapsed,
@@ -51,12 +58,6 @@ from statemachine.request_state import (
     StartRefusal,
 )
 from statemachine.routing import RoutingConfig
-
-Changes = dict[str, Any]
-
-
-def illegal(state: RequestState, event: RequestScoped, why: str) -> IllegalTransition:
-    return IllegalTransition(state.phase.value, type(event).__name__, state.request_id, why)
 
 
 def _on_accepted(state: RequestState, event: RequestAccepted) -> Changes:
@@ -94,7 +95,7 @@ def _on_decided(state: RequestState, event: Decided) -> Changes:
         changes["pending"] = state.pending | {action}
     current = state.current_attempt
     if current is not None and current.failure is not None and not current.failure_answered:
-        changes["attempts"] = _replaced_last(state.attempts, failure_answered=True)
+        changes["attempts"] = replaced_last(state.attempts, failure_answered=True)
     return changes
 
 
@@ -137,19 +138,19 @@ def _on_start_refused(state: RequestState, event: NoReplicaAvailable | RetryBudg
 
 
 def _on_first_token(state: RequestState, event: FirstTokenReceived) -> Changes:
-    attempt = _live_current(state, event)
-    return _with_current(state, _evolve(attempt, {"first_token_received": True}))
+    attempt = live_current(state, event)
+    return with_current(state, _evolve(attempt, {"first_token_received": True}))
 
 
 def _on_first_delta(state: RequestState, event: FirstDeltaCommitted) -> Changes:
-    _live_current(state, event)
+    live_current(state, event)
     return {"first_delta_attempt": event.attempt}
 
 
 def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
     if event.attempt != state.first_delta_attempt:
         raise illegal(state, event, f"attempt {event.attempt} did not commit the first delta")
-    _live_current(state, event)
+    live_current(state, event)
     problem = batch_problem(event, follows=state.delivered_deltas)
     if problem is not None:
         raise illegal(state, event, problem)
@@ -163,7 +164,7 @@ def _on_deltas(state: RequestState, event: DeltasDelivered) -> Changes:
 def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
     if not state.client_gone:
         raise illegal(state, event, "output is recorded as only produced while no client is attached")
-    _live_current(state, event)
+    live_current(state, event)
     problem = batch_problem(event, follows=state.produced_deltas)
     if problem is not None:
         raise illegal(state, event, problem)
@@ -171,7 +172,7 @@ def _on_deltas_produced(state: RequestState, event: DeltasProduced) -> Changes:
 
 
 def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
-    _live_current(state, event)
+    live_current(state, event)
     if event.idempotency_key != f"{state.request_id}:{event.tool_call_id}":
         raise illegal(state, event, "idempotency key is not {request_id}:{tool_call_id}")
     call = EmittedToolCall(event.attempt, event.index, event.tool_call_id, event.name, event.idempotency_key)
@@ -179,7 +180,7 @@ def _on_tool_call(state: RequestState, event: ToolCallEmitted) -> Changes:
 
 
 def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
-    attempt = _scoped(state, event)
+    attempt = scoped(state, event)
     if attempt is not state.current_attempt or attempt.released is not None or attempt.completed:
         raise illegal(state, event, f"attempt {event.attempt} is not the running attempt")
     failed = {
@@ -192,41 +193,41 @@ def _on_upstream_failed(state: RequestState, event: UpstreamFailed) -> Changes:
         "retry_after_s": event.retry_after_s,
         "failure_answered": False,
     }
-    return _with_current(state, _evolve(attempt, failed))
+    return with_current(state, _evolve(attempt, failed))
 
 
 def _on_fenced(state: RequestState, event: AttemptFenced) -> Changes:
-    attempt = _live_current(state, event)
+    attempt = live_current(state, event)
     if event.waiting_for == FenceWait.CONNECTION_CLOSE and (state.first_delta_sent or not attempt.aborts_on_close):
         raise illegal(state, event, "only a replica that aborts on close, before any delivery, is fenced by closing")
-    changes = _with_current(state, _evolve(attempt, {"fenced": True, "waiting_for": event.waiting_for}))
+    changes = with_current(state, _evolve(attempt, {"fenced": True, "waiting_for": event.waiting_for}))
     changes["pending"] = state.pending - {ActionName.FENCE_ATTEMPT}
     return changes
 
 
 def _on_cancel_sent(state: RequestState, event: CancelSent) -> Changes:
-    attempt = _unreleased(state, event)
-    changes = _with_attempt(state, _evolve(attempt, {"cancel_sent": True}))
+    attempt = unreleased(state, event)
+    changes = with_attempt(state, _evolve(attempt, {"cancel_sent": True}))
     changes["pending"] = state.pending - {ActionName.CANCEL_ATTEMPT}
     return changes
 
 
 def _on_cancel_acked(state: RequestState, event: CancelAcked) -> Changes:
-    attempt = _unreleased(state, event)
+    attempt = unreleased(state, event)
     if not attempt.cancel_sent:
         raise illegal(state, event, "no cancel was sent to this attempt")
     if event.generated_tokens is not None and event.generated_tokens < 0:
         raise illegal(state, event, "negative generated token count")
-    return _with_attempt(state, _evolve(attempt, {"cancel_acked": True}))
+    return with_attempt(state, _evolve(attempt, {"cancel_acked": True}))
 
 
 def _on_lease_expired(state: RequestState, event: LeaseExpired) -> Changes:
-    attempt = _unreleased(state, event)
-    return _with_attempt(state, _evolve(attempt, {"lease_expired": True}))
+    attempt = unreleased(state, event)
+    return with_attempt(state, _evolve(attempt, {"lease_expired": True}))
 
 
 def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
-    attempt = _unreleased(state, event)
+    attempt = unreleased(state, event)
     if event.because is ReleaseReason.CANCEL_ACKED and not attempt.cancel_acked:
         raise illegal(state, event, "released for a cancel ack that was not recorded")
     if event.because is ReleaseReason.LEASE_EXPIRED and not attempt.lease_expired:
@@ -235,7 +236,7 @@ def _on_released(state: RequestState, event: AttemptReleased) -> Changes:
         raise illegal(state, event, "released by a closed connection without a fence that waits for one")
     if state.phase is Phase.FENCED and (state.first_delta_sent or not attempt.fenced):
         raise illegal(state, event, "only the fenced attempt of an undelivered request reopens prefill")
-    return _with_attempt(state, _evolve(attempt, {"released": event.because}))
+    return with_attempt(state, _evolve(attempt, {"released": event.because}))
 
 
 def _on_client_disconnected(state: RequestState, event: ClientDisconnected) -> Changes:
@@ -276,7 +277,7 @@ def _on_completed(state: RequestState, event: RequestCompleted) -> Changes:
     if any(count < 0 for count in event.usage.values()):
         raise illegal(state, event, "negative usage count")
     return {
-        "attempts": _replaced_last(state.attempts, completed=True),
+        "attempts": replaced_last(state.attempts, completed=True),
         "outcome": Outcome.COMPLETED,
         "finish_reason": event.finish_reason,
         "pending": frozenset(),
@@ -305,49 +306,6 @@ def _on_stream_resumed(state: RequestState, event: StreamResumed) -> Changes:
 
 def _on_cancelled(state: RequestState, event: RequestCancelled) -> Changes:
     return {"outcome": Outcome.CANCELLED, "error_code": event.reason, "pending": frozenset()}
-
-
-# --- attempt lookups ---------------------------------------------------------------------
-
-
-def _scoped(state: RequestState, event: AttemptScoped) -> AttemptState:
-    attempt = state.attempt(event.attempt)
-    if attempt is None:
-        raise illegal(state, event, f"attempt {event.attempt} was never started")
-    if attempt.lease_epoch != event.lease_epoch:
-        raise illegal(
-            state,
-            event,
-            f"lease epoch {event.lease_epoch} is not {attempt.lease_epoch} of attempt {event.attempt}",
-        )
-    return attempt
-
-
-def _live_current(state: RequestState, event: AttemptScoped) -> AttemptState:
-    attempt = _scoped(state, event)
-    if attempt is not state.current_attempt or not attempt.live or attempt.fenced:
-        raise illegal(state, event, f"attempt {event.attempt} is not the live attempt")
-    return attempt
-
-
-def _unreleased(state: RequestState, event: AttemptScoped) -> AttemptState:
-    attempt = _scoped(state, event)
-    if attempt.released is not None:
-        raise illegal(state, event, f"attempt {event.attempt} was already released")
-    return attempt
-
-
-def _with_current(state: RequestState, attempt: AttemptState) -> Changes:
-    return {"attempts": (*state.attempts[:-1], attempt)}
-
-
-def _with_attempt(state: RequestState, attempt: AttemptState) -> Changes:
-    index = attempt.attempt - 1
-    return {"attempts": (*state.attempts[:index], attempt, *state.attempts[index + 1 :])}
-
-
-def _replaced_last(attempts: tuple[AttemptState, ...], **changes: object) -> tuple[AttemptState, ...]:
-    return (*attempts[:-1], _evolve(attempts[-1], changes))
 
 
 # Any: each handler takes its own event type, which the table's key guarantees

@@ -31,9 +31,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, TypeVar
 
+from statemachine.attempts import illegal
 from statemachine.events import Event
 from statemachine.evolve import evolve as _evolve
-from statemachine.handlers import HANDLERS, illegal
+from statemachine.handlers import HANDLERS
 from statemachine.phases import next_phase
 from statemachine.request_state import RequestState
 

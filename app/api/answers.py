@@ -28,7 +28,7 @@ from app.api.shape import ChoiceAnswer, Shape
 from app.api.token_stream import Leaving, Refused, client_gone, still_cancelled
 from app.driver import log_loss
 from app.driver.driver import RequestDriver
-from app.driver.loop import CANCELLED_BY_CLIENT
+from app.driver.interruptions import CANCELLED_BY_CLIENT
 from app.driver.outputs import Cancelled, Delta, Failed, Finished, Output, Restarted
 from app.driver.request import GenerationRequest
 from app.http.cycle import ChunkWriter

@@ -17,12 +17,13 @@ from app.config import Timeouts
 from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
+from app.driver.outcome_events import record_closed, record_failed, record_stopped
 from app.driver.outputs import Cancelled, Failed, Output
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.tools import ToolCalls
 from app.replicas.base import Token, UpstreamFailure
-from app.replicas.pool import Replica
+from app.replicas.replica import Replica
 from statemachine import events as ev
 from statemachine.actions import (
     Action,
@@ -189,11 +190,11 @@ class LoopActions:
         generated = None if closing else await run.cancel()  # before the close: the ack names the attempt
         await run.release()
         if closing:
-            self.recorder.record_closed(run.attempt, run.lease_epoch)
+            record_closed(self.recorder, run.attempt, run.lease_epoch)
         else:
             if generated is None:
                 await asyncio.sleep(max(run.lease_expires_in, 0.0) + LEASE_EXPIRY_MARGIN_S)
-            self.recorder.record_stopped(run.attempt, run.lease_epoch, generated)
+            record_stopped(self.recorder, run.attempt, run.lease_epoch, generated)
         if fenced:
             released_by = "connection_close" if closing else "cancel_ack" if generated is not None else "lease_expiry"
             self.ctx.metrics.fences.labels(released_by=released_by).inc()
@@ -201,7 +202,7 @@ class LoopActions:
         self._maybe_forget()
 
     def _fail(self, action: FailRequest) -> Callable[[], Awaitable[Output | None]]:
-        self.recorder.record_failed(action)
+        record_failed(self.recorder, action)
         self.charges.settle(poison=action.code == POISON_REQUEST)
         model = self.request.model
         if action.code == "upstream_decode_interrupted":

@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from app.config import Timeouts
 from app.contract.worker_protocol import RENEWAL_SLACK
 from app.replicas.base import AttemptRequest, AttemptStream, Frame, Heartbeat, Token, UpstreamFailure
-from app.replicas.pool import REPLICA_DRAINED, Replica
+from app.replicas.pool import REPLICA_DRAINED
+from app.replicas.replica import Replica
 from statemachine.events import Deadline, FailureKind
 
 log = logging.getLogger("phasegate.driver")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 
 from app.replicas.base import UpstreamFailure
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
+from app.replicas.replica import Replica
 from statemachine.request_state import is_server_error
 
 log = logging.getLogger("phasegate.driver")

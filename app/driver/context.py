@@ -14,7 +14,8 @@ from typing import Any, Protocol
 from app.config import GatewayConfig
 from app.driver.batch_ages import BatchAges
 from app.driver.budget import RetryBudget
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
+from app.replicas.replica import Replica
 from app.store.base import EventStore
 from app.store.idempotency import IdempotencyKeys
 from app.telemetry.metrics import Metrics

@@ -37,7 +37,7 @@ from app.config import ReplicaConfig
 from app.driver.context import GatewayContext
 from app.replicas.base import ProbeAnswer, ReplicaClient
 from app.replicas.declared import DeclaredReplicas
-from app.replicas.pool import Replica
+from app.replicas.replica import Replica
 from app.store.database import asyncpg_dsn
 from app.store.fleet import FleetStore
 from app.store.fleet_listen import FleetListener

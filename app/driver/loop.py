@@ -24,40 +24,38 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from typing import Any, NamedTuple
+from typing import Any
 
-from app.driver.actions import LoopActions
 from app.driver.attempt import AttemptRun
 from app.driver.charges import FailureCharges
 from app.driver.context import GatewayContext
 from app.driver.feed import AttachedClient, Feed
-from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE, with_advice
-from app.driver.outputs import Delta, Failed, Finished, Output, Restarted
+from app.driver.instance import GATEWAY_LOST, LOST_MESSAGE
+from app.driver.interruptions import CANCELLED_BY_CLIENT, Interruption, LoopInterruptions
+from app.driver.outcome_events import record_decided
+from app.driver.outputs import Finished, Output, Restarted
 from app.driver.recorder import Recorder
 from app.driver.request import GenerationRequest
 from app.driver.shielded import shielded
+from app.driver.token_deltas import carries_delta, delta_of
 from app.driver.tools import ToolCalls
 from app.replicas.base import Done, Heartbeat, Token, ToolCallFrame, UpstreamFailure
 from app.store.content import stricter
 from statemachine import events as ev
 from statemachine.actions import (
-    CancelRequest,
     Wait,
 )
-from statemachine.deltas import NO_TEXT
 from statemachine.events import FailureKind
 from statemachine.phases import Phase
-from statemachine.policy import decide, ended_by_gateway, needs_pool
+from statemachine.policy import decide, needs_pool
 from statemachine.policy_config import PolicyConfig
 from statemachine.request_state import DEAD_KINDS, RequestState
 from statemachine.routing import PoolSnapshot
 
 log = logging.getLogger("phasegate.driver")
 
-CANCELLED_BY_CLIENT = "cancelled_by_client"  # RequestCancelled's reason for a stop button
 
-
-class RequestLoop(LoopActions):
+class RequestLoop(LoopInterruptions):
     """One request's loop, which carries out the policy's actions (:class:`LoopActions`);
     :class:`~app.driver.driver.RequestDriver` adds what the HTTP layer and the gateway call."""
 
@@ -250,7 +248,7 @@ class RequestLoop(LoopActions):
                 return None
             await self.feed.client_caught_up()  # decided on deliveries that are all recorded
             for action in actions:
-                self.recorder.record_decided(action)
+                record_decided(self.recorder, action)
             # record every action's events first, then await their side effects
             effects = [self._record_action(action) for action in actions]
             outcome: Output | None = None
@@ -328,61 +326,3 @@ class RequestLoop(LoopActions):
     def _unattended_error(self, error: BaseException) -> None:
         """What the loop raised while no client was attached (the driver's)."""
         raise NotImplementedError
-
-    def interrupt(self, code: str, message: str, *, record: bool) -> None:
-        """End the request now with the final error ``code``: recorded as
-        ``RequestFailed`` (a drain), or not (a fenced instance, whose log the sweeper
-        closes with the same code). The frame being awaited is abandoned."""
-        if self._interrupted is not None or self.state.phase is Phase.TERMINATED:
-            return
-        self._interrupted = Interruption(code, message, record)
-        if self._pulling is not None:
-            self._pulling.cancel()
-
-    async def _end_interrupted(self) -> Output:
-        assert self._interrupted is not None
-        code, message, record = self._interrupted
-        run, self.run = self.run, None
-        if record:
-            if run is not None:
-                self.recorder.record(ev.CancelSent, attempt=run.attempt, lease_epoch=run.lease_epoch)
-                self.ctx.spawn(self._settle(run, fenced=False), name=f"cancel {self.request_id}/{run.attempt}")
-            self.recorder.close_batch()
-            if code == CANCELLED_BY_CLIENT:
-                end = self._cancel_request(CancelRequest(CANCELLED_BY_CLIENT))
-            else:
-                said = with_advice(message, self.state.first_delta_sent)
-                end = self._fail(ended_by_gateway(self.state, code, said))
-            output = await end()
-            assert output is not None
-            return output
-        delivered = self.recorder.delivered_output_tokens  # the log may lag: nothing more is written to it
-        if run is not None:
-            await run.release()  # its lease lapses unrenewed; the sweeper cancels it
-        self.count_end("failed")
-        self.ctx.drivers.pop(self.request_id, None)
-        partial = delivered > 0 or self.state.first_delta_sent
-        return Failed(code, with_advice(message, partial), partial, delivered, retryable=not partial, http_status=503)
-
-
-def carries_delta(token: Token) -> bool:
-    """Whether a token frame has anything for the client: text, log probabilities, or (a
-    delta of no text field, :data:`NO_TEXT`) token ids the client asked for. One with none
-    (a worker's frame of a tool call's markup tokens, sent as the decode's liveness) is
-    read and counted, and sends nothing, as vLLM's server sends no delta for such tokens;
-    it is no commit point either: nothing of the answer reached the client."""
-    return bool(token.text) or token.logprobs is not None or token.key == NO_TEXT
-
-
-def delta_of(token: Token, with_ids: bool) -> Delta:
-    """The client's delta of a token (one token when it names no token ids), with its token
-    ids where the client asked for them (``with_ids``)."""
-    tokens = token.tokens if token.tokens is not None else len(token.token_ids) or 1
-    ids = token.token_ids if with_ids else ()
-    return Delta(token.text, token.choice, tokens, token.logprobs, token.key, ids, token.prompt)
-
-
-class Interruption(NamedTuple):
-    code: str
-    message: str
-    record: bool

@@ -39,10 +39,7 @@ from app.driver.context import GatewayContext
 from app.driver.outputs import Delta
 from app.driver.shielded import begun, shielded
 from app.store.errors import StoreError, StoreUnavailable
-from statemachine import events as ev
-from statemachine.actions import Action, FailRequest
-from statemachine.events import TERMINAL_EVENTS, DeltasDelivered, Event, FirstDeltaCommitted, ReleaseReason
-from statemachine.policy import decided_fields
+from statemachine.events import TERMINAL_EVENTS, DeltasDelivered, Event, FirstDeltaCommitted
 from statemachine.request_state import RequestState
 from statemachine.state import advance
 
@@ -86,38 +83,6 @@ class Recorder:
             return None
         self.close_batch()
         return self._queue(cls, fields)
-
-    def record_decided(self, action: Action) -> None:
-        self.record(ev.Decided, **decided_fields(action))
-
-    def record_failed(self, action: FailRequest) -> None:
-        """The request failed as ``action`` says (the terminal event)."""
-        self.record(
-            ev.RequestFailed,
-            code=action.code,
-            message=action.message,
-            partial_output=action.partial_output,
-            delivered_output_tokens=action.delivered_output_tokens,
-            retryable=action.retryable,
-        )
-
-    def record_stopped(self, attempt: int, lease_epoch: int, generated_tokens: int | None) -> None:
-        """The attempt stopped for good: its cancel acknowledged (with what it had
-        generated), or, with ``None``, its lease expired; then it is released."""
-        scope = {"attempt": attempt, "lease_epoch": lease_epoch}
-        if generated_tokens is not None:
-            self.record(ev.CancelAcked, **scope, generated_tokens=generated_tokens)
-            self.record(ev.AttemptReleased, **scope, because=ReleaseReason.CANCEL_ACKED)
-        else:
-            self.record(ev.LeaseExpired, **scope)
-            self.record(ev.AttemptReleased, **scope, because=ReleaseReason.LEASE_EXPIRED)
-
-    def record_closed(self, attempt: int, lease_epoch: int) -> None:
-        """The attempt's stream is closed, which is its fence (a replica that aborts on
-        a closed connection, before any delivery): it is released, unproven."""
-        self.record(
-            ev.AttemptReleased, attempt=attempt, lease_epoch=lease_epoch, because=ReleaseReason.CONNECTION_CLOSED
-        )
 
     def _queue(self, cls: type[Event], fields: dict[str, Any], occurred_at: datetime | None = None) -> Event:
         self.state, event = advance(self.state, cls, occurred_at or self.ctx.wall_clock(), **fields)

@@ -22,6 +22,7 @@ import asyncio
 import logging
 
 from app.driver.context import GatewayContext
+from app.driver.outcome_events import record_failed, record_stopped
 from app.driver.recorder import Recorder
 from app.replicas.base import UpstreamFailure
 from app.store.errors import StreamConflict
@@ -76,7 +77,7 @@ async def close_in_log(
         for attempt in live:
             if not attempt.cancel_sent:
                 recorder.record(ev.CancelSent, attempt=attempt.attempt, lease_epoch=attempt.lease_epoch)
-        recorder.record_failed(ended_by_gateway(state, code, message))
+        record_failed(recorder, ended_by_gateway(state, code, message))
     lapsing = []
     for attempt in live:
         replica = ctx.pool.replicas.get(attempt.replica_id)
@@ -87,7 +88,7 @@ async def close_in_log(
             except (UpstreamFailure, OSError) as exc:
                 log.info("cancel of lost attempt %s/%d: %r", state.request_id, attempt.attempt, exc)
         if generated is not None:
-            recorder.record_stopped(attempt.attempt, attempt.lease_epoch, generated)
+            record_stopped(recorder, attempt.attempt, attempt.lease_epoch, generated)
         else:
             lapsing.append(attempt)
     await recorder.flush(durable=True)
@@ -96,5 +97,5 @@ async def close_in_log(
         # replica within one TTL from now at the latest: record it then.
         await asyncio.sleep(ctx.config.timeouts.lease_ttl_s)
         for attempt in lapsing:
-            recorder.record_stopped(attempt.attempt, attempt.lease_epoch, None)
+            record_stopped(recorder, attempt.attempt, attempt.lease_epoch, None)
         await recorder.flush(durable=False)

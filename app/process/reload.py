@@ -126,7 +126,7 @@ def pid_file_of(config: GatewayConfig, pid_file: Path | None) -> Path | None:
         return pid_file
     if config.database_url:
         return None
-    from app.store.embedded import default_data_dir
+    from app.store.data_dir import default_data_dir
 
     return (config.data_dir or default_data_dir()) / PID_FILE
 
@@ -166,7 +166,7 @@ def reload_command(args: argparse.Namespace) -> int:
             print("phasegate reload: with a database_url, serve writes its pid only to --pid-file; name that file")
             return 1
     if path is None:
-        from app.store.embedded import default_data_dir
+        from app.store.data_dir import default_data_dir
 
         data_dir = args.data_dir or Path(os.environ.get("PHASEGATE_DATA_DIR") or default_data_dir())
         path = data_dir / PID_FILE

@@ -40,7 +40,7 @@ import secrets
 import shutil
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from app.process.gateway_process import ChildSpec, frame, quiet_libraries, run_g
 from app.process.gateway_process import bind_listening as _bind
 from app.process.gateway_process import is_loopback as _is_loopback
 from app.process.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
+from app.process.start_signals import Deferred, exit_on_signal, uninterrupted
 from app.process.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir
 from app.telemetry import logs
 
@@ -141,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
             write_pid_file(pid_file)
         if not config.replicas and not config.discover:
             config = demo.with_sim_workers(
-                config, args.sim_workers, workdir, args.sim_ms_per_token, children, _uninterrupted
+                config, args.sim_workers, workdir, args.sim_ms_per_token, children, uninterrupted
             )
             logs.redact(config.worker_token)  # generated for the sim workers
         if config.database_url:
@@ -149,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             database = EmbeddedPostgres(config.data_dir)
             try:
-                with _uninterrupted():
+                with uninterrupted():
                     url = database.start()
             except EmbeddedPostgresError as exc:  # its message says what to change: no traceback
                 print(f"phasegate serve: {exc}")
@@ -160,12 +161,12 @@ def serve(args: argparse.Namespace) -> int:
         settings.running = config
         if processes == 1:
             follow = functools.partial(_follow_hangups, settings)
-            stop_asked = lambda: _Deferred.received  # noqa: E731
+            stop_asked = lambda: Deferred.received  # noqa: E731
             asyncio.run(
                 run_gateway(config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining)
             )
-            if _Deferred.received is not None:  # asked to stop while it started: as if the start was cut
-                code = 128 + _Deferred.received
+            if Deferred.received is not None:  # asked to stop while it started: as if the start was cut
+                code = 128 + Deferred.received
         else:
             code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
     finally:
@@ -189,8 +190,8 @@ def _configure(args: argparse.Namespace) -> tuple[Settings, GatewayConfig] | int
     # finally of serve() as SystemExit: no KeyboardInterrupt traceback, nothing left running.
     # While it runs, DrainingServer handles them.
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_on_signal)
-    signal.signal(signal.SIGHUP, _Deferred.hangup)  # a reload asked while it starts: once it serves
+        signal.signal(signum, exit_on_signal)
+    signal.signal(signal.SIGHUP, Deferred.hangup)  # a reload asked while it starts: once it serves
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
     if args.replica:
         overrides["replicas"] = tuple(parse_replica(text, i) for i, text in enumerate(args.replica, start=1))
@@ -228,24 +229,6 @@ def _with_admin_token(config: GatewayConfig) -> tuple[GatewayConfig, str | None]
     return dataclasses.replace(config, admin_token=generated), generated
 
 
-class _Deferred:
-    """Whether a stop signal now waits for the end of a start that must not be cut in two
-    (a child started but not yet in the list of what to stop)."""
-
-    holding = False
-    pending: int | None = None
-    # the stop signal received before the server took the signals over: its SystemExit
-    # stops the start, but a library between the handler and this frame may swallow it
-    # (a Ctrl-C in the migrations once left phasegate serving: test_serve), so the
-    # server, once started, looks here too and stops at once
-    received: int | None = None
-    hangups = 0  # SIGHUPs received: reloads asked
-
-    @classmethod
-    def hangup(cls, signum: int, frame: object) -> None:
-        cls.hangups += 1
-
-
 def _reread(settings: Settings) -> GatewayConfig | None:
     """The configuration read again and checked whole, or None (refused, and logged so)."""
     try:
@@ -268,7 +251,7 @@ def _follow_hangups(settings: Settings, gateway: Any) -> None:
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, reload)
-    if _Deferred.hangups:
+    if Deferred.hangups:
         loop.call_soon(reload)
 
 
@@ -283,31 +266,6 @@ def _secrets(config: GatewayConfig) -> list[str | None]:
         with contextlib.suppress(ArgumentError, ValueError):
             password = make_url(config.database_url).password
     return [*config.api_keys, config.admin_token, config.worker_token, config.metrics_token, password]
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    _Deferred.received = signum
-    if _Deferred.holding:
-        _Deferred.pending = signum
-        return
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """Hold a stop signal until the block ends, then act on it."""
-    _Deferred.holding = True
-    try:
-        yield
-    except Exception:
-        # A terminal sends Ctrl-C to the whole foreground group: pg_ctl or initdb got it
-        # too and failed. That is the stop asked for, not an error to report.
-        if _Deferred.pending is None:
-            raise
-    finally:
-        _Deferred.holding = False
-    if _Deferred.pending is not None:
-        raise SystemExit(128 + _Deferred.pending)
 
 
 def _positive(text: str) -> int:
@@ -334,7 +292,7 @@ def _serve_processes(
     if config.apply_migrations:
         from app.store.migrate import upgrade
 
-        with _uninterrupted():
+        with uninterrupted():
             upgrade(url)
 
     def spec(config: GatewayConfig) -> bytes:
@@ -349,7 +307,7 @@ def _serve_processes(
     gateways = GatewayProcesses(count, listener, spec(config), workdir)
     gateways.on_hangup = reload
     signal.signal(signal.SIGHUP, lambda received, frame: gateways.hangup())
-    if _Deferred.hangups:
+    if Deferred.hangups:
         gateways.hangup()
     try:
         try:
@@ -359,10 +317,10 @@ def _serve_processes(
             return 1
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, frame: gateways.forward(received))
-        if _Deferred.received is not None:  # asked to stop while they started (see _Deferred)
-            gateways.forward(_Deferred.received)
+        if Deferred.received is not None:  # asked to stop while they started (see Deferred)
+            gateways.forward(Deferred.received)
             gateways.run()
-            return 128 + _Deferred.received
+            return 128 + Deferred.received
         demo.wait_joined(joining)
         announce()
         return gateways.run()

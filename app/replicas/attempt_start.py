@@ -22,7 +22,8 @@ import httpx
 
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.body_reads import BodyReads, HttpxBody, ReadsWithin, read_all
-from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
+from app.replicas.upstream_http import Answer, lean_connections
+from app.replicas.upstream_wire import header_line, json_body, retry_after_seconds
 from app.replicas.worker_errors import (
     Rejected,
     ReplicaExiting,

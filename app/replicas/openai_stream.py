@@ -24,17 +24,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
 
 import httpx
 import orjson
 
-from app.contract.logprobs import TokenLogprob, from_wire, named_text
-from app.replicas.base import Frame, Token, UpstreamFailure, tool_call_piece_problem, usage_of
+from app.replicas.base import Frame, Token, UpstreamFailure, usage_of
 from app.replicas.body_reads import BodyReads, read_offering
-from app.replicas.openai_chunks import parse_chunk
+from app.replicas.openai_chunks import (
+    chunk_logprobs,
+    chunk_token_ids,
+    completion_text,
+    delta_pieces,
+    key_of_no_text,
+    parse_chunk,
+    prompt_of,
+    tool_call_piece,
+)
 from app.replicas.stream_ending import StreamEnding
-from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
+from statemachine.deltas import CONTENT, NO_TEXT, TOOL_CALLS, Prompt
 from statemachine.events import FailureKind
 
 # After every choice finished, how long to wait for the usage chunk before completing
@@ -114,18 +121,18 @@ class OpenAIStream:
                     ending.usage, ending.usage_details = usage_of(chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
-                    said = _prompt_of(chunk, choice)
+                    said = prompt_of(chunk, choice)
                     if said is not None:
                         prompts[number] = said
                     delta = choice.get("delta") or {}
-                    pieces = _pieces(delta) if "delta" in choice else _completion_text(choice)
+                    pieces = delta_pieces(delta) if "delta" in choice else completion_text(choice)
                     calls = delta.get("tool_calls")
                     if calls:  # a piece of the choice's tool calls, passed on as vLLM streamed it
-                        pieces.append((TOOL_CALLS, _tool_call_piece(calls)))
-                    logprobs = _logprobs(choice.get("logprobs"))
-                    ids = _token_ids(choice.get("token_ids"))
+                        pieces.append((TOOL_CALLS, tool_call_piece(calls)))
+                    logprobs = chunk_logprobs(choice.get("logprobs"))
+                    ids = chunk_token_ids(choice.get("token_ids"))
                     if not pieces and logprobs:  # a token with no text of its own: its logprobs go on
-                        pieces = [(_key_of_no_text(delta) if "delta" in choice else CONTENT, "")]
+                        pieces = [(key_of_no_text(delta) if "delta" in choice else CONTENT, "")]
                     elif not pieces and ids:  # its ids only (the client asked for them): a delta of no text
                         pieces = [(NO_TEXT, "")]
                     # the chunk's token, its logprobs and ids, and what was said of its prompt,
@@ -185,77 +192,6 @@ class OpenAIStream:
             with contextlib.suppress(RuntimeError):  # read by another task just now
                 await self._frames.aclose()
         await self._body.aclose()
-
-
-def _logprobs(given: Any) -> tuple[TokenLogprob, ...] | None:
-    """A chunk's log probabilities (chat's ``content`` list, or the completions' columns)."""
-    if given is None:
-        return None
-    try:
-        if "content" in given:  # chat (a token named otherwise than its text: its text fourth)
-            entries = [
-                [e["token"], e["logprob"], [[t["token"], t["logprob"]] for t in e.get("top_logprobs") or ()]]
-                + ([] if (text := named_text(e["token"], e.get("bytes"))) is None else [text])
-                for e in given["content"] or ()
-            ]
-        else:  # completions: tokens, token_logprobs, top_logprobs (one {token: logprob} a token)
-            tops = given.get("top_logprobs") or [None] * len(given["tokens"])
-            entries = [
-                [token, logprob, [[t, lp] for t, lp in (top or {}).items()]]
-                for token, logprob, top in zip(given["tokens"], given["token_logprobs"], tops, strict=True)
-            ]
-        return from_wire(entries)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed logprobs in a chunk: {exc!r}") from None
-
-
-def _token_ids(given: Any) -> tuple[int, ...]:
-    """A chunk's token ids (vLLM's ``return_token_ids``): none where it sent none."""
-    if given is None:
-        return ()
-    if type(given) is not list or not all(type(n) is int for n in given):
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed token ids in a chunk: {given!r:.80}")
-    return tuple(given)
-
-
-def _prompt_of(chunk: dict[str, Any], choice: dict[str, Any]) -> Prompt | None:
-    """What a chunk says of a choice's prompt: its token ids (a chat chunk's own, a
-    completion choice's) and its rendered text (``return_prompt_text``); None if nothing."""
-    token_ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
-    text = chunk.get("prompt_text")
-    if token_ids is None and text is None:
-        return None
-    if text is not None and type(text) is not str:
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"malformed prompt_text in a chunk: {text!r:.80}")
-    return (None if token_ids is None else _token_ids(token_ids)), text
-
-
-def _pieces(delta: dict[str, Any]) -> list[tuple[str, str]]:
-    """A chat delta's texts with their keys, in the order generated: reasoning before the
-    content that follows it in one chunk, and any other text field vLLM sends, as it is."""
-    pieces = [(key, value) for key, value in delta.items() if type(value) is str and value and key != "role"]
-    if len(pieces) > 1:
-        pieces.sort(key=lambda piece: (piece[0] == CONTENT, piece[0] not in REASONING_FIELDS))
-    return pieces
-
-
-def _tool_call_piece(calls: Any) -> str:
-    """A chat delta's ``tool_calls`` as the client's delta carries them (their JSON)."""
-    problem = tool_call_piece_problem(calls)
-    if problem is not None:
-        raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, problem)
-    return orjson.dumps(calls).decode()
-
-
-def _key_of_no_text(delta: dict[str, Any]) -> str:
-    """Where a chat delta with no text put its token: the field it sent empty, or none
-    (:data:`NO_TEXT`: vLLM's ``delta: {}`` for the token that ends the think block)."""
-    return next((key for key, value in delta.items() if type(value) is str and key != "role"), NO_TEXT)
-
-
-def _completion_text(choice: dict[str, Any]) -> list[tuple[str, str]]:
-    text = choice.get("text")
-    return [(CONTENT, text)] if type(text) is str and text else []
 
 
 # what a plain token's chunk and choice may hold (anything else non-null: not plain)

@@ -37,7 +37,8 @@ from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
 from app.replicas.pooled import PooledStream, is_pooling
-from app.replicas.upstream_http import Answer, header_line, json_body, lean_connections, retry_after_seconds
+from app.replicas.upstream_http import Answer, lean_connections
+from app.replicas.upstream_wire import header_line, json_body, retry_after_seconds
 from app.telemetry.tracing import inject_traceparent, trace_headers
 from statemachine.events import FailureKind
 

@@ -25,20 +25,18 @@ The clock is injected so tests can move time.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from app.config import ReplicaConfig
-from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
-from app.replicas.renewer import LeaseRenewer
+from app.replicas.base import ProbeAnswer, UpstreamFailure
+from app.replicas.candidates import bounded_candidates, takes
+from app.replicas.replica import Replica
 from statemachine.events import FailureKind
-from statemachine.routing import PoolSnapshot, ReplicaView, rank
+from statemachine.routing import PoolSnapshot, ReplicaView
 
 log = logging.getLogger("phasegate.pool")
 
@@ -56,33 +54,6 @@ _REPLICAS_FAULT = frozenset({FailureKind.REPLICA_EXITED, FailureKind.REJECTED, F
 # gateway's worker_token is not the worker's), its own time-out (408) and its overload (429).
 # Every other 4xx is about the request, whatever the failure is called: it never counts.
 REPLICA_SIDE_4XX = frozenset({401, 403, 407, 408, 429})
-
-
-@dataclass(slots=True)
-class Replica:
-    config: ReplicaConfig
-    client: ReplicaClient
-    outstanding: int = 0
-    healthy: bool | None = None  # None until the first probe answers
-    consecutive_failures: int = 0
-    ejected_until: float = 0.0
-    ejection_s: float = 0.0
-    cooldown_until: float = 0.0  # from an upstream Retry-After
-    last_chosen: int = 0  # when it was last chosen: ties go to the one idle longest
-    frames_read: int = 0  # output frames (not heartbeats) of its live attempts: signs of life between probes
-    others_load: int = 0  # other gateways' attempts on it, as of its last report
-    incompatible: str | None = None  # why its probes find it unusable whatever its health (None: they do not)
-    incarnation: str = ""  # the fleet's incarnation of it (docs/design.md §16)
-    cordoned: bool = False  # no new attempt; live ones run on (to drain_deadline, if any)
-    drain_deadline: float | None = None  # on the pool's clock: its live attempts are fenced after it
-    renewer: LeaseRenewer = field(init=False)  # renews the leases of its attempts, all at once
-
-    def __post_init__(self) -> None:
-        self.renewer = LeaseRenewer(self.client)
-
-    @property
-    def id(self) -> str:
-        return self.config.id
 
 
 class ReplicaPool:
@@ -174,7 +145,7 @@ class ReplicaPool:
         serving = self._serving.get(asked)
         if serving is None:  # found again only when the fleet changes: which replica may take which model
             found = (
-                (r, tuple(model for model in wanted if _takes(r, model, revisions))) for r in self.replicas.values()
+                (r, tuple(model for model in wanted if takes(r, model, revisions))) for r in self.replicas.values()
             )
             serving = tuple((r, eligible) for r, eligible in found if eligible or any(map(r.config.serves, wanted)))
             if len(self._serving) >= 256:  # model names no configuration knows: keep few
@@ -348,35 +319,6 @@ class ReplicaPool:
     async def close(self) -> None:
         replicas = [*self.replicas.values(), *self.retired]
         await asyncio.gather(*(replica.client.close() for replica in replicas))
-
-
-# Candidates a snapshot shows of one model at most: the least loaded and those the request's
-# affinity key ranks first. A ``Decided`` event records the snapshot, so it must stay small
-# at any fleet size (docs/routing.md); least_outstanding's choice is the same as over all.
-LEAST_LOADED_SHOWN = 12
-PREFERRED_SHOWN = 4
-
-
-def bounded_candidates(candidates: list[Replica], affinity_key: str | None) -> list[Replica]:
-    """The candidates a snapshot keeps of one model: all of them up to
-    ``LEAST_LOADED_SHOWN + PREFERRED_SHOWN``, else the least loaded and the preferred."""
-    if len(candidates) <= LEAST_LOADED_SHOWN + PREFERRED_SHOWN:
-        return candidates
-    by_load = heapq.nsmallest(
-        LEAST_LOADED_SHOWN, candidates, key=lambda r: (r.outstanding + r.others_load, r.last_chosen, r.id)
-    )
-    if affinity_key is None:
-        return by_load
-    return by_load + heapq.nlargest(PREFERRED_SHOWN, candidates, key=lambda r: rank(affinity_key, r.id))
-
-
-def _takes(replica: Replica, model: str, revisions: Mapping[str, str | None] | None) -> bool:
-    """Whether ``replica`` may take ``model`` at the revision wanted (docs/design.md §16)."""
-    if not replica.config.serves(model):
-        return False
-    wanted = (revisions or {}).get(model)
-    declared = replica.config.revision_of(model)
-    return wanted is None or declared is None or declared == wanted
 
 
 def _about_the_request(failure: UpstreamFailure) -> bool:

@@ -28,12 +28,9 @@ import asyncio
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
 
 import httpx
-import orjson
 
-from app.contract import json_depth as deep_json
 from app.replicas.chunked import Chunks, whole_chunks
 
 IDLE_S = 2.0  # an idle connection older than this is closed rather than used again
@@ -313,30 +310,6 @@ class Body:
             self.connections.give_back(self.connection)
         else:
             self.connections.discard(self.connection)
-
-
-def header_line(name: str, value: str) -> bytes:
-    """One header field as :meth:`Connections.post` takes it."""
-    line = f"{name}: {value}\r\n".encode()
-    if line.count(b"\n") != 1 or line.count(b"\r") != 1:  # a field must never end the head early
-        raise ValueError(f"a line break in the header {name}")
-    return line
-
-
-def json_body(value: Any) -> bytes:
-    """A request's JSON body, by orjson (httpx's ``json=`` took three times as long)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # what orjson cannot write (an integer over 64 bits, over 254 levels deep)
-        return deep_json.dumps(value, allow_nan=False).encode()
-
-
-def retry_after_seconds(value: str | None) -> float | None:
-    """An answer's ``Retry-After`` in seconds (the delay form; none, or not a number: ``None``)."""
-    try:
-        return max(float(value), 0.0) if value else None
-    except ValueError:
-        return None
 
 
 def lean_connections(base_url: str, *, connect_timeout_s: float) -> Connections | None:

@@ -20,7 +20,7 @@ import httpx
 from app.contract import worker_protocol
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.attempt_start import AttemptStarts
-from app.replicas.upstream_http import json_body
+from app.replicas.upstream_wire import json_body
 from app.replicas.worker_errors import (
     ControlUnanswered,
     LeaseLost,

@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from app.store.embedded import DATA_DIR_ENV, default_data_dir
+from app.store.data_dir import DATA_DIR_ENV, default_data_dir
 
 FILE = "admin-token"
 

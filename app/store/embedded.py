@@ -35,7 +35,6 @@ import os
 import pwd
 import shlex
 import signal
-import stat
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -43,28 +42,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from app.store.server_install import programs_for, reachable
+from app.store.data_dir import DATA_DIR_ENV, default_data_dir
+from app.store.server_install import programs_for, unreachable_by
+from app.store.server_pids import alive, process_state, read_pid
 
 logger = logging.getLogger("phasegate.store.embedded")
 
-DATA_DIR_ENV = "PHASEGATE_DATA_DIR"
 # Beside PostgreSQL's defaults (a caller's ``settings`` win): an append through the parent
 # (several days, a day looked up: 0010 sends one day's into its partition) and a query over
 # the parents lock every day's partition; since PostgreSQL 18 the fast-path lock slots
 # follow this setting, and 1,024 holds a year of days for a little shared memory (docs/scaling.md).
 SERVER_DEFAULTS = {"max_locks_per_transaction": "1024"}
-DEFAULT_DATA_DIR = Path("/var/lib/phasegate")  # as root
-
-
-def default_data_dir() -> Path:
-    """``/var/lib/phasegate`` for root; for anyone else, where their data lives
-    (``$XDG_DATA_HOME/phasegate``, else ``~/.local/share/phasegate``): a user may not
-    write to /var/lib, and only root's server needs a path away from the home folder."""
-    if os.geteuid() == 0:
-        return DEFAULT_DATA_DIR
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "phasegate"
-
-
 SERVER_USER = "phasegate-postgres"  # the system user the server runs as under root
 PORT = 5432  # only names the socket file: the server listens on no TCP port (unless set)
 
@@ -132,8 +120,8 @@ class EmbeddedPostgres:
         with self._locked():
             running = self._postmaster_pid()
             if running is not None and self._answers():
-                holder = _read_pid(self.data_dir / "holder.pid")
-                if holder is not None and holder != os.getpid() and _alive(holder):
+                holder = read_pid(self.data_dir / "holder.pid")
+                if holder is not None and holder != os.getpid() and alive(holder):
                     logger.info("sharing PostgreSQL pid %d, held by process %d", running, holder)
                     self.owns_server = False
                     return self.url
@@ -211,8 +199,8 @@ class EmbeddedPostgres:
         if not self.data_dir.exists():
             self.data_dir.mkdir(parents=True, mode=0o755)
             self.data_dir.chmod(0o755)  # ours, so it may be opened for the server's user
-        if user is not None:
-            _check_reachable(self.data_dir, user)
+        if user is not None and (unreachable := unreachable_by(self.data_dir, user)) is not None:
+            raise EmbeddedPostgresError(unreachable)
         for path, mode in ((self.pgdata, 0o700), (self.socket_dir, 0o700), (self.log_file.parent, 0o755)):
             path.mkdir(exist_ok=True, mode=mode)
             if user is not None:
@@ -234,13 +222,13 @@ class EmbeddedPostgres:
         orphaned backend still uses the old shared memory.
         """
         pid_file = self.pgdata / "postmaster.pid"
-        pid = _read_pid(pid_file)
+        pid = read_pid(pid_file)
         if pid is None:
             return
         deadline = time.monotonic() + 10.0
-        while _process_state(pid) == "zombie" and time.monotonic() < deadline:
+        while process_state(pid) == "zombie" and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _process_state(pid) == "other":
+        if process_state(pid) == "other":
             pid_file.unlink(missing_ok=True)
 
     def _launch(self) -> None:
@@ -272,8 +260,8 @@ class EmbeddedPostgres:
 
     def _postmaster_pid(self) -> int | None:
         """The pid of the postmaster of this data directory, if one is running."""
-        pid = _read_pid(self.pgdata / "postmaster.pid")
-        return pid if pid is not None and _process_state(pid) == "postgres" else None
+        pid = read_pid(self.pgdata / "postmaster.pid")
+        return pid if pid is not None and process_state(pid) == "postgres" else None
 
     def _answers(self) -> bool:
         port = self.settings.get("port", str(PORT))  # a replica pair's nodes listen on TCP ports
@@ -344,55 +332,9 @@ class EmbeddedPostgres:
             return "(no log)"
 
 
-def _read_pid(path: Path) -> int | None:
-    try:
-        first = path.read_text().split("\n", 1)[0].strip()
-    except (FileNotFoundError, PermissionError):
-        return None
-    return int(first) if first.isdigit() else None
-
-
-def _process_state(pid: int) -> str:
-    """``gone``, ``zombie`` (or exiting), ``postgres`` or ``other`` (a pid reused by another program)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "gone"
-    except PermissionError:
-        pass
-    proc = Path(f"/proc/{pid}")
-    if not proc.exists():
-        return "postgres"  # no /proc to ask (not Linux): trust the pid
-    try:
-        # A stopped postmaster is nobody's child here: it stays a zombie until init
-        # reaps it, which in some containers takes a second or more. A process on its
-        # way out has already lost its command line.
-        cmdline = (proc / "cmdline").read_bytes()
-        if not cmdline or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-            return "zombie"
-        return "postgres" if b"postgres" in cmdline else "other"
-    except (OSError, IndexError):
-        return "gone"
-
-
-def _alive(pid: int) -> bool:
-    return _process_state(pid) not in ("gone", "zombie")
-
-
 def _wait_gone(pid: int, *, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _alive(pid):
+    while alive(pid):
         if time.monotonic() > deadline:
             raise EmbeddedPostgresError(f"PostgreSQL pid {pid} did not stop within {timeout:.0f} s")
         time.sleep(0.02)
-
-
-def _check_reachable(path: Path, user: pwd.struct_passwd) -> None:
-    """Fail, naming the directory, if ``user`` cannot traverse to ``path``."""
-    parent = reachable(path, user)
-    if parent is not None:
-        raise EmbeddedPostgresError(
-            f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} "
-            f"(mode {stat.filemode(parent.stat().st_mode)}) on the way to {path}; choose another "
-            f"{DATA_DIR_ENV} or open that directory"
-        )

@@ -31,6 +31,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from app.store import fleet_sql
 from app.store.errors import InstanceFenced
 from app.store.fleet_model import (
     CORDON_KEPT,
@@ -49,61 +50,6 @@ from app.store.fleet_model import (
 from app.store.postgres import PostgresEventStore
 
 _FENCED_SQLSTATE = "PG410"
-
-
-_INSERT = """
-    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
-                              drain_until, instance_id)
-    VALUES (:event, :replica_id, :incarnation, :kind, :url, CAST(:models AS jsonb), :source, :actor, :reason,
-            NULL, :instance_id)
-    RETURNING seq
-"""
-# cordoned, uncordoned, left: what the replica declared is copied from its row, locked
-_CHANGE = """
-    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
-                              drain_until, instance_id)
-    SELECT :event, replica_id, incarnation, replica_kind, url, models, :source, :actor, :reason,
-           now() + CAST(:drain_ms AS integer) * interval '1 millisecond', :instance_id
-      FROM replicas WHERE replica_id = :replica_id AND state = ANY(CAST(:states AS text[]))
-    RETURNING seq
-"""
-_MEMBERS = """
-    SELECT replica_id, incarnation, replica_kind, url, models, state, source, since, last_seq, drain_until,
-           leaving, lease_expires_at, extract(epoch FROM drain_until - now())::float8 AS drain_left_s
-      FROM replicas {where} ORDER BY replica_id
-"""
-_RENEW = """
-    UPDATE replicas SET lease_ttl_ms = CAST(:ttl_ms AS integer),
-           lease_expires_at = now() + CAST(:ttl_ms AS integer) * interval '1 millisecond'
-     WHERE replica_id = :replica_id AND incarnation = :incarnation AND state IN ('serving', 'cordoned')
-    RETURNING state
-"""
-_LAPSE = """
-    WITH lapsed AS (
-        SELECT replica_id FROM replicas
-         WHERE state IN ('serving', 'cordoned') AND lease_expires_at <= now()
-         ORDER BY lease_expires_at LIMIT :limit
-           FOR UPDATE SKIP LOCKED)
-    INSERT INTO fleet_events (event, replica_id, incarnation, replica_kind, url, models, source, actor, reason,
-                              instance_id)
-    SELECT 'lapsed', r.replica_id, r.incarnation, r.replica_kind, r.url, r.models, r.source, :actor,
-           'its lease was not renewed', :instance_id
-      FROM replicas AS r JOIN lapsed USING (replica_id)
-    RETURNING replica_id
-"""
-# attempts of unfinished requests that have not ended, by replica (the log's read models)
-_LIVE_ATTEMPTS = """
-    SELECT a.replica_id, count(*) AS live
-      FROM requests AS r JOIN request_attempts AS a USING (request_id)
-     WHERE r.outcome IS NULL AND a.completed_at IS NULL AND a.released_at IS NULL AND a.failed_at IS NULL
-       AND a.lease_expired_at IS NULL AND a.cancel_acked_at IS NULL
-     GROUP BY a.replica_id
-"""
-_EVENTS = """
-    SELECT seq, event, replica_id, incarnation, replica_kind, url, models, source, actor, reason, drain_until,
-           instance_id, at
-      FROM fleet_events {where} ORDER BY seq DESC LIMIT :limit
-"""
 
 
 def _fenced(exc: BaseException) -> bool:
@@ -127,11 +73,13 @@ class FleetStore:
     async def members(self, *, current_only: bool = False) -> list[Member]:
         where = "WHERE state IN ('serving', 'cordoned')" if current_only else ""
         async with self._store.reading() as connection:
-            return [member_of(row) for row in await connection.execute(text(_MEMBERS.format(where=where)))]
+            return [member_of(row) for row in await connection.execute(text(fleet_sql.MEMBERS.format(where=where)))]
 
     async def member(self, replica_id: str) -> Member | None:
         async with self._store.reading() as connection:
-            rows = await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": replica_id})
+            rows = await connection.execute(
+                text(fleet_sql.MEMBERS.format(where="WHERE replica_id = :id")), {"id": replica_id}
+            )
             row = rows.first()
         return None if row is None else member_of(row)
 
@@ -140,7 +88,7 @@ class FleetStore:
         where = "WHERE replica_id = :replica_id" if replica_id is not None else ""
         async with self._store.reading() as connection:
             rows = await connection.execute(
-                text(_EVENTS.format(where=where)), {"limit": limit, "replica_id": replica_id}
+                text(fleet_sql.EVENTS.format(where=where)), {"limit": limit, "replica_id": replica_id}
             )
             return [
                 {
@@ -168,7 +116,7 @@ class FleetStore:
     async def live_attempts(self) -> dict[str, int]:
         """Live attempts by replica, across every instance, from the log's read models."""
         async with self._store.reading() as connection:
-            return {row.replica_id: int(row.live) for row in await connection.execute(text(_LIVE_ATTEMPTS))}
+            return {row.replica_id: int(row.live) for row in await connection.execute(text(fleet_sql.LIVE_ATTEMPTS))}
 
     async def join(
         self, declared: DeclaredReplica, *, source: str, actor: str, instance_id: str | None, reason: str | None = None
@@ -216,7 +164,7 @@ class FleetStore:
             drain_ms = None if drain_s is None else round(drain_s * 1000)
             seq = (
                 await connection.execute(
-                    text(_CHANGE),
+                    text(fleet_sql.CHANGE),
                     {
                         "event": event,
                         "source": source,
@@ -258,7 +206,7 @@ class FleetStore:
         written: list[Written] = []
         async with self._writing() as connection:
             await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": RECONCILE_LOCK})
-            rows = await connection.execute(text(_MEMBERS.format(where="") + " FOR UPDATE"))
+            rows = await connection.execute(text(fleet_sql.MEMBERS.format(where="") + " FOR UPDATE"))
             current = {member.replica_id: member for member in map(member_of, rows)}
             for replica_id, want in sorted(wanted.items()):
                 have = current.get(replica_id)
@@ -277,7 +225,7 @@ class FleetStore:
                 cordon: dict[str, Any] = {"event": "cordoned", "source": source, "actor": actor, "reason": why}
                 cordon |= {"drain_ms": round(drain_s * 1000), "instance_id": instance_id}
                 cordon |= {"replica_id": replica_id, "states": list(MEMBER_STATES)}
-                seq = (await connection.execute(text(_CHANGE), cordon)).scalar_one()
+                seq = (await connection.execute(text(fleet_sql.CHANGE), cordon)).scalar_one()
                 await connection.execute(
                     text("UPDATE replicas SET leaving = true WHERE replica_id = :id"), {"id": replica_id}
                 )
@@ -289,7 +237,8 @@ class FleetStore:
         ``None`` when it is no member under that incarnation (lapsed, left, replaced)."""
         async with self._writing() as connection:
             rows = await connection.execute(
-                text(_RENEW), {"replica_id": replica_id, "incarnation": incarnation, "ttl_ms": round(ttl_s * 1000)}
+                text(fleet_sql.RENEW),
+                {"replica_id": replica_id, "incarnation": incarnation, "ttl_ms": round(ttl_s * 1000)},
             )
             row = rows.first()
         return None if row is None else str(row.state)
@@ -297,7 +246,9 @@ class FleetStore:
     async def lapse_expired(self, *, actor: str, instance_id: str | None, limit: int = 64) -> list[str]:
         """Mark ``lapsed`` each member whose lease lapsed, exactly once: the ids marked."""
         async with self._writing() as connection:
-            rows = await connection.execute(text(_LAPSE), {"actor": actor, "instance_id": instance_id, "limit": limit})
+            rows = await connection.execute(
+                text(fleet_sql.LAPSE), {"actor": actor, "instance_id": instance_id, "limit": limit}
+            )
             return [row.replica_id for row in rows]
 
     # --- internals -------------------------------------------------------------------
@@ -325,7 +276,9 @@ class FleetStore:
         reason: str | None,
     ) -> Written:
         have = (
-            await connection.execute(text(_MEMBERS.format(where="WHERE replica_id = :id")), {"id": declared.replica_id})
+            await connection.execute(
+                text(fleet_sql.MEMBERS.format(where="WHERE replica_id = :id")), {"id": declared.replica_id}
+            )
         ).first()
         incarnation = declared.incarnation or new_incarnation()
         old = None if have is None else member_of(have)
@@ -356,7 +309,7 @@ class FleetStore:
     ) -> Written:
         seq = (
             await connection.execute(
-                text(_INSERT),
+                text(fleet_sql.INSERT),
                 {
                     "event": event,
                     "replica_id": declared.replica_id,

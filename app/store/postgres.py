@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
@@ -19,13 +18,12 @@ from datetime import date
 from typing import Any
 
 import asyncpg
-from sqlalchemy import func, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app.store import partitions, schema
+from app.store import partitions, schema, tool_ledger
 from app.store.base import EventStore, RequestInput, ToolExecution, check_append
-from app.store.codec import EventRow, from_row, storable, to_row
+from app.store.codec import EventRow, from_row, to_row
 from app.store.content import erase_one_request, kept_input
 from app.store.database import asyncpg_dsn, sqlalchemy_url
 from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, refused_as_read_only
@@ -227,7 +225,7 @@ class PostgresEventStore(EventStore):
         finally:
             await self._engine.dispose()
 
-    # --- the tool ledger -----------------------------------------------------------------
+    # --- the tool ledger (its statements: app/store/tool_ledger.py) ----------------------
 
     async def claim_tool_execution(
         self,
@@ -238,51 +236,18 @@ class PostgresEventStore(EventStore):
         name: str,
         arguments: str,
     ) -> bool:
-        ledger = schema.tool_executions
-        claim = (
-            insert(ledger)
-            .values(
-                idempotency_key=idempotency_key,
-                request_id=request_id,
-                attempt=attempt,
-                tool_call_id=tool_call_id,
-                name=storable(name),  # what the model wrote: it may hold U+0000
-                arguments=storable(arguments),
-            )
-            .on_conflict_do_nothing(index_elements=[ledger.c.idempotency_key])
-            .returning(ledger.c.idempotency_key)
-        )
         async with self._connection(commit=True) as connection:
-            return (await connection.execute(claim)).first() is not None
+            return await tool_ledger.claim(
+                connection, idempotency_key, request_id, attempt, tool_call_id, name, arguments
+            )
 
     async def record_tool_result(self, idempotency_key: str, *, result: Any = None, error: str | None = None) -> None:
-        ledger = schema.tool_executions
-        finish = (
-            update(ledger)
-            .where(ledger.c.idempotency_key == idempotency_key, ledger.c.status == "claimed")
-            .values(
-                status="failed" if error is not None else "succeeded",
-                result=storable(result),  # the tool's answer: it may hold U+0000
-                error=storable(error),
-                finished_at=func.now(),
-            )
-        )
         async with self._connection(commit=True) as connection:
-            finished = (await connection.execute(finish)).rowcount
-            if not finished:
-                claimed = select(ledger.c.idempotency_key).where(ledger.c.idempotency_key == idempotency_key)
-                if (await connection.execute(claimed)).first() is None:
-                    raise StoreError(f"tool execution {idempotency_key} was never claimed")
-                # already finished: the first recorded outcome stands
+            await tool_ledger.finish(connection, idempotency_key, result=result, error=error)
 
     async def tool_execution(self, idempotency_key: str) -> ToolExecution | None:
-        ledger = schema.tool_executions
-        query = select(*(ledger.c[field.name] for field in dataclasses.fields(ToolExecution))).where(
-            ledger.c.idempotency_key == idempotency_key
-        )
         async with self._connection() as connection:
-            row = (await connection.execute(query)).first()
-        return None if row is None else ToolExecution(*row)
+            return await tool_ledger.execution(connection, idempotency_key)
 
     # --- recorded inputs -----------------------------------------------------------------
 

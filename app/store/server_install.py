@@ -24,6 +24,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from app.store.data_dir import DATA_DIR_ENV
+
 logger = logging.getLogger("phasegate.store.embedded")
 
 INSTALL_PARTS = ("bin", "lib", "share")  # what running the server needs (not its C headers)
@@ -43,6 +45,18 @@ def reachable(path: Path, user: pwd.struct_passwd) -> Path | None:
         if not allowed:
             return parent
     return None
+
+
+def unreachable_by(path: Path, user: pwd.struct_passwd) -> str | None:
+    """Why ``user`` cannot traverse to ``path``, naming the directory; None if it can."""
+    parent = reachable(path, user)
+    if parent is None:
+        return None
+    return (
+        f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} "
+        f"(mode {stat.filemode(parent.stat().st_mode)}) on the way to {path}; choose another "
+        f"{DATA_DIR_ENV} or open that directory"
+    )
 
 
 def programs_for(bin_dir: Path, data_dir: Path, user: pwd.struct_passwd | None) -> Path:

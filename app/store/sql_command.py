@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from app.store.embedded import DATA_DIR_ENV, EmbeddedPostgres, _binaries
+from app.store.data_dir import DATA_DIR_ENV
+from app.store.embedded import EmbeddedPostgres, _binaries
 
 AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "audit.md"
 QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)

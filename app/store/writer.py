@@ -40,12 +40,12 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import asyncpg
 
-from app.store.codec import EventRow
-from app.store.errors import StoreClosed, StoreError, StoreUnavailable, is_unavailable, rejection
+from app.store.append_queue import AppendQueue
+from app.store.errors import StoreError, StoreUnavailable, is_unavailable, rejection
 from app.store.insert import LogSchema, insert_rows
 from app.store.pending import Failures, PendingAppend
 
@@ -56,7 +56,7 @@ logger = logging.getLogger("phasegate.store.writer")
 _REJECTIONS = (asyncpg.PostgresError, asyncpg.DataError)
 
 
-class GroupCommitWriter:
+class GroupCommitWriter(AppendQueue):
     """Writes appends in order, many per transaction; see the module docstring."""
 
     def __init__(
@@ -129,82 +129,6 @@ class GroupCommitWriter:
         is queued is written under the new id then; expected versions refuse what another wrote."""
         self._held = True
 
-    @property
-    def available(self) -> bool:
-        return self._unavailable is None
-
-    @property
-    def queued_events(self) -> int:
-        """Events accepted and not yet taken into a transaction."""
-        return self._queued_events
-
-    async def submit(self, request_id: str, expected_version: int, rows: Sequence[EventRow], durable: bool) -> None:
-        """Queue an append; a durable one returns after its commit."""
-        done = await self.enqueue(request_id, expected_version, rows, durable=durable, track=durable)
-        if done is not None:
-            # A cancelled caller cancels only its wait (``done``): its events stay in
-            # the pipeline, where later appends may already depend on them, and are
-            # written as queued (``_settle`` skips a future already done). Awaited
-            # directly, not through ``asyncio.shield``: that costs an event-loop turn.
-            await done
-
-    async def enqueue(
-        self, request_id: str, expected_version: int, rows: Sequence[EventRow], *, durable: bool, track: bool
-    ) -> asyncio.Future[None] | None:
-        """Queue an append and return once it is queued; with ``track``, a future that
-        settles when it is committed (or failed). A tracked group-committed append waits
-        through an outage, still queued, like any other that is not durable."""
-        while True:
-            self._check_accepting(request_id)
-            if self._has_room(len(rows)):
-                return self._put(request_id, expected_version, rows, durable=durable, track=track)
-            self._room.clear()
-            await self._room.wait()
-
-    def enqueue_now(
-        self, request_id: str, expected_version: int, rows: Sequence[EventRow]
-    ) -> asyncio.Future[None] | None:
-        """:meth:`enqueue` of a tracked group-committed append in the caller's own step,
-        where that needs no wait: the future that settles at its commit, or ``None``
-        when the queue has no room for it now (then nothing was queued)."""
-        self._check_accepting(request_id)
-        if not self._has_room(len(rows)):
-            return None
-        return self._put(request_id, expected_version, rows, durable=False, track=True)
-
-    def _has_room(self, events: int) -> bool:
-        return self._queued_events == 0 or self._queued_events + events <= self._max_queued_events
-
-    def _put(
-        self, request_id: str, expected_version: int, rows: Sequence[EventRow], *, durable: bool, track: bool
-    ) -> asyncio.Future[None] | None:
-        self._tickets += 1
-        done = asyncio.get_running_loop().create_future() if track else None
-        self._queue.append(PendingAppend(request_id, expected_version, rows, self._tickets, durable, done))
-        self._queued_events += len(rows)
-        self._work.set()
-        if durable:
-            self._durable_queued += 1
-        if durable or self._queued_events >= self._max_batch_events:
-            self._urgent.set()
-        return done
-
-    async def flush(self) -> None:
-        """Wait until everything submitted so far is committed (or failed)."""
-        target = self._tickets
-        self._flushers += 1
-        self._urgent.set()
-        try:
-            # The queue and the batch in flight are in ticket order (an outage puts
-            # the kept appends back at the front), so their heads tell.
-            while (self._in_flight and self._in_flight[0].ticket <= target) or (
-                self._queue and self._queue[0].ticket <= target
-            ):
-                self._progress.clear()
-                await self._progress.wait()
-        finally:
-            self._flushers -= 1
-
     async def close(self, timeout: float = 30.0) -> None:
         """Commit everything accepted, then disconnect; ``StoreUnavailable`` if that fails."""
         if self._closing:
@@ -227,13 +151,6 @@ class GroupCommitWriter:
             if self._conn is not None:
                 self._conn.terminate()
                 self._conn = None
-
-    def _check_accepting(self, request_id: str) -> None:
-        if self._closing:
-            raise StoreClosed("the event store is closed")
-        if self._unavailable is not None:
-            raise self._unavailable
-        self._failures.check(request_id)
 
     # --- the writer task ---------------------------------------------------------------
 

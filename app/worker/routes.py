@@ -26,7 +26,8 @@ from app.worker.health import HealthProbe
 from app.worker.json_body import decode_json, decode_json_value
 from app.worker.lease_calls import parse_ref, parse_renewals
 from app.worker.metrics import CONTENT_TYPE, TokenRate, make_registry, render
-from app.worker.protocol import Code, Refusal, parse_start
+from app.worker.protocol import Code, Refusal
+from app.worker.start_request import parse_start
 from app.worker.worker import Worker
 
 

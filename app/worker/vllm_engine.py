@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +44,7 @@ from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_requests import VllmRequests
+from app.worker.vllm_streams import merged, saying
 
 ALL_ALTERNATIVES = -1  # every log probability vLLM gives at a token
 
@@ -148,9 +149,9 @@ class VllmEngine:
             ids = [f"{engine_request_id}-{k}" for k in range(len(plan.prompts))]
             self._batches[engine_request_id] = ids
             streams = [self._generated(rid, plan, k, n) for k, rid in enumerate(ids)]
-            outputs = _merged(streams, lambda: self._batches.pop(engine_request_id, None))
+            outputs = merged(streams, lambda: self._batches.pop(engine_request_id, None))
         said = {k * n + c: p[3] for k, p in enumerate(plan.prompts) if p[3] is not None for c in range(n)}
-        return outputs if not said else _saying(outputs, said)
+        return outputs if not said else saying(outputs, said)
 
     async def _generated(
         self, engine_request_id: str, plan: _Plan, k: int, n: int
@@ -296,53 +297,6 @@ class _Plan:
     engine_kwargs: dict[str, Any]
     top: int | None
     as_ids: bool
-
-
-async def _merged(
-    streams: list[AsyncGenerator[EngineOutput, None]], ended: Callable[[], object]
-) -> AsyncGenerator[EngineOutput, None]:
-    """A batch's streams as one, each output as it comes; all closed when it is (each
-    engine request aborted then), and ``ended`` called."""
-    queue: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
-
-    async def pump(stream: AsyncGenerator[EngineOutput, None]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for output in stream:
-                    queue.put_nowait(output)
-            queue.put_nowait(None)
-        except Exception as exc:
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
-    try:
-        live = len(tasks)
-        while live:
-            got = await queue.get()
-            if got is None:
-                live -= 1
-            elif isinstance(got, BaseException):
-                raise got
-            else:
-                yield got
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        ended()
-
-
-async def _saying(
-    outputs: AsyncGenerator[EngineOutput, None], said: dict[int, tuple[list[int] | None, str | None]]
-) -> AsyncIterator[EngineOutput]:
-    """``outputs``, each choice's first that carries a delta (text, or log probabilities)
-    with what is said of its prompt; closed with them (vLLM aborts its request when its
-    generator closes)."""
-    async with contextlib.aclosing(outputs):
-        async for output in outputs:
-            if said and output.choice in said and (output.text or output.logprobs is not None):
-                output.prompt = said.pop(output.choice)
-            yield output
 
 
 def _stop_reason(output: Any) -> str | int | None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from app.replicas.openai_stream import _pieces, _plain_token, _Template, parse_chunk
+from app.replicas.openai_chunks import delta_pieces, parse_chunk
+from app.replicas.openai_stream import _plain_token, _Template
 
 EVENT = (
     b'data: {"id":"chatcmpl-8275d93a9c433c1d","object":"chat.completion.chunk","created":1796324087,'
@@ -36,7 +37,7 @@ def main() -> None:
 
     def full(event: bytes) -> None:
         for choice in parse_chunk(event[5:])["choices"]:
-            _pieces(choice["delta"])
+            delta_pieces(choice["delta"])
 
     paths = {
         "template": lambda: template.token(EVENT, 1),

@@ -41,7 +41,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.http": frozenset(),
     "app.telemetry": frozenset(),
     # leaves: settings, the gateway's Prometheus metrics, child processes
-    "app.config": frozenset({BOTTOM, "app.contract", "app.http.server", "app.discover_config"}),
+    "app.config": frozenset({BOTTOM, "app.contract", "app.http.server", "app.discover_config", "app.config_tables"}),
+    "app.config_tables": frozenset({BOTTOM}),  # the settings' tables, each checked
     "app.discover_config": frozenset(),  # [[discover]]'s tables, checked
     # reading the configuration again (SIGHUP), and `phasegate reload`; the data dir's default
     "app.process.reload": frozenset({"app.config", "app.store"}),
@@ -51,6 +52,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.telemetry.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.telemetry.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.process.supervisor": frozenset({"app.contract"}),
+    "app.process.start_signals": frozenset(),  # the stop and reload signals while serve starts
     # the HTTP server both processes run (uvicorn held to timeouts and a header limit),
     # and its request-response cycle (a stream's chunks, its head held for its first)
     "app.http.cycle": frozenset(),
@@ -128,7 +130,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "app.telemetry.tracing",
             "app.http.server",
         }
-        | {"app.process.reload", "app.process.demo"}
+        | {"app.process.reload", "app.process.demo", "app.process.start_signals"}
     ),
 }
 ALLOWED["app.cli"] = frozenset({BOTTOM, *ALLOWED}) - {"app", "app.cli"}

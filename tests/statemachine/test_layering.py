@@ -2,7 +2,7 @@
 may import the modules ``BELOW`` lists for it, and no two import each other.
 
     replay, invariants, trace → policy → placing → actions → request_state → events
-                                state → handlers → batches, evolve, phases → events → deltas
+                                state → handlers → attempts, batches, evolve, phases → events → deltas
 
 Leaves (``deltas``, ``errors``, ``evolve``, ``routing``, ``policy_config``) import nothing of
 the package. A new module or a new arrow is a line here, where a circle would show.
@@ -32,15 +32,19 @@ BELOW: dict[str, frozenset[str]] = {
     "statemachine.routing": _of(),
     "statemachine.policy_config": _of(),
     # the vocabulary, the phase table, its diagram, the JSON form of events, delivery batches
-    "statemachine.events": _of("deltas"),
+    "statemachine.reasons": _of(),
+    "statemachine.envelopes": _of(),
+    "statemachine.events": _of("deltas", "envelopes", "reasons"),
     "statemachine.phases": _of("errors", "events"),
     "statemachine.diagram": _of("phases"),
-    "statemachine.jsonform": _of("deltas", "errors", "events"),
+    "statemachine.field_parsers": _of("deltas"),
+    "statemachine.jsonform": _of("deltas", "errors", "events", "field_parsers"),
     "statemachine.batches": _of("deltas", "events"),
     # the fold: a request's state, its handlers, apply
     "statemachine.request_state": _of("events", "phases", "routing"),
-    "statemachine.handlers": _of("batches", "errors", "events", "evolve", "phases", "request_state", "routing"),
-    "statemachine.state": _of("events", "evolve", "handlers", "phases", "request_state"),
+    "statemachine.attempts": _of("envelopes", "errors", "evolve", "request_state"),
+    "statemachine.handlers": _of("attempts", "batches", "events", "evolve", "phases", "request_state", "routing"),
+    "statemachine.state": _of("attempts", "events", "evolve", "handlers", "phases", "request_state"),
     # the policy: its actions, where an attempt goes, decide
     "statemachine.actions": _of("request_state", "routing"),
     "statemachine.placing": _of("actions", "events", "policy_config", "request_state", "routing"),

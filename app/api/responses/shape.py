@@ -24,14 +24,12 @@ from typing import Any
 
 import orjson
 
+from app.api.responses.items import ID_PREFIX, MESSAGE, REASONING, Item, item_kind, logprobs_of
 from app.api.shape import ChoiceAnswer, Shape
 from app.contract import json_depth as deep_json
-from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
 from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS
 
-MESSAGE = "message"
-REASONING = "reasoning"
 CANCELLED_CODE = "request_cancelled"
 
 
@@ -64,49 +62,6 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _item_kind(key: str) -> str | None:
-    if key == CONTENT:
-        return MESSAGE
-    return REASONING if key in REASONING_FIELDS else None  # no text (a logprobs-only token): no item
-
-
-def _logprobs(entries: Sequence[TokenLogprob], *, with_bytes: bool) -> list[dict[str, Any]]:
-    def one(token: str, logprob: float | None) -> dict[str, Any]:
-        entry: dict[str, Any] = {"token": token, "logprob": logprob}
-        if with_bytes:
-            entry["bytes"] = list(token.encode("utf-8", "replace"))
-        return entry
-
-    # a token named otherwise (token_id:<id>): its bytes are the name's, as vLLM's Responses API gives them
-    return [{**one(entry[0], entry[1]), "top_logprobs": [one(t, lp) for t, lp in entry[2]]} for entry in entries]
-
-
-class _Item:
-    """An output item as it grows."""
-
-    def __init__(self, kind: str, item_id: str) -> None:
-        self.kind = kind
-        self.id = item_id
-        self.pieces: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def part(self, *, logprobs: bool) -> dict[str, Any]:
-        if self.kind == REASONING:
-            return {"type": "reasoning_text", "text": self.text}
-        rendered = _logprobs(self.logprobs, with_bytes=True) if logprobs else []
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": rendered}
-
-    def body(self, status: str, *, logprobs: bool) -> dict[str, Any]:
-        content = [self.part(logprobs=logprobs)] if self.pieces or status == "completed" else []
-        if self.kind == REASONING:
-            return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": status}
-        return {"id": self.id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
 class ResponsesShape(Shape):
     """Builds one response's stream events and its response object."""
 
@@ -123,8 +78,8 @@ class ResponsesShape(Shape):
         self.sequence = 0  # the next event's sequence_number
         self.after = -1  # events numbered up to this one are not sent (a stream read again)
         self.started = False  # response.created and response.in_progress went out
-        self.items: list[_Item | dict[str, Any]] = []  # the output: open or closed items, function calls
-        self.open: _Item | None = None
+        self.items: list[Item | dict[str, Any]] = []  # the output: open or closed items, function calls
+        self.open: Item | None = None
         self.calling: tuple[int, dict[str, Any]] | None = None  # the open function call: its index, its item
 
     # --- the response object -------------------------------------------------------------
@@ -179,8 +134,8 @@ class ResponsesShape(Shape):
             self.items.append(self._function_call(call))
         return self._final(finish_reasons[0], usage)
 
-    def _add(self, kind: str) -> _Item:
-        item = _Item(kind, self._item_id(kind))
+    def _add(self, kind: str) -> Item:
+        item = Item(kind, self._item_id(kind))
         self.items.append(item)
         return item
 
@@ -190,7 +145,7 @@ class ResponsesShape(Shape):
         return self.response("completed", usage=usage)
 
     def _item_id(self, kind: str) -> str:
-        return f"{_PREFIX[kind]}_{self.response_id.removeprefix('resp_')}_{len(self.items)}"
+        return f"{ID_PREFIX[kind]}_{self.response_id.removeprefix('resp_')}_{len(self.items)}"
 
     def _function_call(self, call: dict[str, Any]) -> dict[str, Any]:
         function = call.get("function") or {}
@@ -243,7 +198,7 @@ class ResponsesShape(Shape):
         if key == TOOL_CALLS:
             return self.tool_calls_event(event_id, orjson.loads(text), choice)
         events = self._start()
-        kind = _item_kind(key)
+        kind = item_kind(key)
         if kind is None:
             return b"".join(events)
         item = self.open
@@ -259,16 +214,14 @@ class ResponsesShape(Shape):
         else:
             entries = logprobs or ()
             item.logprobs.extend(entries)
-            rendered = _logprobs(entries, with_bytes=False) if self.logprobs else []
+            rendered = logprobs_of(entries, with_bytes=False) if self.logprobs else []
             events.append(self._event("response.output_text.delta", {**where, "delta": text, "logprobs": rendered}))
         return b"".join(events)
 
-    def _opened(self, item: _Item) -> list[bytes]:
+    def _opened(self, item: Item) -> list[bytes]:
         index = len(self.items) - 1
         empty = (
-            {"type": "reasoning_text", "text": ""}
-            if item.kind == REASONING
-            else _Item(MESSAGE, "").part(logprobs=False)
+            {"type": "reasoning_text", "text": ""} if item.kind == REASONING else Item(MESSAGE, "").part(logprobs=False)
         )
         return [
             self._event(
@@ -289,7 +242,7 @@ class ResponsesShape(Shape):
         done = "response.reasoning_text.done" if item.kind == REASONING else "response.output_text.done"
         text_done = {**where, "text": item.text}
         if item.kind == MESSAGE:
-            text_done["logprobs"] = _logprobs(item.logprobs, with_bytes=False) if self.logprobs else []
+            text_done["logprobs"] = logprobs_of(item.logprobs, with_bytes=False) if self.logprobs else []
         return [
             self._event(done, text_done),
             self._event("response.content_part.done", {**where, "part": item.part(logprobs=self.logprobs)}),
@@ -375,6 +328,3 @@ class ResponsesShape(Shape):
             response["output"][self.items.index(self.calling[1])]["status"] = "incomplete"
             self.calling = None
         return response
-
-
-_PREFIX = {MESSAGE: "msg", REASONING: "rs", "function_call": "fc"}

@@ -7,7 +7,8 @@ from typing import cast
 from app.config import ReplicaConfig
 from app.driver.charges import FailureCharges
 from app.replicas.base import ReplicaClient
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
+from app.replicas.replica import Replica
 from app.replicas.worker_errors import AttemptEnded, ConnectFailed, Rejected
 
 

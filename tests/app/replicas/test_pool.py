@@ -11,7 +11,8 @@ import pytest
 
 from app.config import ReplicaConfig
 from app.replicas.base import ProbeAnswer, ReplicaClient, UpstreamFailure
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
+from app.replicas.replica import Replica
 from app.replicas.worker_errors import AttemptEnded, Rejected, ReplicaExited, RequestRefused, TokenRefused
 from statemachine.events import FailureKind
 from statemachine.routing import DEFAULT_ROUTING, place

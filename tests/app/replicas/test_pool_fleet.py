@@ -10,7 +10,8 @@ from typing import Any, cast
 
 from app.config import ReplicaConfig
 from app.replicas.base import ReplicaClient
-from app.replicas.pool import Replica, ReplicaPool
+from app.replicas.pool import ReplicaPool
+from app.replicas.replica import Replica
 from statemachine.actions import StartAttempt
 from statemachine.events import Decided, FailureKind
 from statemachine.replay import replay

@@ -21,7 +21,7 @@ from typing import Any, cast
 import pytest
 
 from app.config import ReplicaConfig
-from app.replicas.pool import Replica
+from app.replicas.replica import Replica
 from app.replicas.worker import WorkerReplica
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.workers import WorkerProcess, running_worker

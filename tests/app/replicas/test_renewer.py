@@ -14,8 +14,8 @@ from app.config import ReplicaConfig, Timeouts
 from app.contract.worker_protocol import RENEWAL_SLACK
 from app.driver.attempt import AttemptRun
 from app.replicas.base import AttemptRequest, Renewal, UpstreamFailure
-from app.replicas.pool import Replica
 from app.replicas.renewer import LeaseRenewer
+from app.replicas.replica import Replica
 from statemachine.events import FailureKind
 from tests.support.waiting import until
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from app.driver.loop import delta_of
+from app.driver.token_deltas import delta_of
 from app.replicas.attempt_frames import AttemptFrames
 from app.replicas.base import Done, Frame, Token
 from app.replicas.openai_stream import OpenAIStream, _Template

@@ -15,8 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from app.store.data_dir import DEFAULT_DATA_DIR
 from app.store.database import asyncpg_dsn
-from app.store.embedded import DEFAULT_DATA_DIR, SERVER_DEFAULTS, EmbeddedPostgres, EmbeddedPostgresError, _binaries
+from app.store.embedded import SERVER_DEFAULTS, EmbeddedPostgres, EmbeddedPostgresError, _binaries
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLDER = """

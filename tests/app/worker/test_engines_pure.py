@@ -14,8 +14,9 @@ from app.worker.attempt import Attempt, AttemptTable
 from app.worker.engine import EngineOutput
 from app.worker.faults import FaultBook
 from app.worker.lease_calls import AttemptRef
-from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling, parse_sampling
+from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
 from app.worker.sim import SimEngine, SimTiming, tool_call_id
+from app.worker.start_request import parse_sampling
 from tests.support.workers import REPO
 
 FAST = SimTiming(0.0, 0.0, 0.0)
