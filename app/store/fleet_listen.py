@@ -94,5 +94,9 @@ class FleetListener:
         connection, self._connection = self._connection, None
         self.leading = False  # a session lock ends with its session
         if connection is not None and not connection.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(connection.close(), 5)
+            try:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(connection.close(), 5)
+            finally:  # a close that failed, timed out or was cancelled: at once, never left open
+                if not connection.is_closed():
+                    connection.terminate()

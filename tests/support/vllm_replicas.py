@@ -84,7 +84,7 @@ def start_vllm_worker(env: VllmEnv, base_env: Mapping[str, str] | None = None) -
         model_path=env.model,
         faults=True,
         args=WORKER_ARGS,
-        ready_timeout=300.0,
+        ready_timeout=900.0,  # a spare starts in the background, beside the suite's busiest minutes
         unset_env=["VLLM_CPU_KVCACHE_SPACE"],
         base_env=base_env,
     )
