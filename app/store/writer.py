@@ -115,7 +115,11 @@ class GroupCommitWriter(AppendQueue):
     async def _connect(self) -> asyncpg.Connection:
         self._bound_instance = None
         conn = await asyncpg.connect(self._dsn, timeout=self._connect_timeout, command_timeout=self._command_timeout)
-        await self.schema.learn(conn)  # partitioned or not yet (a rolling upgrade): app/store/insert.py
+        try:
+            await self.schema.learn(conn)  # partitioned or not yet (a rolling upgrade): app/store/insert.py
+        except BaseException:
+            conn.terminate()  # never left open for the collector
+            raise
         return conn
 
     def bind_instance(self, instance: str | None) -> None:
