@@ -81,6 +81,13 @@ def test_the_description_names_what_the_gateway_serves(stack: Stack) -> None:
     embeddings = document["components"]["schemas"]["CreateEmbeddingRequest"]
     assert embeddings["properties"]["model"]["enum"] == [MODEL, None]
     assert embeddings["properties"]["encoding_format"]["enum"] == ["float", "base64", "bytes", "bytes_only"]
+    # each route whose body takes encoding_format answers bytes in application/octet-stream for it
+    octets = {path for path, item in document["paths"].items() if "application/octet-stream" in _ok(item)}
+    assert octets == {"/v1/embeddings", "/pooling"}
+
+
+def _ok(item: dict) -> dict:
+    return next(iter(item.values()))["responses"].get("200", {}).get("content", {})
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])

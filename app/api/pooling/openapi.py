@@ -102,7 +102,7 @@ def pooling_paths(security: list[dict[str, list[str]]]) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for path, (operation_id, answer) in _ANSWERS.items():
         ok = json_(answer, "the replica's answer, whole")
-        if path == "/v1/embeddings":  # encoding_format bytes or bytes_only: the vectors' bytes
+        if "encoding_format" in ROUTES[path].model_fields:  # bytes or bytes_only: the vectors' bytes
             ok["content"]["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
         paths[path] = {
             "post": {

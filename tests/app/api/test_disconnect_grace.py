@@ -106,9 +106,13 @@ def test_a_client_that_drops_mid_stream_and_resumes_within_the_grace_gets_every_
     gateway: RunningGateway, slow_worker: WorkerProcess, left_at: int, unique_prompt: Callable[[str], str]
 ) -> None:
     prompt = unique_prompt(f"drop at {left_at}")
-    with held(slow_worker, prompt, at_token=25) as release, ThreadPoolExecutor(1) as pool:
+    # held where the client leaves, until the log says it left: what comes next is produced for
+    # nobody (a loaded machine can otherwise send more to the closed socket before it notices)
+    with held(slow_worker, prompt, at_token=left_at + 1) as release, ThreadPoolExecutor(1) as pool:
         first = stream_chat(gateway.url, body(prompt), on_delta=lambda n: n == left_at + 1)
         assert len(first.contents) == left_at + 1 and not first.done
+        gateway.wait_logged(first.request_id, lambda events: bool(of(events, ev.ClientDisconnected)))
+        release(hold_at=25)
         gateway.wait_logged(first.request_id, reached(24))  # deltas up to the hold, no client attached
         later = pool.submit(resume, gateway.url, first.request_id, left_at)
         gateway.wait_logged(first.request_id, resumed_times(1))
