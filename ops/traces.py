@@ -60,13 +60,14 @@ class Trace:
         gateway: str | None = "gw-1",
         trace_id: str | None = None,
         metadata: dict[str, str] | None = None,
+        endpoint: str = "chat.completions",
     ):
         self.request_id = request_id
         self.clock = at
         self.events: list[Event] = []
         self.state = RequestState(request_id=request_id)
         self.actions: list[Action] = []
-        self._accept(model, tenant, gateway, trace_id, metadata)
+        self._accept(model, tenant, gateway, trace_id, metadata, endpoint)
 
     # --- the envelope ------------------------------------------------------------------
 
@@ -84,7 +85,13 @@ class Trace:
     # --- steps -------------------------------------------------------------------------
 
     def _accept(
-        self, model: str, tenant: str, gateway: str | None, trace_id: str | None, metadata: dict[str, str] | None
+        self,
+        model: str,
+        tenant: str,
+        gateway: str | None,
+        trace_id: str | None,
+        metadata: dict[str, str] | None,
+        endpoint: str,
     ) -> None:
         self.add(
             RequestAccepted,
@@ -92,7 +99,7 @@ class Trace:
             model=model,
             model_revision="r2026.11",
             tenant=tenant,
-            endpoint="chat.completions",
+            endpoint=endpoint,
             stream=True,
             params_digest="sha256:00",
             prompt_tokens=24,
@@ -342,3 +349,16 @@ def with_tool_call(request_id: str, *, at: datetime = T0) -> Trace:
 def in_flight(request_id: str, *, at: datetime = T0, gateway: str = "gw-1") -> Trace:
     """Still decoding: no terminal event yet."""
     return Trace(request_id, at=at, gateway=gateway).start("w1").first_token().first_delta().deliver("Still")
+
+
+def pooled(
+    request_id: str, endpoint: str, *, at: datetime = T0, prompt_tokens: int = 6, retried: bool = False
+) -> Trace:
+    """A pooling request (docs/design.md §17): no delta, its answer whole at the completion;
+    ``retried``: its first replica (w4) exits before the answer, the second (w5) answers."""
+    trace = Trace(request_id, at=at, model="tiny-embed", endpoint=endpoint).start("w4")
+    if retried:
+        trace.upstream_failed(FailureKind.REPLICA_EXITED, "connection reset").start("w5")
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    trace.add(RequestCompleted, 8.0, finish_reason="stop", usage=usage)
+    return trace

@@ -58,6 +58,9 @@ LOG = {
         traces.in_flight("req_live", at=at(120)),
         traces.resumed_within_grace("req_back", at=at(130)),
         traces.left_for_good("req_left", at=at(140)),
+        traces.pooled("req_embed_1", "/v1/embeddings", at=at(150), prompt_tokens=4),
+        traces.pooled("req_embed_2", "/v1/embeddings", at=at(151), prompt_tokens=7, retried=True),
+        traces.pooled("req_rerank", "/rerank", at=at(152), prompt_tokens=11),
     )
 }
 PARAMETERS = {
@@ -104,6 +107,7 @@ def expect_retried(result: list[asyncpg.Record]) -> None:
     assert rows(result) == [
         ("req_retry", 2, ["w1", "w2"], "completed", at(20)),
         ("req_fence", 2, ["w2", "w3"], "completed", at(30)),
+        ("req_embed_2", 2, ["w4", "w5"], "completed", at(151)),
     ]
 
 
@@ -159,6 +163,7 @@ def expect_failures(result: list[asyncpg.Record]) -> None:
         ("w2", "liveness_uncertain", 1, 1),
         ("w2", "replica_exited", 1, 0),
         ("w3", "liveness_uncertain", 1, 1),
+        ("w4", "replica_exited", 1, 0),
     ]
 
 
@@ -166,7 +171,7 @@ def expect_outcomes(result: list[asyncpg.Record]) -> None:
     assert [(*r[:7], float(r[7])) for r in rows(result)] == [
         ("acme", BASE, 5, 4, 1, 0, 0, 20.0),
         ("acme", BASE + HOUR, 5, 1, 3, 1, 0, 60.0),
-        ("acme", BASE + 2 * HOUR, 3, 1, 0, 1, 1, 0.0),
+        ("acme", BASE + 2 * HOUR, 6, 4, 0, 1, 1, 0.0),
         ("globex", BASE, 1, 1, 0, 0, 0, 0.0),
     ]
 
@@ -259,6 +264,14 @@ def expect_taken_out(result: list[asyncpg.Record]) -> None:
     ]
 
 
+def expect_pooling(result: list[asyncpg.Record]) -> None:
+    assert [r[:7] for r in rows(result)] == [
+        ("/rerank", "tiny-embed", 1, 1, 0, 0, 11),
+        ("/v1/embeddings", "tiny-embed", 2, 2, 0, 1, 11),  # one retried: w4 exited, w5 answered
+    ]
+    assert all(r["median_ms"] > 0 for r in result)
+
+
 EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     1: expect_retried,
     2: expect_interrupted,
@@ -283,6 +296,7 @@ EXPECTATIONS: dict[int, Callable[[list[asyncpg.Record]], None]] = {
     21: expect_by_metadata,
     22: expect_serving_at,
     23: expect_taken_out,
+    24: expect_pooling,
 }
 
 
