@@ -24,9 +24,10 @@ Upstream behaviour mapped to the failure kinds of docs/design.md §4:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NoReturn
 
 import httpx
 import orjson
@@ -91,34 +92,19 @@ class OpenAIUpstream:
         content = _request_body(request, chat)
         # vLLM names its own request after this header: its logs then say which attempt it is
         request_name = f"{request.request_id}.{request.attempt}"
-        try:
-            async with asyncio.timeout(self.response_timeout_s):
-                if self._connections is not None:
-                    lines = self._header_lines + header_line("x-request-id", request_name)
-                    for name, value in trace_headers().items():
-                        lines += header_line(name, value)
-                    target = self._chat_target if chat else self._completions_target
-                    lean = await self._connections.post(target, lines, content)
-                    answer: Answer | httpx.Response = lean
-                    body: BodyReads = lean.body
-                else:
-                    answer, body = await self._send_by_httpx(chat, request_name, content)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
-        except TimeoutError:
-            raise UpstreamFailure(
-                FailureKind.LIVENESS_UNCERTAIN, f"no response within {self.response_timeout_s:g}s"
-            ) from None
-        except httpx.TransportError as exc:
-            raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"connection failed: {exc!r}") from None
+        async with self._answering():
+            if self._connections is not None:
+                lines = self._header_lines + header_line("x-request-id", request_name)
+                for name, value in trace_headers().items():
+                    lines += header_line(name, value)
+                target = self._chat_target if chat else self._completions_target
+                lean = await self._connections.post(target, lines, content)
+                answer: Answer | httpx.Response = lean
+                body: BodyReads = lean.body
+            else:
+                answer, body = await self._send_by_httpx(chat, request_name, content)
         if answer.status_code != 200:
-            try:
-                whole = await read_all(body)
-            except httpx.HTTPError:
-                whole = b""
-            finally:
-                await body.aclose()
-            raise _refusal(answer.status_code, answer.reason_phrase, answer.headers.get("retry-after"), whole)
+            await _refused(answer, body)
         encoding = answer.headers.get("content-encoding", "identity")
         if encoding != "identity" and self._connections is not None:  # asked for none: a broken answer
             await body.aclose()
@@ -131,10 +117,20 @@ class OpenAIUpstream:
         with the attempt's model; its answer is read whole by the stream."""
         content = json_body({**request.passed, "model": request.model})
         headers = {"x-request-id": f"{request.request_id}.{request.attempt}", "content-type": "application/json"}
+        async with self._answering():
+            sent = self._client.build_request("POST", request.endpoint, content=content, headers=headers)
+            response = await self._client.send(sent, stream=True)
+        if response.status_code != 200:
+            await _refused(response, HttpxBody(response))
+        return PooledStream(response)
+
+    @contextlib.asynccontextmanager
+    async def _answering(self) -> AsyncIterator[None]:
+        """The wait for an answer's status and headers, within the response deadline: what
+        a failure to get them says of the replica (the table above)."""
         try:
             async with asyncio.timeout(self.response_timeout_s):
-                sent = self._client.build_request("POST", request.endpoint, content=content, headers=headers)
-                response = await self._client.send(sent, stream=True)
+                yield
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
         except TimeoutError:
@@ -143,15 +139,6 @@ class OpenAIUpstream:
             ) from None
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"connection failed: {exc!r}") from None
-        if response.status_code != 200:
-            try:
-                whole = await response.aread()
-            except httpx.HTTPError:
-                whole = b""
-            finally:
-                await response.aclose()
-            raise _refusal(response.status_code, response.reason_phrase, response.headers.get("retry-after"), whole)
-        return PooledStream(response)
 
     async def _send_by_httpx(self, chat: bool, request_name: str, content: bytes) -> tuple[httpx.Response, BodyReads]:
         headers = {"x-request-id": request_name, "content-type": "application/json"}
@@ -240,6 +227,17 @@ def _request_body(request: AttemptRequest, chat: bool) -> bytes:
     body["stream"] = True
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return json_body(body)
+
+
+async def _refused(answer: Answer | httpx.Response, body: BodyReads) -> NoReturn:
+    """Raise the failure a non-200 answer means, once its body (the reason) is read."""
+    try:
+        whole = await read_all(body)
+    except httpx.HTTPError:
+        whole = b""
+    finally:
+        await body.aclose()
+    raise _refusal(answer.status_code, answer.reason_phrase, answer.headers.get("retry-after"), whole)
 
 
 def _refusal(status: int, reason: str, retry_after: str | None, body: bytes) -> UpstreamFailure:
