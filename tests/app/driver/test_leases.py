@@ -13,10 +13,11 @@ from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.streams import metric
 from tests.support.workers import running_worker
 
-# The sim answers this prompt (seed 7) with 118 tokens: at 20 ms each a stream lasts
-# about 2.4 s, four 0.6 s leases, so it lives only if its lease is renewed (every 0.2 s).
+# The sim answers this prompt (seed 7) with 118 tokens: at 30 ms each a stream lasts
+# about 3.5 s, over three 1 s leases, so it lives only if its lease is renewed (every
+# third of one); a lease much shorter than that a loaded machine's renewal can outlast.
 PROMPT, SEED, ANSWER_TOKENS = "tell me about leases 8", 7, 118
-LEASES = Timeouts(stall_s=1.5, lease_ttl_s=0.6, cancel_ack_s=1.0, first_token_soft_s=2.0, first_token_hard_s=10.0)
+LEASES = Timeouts(stall_s=2.0, lease_ttl_s=1.0, cancel_ack_s=1.0, first_token_soft_s=2.0, first_token_hard_s=10.0)
 STREAMS = 4
 
 
@@ -30,7 +31,7 @@ def stream(gateway: RunningGateway) -> tuple[str, int]:
 
 def test_concurrent_streams_outlive_their_lease_on_shared_renewal_rounds(database_url: str) -> None:
     with (
-        running_worker(args=["--sim-decode-ms-per-token", "20"]) as worker,
+        running_worker(args=["--sim-decode-ms-per-token", "30"]) as worker,
         running_gateway(database_url, [worker], timeouts=LEASES) as gateway,
     ):
         with ThreadPoolExecutor(STREAMS) as pool:

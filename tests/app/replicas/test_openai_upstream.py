@@ -399,6 +399,7 @@ async def test_a_probe_says_whether_the_upstream_answered_or_stayed_silent() -> 
     async with server:
         assert await silent.health() is ProbeAnswer.SILENT
         await silent.close()
-    nobody = OpenAIUpstream("n", f"http://127.0.0.1:{port}", health_model=MODEL, response_timeout_s=0.3)
+    # a refusal is answered at once: a long deadline cannot make it silent, as a loaded machine's 0.3 s did
+    nobody = OpenAIUpstream("n", f"http://127.0.0.1:{port}", health_model=MODEL, response_timeout_s=10.0)
     assert await nobody.health() is ProbeAnswer.UNHEALTHY  # connection refused
     await nobody.close()

@@ -120,14 +120,14 @@ def test_the_page_draws_a_retried_and_an_interrupted_request(
     fence, released = only(retried, "fence", "1"), only(retried, "released", "1")
     commit = only(retried, "commit-point")
     assert commit["attempt"] == "2"
-    assert (
-        only(retried, "failure", "1")["x"] < fence["right"] <= released["right"] <= only(retried, "start", "2")["right"]
-    )
+    # its first failure is the stall's (a loaded machine may add one, a renewal that timed out)
+    failure, *_ = [m for m in retried["marks"] if m["mark"] == "failure" and m["attempt"] == "1"]
+    assert failure["x"] < fence["right"] <= released["right"] <= only(retried, "start", "2")["right"]
     assert released["x"] < commit["x"]
     deliveries = [m for m in retried["marks"] if m["mark"] == "client-delivery"]
     assert deliveries and all(m["x"] > commit["x"] and m["attempt"] == "2" for m in deliveries)
     assert sum(e.tokens for e in retried_events if isinstance(e, ev.DeltasDelivered)) > 0  # type: ignore[attr-defined]
-    assert "liveness_uncertain" in only(retried, "failure", "1")["title"]
+    assert "liveness_uncertain" in failure["title"]
 
     # the interrupted request: one attempt; its failure comes after the commit point, and the
     # request failed with upstream_decode_interrupted instead of a second attempt
