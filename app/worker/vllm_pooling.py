@@ -49,7 +49,7 @@ KEPT_HEADERS = ("metadata",)  # a bytes answer's description (app/replicas/poole
 
 
 @dataclass(slots=True)
-class _Pooling:
+class _PreparedPooling:
     """A prepared pooling request: vLLM's server, its input processor and its context."""
 
     server: Any
@@ -124,7 +124,7 @@ class VllmPooling:
         except Exception as exc:  # vLLM's request checks, as its server answers them
             raise vllm_refusal(exc) from None
         tokens = sum(server._extract_prompt_len(engine_input["prompts"]) for engine_input in ctx.engine_inputs)
-        return Prepared(spec=spec, prompt_tokens=tokens, payload=_Pooling(server, io_processor, ctx))
+        return Prepared(spec=spec, prompt_tokens=tokens, payload=_PreparedPooling(server, io_processor, ctx))
 
     @staticmethod
     def engine_requests(prepared: Prepared, engine_request_id: str) -> list[str]:
@@ -139,7 +139,7 @@ class VllmPooling:
     async def answer(prepared: Prepared) -> PooledOutput:
         """Pool the prepared request and write vLLM's answer to it (once
         :meth:`engine_requests` named its engine requests)."""
-        pooling: _Pooling = prepared.payload
+        pooling: _PreparedPooling = prepared.payload
         server, ctx = pooling.server, pooling.ctx
         await server._prepare_generators(ctx)
         await server._collect_batch(ctx)
