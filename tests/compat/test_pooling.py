@@ -29,8 +29,13 @@ import openai
 import pytest
 
 from app.config import ReplicaConfig
+from statemachine import events as ev
+from statemachine.replay import replay
+from statemachine.request_state import Outcome
+from statemachine.state import fold
 from tests.compat.compare import ask, differences
-from tests.support.gateway import running_gateway
+from tests.support.gateway import RunningGateway, running_gateway
+from tests.support.transcript import of
 from tests.support.vllm_replicas import stop_starts
 from tests.support.workers import running_vllm_openai_server, start_worker, vllm_env
 
@@ -72,7 +77,7 @@ class Served:
     """``vllm serve`` and a gateway in front of each replica kind."""
 
     direct: str
-    gateways: dict[str, str]  # by replica kind
+    gateways: dict[str, RunningGateway]  # by replica kind
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +105,7 @@ def served(package_database_url: str) -> Iterator[Served]:
                             running_gateway(
                                 package_database_url, [replica], models={MODEL: "compat"}, health_interval_s=30
                             )
-                        ).url
+                        )
                         for kind, replica in replicas.items()
                     }
                     yield Served(url, gateways)
@@ -123,7 +128,7 @@ def test_a_pooling_request_gets_the_answer_vllm_serve_gives(served: Served, case
     path, body = CASES[case]
     asked = {"model": MODEL, **body}
     with httpx.Client(timeout=120) as http:
-        direct, through = ask(http, served.direct, path, asked), ask(http, served.gateways[kind], path, asked)
+        direct, through = ask(http, served.direct, path, asked), ask(http, served.gateways[kind].url, path, asked)
     found = differences(direct, through)
     assert found == [], "\n".join(found)
     assert (direct.status >= 400) == (case in REFUSED), (direct.status, direct.body)
@@ -135,7 +140,7 @@ def test_an_embeddings_bytes_answer_is_vllms_bytes(served: Served, encoding: str
     asked = {"model": MODEL, "input": ["hello", "world"], "encoding_format": encoding}
     with httpx.Client(timeout=120) as http:
         direct = http.post(served.direct + "/v1/embeddings", json=asked)
-        through = http.post(served.gateways[kind] + "/v1/embeddings", json=asked)
+        through = http.post(served.gateways[kind].url + "/v1/embeddings", json=asked)
     assert direct.status_code == 200 and direct.content
     assert (through.status_code, through.content) == (direct.status_code, direct.content)
     assert through.headers["content-type"] == direct.headers["content-type"]
@@ -148,7 +153,7 @@ def test_the_openai_sdk_and_langchain_get_the_same_vectors(served: Served, kind:
 
     texts = ["the first text", "a second"]
     got = []
-    for base_url in (served.direct, served.gateways[kind]):
+    for base_url in (served.direct, served.gateways[kind].url):
         with openai.OpenAI(base_url=base_url + "/v1", api_key="unused") as client:
             sdk = [item.embedding for item in client.embeddings.create(model=MODEL, input=texts).data]
         chain = OpenAIEmbeddings(
@@ -160,3 +165,22 @@ def test_the_openai_sdk_and_langchain_get_the_same_vectors(served: Served, kind:
         got.append((sdk, chain.embed_documents(texts)))
     assert got[0] == got[1]
     assert got[0][0] == got[0][1] and len(got[0][0][0]) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/score"])
+def test_the_log_counts_the_prompt_tokens_vllm_states(served: Served, path: str, kind: str) -> None:
+    """The client and the log agree: the prompt tokens of a pooling request's answer are
+    the ones its log completes with, whichever replica kind answered (docs/design.md §17)."""
+    body = CASES["embeddings, a batch" if path == "/v1/embeddings" else "score"][1]
+    gateway = served.gateways[kind]
+    with httpx.Client(timeout=120) as http:
+        response = http.post(gateway.url + path, json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    gateway.wait_logged(request_id, lambda events: fold(events).outcome is not None)
+    events = gateway.logged(request_id)
+    assert replay(events).ok and fold(events).outcome is Outcome.COMPLETED
+    (completed,) = of(events, ev.RequestCompleted)
+    stated = response.json()["usage"]["prompt_tokens"]
+    assert completed.usage["prompt_tokens"] == stated > 0  # type: ignore[attr-defined]
