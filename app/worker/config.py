@@ -118,6 +118,9 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="default: 512 (vllm), 32768 (sim)")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--vllm-args", default="{}", metavar="JSON", help="vllm: more AsyncEngineArgs fields")
+    # a pooling model as vllm serve runs one (docs/design.md §17: app/worker/vllm_pooling.py)
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], help="vllm: vllm serve's --runner")
+    p.add_argument("--convert", choices=["auto", "none", "embed", "classify"], help="vllm: vllm serve's --convert")
     p.add_argument("--reasoning-parser", help="vllm: split reasoning out as vllm serve's parser of this name")
     p.add_argument("--tool-call-parser", help="vllm: parse tool calls as vllm serve's parser of this name")
     p.add_argument(
@@ -143,9 +146,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         )
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("phasegate worker: --enable-auto-tool-choice needs --tool-call-parser")
-    if args.engine != "vllm" and (args.reasoning_parser or args.tool_call_parser or args.chat_template):
+    if args.engine != "vllm" and (
+        args.reasoning_parser or args.tool_call_parser or args.chat_template or args.runner or args.convert
+    ):
         raise SystemExit(
-            "phasegate worker: --reasoning-parser, --tool-call-parser and --chat-template are vLLM's (--engine vllm)"
+            "phasegate worker: --reasoning-parser, --tool-call-parser, --chat-template, --runner and --convert"
+            " are vLLM's (--engine vllm)"
         )
     if args.max_body_bytes < 1024:
         raise SystemExit("phasegate worker: --max-body-bytes must be at least 1024")
@@ -197,12 +203,17 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_path=args.model_path,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
-        vllm_args=json.loads(args.vllm_args),
+        vllm_args=json.loads(args.vllm_args) | _model_args(args),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         chat_template=args.chat_template,
     )
+
+
+def _model_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--runner`` and ``--convert``, as the engine arguments ``vllm serve`` makes of them."""
+    return {name: getattr(args, name) for name in ("runner", "convert") if getattr(args, name) is not None}
 
 
 def make_engine(config: WorkerConfig) -> Engine:

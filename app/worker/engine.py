@@ -104,6 +104,9 @@ class Engine(Protocol):
 
     name: str
     models: tuple[str, ...]
+    # whether it generates: False for a pooling model's engine, which serves pooling
+    # attempts only (its health probe is a pooling request: app/worker/health.py)
+    generates: bool
 
     async def start(self) -> None:
         """Load the model; the worker is ready once this returns."""
@@ -111,8 +114,10 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Stop the engine and any processes it started."""
 
-    def prepare(self, spec: AttemptSpec) -> Prepared:
-        """Render and tokenize the prompt; raise :class:`Refusal` if the engine cannot serve it."""
+    async def prepare(self, spec: AttemptSpec) -> Prepared:
+        """Render and tokenize the prompt; raise :class:`Refusal` if the engine cannot serve it.
+        It may wait (vLLM's pooling servers render in a thread), so the worker admits an
+        attempt only once it returns (app/worker/worker.py)."""
 
     def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         """Start generating; the iterator ends after every choice has a finish reason or an abort."""

@@ -1,4 +1,5 @@
-"""Health: a real one-token generation through the engine, reused for a short while.
+"""Health: a real one-token generation through the engine (a pooling request where it only
+pools), reused for a short while.
 
 Concurrent checks share one probe in flight; a result is reused for ``ttl_s`` so that a
 pool polling many replicas does not load the engines. The probe bypasses the worker's
@@ -47,32 +48,36 @@ class HealthProbe:
             self._at = time.monotonic()
 
     async def _probe(self) -> tuple[bool, dict[str, Any]]:
-        spec = AttemptSpec(
-            request_id="health",
-            attempt=1,
-            lease_epoch=0,
-            lease_ttl_s=self.timeout_s,
-            model=self.engine.models[0],
-            messages=None,
-            prompt="health check",
-            sampling=Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
-            heartbeat_s=1.0,
-            fields={"max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
-        )
+        spec = _probe_spec(self.engine, self.timeout_s)
         engine_request_id = f"health#{next(_probe_ids)}"
         started = time.monotonic()
         tokens = 0
+        answered = False
         try:
-            prepared = self.engine.prepare(spec)
+            prepared = await self.engine.prepare(spec)
             async with asyncio.timeout(self.timeout_s):
                 async for output in self.engine.generate(engine_request_id, prepared):
                     tokens += len(output.token_ids)
+                    answered = answered or output.answer is not None
         except TimeoutError:
             await self.engine.abort(engine_request_id)
             return False, {"error": f"no token within {self.timeout_s} s"}
         except Exception as exc:
             return False, {"error": repr(exc)}
         probe_ms = round((time.monotonic() - started) * 1000, 1)
-        if tokens < 1:
+        if tokens < 1 and not answered:
             return False, {"error": "the engine produced no token", "probe_ms": probe_ms}
         return True, {"probe_ms": probe_ms, "tokens": tokens}
+
+
+def _probe_spec(engine: Engine, timeout_s: float) -> AttemptSpec:
+    """The probe: one token of a generation, or where the engine only pools (a pooling
+    model's: docs/design.md §17) a pooling request on ``/pooling``, which vLLM serves for
+    every pooling model (its default task)."""
+    if not engine.generates:
+        pooled = {"input": "health check"}
+        model = engine.models[0]
+        return AttemptSpec("health", 1, 0, timeout_s, model, None, None, Sampling(), 1.0, pooled, (), "/pooling")
+    fields = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+    return AttemptSpec("health", 1, 0, timeout_s, engine.models[0], None, "health check", sampling, 1.0, fields)

@@ -86,7 +86,7 @@ class WorkerRoutes:
     async def start(self, request: Request) -> Response:
         spec = parse_start(await self.body_of(request), default_heartbeat_s=self.default_heartbeat_s)
         logs.bind_request(spec.request_id, spec.attempt)  # this task's lines, its stream's included
-        attempt = self.worker.admit(spec)
+        attempt = await self.worker.admit(spec)
         return StreamingResponse(
             self.worker.frames(attempt), media_type="application/x-ndjson", headers=self.stream_headers
         )

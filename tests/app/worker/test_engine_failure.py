@@ -31,7 +31,7 @@ async def test_the_sim_engine_ends_a_request_whose_task_died_with_engine_failed(
     started = time.monotonic()
     with pytest.raises(EngineFailed, match="the sim failed on this request"):
         async with asyncio.timeout(2):
-            async for _ in engine.generate("e1", engine.prepare(broken_spec())):
+            async for _ in engine.generate("e1", await engine.prepare(broken_spec())):
                 pass
     assert time.monotonic() - started < 1.0
     await asyncio.sleep(0)  # the task's done callback
@@ -41,7 +41,7 @@ async def test_the_sim_engine_ends_a_request_whose_task_died_with_engine_failed(
 async def test_the_worker_fails_the_attempt_at_once_with_an_error_frame() -> None:
     worker = Worker(SimEngine(timing=SimTiming(0.0001, 0.001, 0.0)), max_running=1, max_queued=1)
     worker.ready = True
-    attempt = worker.admit(broken_spec())
+    attempt = await worker.admit(broken_spec())
     started = time.monotonic()
     async with asyncio.timeout(3):  # heartbeats every 50 ms: a hang would run into this
         frames = [json.loads(frame) async for frame in worker.frames(attempt)]
@@ -49,6 +49,6 @@ async def test_the_worker_fails_the_attempt_at_once_with_an_error_frame() -> Non
     assert [f["type"] for f in frames] == ["heartbeat", "error"]
     assert frames[-1]["code"] == "engine_error"
     # the slot is free again: a good attempt runs next
-    good = worker.admit(AttemptSpec("r-good", 1, 1, 5.0, "sim", None, "hi", Sampling(max_tokens=3), 0.05))
+    good = await worker.admit(AttemptSpec("r-good", 1, 1, 5.0, "sim", None, "hi", Sampling(max_tokens=3), 0.05))
     async with asyncio.timeout(3):
         assert [json.loads(f) async for f in worker.frames(good)][-1]["type"] == "done"

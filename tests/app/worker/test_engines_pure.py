@@ -27,7 +27,7 @@ def spec(request_id: str = "r", prompt: str = "hello", *, attempt: int = 1, epoc
 
 
 async def run(engine: SimEngine, s: AttemptSpec, rid: str = "e") -> list[EngineOutput]:
-    return [output async for output in engine.generate(rid, engine.prepare(s))]
+    return [output async for output in engine.generate(rid, await engine.prepare(s))]
 
 
 async def test_the_sim_is_a_function_of_the_request():
@@ -97,7 +97,7 @@ async def test_sim_logprobs_are_a_function_of_each_token():
 
 async def test_a_sim_abort_waits_for_the_request_to_stop():
     engine = SimEngine(timing=SimTiming(0.0, 0.001, 0.05))
-    outputs = engine.generate("x", engine.prepare(spec(max_tokens=10_000, ignore_eos=True)))
+    outputs = engine.generate("x", await engine.prepare(spec(max_tokens=10_000, ignore_eos=True)))
     await anext(outputs)
     generated = await engine.abort("x")
     assert generated is not None and generated > 1
@@ -182,7 +182,7 @@ def test_sampling_and_fault_parsing_name_the_bad_field():
 
 
 def test_only_the_vllm_engine_imports_vllm():
-    """The vLLM engine, its request handling, parsing, beam search and utility routes (imported by it
+    """The vLLM engine, its request handling, parsing, beam search, pooling and utility routes (imported by it
     alone) are the only modules that import vLLM, and a worker on the sim engine never loads it."""
     offenders = []
     for path in sorted((REPO / "app").rglob("*.py")):
@@ -196,6 +196,7 @@ def test_only_the_vllm_engine_imports_vllm():
         "app/worker/vllm_beams.py",
         "app/worker/vllm_engine.py",
         "app/worker/vllm_parsing.py",
+        "app/worker/vllm_pooling.py",
         "app/worker/vllm_requests.py",
         "app/worker/vllm_utility.py",
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -282,3 +283,29 @@ async def test_iteration_ends_after_done(engine: EngineUnderTest, client: Worker
     frames = [frame async for frame in stream]
     assert isinstance(frames[-1], Done)
     assert [frame async for frame in stream] == []
+
+
+async def test_a_pooling_attempt_is_pooled_by_the_sim_and_refused_by_a_generation_model(
+    engine: EngineUnderTest, client: WorkerClient
+):
+    """docs/design.md §17: the sim engine pools every route; a ``vllm`` worker whose model
+    generates refuses a pooling attempt as the replica's (501: a pooling model's worker
+    pools, tests/compat/test_pooling.py), so the gateway takes it to another replica."""
+    started = client.start(
+        request_id=request_id(),
+        attempt=1,
+        lease_epoch=1,
+        lease_ttl_s=30.0,
+        model=engine.model,
+        vllm={"input": "hello"},
+        pooling="/v1/embeddings",
+    )
+    if engine.engine == "sim":
+        done = [frame async for frame in await started][-1]
+        assert isinstance(done, Done) and done.answer is not None
+        assert json.loads(done.answer.body)["data"][0]["object"] == "embedding"
+        return
+    with pytest.raises(Rejected) as refused:
+        await started
+    assert (refused.value.status, refused.value.code) == (501, "not_served_by_engine")
+    assert "pooling model" in str(refused.value)
