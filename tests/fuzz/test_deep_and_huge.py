@@ -20,7 +20,7 @@ from tests.fuzz import test_gateway as gateway_family
 from tests.fuzz import test_worker as worker_family
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_unit]  # each a minute or more: side by side
 
 KEY = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}

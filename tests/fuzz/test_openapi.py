@@ -90,6 +90,7 @@ def _ok(item: dict) -> dict:
     return next(iter(item.values()))["responses"].get("200", {}).get("content", {})
 
 
+@pytest.mark.own_unit  # minutes of schemathesis each: the two modes run side by side
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
 def test_schemathesis(stack: Stack, tally: Tally, mode: GenerationMode) -> None:
     with stack.gateway_client() as http:
