@@ -58,6 +58,23 @@ PROBE_S = 5.0  # how long an added replica has to answer its probe
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+async def fleet_exchange(what: str, answer: Callable[[], Awaitable[Response]]) -> Response:
+    """One exchange with the fleet's routes (the admin API's, a worker's join): ``answer``'s
+    response under a request id of its own, a refusal in the OpenAI shape, or 503 while the
+    fleet's store is away or this instance is fenced (logged as ``what``'s)."""
+    exchange = new_request_id()
+    try:
+        response = await answer()
+    except ApiError as error:
+        return JSONResponse(error.body(exchange), status_code=error.status, headers={"x-request-id": exchange})
+    except (StoreUnavailable, InstanceFenced) as exc:
+        log.error("%s: %s", what, exc)
+        unavailable = LogUnavailable("the fleet's store")
+        return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
+    response.headers["x-request-id"] = exchange
+    return response
+
+
 class Conflict(ApiError):
     status = 409
     type = "invalid_request_error"
@@ -88,19 +105,13 @@ class _FleetAdmin:
 
     def guarded(self, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:
-            exchange = new_request_id()
-            try:
+            async def answer() -> Response:
                 self._authorize(request)
                 response = await handler(request)
-            except ApiError as error:
-                return JSONResponse(error.body(exchange), status_code=error.status, headers={"x-request-id": exchange})
-            except (StoreUnavailable, InstanceFenced) as exc:
-                log.error("fleet admin: %s", exc)
-                unavailable = LogUnavailable("the fleet's store")
-                return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
-            response.headers["x-request-id"] = exchange
-            response.headers["cache-control"] = "no-store"
-            return response
+                response.headers["cache-control"] = "no-store"
+                return response
+
+            return await fleet_exchange("fleet admin", answer)
 
         return guarded
 

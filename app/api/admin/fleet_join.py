@@ -21,17 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.api.admin.fleet import NAME, REPLICA_ID, URL, Unprocessable
+from app.api.admin.fleet import NAME, REPLICA_ID, URL, Unprocessable, fleet_exchange
 from app.api.bodies import json_body
 from app.api.errors import (
-    ApiError,
     Forbidden,
     InvalidRequest,
-    LogUnavailable,
     NotFound,
     Unauthorized,
 )
-from app.api.request_ids import new_request_id
 from app.config import ReplicaConfig
 from app.contract.fleet_join import (
     CORDON_PATH,
@@ -44,7 +41,6 @@ from app.contract.fleet_join import (
 )
 from app.driver.context import GatewayContext
 from app.driver.fleet import FleetKeeper
-from app.store.errors import InstanceFenced, StoreUnavailable
 from app.store.fleet_model import DeclaredReplica
 
 log = logging.getLogger("phasegate.fleet")
@@ -71,21 +67,14 @@ class _Joins:
 
     def guarded(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def guarded(request: Request) -> Response:
-            exchange = new_request_id()
-            try:
+            async def answer() -> Response:
                 self._authorize(request)
                 body = await json_body(request, self.ctx.config.max_body_bytes)
                 if not isinstance(body, dict):
                     raise InvalidRequest('the body is {"id", "incarnation", ...}', code="invalid_body")
-                response = await handler(request, body)
-            except ApiError as error:
-                return JSONResponse(error.body(exchange), status_code=error.status, headers={"x-request-id": exchange})
-            except (StoreUnavailable, InstanceFenced) as exc:
-                log.error("fleet join: %s", exc)
-                unavailable = LogUnavailable("the fleet's store")
-                return JSONResponse(unavailable.body(exchange), status_code=503, headers={"x-request-id": exchange})
-            response.headers["x-request-id"] = exchange
-            return response
+                return await handler(request, body)
+
+            return await fleet_exchange("fleet join", answer)
 
         return guarded
 
