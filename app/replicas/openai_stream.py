@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import orjson
@@ -50,9 +51,13 @@ USAGE_GRACE_S = 0.5
 
 
 class OpenAIStream:
-    def __init__(self, body: BodyReads, choices: int, echo: str = "") -> None:
+    def __init__(self, body: BodyReads, choices: int, echo: str = "", *, continuous: bool = False) -> None:
         self._body = body
         self._choices = choices
+        # asked for the usage in every chunk (``continuous_usage_stats``): each choice's first
+        # token says the prompt's count, each token its chunk's tokens, and the end's usage
+        # is the chunk of no choices that follows every choice's (``_ChunkUsage``)
+        self._continuous = continuous
         # a chat echo, sent here after each choice's role chunk as vLLM's stream sends it
         # (the upstream is not asked to: vLLM 0.32's streamed chat echo fails, app/replicas/chat_echo.py)
         self._echo, self._echo_due = echo, set(range(choices)) if echo else set()
@@ -83,6 +88,7 @@ class OpenAIStream:
     async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
         ending = StreamEnding()
         prompts: dict[int, Prompt] = {}  # what the replica said of a choice's prompt, until its first token
+        counts = _ChunkUsage() if self._continuous else None
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -117,8 +123,12 @@ class OpenAIStream:
                 if data == b"[DONE]":
                     break
                 chunk = parse_chunk(data)
+                tokens = 1  # a chunk's, counted one token (an upstream that names no token ids)
                 if isinstance(chunk.get("usage"), dict):
-                    ending.usage, ending.usage_details = usage_of(chunk["usage"])
+                    if counts is not None and chunk.get("choices"):  # a choice's usage so far
+                        tokens = counts.said(chunk["usage"], chunk["choices"])
+                    else:
+                        ending.usage, ending.usage_details = usage_of(chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     said = prompt_of(chunk, choice)
@@ -143,17 +153,23 @@ class OpenAIStream:
                         if n:
                             yield Token(number, index, text, (), None, key, 0)
                         else:
-                            yield Token(number, index, text, ids, logprobs, key, 1, prompts.pop(number, None))
+                            counted = None if counts is None else counts.prompt(number)
+                            yield Token(
+                                number, index, text, ids, logprobs, key, tokens, prompts.pop(number, None), counted
+                            )
                     if number in self._echo_due and delta.get("role"):
                         self._echo_due.discard(number)
                         index, self._index = self._index, self._index + 1
-                        yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None))
+                        counted = None if counts is None else counts.prompt(number)
+                        yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None), counted)
                         self._take = self._take if self._echo_due else self._held_take
                     ending.note(number, choice, calls)
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
         if len(ending.finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
+        if ending.usage is None and counts is not None and counts.last is not None:  # no usage of its own came
+            ending.usage, ending.usage_details = usage_of(counts.last)
         for frame in ending.frames():
             yield frame
 
@@ -192,6 +208,42 @@ class OpenAIStream:
             with contextlib.suppress(RuntimeError):  # read by another task just now
                 await self._frames.aclose()
         await self._body.aclose()
+
+
+class _ChunkUsage:
+    """The usage so far that an upstream asked for it (``continuous_usage_stats``) sends in
+    each chunk of a choice, as vLLM does: the prompt's tokens, said with the choice's first
+    token, and the choice's completion tokens so far, whose growth is the chunk's tokens."""
+
+    __slots__ = ("completed", "last", "unsaid")
+
+    def __init__(self) -> None:
+        self.unsaid: dict[int, int | None] = {}  # per choice: its prompt's count, until its first token
+        self.completed: dict[int, int] = {}  # per choice: its completion tokens so far
+        self.last: dict[str, Any] | None = None  # the last usage said (the end's, if no other comes)
+
+    def said(self, usage: dict[str, Any], choices: list[Any]) -> int:
+        """A chunk's usage (of its one choice): the chunk's tokens (1 where it does not say)."""
+        self.last = usage
+        choice = choices[0] if len(choices) == 1 else None
+        number = choice.get("index", 0) if isinstance(choice, dict) else None
+        if type(number) is not int:
+            return 1
+        prompt = usage.get("prompt_tokens")
+        if number not in self.unsaid:
+            self.unsaid[number] = prompt if type(prompt) is int and prompt >= 0 else None
+        so_far = usage.get("completion_tokens")
+        if type(so_far) is not int:
+            return 1
+        before, self.completed[number] = self.completed.get(number, 0), so_far
+        return max(0, so_far - before)
+
+    def prompt(self, number: int) -> int | None:
+        """The prompt's count for choice ``number``'s first token, once (then ``None``)."""
+        count = self.unsaid.get(number)
+        if count is not None:
+            self.unsaid[number] = None
+        return count
 
 
 # what a plain token's chunk and choice may hold (anything else non-null: not plain)

@@ -181,6 +181,7 @@ async def _decode(
     monotonic = time.monotonic
     until_yield = _YIELD_EVERY
     answer = output.answer  # a pooling request's: its one output carries it
+    unsaid = _usage_asked(attempt)  # choices whose first text is to say the prompt's count
     while True:
         until_yield -= 1
         if not until_yield:
@@ -218,8 +219,19 @@ async def _decode(
                     return
                 die_after = step.die_after
                 fault_at = fault.at_token  # a hold's release may have moved it on
+            counted = None
+            if unsaid is not None and choice in unsaid and (output.text or output.logprobs is not None):
+                unsaid.discard(choice)
+                counted = attempt.prepared.prompt_tokens_of(choice)
             frame = token_frame(
-                choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
+                choice,
+                next_index[choice],
+                output.text,
+                output.token_ids,
+                output.logprobs,
+                output.key,
+                output.prompt,
+                counted,
             )
             next_index[choice] += 1
             attempt.published_tokens += 1
@@ -245,6 +257,16 @@ async def _decode(
     done = _finished(worker, attempt, finish_reasons, stop_reasons, answer)
     if done is not None:
         yield done
+
+
+def _usage_asked(attempt: Attempt) -> set[int] | None:
+    """The choices whose first text says the prompt's token count, where the client asked
+    for the usage in every chunk (``stream_options``, read as vLLM's server reads it: with
+    ``include_usage``); ``None`` where it did not."""
+    options = attempt.spec.fields.get("stream_options")
+    if not isinstance(options, dict) or not (options.get("include_usage") and options.get("continuous_usage_stats")):
+        return None
+    return set(range(attempt.spec.choices))
 
 
 def _finished(
