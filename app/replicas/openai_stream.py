@@ -231,9 +231,9 @@ class _ChunkUsage:
             return 1
         prompt = usage.get("prompt_tokens")
         if number not in self.unsaid:
-            self.unsaid[number] = prompt if type(prompt) is int and prompt >= 0 else None
+            self.unsaid[number] = prompt if _a_count(prompt) else None
         so_far = usage.get("completion_tokens")
-        if type(so_far) is not int:
+        if not _a_count(so_far):
             return 1
         before, self.completed[number] = self.completed.get(number, 0), so_far
         return max(0, so_far - before)
@@ -244,6 +244,11 @@ class _ChunkUsage:
         if count is not None:
             self.unsaid[number] = None
         return count
+
+
+def _a_count(value: Any) -> bool:
+    """A count the log can hold (bigint), as ``usage_of`` keeps them."""
+    return type(value) is int and 0 <= value < 2**62
 
 
 # what a plain token's chunk and choice may hold (anything else non-null: not plain)

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.config import ReplicaConfig
 from statemachine import events as ev
 from statemachine.jsonform import to_json
 from statemachine.replay import replay
@@ -27,6 +28,7 @@ from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.app.conftest import held
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.scripted_upstream import running_scripted_upstream
 from tests.support.transcript import of
 from tests.support.workers import WorkerProcess, running_worker
 
@@ -141,6 +143,38 @@ def test_a_batch_of_completions_counts_each_prompt_for_its_own_choices(gateway: 
     assert fold(gateway.events(request_id)).outcome is Outcome.COMPLETED
 
 
+def test_through_an_openai_replica_the_counts_are_the_replicas(database_url: str) -> None:
+    """The replica is asked for the usage in every chunk only by a request that asked: its
+    prompt count, each chunk's growth of its count (a word is two tokens there) and its
+    usage at the end (with its details) are what the client gets."""
+    question = {"model": MODEL, "messages": [{"role": "user", "content": "a question of many words"}], "max_tokens": 4}
+    with (
+        running_scripted_upstream() as upstream,
+        running_gateway(database_url, [ReplicaConfig(id="u1", url=upstream.base_url, kind="openai")]) as gateway,
+    ):
+        request_id, chunks, done = streamed(gateway.url, "/v1/chat/completions", {**question, "stream_options": ASKED})
+        assert done and (upstream.last_body() or {})["stream_options"] == ASKED
+        per_choice, whole = usages(chunks)
+        # the role chunk's 0, two tokens a word, the finish's count the replica's (its end of sequence)
+        assert [u["completion_tokens"] for u in per_choice[0]] == [0, 2, 4, 6, 8, 9]
+        assert {u["prompt_tokens"] for u in per_choice[0]} == {3}  # the replica's count, not an estimate
+        assert whole == {
+            "prompt_tokens": 3,
+            "completion_tokens": 9,
+            "total_tokens": 12,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        events = gateway.events(request_id)
+        tokens = [d[2] for e in of(events, ev.DeltasDelivered) for d in e.deltas]  # type: ignore[attr-defined]
+        assert tokens == [2, 2, 2, 2]  # each delta's, as the replica counted it
+        assert resumed(gateway.url, request_id, None) == chunks
+        _, plain, done = streamed(
+            gateway.url, "/v1/chat/completions", {**question, "stream_options": {"include_usage": True}}
+        )
+        assert done and (upstream.last_body() or {})["stream_options"] == {"include_usage": True}  # asked no more
+        assert [json.loads(data).get("usage") for _, data in plain][:-1] == [None] * (len(plain) - 1)
+
+
 def test_a_stream_that_did_not_ask_and_its_log_are_as_before(gateway: RunningGateway) -> None:
     for options in ({"include_usage": True}, {"include_usage": False, "continuous_usage_stats": True}, None):
         body = chat("not asked", 4) if options is None else chat("not asked", 4, stream_options=options)
@@ -166,16 +200,21 @@ def test_a_reader_resuming_from_the_log_on_another_instance_gets_the_same_chunks
         running_gateway(database_url, [slow_worker]) as first,
         running_gateway(database_url, [slow_worker]) as second,
     ):
-        for path, body in (
-            ("/v1/chat/completions", chat("resume me", 10, n=2, stream_options=ASKED)),
-            ("/v1/completions", {"model": MODEL, "prompt": "resume me too", "max_tokens": 6, "stream_options": ASKED}),
+        for path, body, afters in (
+            ("/v1/chat/completions", chat("resume two", 6, n=2, stream_options=ASKED), ()),
+            ("/v1/chat/completions", chat("resume me", 10, stream_options=ASKED), (0, 3, 5)),
+            (
+                "/v1/completions",
+                {"model": MODEL, "prompt": "resume me too", "max_tokens": 6, "stream_options": ASKED},
+                (0, 3, 5),
+            ),
         ):
             request_id, whole, done = streamed(first.url, path, body)
             assert done
             first.settle()
             assert resumed(second.url, request_id, None) == whole  # from the start: role chunks too
             numbered = [n for n, (event_id, _) in enumerate(whole) if event_id is not None]
-            for after in (0, 3, 5):
+            for after in afters:
                 again = resumed(second.url, request_id, after)
                 start = next(n for n in numbered if whole[n][0] == str(after + 1))
                 assert again == whole[start:]  # every chunk after the reader's, usage and all
