@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 import orjson
@@ -246,7 +246,7 @@ class _ChunkUsage:
         return count
 
 
-def _a_count(value: Any) -> bool:
+def _a_count(value: Any) -> TypeGuard[int]:
     """A count the log can hold (bigint), as ``usage_of`` keeps them."""
     return type(value) is int and 0 <= value < 2**62
 
