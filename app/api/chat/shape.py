@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from app.api.chat.logprobs import render_logprobs
-from app.api.chat.usage import UsageSoFar
+from app.api.chat.usage import UsageSoFar, in_order
 from app.api.shape import ChoiceAnswer, Shape
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
@@ -240,7 +240,8 @@ class ChatShape(Shape):
         ]
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
-        return f'{self._head},"choices":[],"usage":{_dumps(usage)}}}'
+        """The usage at the end; after the usage so far, in one order (a resumed stream's too)."""
+        return f'{self._head},"choices":[],"usage":{_dumps(usage if self.usage is None else in_order(usage))}}}'
 
     def tool_calls_event(self, event_id: int, calls: list[dict[str, Any]], choice: int = 0) -> bytes:
         """A choice's tool calls, whole, in one event (after its role chunk, if still due)."""

@@ -12,7 +12,24 @@ not send it) the gateway's estimate stands in, the one its ``RequestAccepted`` r
 
 from __future__ import annotations
 
+from typing import Any
+
 from app.driver.request import GenerationRequest
+
+# the fields of vLLM's ``UsageInfo``, in its order
+_ORDER = ("prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details", "completion_tokens_details")
+
+
+def in_order(usage: dict[str, Any]) -> dict[str, Any]:
+    """The usage at the stream's end in one order whether it comes from the replica or the
+    log (PostgreSQL's ``jsonb`` keeps no order of keys): vLLM's fields in vLLM's order, any
+    other after them, and the keys of what they hold sorted."""
+    known = [name for name in _ORDER if name in usage]
+    return {name: _sorted(usage[name]) for name in (*known, *sorted(usage.keys() - set(known)))}
+
+
+def _sorted(value: Any) -> Any:
+    return {key: _sorted(value[key]) for key in sorted(value)} if isinstance(value, dict) else value
 
 
 class UsageSoFar:

@@ -153,7 +153,7 @@ def test_through_an_openai_replica_the_counts_are_the_replicas(database_url: str
         running_gateway(database_url, [ReplicaConfig(id="u1", url=upstream.base_url, kind="openai")]) as gateway,
     ):
         request_id, chunks, done = streamed(gateway.url, "/v1/chat/completions", {**question, "stream_options": ASKED})
-        assert done and (upstream.last_body() or {})["stream_options"] == ASKED
+        assert done and (upstream.last_body or {})["stream_options"] == ASKED
         per_choice, whole = usages(chunks)
         # the role chunk's 0, two tokens a word, the finish's count the replica's (its end of sequence)
         assert [u["completion_tokens"] for u in per_choice[0]] == [0, 2, 4, 6, 8, 9]
@@ -171,7 +171,7 @@ def test_through_an_openai_replica_the_counts_are_the_replicas(database_url: str
         _, plain, done = streamed(
             gateway.url, "/v1/chat/completions", {**question, "stream_options": {"include_usage": True}}
         )
-        assert done and (upstream.last_body() or {})["stream_options"] == {"include_usage": True}  # asked no more
+        assert done and (upstream.last_body or {})["stream_options"] == {"include_usage": True}  # asked no more
         assert [json.loads(data).get("usage") for _, data in plain][:-1] == [None] * (len(plain) - 1)
 
 
