@@ -24,12 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, TypeGuard
 
 import httpx
 import orjson
 
-from app.replicas.base import Frame, Token, UpstreamFailure, usage_of
+from app.replicas.base import Frame, Token, UpstreamFailure
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.openai_chunks import (
     chunk_logprobs,
@@ -41,7 +40,7 @@ from app.replicas.openai_chunks import (
     prompt_of,
     tool_call_piece,
 )
-from app.replicas.stream_ending import StreamEnding
+from app.replicas.stream_ending import ChunkUsage, StreamEnding, usage_said
 from statemachine.deltas import CONTENT, NO_TEXT, TOOL_CALLS, Prompt
 from statemachine.events import FailureKind
 
@@ -56,7 +55,7 @@ class OpenAIStream:
         self._choices = choices
         # asked for the usage in every chunk (``continuous_usage_stats``): each choice's first
         # token says the prompt's count, each token its chunk's tokens, and the end's usage
-        # is the chunk of no choices that follows every choice's (``_ChunkUsage``)
+        # is the chunk of no choices that follows every choice's (``ChunkUsage``)
         self._continuous = continuous
         # a chat echo, sent here after each choice's role chunk as vLLM's stream sends it
         # (the upstream is not asked to: vLLM 0.32's streamed chat echo fails, app/replicas/chat_echo.py)
@@ -88,7 +87,7 @@ class OpenAIStream:
     async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
         ending = StreamEnding()
         prompts: dict[int, Prompt] = {}  # what the replica said of a choice's prompt, until its first token
-        counts = _ChunkUsage() if self._continuous else None
+        counts = ChunkUsage() if self._continuous else None
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -123,12 +122,7 @@ class OpenAIStream:
                 if data == b"[DONE]":
                     break
                 chunk = parse_chunk(data)
-                tokens = 1  # a chunk's, counted one token (an upstream that names no token ids)
-                if isinstance(chunk.get("usage"), dict):
-                    if counts is not None and chunk.get("choices"):  # a choice's usage so far
-                        tokens = counts.said(chunk["usage"], chunk["choices"])
-                    else:
-                        ending.usage, ending.usage_details = usage_of(chunk["usage"])
+                tokens = 1 if chunk.get("usage") is None else usage_said(chunk, ending, counts)
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     said = prompt_of(chunk, choice)
@@ -168,9 +162,7 @@ class OpenAIStream:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
         if len(ending.finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
-        if ending.usage is None and counts is not None and counts.last is not None:  # no usage of its own came
-            ending.usage, ending.usage_details = usage_of(counts.last)
-        for frame in ending.frames():
+        for frame in ending.frames(None if counts is None else counts.last):
             yield frame
 
     def _tapped(self, received: bytes) -> bool:
@@ -208,47 +200,6 @@ class OpenAIStream:
             with contextlib.suppress(RuntimeError):  # read by another task just now
                 await self._frames.aclose()
         await self._body.aclose()
-
-
-class _ChunkUsage:
-    """The usage so far that an upstream asked for it (``continuous_usage_stats``) sends in
-    each chunk of a choice, as vLLM does: the prompt's tokens, said with the choice's first
-    token, and the choice's completion tokens so far, whose growth is the chunk's tokens."""
-
-    __slots__ = ("completed", "last", "unsaid")
-
-    def __init__(self) -> None:
-        self.unsaid: dict[int, int | None] = {}  # per choice: its prompt's count, until its first token
-        self.completed: dict[int, int] = {}  # per choice: its completion tokens so far
-        self.last: dict[str, Any] | None = None  # the last usage said (the end's, if no other comes)
-
-    def said(self, usage: dict[str, Any], choices: list[Any]) -> int:
-        """A chunk's usage (of its one choice): the chunk's tokens (1 where it does not say)."""
-        self.last = usage
-        choice = choices[0] if len(choices) == 1 else None
-        number = choice.get("index", 0) if isinstance(choice, dict) else None
-        if type(number) is not int:
-            return 1
-        prompt = usage.get("prompt_tokens")
-        if number not in self.unsaid:
-            self.unsaid[number] = prompt if _a_count(prompt) else None
-        so_far = usage.get("completion_tokens")
-        if not _a_count(so_far):
-            return 1
-        before, self.completed[number] = self.completed.get(number, 0), so_far
-        return max(0, so_far - before)
-
-    def prompt(self, number: int) -> int | None:
-        """The prompt's count for choice ``number``'s first token, once (then ``None``)."""
-        count = self.unsaid.get(number)
-        if count is not None:
-            self.unsaid[number] = None
-        return count
-
-
-def _a_count(value: Any) -> TypeGuard[int]:
-    """A count the log can hold (bigint), as ``usage_of`` keeps them."""
-    return type(value) is int and 0 <= value < 2**62
 
 
 # what a plain token's chunk and choice may hold (anything else non-null: not plain)

@@ -32,12 +32,10 @@ def token_frame(
     logprobs: list[Any] | None = None,
     key: str | None = None,
     prompt: tuple[list[int] | None, str | None] | None = None,
-    prompt_tokens: int | None = None,
 ) -> bytes:
     """A token frame; ``logprobs`` (asked for: app/contract/logprobs.py) one entry per token id;
     ``key`` the delta field of a text that is not the content (``reasoning``); ``prompt``,
-    with a choice's first delta where asked, the prompt's token ids and rendered text;
-    ``prompt_tokens``, with a choice's first text where asked, the prompt's token count."""
+    with a choice's first delta where asked, the prompt's token ids and rendered text."""
     frame = b'{"type":"token","choice":%d,"index":%d,"text":%s,"token_ids":[%s]' % (
         choice,
         index,
@@ -50,9 +48,13 @@ def token_frame(
         frame += b',"key":%s' % _dumps(key).encode()
     if prompt is not None:
         frame += b',"prompt_token_ids":%s,"prompt_text":%s' % (_dumps(prompt[0]).encode(), _dumps(prompt[1]).encode())
-    if prompt_tokens is not None:
-        frame += b',"prompt_tokens":%d' % prompt_tokens
     return frame + b"}\n"
+
+
+def with_prompt_tokens(frame: bytes, prompt_tokens: int) -> bytes:
+    """A token frame (``token_frame``'s) that also says the prompt's token count, as a
+    choice's first text does where the client asked for the usage in every chunk."""
+    return frame[:-2] + b',"prompt_tokens":%d}\n' % prompt_tokens
 
 
 def tool_call_frame(

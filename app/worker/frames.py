@@ -26,7 +26,14 @@ from typing import Protocol
 from app.worker.attempt import Attempt, Stop
 from app.worker.engine import Engine, EngineFailed, EngineOutput, PooledOutput
 from app.worker.faults import Fault, FaultAction, Point
-from app.worker.frame_encoders import done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.frame_encoders import (
+    done_frame,
+    error_frame,
+    heartbeat_frame,
+    token_frame,
+    tool_call_frame,
+    with_prompt_tokens,
+)
 from app.worker.protocol import Code
 from app.worker.sim import tool_call_id
 from app.worker.stats import WorkerStats
@@ -181,7 +188,6 @@ async def _decode(
     monotonic = time.monotonic
     until_yield = _YIELD_EVERY
     answer = output.answer  # a pooling request's: its one output carries it
-    unsaid = _usage_asked(attempt)  # choices whose first text is to say the prompt's count
     while True:
         until_yield -= 1
         if not until_yield:
@@ -219,20 +225,10 @@ async def _decode(
                     return
                 die_after = step.die_after
                 fault_at = fault.at_token  # a hold's release may have moved it on
-            counted = None
-            if unsaid is not None and choice in unsaid and (output.text or output.logprobs is not None):
-                unsaid.discard(choice)
-                counted = attempt.prepared.prompt_tokens_of(choice)
             frame = token_frame(
-                choice,
-                next_index[choice],
-                output.text,
-                output.token_ids,
-                output.logprobs,
-                output.key,
-                output.prompt,
-                counted,
+                choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
+            frame = _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count
@@ -259,14 +255,14 @@ async def _decode(
         yield done
 
 
-def _usage_asked(attempt: Attempt) -> set[int] | None:
-    """The choices whose first text says the prompt's token count, where the client asked
-    for the usage in every chunk (``stream_options``, read as vLLM's server reads it: with
-    ``include_usage``); ``None`` where it did not."""
-    options = attempt.spec.fields.get("stream_options")
-    if not isinstance(options, dict) or not (options.get("include_usage") and options.get("continuous_usage_stats")):
-        return None
-    return set(range(attempt.spec.choices))
+def _prompt_counted(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:
+    """A choice's first token frame with text (or log probabilities: one that carries a
+    delta) says the prompt's token count, where the client asked (``Attempt.counts_due``)."""
+    due, choice = attempt.counts_due, output.choice
+    if not due or choice not in due or not (output.text or output.logprobs is not None):
+        return frame
+    due.discard(choice)
+    return with_prompt_tokens(frame, attempt.prepared.prompt_tokens_of(choice))
 
 
 def _finished(
