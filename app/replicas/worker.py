@@ -33,8 +33,9 @@ _CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 
 def _fields(request: AttemptRequest, apart: frozenset[str]) -> dict[str, Any]:
-    """The client's fields for the worker (its ``vllm``): those not sent apart, and the
-    stream's options where they ask for more than the worker always sends."""
+    """The client's fields for the worker (its ``vllm``): those not sent apart, and, where the
+    client asked for the usage in every chunk, the stream's options that say so (the client's
+    own are phasegate's to set: app/contract/request_fields.py)."""
     fields = {name: value for name, value in request.passed.items() if name not in apart}
     if request.continuous_usage:
         fields["stream_options"] = _CONTINUOUS_USAGE

@@ -64,7 +64,7 @@ class LoggedDelta:
     logprobs: tuple[TokenLogprob, ...] | None
     token_ids: tuple[int, ...] = ()
     prompt: Prompt | None = None  # what the replica said of the choice's prompt, with its first delta
-    prompt_tokens: int | None = None  # the prompt's tokens as the replica counted them, where asked: the same
+    prompt_tokens: int | None = None  # the prompt's tokens as the replica counted them, with the same (where asked)
 
 
 def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedDelta]:
