@@ -1,6 +1,7 @@
 """What one delta of an answer holds, in the log's words (docs/design.md §3, §14): the field of
 the client's delta that carried its text, its tokens' log probabilities, their ids, and
-what the replica said of the prompt before a choice's first delta."""
+what the replica said of the prompt before a choice's first delta (its text and ids, its
+token count)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ DeltaTokenIds = tuple[tuple[int, ...], ...]
 Prompt = tuple[tuple[int, ...] | None, str | None]
 # per choice opened in a batch that was said one: (choice, token ids, text)
 ChoicePrompts = tuple[tuple[int, tuple[int, ...] | None, str | None], ...]
+
+# The prompt's tokens as the replica counted them (vLLM's ``usage.prompt_tokens``), said
+# before a choice's first delta where the client asked for the usage in every chunk
+# (``stream_options.continuous_usage_stats``): per choice opened in a batch that was said
+# one, (choice, tokens). A batch's prompts each count their own.
+ChoicePromptTokens = tuple[tuple[int, int], ...]

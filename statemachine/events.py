@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds
+from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
 from statemachine.envelopes import AttemptScoped as AttemptScoped
 from statemachine.envelopes import RequestScoped as RequestScoped
 from statemachine.reasons import FINISH_REASONS as FINISH_REASONS
@@ -27,11 +27,12 @@ from statemachine.reasons import ReleaseReason as ReleaseReason
 
 @dataclass(frozen=True, slots=True)
 class RequestAccepted(RequestScoped):
-    SCHEMA_VERSION: ClassVar[int] = 4
+    SCHEMA_VERSION: ClassVar[int] = 5
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = {
         2: ("metadata",),
         3: ("background", "content_policy"),
         4: ("return_token_ids",),
+        5: ("continuous_usage",),
     }
     model: str
     model_revision: str
@@ -59,6 +60,7 @@ class RequestAccepted(RequestScoped):
     # ``store: false``: ``digest``, or ``none`` under a gateway that keeps none); None: the gateway's
     content_policy: str | None = None
     return_token_ids: bool = False  # the answer carries its token ids and the prompt's (vLLM's extra)
+    continuous_usage: bool = False  # the usage so far in every chunk (``stream_options``, as vLLM reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +208,12 @@ class DeltasDelivered(AttemptScoped):
     them and only with the text: ``token_ids`` per delta, and ``prompts``, what the
     replica said of the prompt of each choice whose first delta the batch holds
     (:mod:`statemachine.deltas`); empty otherwise. Version 4: a token of ``logprobs`` sent
-    under another name than its text carries its text (:data:`TokenLogprob`).
+    under another name than its text carries its text (:data:`TokenLogprob`). Version 5, where the
+    client asked for the usage in every chunk: :data:`ChoicePromptTokens` (any content policy).
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 4
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts")}
+    SCHEMA_VERSION: ClassVar[int] = 5
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts"), 5: ("prompt_tokens",)}
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
@@ -222,17 +225,18 @@ class DeltasDelivered(AttemptScoped):
     fields: tuple[str, ...] = ()
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
+    prompt_tokens: ChoicePromptTokens = ()
 
 
 @dataclass(frozen=True, slots=True)
 class DeltasProduced(AttemptScoped):
     """Deltas ``[from_index, to_index)`` the attempt produced while no client was
     attached (docs/design.md §12): recorded, not delivered. The fields are those of
-    :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4); a client that
-    receives them later records them delivered."""
+    :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4, ``prompt_tokens``
+    since 5); a client that receives them later records them delivered."""
 
-    SCHEMA_VERSION: ClassVar[int] = 4
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("logprobs", "token_ids", "prompts")}
+    SCHEMA_VERSION: ClassVar[int] = 5
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = DeltasDelivered.ADDED | {3: ("logprobs", "token_ids", "prompts")}
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
@@ -244,6 +248,7 @@ class DeltasProduced(AttemptScoped):
     logprobs: DeltaLogprobs | None = None
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
+    prompt_tokens: ChoicePromptTokens = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import typing
 from datetime import datetime
 from typing import Any
 
-from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds, TokenLogprob
+from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds, TokenLogprob
 
 
 def _exact(expected: type) -> typing.Callable[[Any], Any]:
@@ -73,6 +73,14 @@ def _parse_int_triples(value: Any) -> tuple[tuple[int, int, int], ...]:
     ):
         raise TypeError("expected a list of [choice, characters, tokens]")
     return tuple((item[0], item[1], item[2]) for item in value)
+
+
+def _parse_int_pairs(value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(item, list) and len(item) == 2 and all(type(n) is int and n >= 0 for n in item) for item in value
+    ):
+        raise TypeError("expected a list of [choice, prompt tokens]")
+    return tuple((item[0], item[1]) for item in value)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -175,6 +183,8 @@ def parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_int_map
     if annotation == tuple[tuple[int, int, int], ...]:
         return _parse_int_triples
+    if annotation == ChoicePromptTokens:
+        return _parse_int_pairs
     if annotation == DeltaLogprobs:
         return _parse_delta_logprobs
     if annotation == DeltaTokenIds:

@@ -107,14 +107,30 @@ class _Stream:
         if shape.unopened is None and len(deltas) == 1:  # the per-token path
             d = deltas[0]
             return shape.content_event(
-                self.event_id, d.text, d.choice, key=d.key, logprobs=d.logprobs, token_ids=d.token_ids, prompt=d.prompt
+                self.event_id,
+                d.text,
+                d.choice,
+                key=d.key,
+                logprobs=d.logprobs,
+                token_ids=d.token_ids,
+                prompt=d.prompt,
+                tokens=d.tokens,
+                prompt_tokens=d.prompt_tokens,
             )
         events = []
         for n, d in enumerate(deltas, start=self.event_id):
-            events.append(shape.opening(d.choice, d.prompt))
+            events.append(shape.opening(d.choice, d.prompt, d.prompt_tokens))
             events.append(
                 shape.content_event(
-                    n, d.text, d.choice, key=d.key, logprobs=d.logprobs, token_ids=d.token_ids, prompt=d.prompt
+                    n,
+                    d.text,
+                    d.choice,
+                    key=d.key,
+                    logprobs=d.logprobs,
+                    token_ids=d.token_ids,
+                    prompt=d.prompt,
+                    tokens=d.tokens,
+                    prompt_tokens=d.prompt_tokens,
                 )
             )
         return b"".join(events)

@@ -44,12 +44,13 @@ class Shape(Protocol):
         chunk of its own (chat's role), it is due before the choice's first delta."""
         return None
 
-    def opening(self, choice: int, prompt: Prompt | None = None) -> bytes:
+    def opening(self, choice: int, prompt: Prompt | None = None, prompt_tokens: int | None = None) -> bytes:
         """The chunk that opens ``choice`` before its first delta, once, where one is due."""
         return b""
 
-    def passed(self, text: str, choice: int = 0) -> None:
-        """Text of ``choice`` the reader had (a resumed stream), where later offsets count it."""
+    def passed(self, text: str, choice: int = 0, tokens: int = 0, prompt_tokens: int | None = None) -> None:
+        """A delta of ``choice`` the reader had (a resumed stream), where later chunks count
+        it: the offsets of their text, the usage so far."""
         return None
 
     def content_event(
@@ -62,8 +63,11 @@ class Shape(Protocol):
         logprobs: Sequence[TokenLogprob] | None = None,
         token_ids: Sequence[int] = (),
         prompt: Prompt | None = None,
+        tokens: int = 1,
+        prompt_tokens: int | None = None,
     ) -> bytes:
-        """The events of one delta (under ``tool_calls``: their JSON)."""
+        """The events of one delta (under ``tool_calls``: their JSON) of ``tokens`` tokens; a
+        choice's first says its prompt's tokens where the replica said them (``prompt_tokens``)."""
         ...
 
     def tool_calls_event(self, event_id: int, calls: list[dict[str, Any]], choice: int = 0) -> bytes:

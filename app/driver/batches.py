@@ -35,6 +35,7 @@ class OpenBatch:
     keys: list[str] | None = None  # per delta, once one was not content (statemachine.deltas: CONTENT …)
     token_ids: list[tuple[int, ...]] | None = None  # per delta, once one carried them
     prompts: list[tuple[int, tuple[int, ...] | None, str | None]] = field(default_factory=list)
+    prompt_tokens: list[tuple[int, int]] = field(default_factory=list)  # per choice opened: its prompt's count
 
     def add(self, delta: Delta) -> None:
         tokens, text, choice, logprobs, key = delta.tokens, delta.text, delta.choice, delta.logprobs, delta.key
@@ -57,6 +58,8 @@ class OpenBatch:
             self.token_ids.append(tuple(delta.token_ids))
         if delta.prompt is not None:
             self.prompts.append((choice, *delta.prompt))
+        if delta.prompt_tokens is not None:
+            self.prompt_tokens.append((choice, delta.prompt_tokens))
 
     @property
     def deltas(self) -> int:
@@ -75,6 +78,7 @@ class OpenBatch:
             "text_sha256": text_sha256,
             "deltas": tuple(self.shapes),
             "fields": tuple(self.keys) if self.keys is not None else (),
+            "prompt_tokens": tuple(self.prompt_tokens),  # counts, not content: under any policy
         }
         if content_policy == "full":  # with the text only: they are content too (docs/design.md §13)
             fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None else None

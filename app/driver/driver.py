@@ -67,6 +67,7 @@ class RequestDriver(RequestLoop):
             trace_id=self.ctx.tracing.trace_id(),
             logprobs=request.logprobs,
             return_token_ids=request.return_token_ids,
+            continuous_usage=request.continuous_usage,
             routing=routing.to_params(compact=True),
             affinity_key=request.affinity_key() if affinity else None,
             metadata=request.metadata,

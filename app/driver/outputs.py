@@ -25,6 +25,9 @@ class Delta:
     key: str = CONTENT  # the key of the client's delta that carries the text (reasoning, …)
     token_ids: Sequence[int] = ()  # its tokens' ids, where the client asked for them (return_token_ids)
     prompt: Prompt | None = None  # what the replica said of the choice's prompt, before its first delta
+    # the prompt's tokens as the replica counted them, with the choice's first delta where the
+    # client asked for the usage in every chunk (``continuous_usage_stats``)
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,9 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives wanted at each token; None: no log probabilities
     metadata: dict[str, str] | None = None  # recorded in the log, not acted on
     return_token_ids: bool = False  # vLLM's extra: each delta's token ids, and the prompt's, go to the client
+    # the usage so far in every chunk (``stream_options``: ``continuous_usage_stats`` with
+    # ``include_usage``, as vLLM reads them): the replica is asked for the prompt's count
+    continuous_usage: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
     # a Responses API request (app/api/responses/request.py): its attempts are the chat
     # completion ``raw`` holds
@@ -237,6 +240,7 @@ class GenerationRequest:
             sampling=self.sampling(),
             passed=self.passed_on(),
             choices=self.choices,
+            continuous_usage=self.continuous_usage,
         )
 
     def params_digest(self) -> str:

@@ -22,4 +22,4 @@ def delta_of(token: Token, with_ids: bool) -> Delta:
     ids where the client asked for them (``with_ids``)."""
     tokens = token.tokens if token.tokens is not None else len(token.token_ids) or 1
     ids = token.token_ids if with_ids else ()
-    return Delta(token.text, token.choice, tokens, token.logprobs, token.key, ids, token.prompt)
+    return Delta(token.text, token.choice, tokens, token.logprobs, token.key, ids, token.prompt, token.prompt_tokens)

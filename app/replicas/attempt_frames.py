@@ -163,7 +163,12 @@ class AttemptFrames:
                 if type(ids) is not list:
                     raise ValueError(f"token ids that are not a list: {ids!r}")
                 # a frame names its tokens: one whose text a parser split off another's names none
-                return Token(obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids), _prompt(obj))
+                counted = obj.get("prompt_tokens")  # with a choice's first text, where asked
+                if counted is not None and (type(counted) is not int or counted < 0):
+                    raise ValueError(f"a prompt's token count that is not a count: {counted!r:.80}")
+                return Token(
+                    obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids), _prompt(obj), counted
+                )
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
@@ -234,6 +239,7 @@ def _plain_token(line: bytes) -> Token | None:
         or obj.get("logprobs") is not None
         or "key" in obj
         or "prompt_token_ids" in obj
+        or "prompt_tokens" in obj
     ):
         return None
     choice, index, text, token_ids = obj.get("choice"), obj.get("index"), obj.get("text"), obj.get("token_ids")

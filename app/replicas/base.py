@@ -60,6 +60,9 @@ class Token:
     # what the replica said of the choice's prompt before this, its first text (return_token_ids,
     # return_prompt_text, a completion's echo); None for any later token
     prompt: Prompt | None = None
+    # the prompt's tokens as the replica counted them, said with a choice's first text where
+    # the attempt asked (``AttemptRequest.continuous_usage``); None for any later token
+    prompt_tokens: int | None = None
 
 
 def tool_call_piece_problem(calls: Any) -> str | None:
@@ -168,6 +171,9 @@ class AttemptRequest:
     # (app/contract/request_fields.py), as the client sent them
     passed: dict[str, Any] = field(default_factory=dict)
     choices: int = 1  # the answer's choices (n for each prompt of a batch)
+    # the client asked for the usage in every chunk: the replica says the prompt's tokens
+    # before each choice's first text (an ``openai`` replica: in its chunks' usage)
+    continuous_usage: bool = False
 
 
 class AttemptStream(Protocol):

@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import httpx
 import orjson
 
-from app.replicas.base import Frame, Token, UpstreamFailure, usage_of
+from app.replicas.base import Frame, Token, UpstreamFailure
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.openai_chunks import (
     chunk_logprobs,
@@ -40,7 +40,7 @@ from app.replicas.openai_chunks import (
     prompt_of,
     tool_call_piece,
 )
-from app.replicas.stream_ending import StreamEnding
+from app.replicas.stream_ending import ChunkUsage, StreamEnding, usage_said
 from statemachine.deltas import CONTENT, NO_TEXT, TOOL_CALLS, Prompt
 from statemachine.events import FailureKind
 
@@ -50,9 +50,13 @@ USAGE_GRACE_S = 0.5
 
 
 class OpenAIStream:
-    def __init__(self, body: BodyReads, choices: int, echo: str = "") -> None:
+    def __init__(self, body: BodyReads, choices: int, echo: str = "", *, continuous: bool = False) -> None:
         self._body = body
         self._choices = choices
+        # asked for the usage in every chunk (``continuous_usage_stats``): each choice's first
+        # token says the prompt's count, each token its chunk's tokens, and the end's usage
+        # is the chunk of no choices that follows every choice's (``ChunkUsage``)
+        self._continuous = continuous
         # a chat echo, sent here after each choice's role chunk as vLLM's stream sends it
         # (the upstream is not asked to: vLLM 0.32's streamed chat echo fails, app/replicas/chat_echo.py)
         self._echo, self._echo_due = echo, set(range(choices)) if echo else set()
@@ -83,6 +87,7 @@ class OpenAIStream:
     async def _frames_of_the_body(self) -> AsyncGenerator[Frame, None]:
         ending = StreamEnding()
         prompts: dict[int, Prompt] = {}  # what the replica said of a choice's prompt, until its first token
+        counts = ChunkUsage() if self._continuous else None
         # Lines split here from the body's bytes, not by httpx's aiter_lines (three
         # generators a read, and str.splitlines, which also splits a JSON string at a raw
         # U+2028 or U+0085 that vLLM sends as it is): only CR and LF end an SSE line.
@@ -117,8 +122,7 @@ class OpenAIStream:
                 if data == b"[DONE]":
                     break
                 chunk = parse_chunk(data)
-                if isinstance(chunk.get("usage"), dict):
-                    ending.usage, ending.usage_details = usage_of(chunk["usage"])
+                tokens = 1 if chunk.get("usage") is None else usage_said(chunk, ending, counts)
                 for choice in chunk.get("choices") or ():
                     number = choice.get("index", 0)
                     said = prompt_of(chunk, choice)
@@ -143,18 +147,22 @@ class OpenAIStream:
                         if n:
                             yield Token(number, index, text, (), None, key, 0)
                         else:
-                            yield Token(number, index, text, ids, logprobs, key, 1, prompts.pop(number, None))
+                            counted = None if counts is None else counts.prompt(number)
+                            yield Token(
+                                number, index, text, ids, logprobs, key, tokens, prompts.pop(number, None), counted
+                            )
                     if number in self._echo_due and delta.get("role"):
                         self._echo_due.discard(number)
                         index, self._index = self._index, self._index + 1
-                        yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None))
+                        counted = None if counts is None else counts.prompt(number)
+                        yield Token(number, index, self._echo, (), None, CONTENT, 0, prompts.pop(number, None), counted)
                         self._take = self._take if self._echo_due else self._held_take
                     ending.note(number, choice, calls)
         except httpx.TransportError as exc:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, f"stream broken: {exc!r}") from None
         if len(ending.finish_reasons) < self._choices:
             raise UpstreamFailure(FailureKind.REPLICA_EXITED, "the stream ended before every choice finished")
-        for frame in ending.frames():
+        for frame in ending.frames(None if counts is None else counts.last):
             yield frame
 
     def _tapped(self, received: bytes) -> bool:

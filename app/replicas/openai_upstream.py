@@ -110,7 +110,7 @@ class OpenAIUpstream:
             await body.aclose()
             raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
         echo = chat_echo(request.passed) if chat else ""
-        return OpenAIStream(body, choices=request.choices, echo=echo)
+        return OpenAIStream(body, choices=request.choices, echo=echo, continuous=request.continuous_usage)
 
     async def _pool(self, request: AttemptRequest) -> PooledStream:
         """A pooling request, on its route's path (docs/design.md §17): the client's body
@@ -212,7 +212,8 @@ _VLLM_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? (
 def _request_body(request: AttemptRequest, chat: bool) -> bytes:
     """The completion's JSON body: the client's fields as it sent them (a request of its
     own, such as a probe, gives its messages or prompt and sampling instead), streamed with
-    its usage, which phasegate needs whatever the client asked (docs/compatibility.md)."""
+    its usage, which phasegate needs whatever the client asked (docs/compatibility.md), and
+    with the usage so far in every chunk only where the client asked for that."""
     body: dict[str, Any] = dict(request.passed)
     if not body:
         body.update(request.sampling)
@@ -226,6 +227,8 @@ def _request_body(request: AttemptRequest, chat: bool) -> bytes:
     body["model"] = request.model
     body["stream"] = True
     body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if request.continuous_usage:
+        body["stream_options"]["continuous_usage_stats"] = True
     return json_body(body)
 
 

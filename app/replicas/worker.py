@@ -27,6 +27,19 @@ from statemachine.events import FailureKind
 
 # the client's fields a start request carries in fields of their own, not under ``vllm``
 _SENT_APART = frozenset({"messages", "prompt"})
+# where the client asked for the usage in every chunk: the worker reads it as vLLM's server
+# does, and says each choice's prompt count with its first text (docs/worker-protocol.md)
+_CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def _fields(request: AttemptRequest, apart: frozenset[str]) -> dict[str, Any]:
+    """The client's fields for the worker (its ``vllm``): those not sent apart, and, where the
+    client asked for the usage in every chunk, the stream's options that say so (the client's
+    own are phasegate's to set: app/contract/request_fields.py)."""
+    fields = {name: value for name, value in request.passed.items() if name not in apart}
+    if request.continuous_usage:
+        fields["stream_options"] = _CONTINUOUS_USAGE
+    return fields
 
 
 class WorkerReplica:
@@ -69,7 +82,7 @@ class WorkerReplica:
                 messages=request.messages,
                 prompt=request.prompt,
                 params=request.sampling,
-                vllm={name: value for name, value in request.passed.items() if name not in apart},
+                vllm=_fields(request, apart),
                 pooling=pooling,
             )
         except RequestRefused:

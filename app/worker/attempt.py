@@ -42,6 +42,7 @@ class Attempt:
     """One attempt on this worker: its lease, phase, counts and the signals around it."""
 
     __slots__ = (
+        "counts_due",
         "created_at",
         "engine_generated",
         "engine_over",
@@ -77,6 +78,9 @@ class Attempt:
         self.created_at = now
         self.expires_at = now + spec.lease_ttl_s
         self.renewals_read = {0: now}  # renewal number -> when it was read (0: the start)
+        # the choices whose first text is still to say the prompt's token count, where the
+        # client asked for the usage in every chunk (docs/worker-protocol.md); None: not asked
+        self.counts_due = set(range(spec.choices)) if spec.continuous_usage else None
         self.timer: asyncio.TimerHandle | None = None
         self.phase = "queued"  # queued -> prefill -> decode -> done
         self.stop: Stop | None = None

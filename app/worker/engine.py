@@ -93,6 +93,14 @@ class Prepared:
     payload: Any = None
     # the usage's other fields once generated (a reasoning parser's completion_tokens_details)
     usage_details: Callable[[], dict[str, Any] | None] | None = None
+    each_prompt: tuple[int, ...] = ()  # a batch's: each prompt's tokens (empty: one prompt)
+
+    def prompt_tokens_of(self, choice: int) -> int:
+        """The tokens of the prompt that ``choice`` answers, as vLLM's server counts them in
+        that choice's usage (a batch's prompt k answers choices k·n … k·n + n − 1)."""
+        if not self.each_prompt:
+            return self.prompt_tokens
+        return self.each_prompt[min(choice // self.spec.sampling.n, len(self.each_prompt) - 1)]
 
 
 class EngineFailed(Exception):

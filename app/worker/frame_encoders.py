@@ -51,6 +51,12 @@ def token_frame(
     return frame + b"}\n"
 
 
+def with_prompt_tokens(frame: bytes, prompt_tokens: int) -> bytes:
+    """A token frame (``token_frame``'s) that also says the prompt's token count, as a
+    choice's first text does where the client asked for the usage in every chunk."""
+    return frame[:-2] + b',"prompt_tokens":%d}\n' % prompt_tokens
+
+
 def tool_call_frame(
     choice: int, index: int, tool_call_id: str, name: str, arguments: str, *, streamed: bool = False
 ) -> bytes:

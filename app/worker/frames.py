@@ -26,7 +26,14 @@ from typing import Protocol
 from app.worker.attempt import Attempt, Stop
 from app.worker.engine import Engine, EngineFailed, EngineOutput, PooledOutput
 from app.worker.faults import Fault, FaultAction, Point
-from app.worker.frame_encoders import done_frame, error_frame, heartbeat_frame, token_frame, tool_call_frame
+from app.worker.frame_encoders import (
+    done_frame,
+    error_frame,
+    heartbeat_frame,
+    token_frame,
+    tool_call_frame,
+    with_prompt_tokens,
+)
 from app.worker.protocol import Code
 from app.worker.sim import tool_call_id
 from app.worker.stats import WorkerStats
@@ -221,6 +228,7 @@ async def _decode(
             frame = token_frame(
                 choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
+            frame = _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count
@@ -245,6 +253,16 @@ async def _decode(
     done = _finished(worker, attempt, finish_reasons, stop_reasons, answer)
     if done is not None:
         yield done
+
+
+def _prompt_counted(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:
+    """A choice's first token frame with text (or log probabilities: one that carries a
+    delta) says the prompt's token count, where the client asked (``Attempt.counts_due``)."""
+    due, choice = attempt.counts_due, output.choice
+    if not due or choice not in due or not (output.text or output.logprobs is not None):
+        return frame
+    due.discard(choice)
+    return with_prompt_tokens(frame, attempt.prepared.prompt_tokens_of(choice))
 
 
 def _finished(

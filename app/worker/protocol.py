@@ -137,6 +137,15 @@ class AttemptSpec:
         """The answer's choices: ``n`` for each prompt."""
         return self.sampling.n * max(len(self.batch), 1)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """The client asked for the usage in every chunk (its ``stream_options``, read as vLLM's
+        server reads them: ``continuous_usage_stats`` with ``include_usage``)."""
+        options = self.fields.get("stream_options")
+        return isinstance(options, dict) and bool(
+            options.get("include_usage") and options.get("continuous_usage_stats")
+        )
+
     def prompt_text(self) -> str:
         """The prompt as plain text, for fault matchers and the sim engine's seed."""
         if isinstance(self.prompt, tuple):

@@ -117,7 +117,8 @@ class SimEngine:
         for _, prompt_tokens in prompts:
             if prompt_tokens >= self.max_model_len:
                 raise prompt_too_long(prompt_tokens, self.max_model_len)
-        return Prepared(spec=spec, prompt_tokens=sum(tokens for _, tokens in prompts), payload=prompts)
+        counts = tuple(tokens for _, tokens in prompts)
+        return Prepared(spec=spec, prompt_tokens=sum(counts), payload=prompts, each_prompt=counts if spec.batch else ())
 
     def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:
         running = _Running()

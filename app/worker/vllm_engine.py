@@ -150,6 +150,7 @@ class VllmEngine:
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reads),
             payload=_Plan(prompts, parsing, engine_kwargs, top, as_ids),
             usage_details=parsing.usage_details if parsing is not None else None,
+            each_prompt=tuple(len(r.prompt_token_ids) for r in reads) if spec.batch else (),
         )
 
     def generate(self, engine_request_id: str, prepared: Prepared) -> AsyncIterator[EngineOutput]:

@@ -310,15 +310,11 @@ def test_a_chat_echo_is_vllms_whole_answer_but_its_prompt_logprobs(target: Pair)
     assert streamed[1].status == 200 and streamed[1].body["choices"][0]["text"] == echo + generated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: phasegate's stream is a function of its log, which learns the prompt's token count with"
-    " the completion; the usage goes out once, at the end (docs/compatibility.md, Known gaps)",
-)
 def test_continuous_usage_stats_put_the_usage_in_every_chunk(target: Pair) -> None:
     """``stream_options.continuous_usage_stats``: vLLM sends the usage so far in every chunk
-    (the prompt's tokens, and each choice's completion tokens so far); the accumulated
-    comparison (case *continuous_usage_stats*) sees only the last."""
+    (the prompt's tokens, and each choice's completion tokens so far), and so does phasegate,
+    from its log (docs/compatibility.md); the accumulated comparison (case
+    *continuous_usage_stats*) sees only the last."""
     path, body = CASES["continuous_usage_stats"]
     body = {**body, "stream": True}
     direct = stream_chunks(target.http, target.direct_url + path, body)

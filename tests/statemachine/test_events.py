@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine import events as ev
-from statemachine.deltas import ChoicePrompts, DeltaLogprobs, DeltaTokenIds
+from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
@@ -44,6 +44,8 @@ def sample_value(annotation: Any) -> Any:
         return ((918, 705), ())
     if annotation == ChoicePrompts:
         return ((0, (1, 4, 78), "<|user|>hi"), (1, None, None))
+    if annotation == ChoicePromptTokens:
+        return ((0, 12), (1, 0))
     if annotation == tuple[str | int | None, ...]:
         return ("stop string", 7, None)
     return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}
@@ -86,13 +88,16 @@ def test_a_value_in_a_wider_form_is_written_in_the_version_that_allows_it(cls: t
     """A token sent under another name than its text (``token_id:<id>``) carries its text
     fourth: written at the version that widened ``logprobs``; every other token as before."""
     ((version, (name,)),) = cls.WIDENED.items()
-    event = sample_event(cls)
+    later = {name for added_in, names in cls.ADDED.items() if added_in > version for name in names}
+    event = dataclasses.replace(
+        sample_event(cls), **{f.name: f.default for f in dataclasses.fields(cls) if f.name in later}
+    )
     narrow = to_json(event)
     assert narrow["v"] < version
     named = (("token_id:918", -0.25, (("token_id:918", -0.25),), "sa"), ("token_id:705", -1.0, ()))
     wide = dataclasses.replace(event, **{name: (named, ())})
     form = json.loads(json.dumps(to_json(wide)))
-    assert form["v"] == version == cls.SCHEMA_VERSION
+    assert form["v"] == version  # (the fields a later version added at their defaults)
     assert form["body"][name][0][0] == ["token_id:918", -0.25, [["token_id:918", -0.25]], "sa"]
     assert form["body"][name][0][1] == ["token_id:705", -1.0, []]  # its text is its own: three
     assert from_json(form) == wide

@@ -31,6 +31,10 @@ prompt's (:func:`prompt_token_ids`) where vLLM puts them (a chat stream's role c
 completion choice's first chunk) and, with a ``stop`` finish, the end-of-sequence id
 (:data:`EOS`) in a chunk of no text, as vLLM sends it; ``return_prompt_text`` gets the prompt
 as its rendered text (chat: in the role chunk).
+One asking for ``stream_options.continuous_usage_stats`` gets the usage so far in each chunk,
+as vLLM sends it: the prompt's 3 tokens, a word two tokens (so a chunk is not a token), the
+finish chunk's end-of-sequence token one more, and the usage chunk at the end with
+``prompt_tokens_details`` beside the counts.
 A pooling request (``/v1/embeddings``, ``/score`` …) gets the sim engine's answer.
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
 runs per ``Idempotency-Key`` (``GET /admin/tools``).
@@ -140,6 +144,8 @@ class Upstream:
             behaviour = {**behaviour, "prompt_token_ids": prompt_token_ids(prompt)}
         if body.get("return_prompt_text"):
             behaviour = {**behaviour, "prompt_text": f"<|user|>{prompt}<|assistant|>"}
+        if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+            behaviour = {**behaviour, "continuous": True}
         chunks = self._chunks(chat, body["model"], words, behaviour)
         return StreamingResponse(
             self._noting_abort(chunks, request.headers.get("x-request-id", "")), media_type="text/event-stream"
@@ -212,11 +218,13 @@ class Upstream:
         if behaviour.get("delay_first_s"):
             await asyncio.sleep(behaviour["delay_first_s"])  # a long queue or prefill, in silence
         said = {key: behaviour[key] for key in ("prompt_token_ids", "prompt_text") if key in behaviour}
+        so_far = _usage_so_far if behaviour.get("continuous") else lambda completed: {}
         if chat:
             yield _sse(
                 {
                     **head,
                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                    **so_far(0),
                     **said,
                 }
             )
@@ -260,7 +268,7 @@ class Upstream:
                     "logprobs": _logprobs("</think>", chat, behaviour["logprobs"] == "as ids"),
                 }
                 written.append(_sse({**head, "choices": [{**think_end, "finish_reason": None}]}))
-            written.append(_sse({**head, "choices": [{**choice, "finish_reason": None}]}))
+            written.append(_sse({**head, "choices": [{**choice, "finish_reason": None}], **so_far(2 * index + 2)}))
             if len(written) < burst and index < len(words) - 1:
                 continue
             yield b"".join(written)
@@ -271,14 +279,12 @@ class Upstream:
         last: dict[str, Any] = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
         if "prompt_token_ids" in behaviour and behaviour.get("finish_reason") == "stop":
             last["token_ids"] = [EOS]  # the end-of-sequence token: ids, no text
-        yield _sse({**head, "choices": [{**last, "finish_reason": behaviour.get("finish_reason", "length")}]})
-        yield _sse(
-            {
-                **head,
-                "choices": [],
-                "usage": {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)},
-            }
-        )
+        finish = {**head, "choices": [{**last, "finish_reason": behaviour.get("finish_reason", "length")}]}
+        yield _sse({**finish, **so_far(2 * len(words) + 1)})
+        usage = {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)}
+        if behaviour.get("continuous"):  # a word two tokens, the end of sequence one more; details at the end
+            usage = {**so_far(2 * len(words) + 1)["usage"], "prompt_tokens_details": {"cached_tokens": 0}}
+        yield _sse({**head, "choices": [], "usage": usage})
         if behaviour.get("no_done") == "hold":
             await asyncio.sleep(3600)  # never says [DONE]; the connection stays open
         if not behaviour.get("no_done"):
@@ -294,6 +300,11 @@ class Upstream:
         yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
         yield _sse({**head, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})
         yield b"data: [DONE]\n\n"
+
+
+def _usage_so_far(completed: int) -> dict[str, Any]:
+    """A chunk's usage so far (``continuous_usage_stats``), as vLLM's server writes it."""
+    return {"usage": {"prompt_tokens": 3, "total_tokens": 3 + completed, "completion_tokens": completed}}
 
 
 def _call_pieces(name: str, arguments: str, pieces: int) -> list[dict[str, Any]]:

@@ -24,14 +24,18 @@ def shape_from_log(request_id: str, events: list[ev.Event]) -> ChatShape:
         endpoint=accepted.endpoint,
         model=accepted.model,
         stream=True,
-        include_usage=False,
         max_tokens=0,
         n=accepted.n,
         logprobs=accepted.logprobs,
         return_token_ids=accepted.return_token_ids,
+        include_usage=accepted.continuous_usage,  # (its usage chunk, with every chunk's)
+        continuous_usage=accepted.continuous_usage,
     )
     created = int(accepted.occurred_at.timestamp())
-    return ChatShape(request, completion_id(request, request_id), created, fold(events).answered_by)
+    shape = ChatShape(request, completion_id(request, request_id), created, fold(events).answered_by)
+    if shape.usage is not None:
+        shape.usage.estimate = accepted.prompt_tokens  # the gateway's estimate, as the live stream's
+    return shape
 
 
 def whole_from_log(request_id: str, events: list[ev.Event], shape: ChatShape, headers: dict[str, str]) -> JSONResponse:

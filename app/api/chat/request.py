@@ -93,6 +93,11 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
             "structured_outputs": declared.constraint(),
             "logprobs": requested_logprobs(body, chat=chat),
             "return_token_ids": body.get("return_token_ids") is True,
+            "continuous_usage": bool(
+                declared.stream_options
+                and declared.stream_options.include_usage
+                and declared.stream_options.continuous_usage_stats
+            ),
         }
         if not chat:
             assert isinstance(declared, CompletionRequest)

@@ -11,6 +11,11 @@ A chat stream's deltas carry their text under the key the replica gave it (``con
 ``reasoning``…, docs/design.md §14), and each choice's first delta is preceded, as vLLM
 streams it, by a chunk of its role and empty content (``opening``: no id, since
 event ids are delta indexes).
+
+Where the client asked for the usage in every chunk (``continuous_usage_stats``), each
+chunk of a choice carries that choice's usage so far, as vLLM's do (app/api/chat/usage.py;
+a finish of a one-choice answer: the replica's count). Those chunks are built whole, never
+from a template.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 
 import orjson
 
+from app.api.chat.logprobs import render_logprobs
+from app.api.chat.usage import UsageSoFar, in_order
 from app.api.shape import ChoiceAnswer, Shape
-from app.contract.logprobs import TokenLogprob, chat_bytes
+from app.contract.logprobs import TokenLogprob
 from app.driver.request import CHAT, GenerationRequest
 from statemachine.deltas import CONTENT, NO_TEXT, REASONING_FIELDS, TOOL_CALLS, Prompt
 
@@ -73,6 +80,8 @@ class ChatShape(Shape):
         }
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._usage_tail = ',"usage":null}' if request.include_usage else "}"
+        # the usage so far in every chunk, where asked (see the module's docstring)
+        self.usage = UsageSoFar(request) if request.continuous_usage else None
         self._text_offsets: dict[int, int] = {}  # per choice: characters sent (completions' text_offset)
         self._content_templates: dict[tuple[int, str], tuple[bytes, bytes]] = {}  # (choice, key): around the text
         self.unopened: set[int] | None = None  # chat choices whose role chunk is still to go (``from_the_start``)
@@ -88,10 +97,12 @@ class ChatShape(Shape):
         if self.chat:
             self.unopened = set(range(self.request.choices))
 
-    def opening(self, choice: int, prompt: Prompt | None = None) -> bytes:
+    def opening(self, choice: int, prompt: Prompt | None = None, prompt_tokens: int | None = None) -> bytes:
         """The chunk that opens ``choice`` before its first delta, its role and no text,
         and what the replica said of the prompt there, once (after ``from_the_start``);
         empty otherwise."""
+        if self.usage is not None:
+            self.usage.said(choice, prompt_tokens)
         unopened = self.unopened
         if unopened is None or choice not in unopened:
             return b""
@@ -101,7 +112,14 @@ class ChatShape(Shape):
         body = {"index": choice, "delta": {"role": self.request.response_role, "content": ""}}
         body |= {"logprobs": None, "finish_reason": None}
         said = _prompt_fields(prompt)
+        if self.usage is not None:  # vLLM's order: the usage before the prompt's fields
+            return f'data: {self._head},"choices":[{_dumps(body)}]{self.usage.member(choice)}{said}}}\n\n'.encode()
         return f'data: {self._head},"choices":[{_dumps(body)}]{said}{self._usage_tail}\n\n'.encode()
+
+    def _tail(self, choice: int, completed: int | None = None) -> str:
+        """The end of a chunk of ``choice``: its usage so far where asked (``completed``: its
+        completion tokens, where not those of its deltas), else ``null`` or nothing."""
+        return self._usage_tail if self.usage is None else self.usage.member(choice, completed) + "}"
 
     def content_chunk(
         self,
@@ -131,7 +149,7 @@ class ChatShape(Shape):
             more += f',"prompt_token_ids":{_dumps(prompt[0])}'
         return (
             f'{self._head},"choices":[{{"index":{choice},{delta},"logprobs":{rendered},"finish_reason":null{more}}}]'
-            f"{self._usage_tail}"
+            f"{self._tail(choice)}"
         )
 
     def _ids_field(self, token_ids: Sequence[int]) -> str:
@@ -148,9 +166,16 @@ class ChatShape(Shape):
         logprobs: Sequence[TokenLogprob] | None = None,
         token_ids: Sequence[int] = (),
         prompt: Prompt | None = None,
+        tokens: int = 1,
+        prompt_tokens: int | None = None,
     ) -> bytes:
         """The SSE event of ``content_chunk``: the same bytes as ``sse_event(event_id,
-        content_chunk(...))``, built from the choice's pre-encoded prefix and suffix."""
+        content_chunk(...))``, built from the choice's pre-encoded prefix and suffix (a
+        chunk with the usage so far: whole, after its ``tokens`` counted)."""
+        if self.usage is not None:
+            self.usage.count(choice, tokens, prompt_tokens)
+            chunk = self.content_chunk(text, choice, key=key, logprobs=logprobs, token_ids=token_ids, prompt=prompt)
+            return sse_event(event_id, chunk)
         if logprobs is not None or key == TOOL_CALLS or token_ids or prompt is not None:
             chunk = self.content_chunk(text, choice, key=key, logprobs=logprobs, token_ids=token_ids, prompt=prompt)
             return sse_event(event_id, chunk)
@@ -163,9 +188,12 @@ class ChatShape(Shape):
             )
         return b"id: %d%s%s%s" % (event_id, template[0], _text_json(text), template[1])
 
-    def passed(self, text: str, choice: int = 0) -> None:
-        """Text of ``choice`` sent before (a resumed stream): later tokens' offsets follow it."""
+    def passed(self, text: str, choice: int = 0, tokens: int = 0, prompt_tokens: int | None = None) -> None:
+        """A delta of ``choice`` sent before (a resumed stream): later tokens' offsets follow
+        its text, and the usage so far counts its tokens."""
         self._text_offsets[choice] = self._text_offsets.get(choice, 0) + len(text)
+        if self.usage is not None:
+            self.usage.count(choice, tokens, prompt_tokens)
 
     def tool_calls_chunk(
         self,
@@ -181,9 +209,11 @@ class ChatShape(Shape):
         body: dict[str, Any] = {"index": choice, "delta": delta, "logprobs": rendered, "finish_reason": None}
         if self.request.return_token_ids:
             body["token_ids"] = list(token_ids)
-        return f'{self._head},"choices":[{_dumps(body)}]{self._usage_tail}'
+        return f'{self._head},"choices":[{_dumps(body)}]{self._tail(choice)}'
 
-    def finish_chunk(self, finish_reason: str, choice: int = 0, stop_reason: str | int | None = None) -> str:
+    def finish_chunk(
+        self, finish_reason: str, choice: int = 0, stop_reason: str | int | None = None, completed: int | None = None
+    ) -> str:
         body: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": finish_reason}
         if self.chat:
             body["delta"] = {}
@@ -191,19 +221,27 @@ class ChatShape(Shape):
             body["text"] = ""
         if stop_reason is not None:
             body["stop_reason"] = stop_reason
-        return f'{self._head},"choices":[{_dumps(body)}]{self._usage_tail}'
+        return f'{self._head},"choices":[{_dumps(body)}]{self._tail(choice, completed)}'
 
     def finish_events(
-        self, event_id: int, finish_reasons: Sequence[str], stop_reasons: Sequence[str | int | None]
+        self,
+        event_id: int,
+        finish_reasons: Sequence[str],
+        stop_reasons: Sequence[str | int | None],
+        usage: dict[str, Any] | None = None,
     ) -> list[bytes]:
-        """Each choice's finish (and stop reason, where one is known), from ``event_id`` on."""
+        """Each choice's finish (and stop reason, where one is known), from ``event_id`` on;
+        a one-choice answer's usage so far is the replica's count (``usage``), which holds
+        the tokens no delta carried (the end of a sequence)."""
+        whole = (usage or {}).get("completion_tokens") if len(finish_reasons) == 1 else None
         return [
-            sse_event(event_id + choice, self.finish_chunk(reason, choice, _nth(stop_reasons, choice)))
+            sse_event(event_id + choice, self.finish_chunk(reason, choice, _nth(stop_reasons, choice), whole))
             for choice, reason in enumerate(finish_reasons)
         ]
 
     def usage_chunk(self, usage: dict[str, Any]) -> str:
-        return f'{self._head},"choices":[],"usage":{_dumps(usage)}}}'
+        """The usage at the end; after the usage so far, in one order (a resumed stream's too)."""
+        return f'{self._head},"choices":[],"usage":{_dumps(usage if self.usage is None else in_order(usage))}}}'
 
     def tool_calls_event(self, event_id: int, calls: list[dict[str, Any]], choice: int = 0) -> bytes:
         """A choice's tool calls, whole, in one event (after its role chunk, if still due)."""
@@ -218,7 +256,7 @@ class ChatShape(Shape):
     ) -> bytes:
         """The stream's last events, in one write: each choice's finish, the usage when
         asked for, ``[DONE]``."""
-        events = self.finish_events(event_id, finish_reasons, stop_reasons)
+        events = self.finish_events(event_id, finish_reasons, stop_reasons, usage)
         if self.request.include_usage:
             events.append(sse_event(event_id + len(events), self.usage_chunk(usage)))
         return b"".join([*events, DONE])
@@ -292,32 +330,3 @@ def _prompt_fields(prompt: Prompt | None) -> str:
 def _nth(stop_reasons: Sequence[str | int | None], choice: int) -> str | int | None:
     """A choice's stop reason; ``None`` where none is known (a log written before them)."""
     return stop_reasons[choice] if choice < len(stop_reasons) else None
-
-
-def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset: int) -> dict[str, Any]:
-    """Tokens' log probabilities as OpenAI sends them: chat's ``content`` list, or the legacy
-    completions' columns (``text_offset``: where the first token starts in the choice's text)."""
-    if chat:
-        return {
-            "content": [
-                {
-                    "token": entry[0],
-                    "logprob": entry[1],
-                    "bytes": chat_bytes(entry),
-                    "top_logprobs": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))} for t, lp in entry[2]
-                    ],
-                }
-                for entry in entries
-            ]
-        }
-    offsets = []
-    for entry in entries:
-        offsets.append(text_offset)
-        text_offset += len(entry[0])
-    return {
-        "tokens": [entry[0] for entry in entries],
-        "token_logprobs": [entry[1] for entry in entries],
-        "top_logprobs": [None if entry[1] is None else dict(entry[2]) for entry in entries],
-        "text_offset": offsets,
-    }

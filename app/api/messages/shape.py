@@ -205,6 +205,8 @@ class MessagesShape(Shape):
         logprobs: Any = None,  # (log probabilities, token ids, prompt fields: not in this API)
         token_ids: Any = (),
         prompt: Any = None,
+        tokens: int = 1,  # (the usage so far: not in this API's events)
+        prompt_tokens: int | None = None,
     ) -> bytes:
         """The events of one delta: its text's ``content_block_delta``, after the events
         that close the open block and open the delta's own when its kind changes."""

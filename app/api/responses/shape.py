@@ -192,6 +192,8 @@ class ResponsesShape(Shape):
         logprobs: Any = None,
         token_ids: Any = (),  # (vLLM's token ids and prompt fields: not in the Responses API)
         prompt: Any = None,
+        tokens: int = 1,  # (the usage so far: not in this API's events)
+        prompt_tokens: int | None = None,
     ) -> bytes:
         """The events of one delta: its text's delta event, after the events that close
         the open item and open the delta's own when its kind changes."""

@@ -44,6 +44,7 @@ from app.http.cycle import CHUNK_WRITER
 from app.store.errors import StoreUnavailable
 from app.telemetry.logs import bind_request
 from statemachine import events as ev
+from statemachine.deltas import TOOL_CALLS
 from statemachine.state import fold
 
 HANDOVER_WAIT_S = 3.0  # how long a resume waits for the instance to see its old connection gone
@@ -175,6 +176,8 @@ async def attach_live(
     start = client.cursor - 1 if isinstance(first, Delta) else client.cursor
     shape = shape_for(driver.request, request_id, driver.created, driver.answered_by)
     shape.after = events_after  # (a numbered stream's: a chat stream goes from delta ``start``)
+    for had in driver.feed.deltas[:start]:  # the deltas the reader had: later chunks count them
+        shape.passed("" if had.key == TOOL_CALLS else had.text, had.choice, had.tokens, had.prompt_tokens)
     gone = client_gone(request.scope, request.receive)
     body = stream_body(driver, shape, first, gone, lambda tokens: None, start, request.scope.get(CHUNK_WRITER))
     return TokenStreamResponse(body, headers=headers)

@@ -63,16 +63,21 @@ class Follower:
                 if isinstance(event, ev.DeltasDelivered):
                     for delta in deltas_of(event):
                         if delta.index >= position:
-                            yield shape.opening(delta.choice, delta.prompt) + delta_event(shape, delta)
+                            yield shape.opening(delta.choice, delta.prompt, delta.prompt_tokens) + delta_event(
+                                shape, delta
+                            )
                             position = delta.index + 1
-                        elif delta.key != TOOL_CALLS:
-                            shape.passed(delta.text, delta.choice)  # where the next tokens start in its text
+                        else:  # where the next tokens start in its text, and the usage so far
+                            text = "" if delta.key == TOOL_CALLS else delta.text
+                            shape.passed(text, delta.choice, delta.tokens, delta.prompt_tokens)
                 elif isinstance(event, ev.TERMINAL_EVENTS):
                     state = fold(events[:seen])
                     # then what the last attempt produced with no client attached (docs/design.md §12)
                     for delta in produced_tail(events[:seen], state):
                         if delta.index >= position:
-                            yield shape.opening(delta.choice, delta.prompt) + delta_event(shape, delta)
+                            yield shape.opening(delta.choice, delta.prompt, delta.prompt_tokens) + delta_event(
+                                shape, delta
+                            )
                             position = delta.index + 1
                     yield ending(shape, request_id, events[:seen], state)
                     await record_resumed(self.ctx, request_id, first, max(position, first))
@@ -99,6 +104,8 @@ def delta_event(shape: Shape, delta: LoggedDelta) -> bytes:
         logprobs=logprobs,
         token_ids=delta.token_ids,
         prompt=delta.prompt,
+        tokens=delta.tokens,
+        prompt_tokens=delta.prompt_tokens,
     )
 
 

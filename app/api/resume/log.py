@@ -64,6 +64,7 @@ class LoggedDelta:
     logprobs: tuple[TokenLogprob, ...] | None
     token_ids: tuple[int, ...] = ()
     prompt: Prompt | None = None  # what the replica said of the choice's prompt, with its first delta
+    prompt_tokens: int | None = None  # the prompt's tokens as the replica counted them, with the same (where asked)
 
 
 def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedDelta]:
@@ -73,12 +74,21 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
     keys = delta_keys(event) if event.deltas else (CONTENT,)
     kept, ids = event.logprobs, event.token_ids
     prompts = {choice: (token_ids, prompt_text) for choice, token_ids, prompt_text in event.prompts}
+    counted = dict(event.prompt_tokens)
     offset = 0
     for n, ((choice, chars, tokens), key) in enumerate(zip(shapes, keys, strict=True)):
         logprobs = kept[n] if kept is not None else None
         said = text[offset : offset + chars]
         yield LoggedDelta(
-            event.from_index + n, choice, key, said, tokens, logprobs, ids[n] if ids else (), prompts.pop(choice, None)
+            event.from_index + n,
+            choice,
+            key,
+            said,
+            tokens,
+            logprobs,
+            ids[n] if ids else (),
+            prompts.pop(choice, None),
+            counted.pop(choice, None),
         )
         offset += chars
 
