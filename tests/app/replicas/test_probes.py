@@ -80,7 +80,9 @@ def test_a_replica_too_busy_for_its_probes_but_streaming_is_not_ejected(
     with busy as worker, gateway_over(database_url, worker, eject_after_failures=1) as gateway:
         a = replica(gateway)
         with ThreadPoolExecutor(2) as clients:
-            first = clients.submit(timed_stream, gateway, "busy", 80)  # a few seconds of frames
+            # seconds of frames, outlasting the second's: a replica whose only attempt is in its
+            # prefill reads no frames, and a loaded machine ended an 80-token first there
+            first = clients.submit(timed_stream, gateway, "busy", 200)
             assert wait_for(lambda: a.frames_read > 0, 10)
             shorten_the_probes(gateway)  # from now on every probe times out
             assert wait_for(lambda: len(not_counted(caplog)) >= 2, 10)
