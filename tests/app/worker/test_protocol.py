@@ -101,7 +101,9 @@ async def test_renewals_keep_an_attempt_going_past_its_ttl(engine: EngineUnderTe
 
 
 async def test_a_lapsed_lease_stops_the_tokens_and_aborts_the_engine(engine: EngineUnderTest, client: WorkerClient):
-    rid, ttl = request_id(), 0.4
+    # a lease that outlasts the prefill, so that tokens flow before it lapses: a loaded CI's
+    # vLLM prefill took longer than 0.4 s
+    rid, ttl = request_id(), (1.2 if engine.engine == "vllm" else 0.4)
     expiries_before = await metric(engine.worker.base_url, "phasegate_worker_lease_expiries_total")
     t0 = time.monotonic()
     got = await collect(await begin(client, engine, rid, ttl=ttl, params=engine.long()), t0=t0)
