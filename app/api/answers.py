@@ -105,34 +105,11 @@ class _Stream:
         """The content events of ``deltas`` (a choice's first after its role), in one write."""
         shape = self.shape
         if shape.unopened is None and len(deltas) == 1:  # the per-token path
-            d = deltas[0]
-            return shape.content_event(
-                self.event_id,
-                d.text,
-                d.choice,
-                key=d.key,
-                logprobs=d.logprobs,
-                token_ids=d.token_ids,
-                prompt=d.prompt,
-                tokens=d.tokens,
-                prompt_tokens=d.prompt_tokens,
-            )
+            return _content_event(shape, self.event_id, deltas[0])
         events = []
         for n, d in enumerate(deltas, start=self.event_id):
             events.append(shape.opening(d.choice, d.prompt, d.prompt_tokens))
-            events.append(
-                shape.content_event(
-                    n,
-                    d.text,
-                    d.choice,
-                    key=d.key,
-                    logprobs=d.logprobs,
-                    token_ids=d.token_ids,
-                    prompt=d.prompt,
-                    tokens=d.tokens,
-                    prompt_tokens=d.prompt_tokens,
-                )
-            )
+            events.append(_content_event(shape, n, d))
         return b"".join(events)
 
     def sent(self, deltas: list[Delta]) -> None:
@@ -281,3 +258,18 @@ async def unless_client_leaves(request: Request, driver: RequestDriver, work: Aw
 def failure_response(request_id: str, failed: Failed, headers: dict[str, str]) -> Response:
     headers = headers | retry_headers(failed.retryable)
     return JSONResponse(failure_body(request_id, failed), status_code=failed.http_status, headers=headers)
+
+
+def _content_event(shape: Shape, event_id: int, d: Delta) -> bytes:
+    """The content event of delta ``d``, numbered ``event_id``: everything the delta says, passed on."""
+    return shape.content_event(
+        event_id,
+        d.text,
+        d.choice,
+        key=d.key,
+        logprobs=d.logprobs,
+        token_ids=d.token_ids,
+        prompt=d.prompt,
+        tokens=d.tokens,
+        prompt_tokens=d.prompt_tokens,
+    )
