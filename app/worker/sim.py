@@ -237,7 +237,9 @@ class _Choice:
         self.top_logprobs = s.logprobs
         natural = max(self.rng.randint(16, 128), s.min_tokens)
         self.length = min(s.max_tokens or 16, room) if s.ignore_eos else min(natural, s.max_tokens or natural, room)
-        self.ends_by_length = s.ignore_eos or self.length < natural
+        # an answer that reaches max_tokens ends by length, as vLLM's does: its end of
+        # sequence would have been one token more
+        self.ends_by_length = s.ignore_eos or self.length < natural or self.length == s.max_tokens
         self.produced = 0
         self.text = ""
         self.finish_reason: str | None = None

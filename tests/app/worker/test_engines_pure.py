@@ -50,6 +50,23 @@ async def test_the_sim_honours_max_tokens_stop_and_n():
     assert cut[-1].finish_reason == "stop" and stop not in "".join(o.text for o in cut)
 
 
+async def test_an_answer_that_reaches_max_tokens_ends_by_length():
+    """As vLLM's: where the sim's natural answer is exactly max_tokens long, its end of
+    sequence would be one token more, so max_tokens cut it (a background response asked for
+    16 tokens is ``incomplete`` whatever its prompt)."""
+    engine = SimEngine(timing=FAST)
+    for n in range(400):  # a prompt whose natural answer is 16 tokens: about one in 113
+        natural = await run(engine, spec(prompt=f"p{n}", max_tokens=200))
+        if len(natural) == 16:
+            break
+    else:
+        pytest.fail("no prompt of 400 has a 16-token natural answer")
+    assert natural[-1].finish_reason == "stop"
+    capped = await run(engine, spec(prompt=f"p{n}", max_tokens=16))
+    assert [o.token_ids for o in capped] == [o.token_ids for o in natural]
+    assert capped[-1].finish_reason == "length"
+
+
 async def test_sim_tool_calls_have_ids_of_the_request():
     engine = SimEngine(timing=FAST)
     tools = (
