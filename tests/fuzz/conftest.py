@@ -7,7 +7,9 @@
   one line per family (cases and a status histogram), for the note;
 - :func:`fuzz_settings`: Hypothesis settings with ``PHASEGATE_FUZZ_EXAMPLES`` examples a
   property (default 60: under a minute on two cores; 1000, about 17 minutes, for a
-  longer hunt).
+  longer hunt); schemathesis's properties, one an operation of ``/openapi.json`` and a
+  mode, take :data:`SCHEMA_EXAMPLES` (default 20: its case generation is most of the
+  suite's single longest module; the same variable asks for more).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.support.served import ServedGateway, served_gateway
 from tests.support.workers import WorkerProcess, running_worker
 
 EXAMPLES = int(os.environ.get("PHASEGATE_FUZZ_EXAMPLES", "60"))
+SCHEMA_EXAMPLES = int(os.environ.get("PHASEGATE_FUZZ_EXAMPLES", "20"))
 WORKER_TOKEN = "fuzz-worker-token-0123456789"
 API_KEY = "fuzz-api-key-0123456789"
 ADMIN_TOKEN = "fuzz-admin-token-0123456789"

@@ -29,9 +29,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, Stack, Tally, fuzz_settings
+from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, SCHEMA_EXAMPLES, Stack, Tally, fuzz_settings
 
-pytestmark = pytest.mark.slow
+# the gateway and worker are processes of their own, measured there; this process's tracer
+# would only slow case generation (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.no_cover]
 
 KEY = {"authorization": f"Bearer {API_KEY}"}
 FAMILIES = {
@@ -114,7 +116,7 @@ def run_operation(
     if counting:  # it asks the replica's tokenizer: the sim has none and says so (501, described), as on /tokenize
         checks = [check for check in checks if check is not not_a_server_error]
 
-    @fuzz_settings()
+    @fuzz_settings(SCHEMA_EXAMPLES)
     @given(case=operation.as_strategy(generation_mode=mode))
     def property_(case: schemathesis.Case) -> None:
         response = case.call(base_url=stack.gateway.url, headers=KEY, timeout=30)
