@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
+from statemachine.deltas import (
+    ChoicePromptLogprobs,
+    ChoicePrompts,
+    ChoicePromptTokens,
+    DeltaLogprobs,
+    DeltaTokenIds,
+)
 from statemachine.envelopes import AttemptScoped as AttemptScoped
 from statemachine.envelopes import RequestScoped as RequestScoped
 from statemachine.reasons import FINISH_REASONS as FINISH_REASONS
@@ -210,10 +216,17 @@ class DeltasDelivered(AttemptScoped):
     (:mod:`statemachine.deltas`); empty otherwise. Version 4: a token of ``logprobs`` sent
     under another name than its text carries its text (:data:`TokenLogprob`). Version 5, where the
     client asked for the usage in every chunk: :data:`ChoicePromptTokens` (any content policy).
+    Version 6, where the client asked for the prompt's log probabilities (a whole answer's) and
+    only with the text: :data:`ChoicePromptLogprobs`, said before each choice's first delta.
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 5
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts"), 5: ("prompt_tokens",)}
+    SCHEMA_VERSION: ClassVar[int] = 6
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {
+        2: ("fields",),
+        3: ("token_ids", "prompts"),
+        5: ("prompt_tokens",),
+        6: ("prompt_logprobs",),
+    }
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
@@ -226,6 +239,7 @@ class DeltasDelivered(AttemptScoped):
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
     prompt_tokens: ChoicePromptTokens = ()
+    prompt_logprobs: ChoicePromptLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,9 +247,9 @@ class DeltasProduced(AttemptScoped):
     """Deltas ``[from_index, to_index)`` the attempt produced while no client was
     attached (docs/design.md §12): recorded, not delivered. The fields are those of
     :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4, ``prompt_tokens``
-    since 5); a client that receives them later records them delivered."""
+    since 5, ``prompt_logprobs`` since 6); a client that receives them later records them delivered."""
 
-    SCHEMA_VERSION: ClassVar[int] = 5
+    SCHEMA_VERSION: ClassVar[int] = 6
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = DeltasDelivered.ADDED | {3: ("logprobs", "token_ids", "prompts")}
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
@@ -249,6 +263,7 @@ class DeltasProduced(AttemptScoped):
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
     prompt_tokens: ChoicePromptTokens = ()
+    prompt_logprobs: ChoicePromptLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from app.worker.frame_encoders import (
     done_frame,
     error_frame,
     heartbeat_frame,
+    prompt_logprobs_frame,
     token_frame,
     tool_call_frame,
     with_prompt_tokens,
@@ -188,6 +189,7 @@ async def _decode(
     monotonic = time.monotonic
     until_yield = _YIELD_EVERY
     answer = output.answer  # a pooling request's: its one output carries it
+    held: dict[int, list[object]] = {}  # a choice's prompt log probabilities, until its first token frame
     while True:
         until_yield -= 1
         if not until_yield:
@@ -207,6 +209,8 @@ async def _decode(
         attempt.last_frame_at = now
         choice = output.choice
         die_after = False
+        if output.prompt_logprobs is not None:  # said with the choice's first output: sent with its first token
+            held[choice] = output.prompt_logprobs
         if output.tool_call is not None:
             call = output.tool_call
             frame = tool_call_frame(
@@ -225,6 +229,9 @@ async def _decode(
                     return
                 die_after = step.die_after
                 fault_at = fault.at_token  # a hold's release may have moved it on
+            said = held.pop(choice, None) if held else None
+            if said is not None:  # before the choice's first token frame
+                yield prompt_logprobs_frame(choice, said)
             frame = token_frame(
                 choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
