@@ -189,7 +189,6 @@ async def _decode(
     monotonic = time.monotonic
     until_yield = _YIELD_EVERY
     answer = output.answer  # a pooling request's: its one output carries it
-    held: dict[int, list[object]] = {}  # a choice's prompt log probabilities, until its first token frame
     while True:
         until_yield -= 1
         if not until_yield:
@@ -209,8 +208,6 @@ async def _decode(
         attempt.last_frame_at = now
         choice = output.choice
         die_after = False
-        if output.prompt_logprobs is not None:  # said with the choice's first output: sent with its first token
-            held[choice] = output.prompt_logprobs
         if output.tool_call is not None:
             call = output.tool_call
             frame = tool_call_frame(
@@ -229,13 +226,10 @@ async def _decode(
                     return
                 die_after = step.die_after
                 fault_at = fault.at_token  # a hold's release may have moved it on
-            said = held.pop(choice, None) if held else None
-            if said is not None:  # before the choice's first token frame
-                yield prompt_logprobs_frame(choice, said)
             frame = token_frame(
                 choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
-            frame = _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
+            frame = _prompt_said(frame, attempt, output) if attempt.counts_due or output.prompt_logprobs else frame
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count
@@ -260,6 +254,15 @@ async def _decode(
     done = _finished(worker, attempt, finish_reasons, stop_reasons, answer)
     if done is not None:
         yield done
+
+
+def _prompt_said(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:
+    """What a choice's first token frame says of the prompt: the prompt's log probabilities
+    in a frame before it, where the engine said them with it (the start asked); and its
+    token count, where the client asked (``Attempt.counts_due``)."""
+    if output.prompt_logprobs is not None:
+        frame = prompt_logprobs_frame(output.choice, output.prompt_logprobs) + frame
+    return _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
 
 
 def _prompt_counted(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:

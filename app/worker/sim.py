@@ -34,25 +34,11 @@ from app.contract import json_depth as deep_json
 from app.worker import sim_pooling
 from app.worker.engine import EngineFailed, EngineOutput, PooledOutput, Prepared, ToolCallOutput, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
+from app.worker.sim_tokens import VOCAB, VOCAB_SIZE, prompt_logprobs, token_logprob
 
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-VOCAB_SIZE = 1000
 EOS_TOKEN_ID = VOCAB_SIZE  # never emitted as text
 MAX_LOGPROBS = 20  # the most alternatives at a prompt token, as vLLM's default max_logprobs
 _FINISHED = None  # queue sentinel
-
-
-def _word(token_id: int) -> str:
-    syllables = []
-    n = token_id + 1
-    while n:
-        n, r = divmod(n, len(_CONSONANTS) * len(_VOWELS))
-        syllables.append(_CONSONANTS[r // len(_VOWELS)] + _VOWELS[r % len(_VOWELS)])
-    return "".join(syllables)
-
-
-VOCAB = tuple(" " + _word(i) for i in range(VOCAB_SIZE))
 
 
 def tool_call_id(request_id: str, choice: int, index: int) -> str:
@@ -222,36 +208,6 @@ class SimEngine:
         put(_FINISHED)
 
 
-def _logprob(token_id: int, text: str, top: int) -> list[Any]:
-    """A token's log probability, a function of its id, and ``top`` alternatives, best first
-    (the token itself first: the sim always picks its most likely token)."""
-    logprob = -round(0.01 + (token_id * 7919 % 1000) / 400, 4)
-    alternatives = [[text, logprob]] + [
-        [VOCAB[(token_id + 37 * j) % VOCAB_SIZE], round(logprob - 0.5 * j, 4)] for j in range(1, top)
-    ]
-    return [text, logprob, alternatives[:top]]
-
-
-def prompt_logprobs(prompt: str, top: int) -> list[Any]:
-    """A prompt's log probabilities as vLLM gives them, a function of its words (the sim's
-    prompt tokens): none for the first; at each other, the word (an id from its digest,
-    its log probability and rank from the id), then ``top`` alternatives of the vocabulary,
-    ranked 1, 2, … (vLLM's order: the prompt's token first)."""
-    said: list[Any] = []
-    for place, word in enumerate(prompt.split() or [prompt]):
-        if not place:
-            said.append(None)
-            continue
-        token_id = int.from_bytes(hashlib.sha256(word.encode()).digest()[:4], "big") % VOCAB_SIZE
-        chosen = [token_id, -round(0.01 + (token_id * 7919 % 1000) / 400, 4), 1 + token_id % 7, " " + word]
-        alternatives = [
-            [(token_id + 37 * j) % VOCAB_SIZE, -round(0.05 * j, 4), j, VOCAB[(token_id + 37 * j) % VOCAB_SIZE]]
-            for j in range(1, top + 1)
-        ]
-        said.append([chosen, *alternatives])
-    return said
-
-
 class _Choice:
     """One choice's deterministic token stream: choice ``choice`` of ``prompt``, the answer's
     choice ``first + choice`` (a batch's prompt k answers as that prompt alone)."""
@@ -308,7 +264,7 @@ class _Choice:
     def step(self) -> EngineOutput:
         output = self._step()
         if self.top_logprobs is not None and output.tool_call is None:
-            output.logprobs = [_logprob(token_id, output.text, self.top_logprobs) for token_id in output.token_ids]
+            output.logprobs = [token_logprob(token_id, output.text, self.top_logprobs) for token_id in output.token_ids]
         output.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return output
 

@@ -48,6 +48,7 @@ from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_pooling import VllmPooling
+from app.worker.vllm_prompt_logprobs import said_prompt_logprobs, saying_them
 from app.worker.vllm_requests import VllmRequests
 from app.worker.vllm_streams import merged, saying
 
@@ -199,12 +200,12 @@ class VllmEngine:
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
                     if unsaid and said_prompt is None:
-                        said_prompt = _said_prompt_logprobs(request_output)
+                        said_prompt = said_prompt_logprobs(request_output)
                     if echo_later:
                         echo_later = False
                         said = None if top is None else self._prompt_logprobs(request_output, top, as_ids)
                         for choice in range(first, first + n):
-                            yield _saying(EngineOutput(choice, [], echo, logprobs=said), unsaid, said_prompt)
+                            yield saying_them(EngineOutput(choice, [], echo, logprobs=said), unsaid, said_prompt)
                     for c in request_output.outputs:
                         logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top, as_ids)
                         stop = _stop_reason(c)
@@ -217,11 +218,11 @@ class VllmEngine:
                                 logprobs=logprobs,
                                 stop_reason=stop,
                             )
-                            yield _saying(output, unsaid, said_prompt)
+                            yield saying_them(output, unsaid, said_prompt)
                             continue
                         ids = list(c.token_ids)
                         for output in parsing.outputs(c.index, ids, c.text, c.finish_reason, logprobs, stop):
-                            yield _saying(output, unsaid, said_prompt)
+                            yield saying_them(output, unsaid, said_prompt)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
@@ -321,27 +322,6 @@ class VllmEngine:
         await self._llm.abort([rid for rid, search in zip(ids, searched, strict=True) if not search])
         await self._llm.is_sleeping()  # queued behind the abort in the engine core: its reply confirms it
         return None
-
-
-def _said_prompt_logprobs(request_output: Any) -> list[Any]:
-    """The prompt's log probabilities of the engine's first output as vLLM's server gives them
-    (``clamp_prompt_logprobs``: -inf as -9999.0), as a ``prompt_logprobs`` frame carries
-    them: per prompt token None (the first) or [token id, logprob, rank, decoded text], in
-    vLLM's order."""
-    return [
-        None
-        if place is None
-        else [[token_id, clamped(p.logprob), p.rank, p.decoded_token] for token_id, p in place.items()]
-        for place in request_output.prompt_logprobs or ()
-    ]
-
-
-def _saying(output: EngineOutput, unsaid: set[int], said: list[Any] | None) -> EngineOutput:
-    """``output``, carrying the prompt's log probabilities if it is its choice's first (``unsaid``)."""
-    if unsaid and output.choice in unsaid:
-        unsaid.discard(output.choice)
-        output.prompt_logprobs = said
-    return output
 
 
 def _as_id(token_id: int, _decoded: str | None) -> str:

@@ -13,10 +13,14 @@ import httpx
 import openai
 import pytest
 
-from app.worker.sim import prompt_logprobs
+from app.config import ReplicaConfig
+from app.worker.sim_tokens import prompt_logprobs
 from statemachine import events as ev
+from statemachine.state import fold
+from tests.support import scripted_upstream
 from tests.support.audit import fold_disagreements_in
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
+from tests.support.scripted_upstream import running_scripted_upstream
 from tests.support.transcript import of
 from tests.support.workers import WorkerProcess
 
@@ -140,3 +144,32 @@ def test_under_the_digest_policy_the_log_keeps_none(database_url: str, sim_pair:
         events = gateway.events(answer.headers["x-request-id"])
     assert answer.http_response.json()["prompt_logprobs"][1]  # the client got them
     assert logged(events) == {}  # decoded prompt tokens are content (docs/design.md §13)
+
+
+def test_an_openai_replica_is_asked_unstreamed_only_for_them(database_url: str) -> None:
+    with running_scripted_upstream() as upstream:
+        replicas = [ReplicaConfig(id="vllm-serve", url=upstream.base_url, kind="openai")]
+        with running_gateway(database_url, replicas) as gateway:
+            client = gateway.openai()
+            chat = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "one two three"}], extra_body={"prompt_logprobs": 1}
+            )
+            asked_whole = upstream.last_body
+            echo = client.completions.with_raw_response.create(
+                model=MODEL, prompt="four five", echo=True, logprobs=1, max_tokens=3
+            )
+            echo_asked = upstream.last_body
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "plain"}], max_tokens=3)
+            asked_plain = upstream.last_body
+            events = gateway.events(chat.headers["x-request-id"])
+    assert asked_whole is not None and asked_whole["stream"] is False and "stream_options" not in asked_whole
+    assert chat.http_response.json()["prompt_logprobs"] == scripted_upstream.prompt_logprobs("one two three", 1)
+    assert chat.parse().choices[0].message.content  # the answer's text, as one delta
+    assert echo_asked is not None and echo_asked["stream"] is False and echo_asked["echo"] is True
+    echoed = echo.http_response.json()["choices"][0]
+    assert echoed["prompt_logprobs"] == scripted_upstream.prompt_logprobs("four five", 1)
+    assert asked_plain is not None and asked_plain["stream"] is True  # every other request streamed, as before
+    (said,) = [p for batch in of(events, ev.DeltasDelivered) for p in batch.prompt_logprobs]  # type: ignore[attr-defined]
+    assert said[0] == 0 and as_json(said[1])[1] == [[3, -1.0, 2, "two"], [98, -0.25, 1, "~"]]
+    (completed,) = of(events, ev.RequestCompleted)
+    assert fold(events).delivered_output_tokens == completed.usage["completion_tokens"]  # type: ignore[attr-defined]
