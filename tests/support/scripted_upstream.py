@@ -36,7 +36,8 @@ as vLLM sends it: the prompt's 3 tokens, a word two tokens (so a chunk is not a 
 finish chunk's end-of-sequence token one more, and the usage chunk at the end with
 ``prompt_tokens_details`` beside the counts.
 One asking ``stream: false`` gets the answer whole, as vLLM's server writes it (one choice),
-with ``prompt_logprobs`` where asked (a function of the prompt's words: :func:`prompt_logprobs`);
+with ``prompt_logprobs`` where asked (a function of the prompt's words: :func:`prompt_logprobs`)
+and an echo's text first, as vLLM's whole echo has it (chat: a continued last message's content);
 ``die_at`` (any point) exits before it is written.
 A pooling request (``/v1/embeddings``, ``/score`` …) gets the sim engine's answer.
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
@@ -353,6 +354,12 @@ def _whole(
 ) -> dict[str, Any]:
     """The whole answer vLLM's server writes for an unstreamed request (one choice)."""
     text = "".join(words)
+    if body.get("echo") and not chat:
+        text = prompt + text
+    elif (
+        body.get("echo") and body.get("add_generation_prompt") is False and body["messages"][-1]["role"] == "assistant"
+    ):
+        text = body["messages"][-1]["content"] + text  # a continued message, echoed
     asked = body.get("prompt_logprobs")
     if asked is None and body.get("echo"):  # as vLLM's request models read an echo
         asked = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
