@@ -153,7 +153,8 @@ class Timeouts:
     first_token_soft_s: float = 10.0  # queued this long: recorded, never migrated
     first_token_hard_s: float = 60.0  # queued this long: fenced and retried elsewhere
     # an OpenAI upstream (no heartbeats) with no first token this long (or first_token_hard_s,
-    # the smaller): closed, and retried elsewhere while nothing was delivered
+    # the smaller): closed, and retried elsewhere while nothing was delivered (an answer asked
+    # unstreamed, whose first frame comes with its last: first_token_hard_s)
     openai_first_token_s: float = 10.0
     connect_s: float = 2.0  # opening a connection to a replica
     cancel_ack_s: float = 2.0  # waiting for a worker's cancel acknowledgement

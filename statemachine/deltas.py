@@ -43,3 +43,13 @@ ChoicePrompts = tuple[tuple[int, tuple[int, ...] | None, str | None], ...]
 # (``stream_options.continuous_usage_stats``): per choice opened in a batch that was said
 # one, (choice, tokens). A batch's prompts each count their own.
 ChoicePromptTokens = tuple[tuple[int, int], ...]
+
+# The prompt's log probabilities, where the client asked (vLLM's ``prompt_logprobs``, a
+# whole answer's; a chat echo's or a completion's echo with ``logprobs`` ask by default),
+# as vLLM's server gives them: per prompt token, ``None`` for the first (nothing came
+# before it), else the token and the likeliest at its place, each (token id, logprob,
+# rank, decoded text), in vLLM's order. Said before a choice's first delta: per choice
+# opened in a batch that was said one, (choice, its prompt's).
+PromptTokenLogprob = tuple[int, float, int | None, str | None]
+PromptLogprobs = tuple[tuple[PromptTokenLogprob, ...] | None, ...]
+ChoicePromptLogprobs = tuple[tuple[int, PromptLogprobs], ...]

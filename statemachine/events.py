@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
+from statemachine.deltas import ChoicePromptLogprobs, ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
 from statemachine.envelopes import AttemptScoped as AttemptScoped
 from statemachine.envelopes import RequestScoped as RequestScoped
 from statemachine.reasons import FINISH_REASONS as FINISH_REASONS
@@ -194,26 +194,26 @@ class FirstDeltaCommitted(AttemptScoped):
 class DeltasDelivered(AttemptScoped):
     """Deltas ``[from_index, to_index)`` of the attempt, written to the client.
 
-    ``text`` holds the delivered text under the "full" content policy,
-    ``text_sha256`` its digest under "digest"; both are ``None`` under "none".
-    ``deltas`` says where each delta is, so a stream can be resumed at any of them
-    (docs/design.md §12): per delta ``(choice, characters of text, tokens)``, in order; a
-    delta of no tokens is a choice's tool calls (their JSON). Empty in logs written
-    before it was recorded. ``logprobs``, for a request that asked for them and only
-    with the text ("full"), holds per delta its tokens' log probabilities as the client
-    got them (a tool-calls delta: none). ``fields`` (version 2) says per delta which
-    field of the client's delta carried its text (:data:`CONTENT`, a reasoning field,
-    :data:`TOOL_CALLS`, :data:`NO_TEXT` or another the replica sent): empty when all
-    are content, as in logs written before. Version 3, for a request that asked for
-    them and only with the text: ``token_ids`` per delta, and ``prompts``, what the
-    replica said of the prompt of each choice whose first delta the batch holds
-    (:mod:`statemachine.deltas`); empty otherwise. Version 4: a token of ``logprobs`` sent
-    under another name than its text carries its text (:data:`TokenLogprob`). Version 5, where the
-    client asked for the usage in every chunk: :data:`ChoicePromptTokens` (any content policy).
+    ``text``: the delivered text under the "full" content policy (``text_sha256``: its digest under
+    "digest"; both ``None`` under "none"). ``deltas``: where each delta is, so a stream resumes at
+    any (docs/design.md §12): per delta ``(choice, characters, tokens)``; no tokens: a choice's tool
+    calls (their JSON); empty in older logs. With the text only ("full"), where asked: ``logprobs``
+    per delta as the client got them (v4: a token sent under another name carries its text,
+    :data:`TokenLogprob`); ``token_ids`` per delta and ``prompts``, what the replica said of the
+    prompt of each choice whose first delta the batch holds (v3); ``prompt_logprobs``, the prompt's
+    log probabilities said before each choice's first delta (v6, a whole answer's). ``fields`` (v2):
+    per delta the field of the client's delta that carried its text (:data:`CONTENT`, a reasoning
+    field, :data:`TOOL_CALLS`, :data:`NO_TEXT`, another the replica sent); empty when all are
+    content. ``prompt_tokens`` (v5, any policy): where asked, the usage in every chunk's prompt count.
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 5
-    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {2: ("fields",), 3: ("token_ids", "prompts"), 5: ("prompt_tokens",)}
+    SCHEMA_VERSION: ClassVar[int] = 6
+    ADDED: ClassVar[dict[int, tuple[str, ...]]] = {
+        2: ("fields",),
+        3: ("token_ids", "prompts"),
+        5: ("prompt_tokens",),
+        6: ("prompt_logprobs",),
+    }
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
     to_index: int
@@ -226,16 +226,16 @@ class DeltasDelivered(AttemptScoped):
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
     prompt_tokens: ChoicePromptTokens = ()
+    prompt_logprobs: ChoicePromptLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)
 class DeltasProduced(AttemptScoped):
-    """Deltas ``[from_index, to_index)`` the attempt produced while no client was
-    attached (docs/design.md §12): recorded, not delivered. The fields are those of
-    :class:`DeltasDelivered` (``logprobs`` since version 3, widened in 4, ``prompt_tokens``
-    since 5); a client that receives them later records them delivered."""
+    """Deltas ``[from_index, to_index)`` produced while no client was attached (docs/design.md §12):
+    recorded, not delivered. The fields are :class:`DeltasDelivered`'s (``logprobs`` since v3, wider in
+    v4, ``prompt_tokens`` v5, ``prompt_logprobs`` v6); a client that receives them records them delivered."""
 
-    SCHEMA_VERSION: ClassVar[int] = 5
+    SCHEMA_VERSION: ClassVar[int] = 6
     ADDED: ClassVar[dict[int, tuple[str, ...]]] = DeltasDelivered.ADDED | {3: ("logprobs", "token_ids", "prompts")}
     WIDENED: ClassVar[dict[int, tuple[str, ...]]] = {4: ("logprobs",)}
     from_index: int
@@ -249,6 +249,7 @@ class DeltasProduced(AttemptScoped):
     token_ids: DeltaTokenIds = ()
     prompts: ChoicePrompts = ()
     prompt_tokens: ChoicePromptTokens = ()
+    prompt_logprobs: ChoicePromptLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,16 @@ import typing
 from datetime import datetime
 from typing import Any
 
-from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds, TokenLogprob
+from statemachine.deltas import (
+    ChoicePromptLogprobs,
+    ChoicePrompts,
+    ChoicePromptTokens,
+    DeltaLogprobs,
+    DeltaTokenIds,
+    PromptLogprobs,
+    PromptTokenLogprob,
+    TokenLogprob,
+)
 
 
 def _exact(expected: type) -> typing.Callable[[Any], Any]:
@@ -108,6 +117,41 @@ def _parse_choice_prompts(value: Any) -> ChoicePrompts:
     return tuple((item[0], None if item[1] is None else _token_ids(item[1]), item[2]) for item in value)
 
 
+def _parse_choice_prompt_logprobs(value: Any) -> ChoicePromptLogprobs:
+    if not isinstance(value, list) or not all(
+        isinstance(item, list) and len(item) == 2 and type(item[0]) is int and item[0] >= 0 for item in value
+    ):
+        raise TypeError("expected a list of [choice, the prompt's log probabilities]")
+    return tuple((item[0], prompt_logprobs(item[1])) for item in value)
+
+
+def prompt_logprobs(value: Any) -> PromptLogprobs:
+    """A prompt's log probabilities (:data:`PromptLogprobs`) from their JSON form: per prompt
+    token null, or a list of [token id, logprob, rank or null, decoded text or null]."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected per prompt token null or a list of log probabilities, got {value!r:.80}")
+    return tuple(None if place is None else _prompt_place(place) for place in value)
+
+
+def _prompt_place(place: Any) -> tuple[PromptTokenLogprob, ...]:
+    if not isinstance(place, list):
+        raise TypeError(f"expected a prompt token's log probabilities, got {place!r:.80}")
+    return tuple(_prompt_token_logprob(entry) for entry in place)
+
+
+def _prompt_token_logprob(entry: Any) -> PromptTokenLogprob:
+    if (
+        not isinstance(entry, list)
+        or len(entry) != 4
+        or type(entry[0]) is not int
+        or entry[0] < 0
+        or (entry[2] is not None and type(entry[2]) is not int)
+        or (entry[3] is not None and not isinstance(entry[3], str))
+    ):
+        raise TypeError(f"expected [token id, logprob, rank or null, text or null], got {entry!r:.80}")
+    return (entry[0], _logprob(entry[1]), entry[2], entry[3])
+
+
 def _parse_delta_logprobs(value: Any) -> DeltaLogprobs:
     if not isinstance(value, list) or not all(isinstance(delta, list) for delta in value):
         raise TypeError("expected per delta a list of [token, logprob, [[alternative, logprob], …]]")
@@ -191,6 +235,8 @@ def parser_for(annotation: Any) -> typing.Callable[[Any], Any]:
         return _parse_delta_token_ids
     if annotation == ChoicePrompts:
         return _parse_choice_prompts
+    if annotation == ChoicePromptLogprobs:
+        return _parse_choice_prompt_logprobs
     if annotation == dict[str, Any]:
         return _parse_object
     raise TypeError(f"no JSON parser for {annotation!r}")  # pragma: no cover - import-time guard

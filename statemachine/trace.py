@@ -175,13 +175,20 @@ def trace_line(event: Event, *, redact: bool = False) -> str:
 
 
 # What a redacted trace drops: everything the client was sent.
-_DELTA_CONTENT = ("text", "logprobs", "token_ids", "prompts")
+_DELTA_CONTENT = ("text", "logprobs", "token_ids", "prompts", "prompt_logprobs")
 REDACTED_FIELDS = (
     *(f"{cls}.{name}" for cls in ("DeltasDelivered", "DeltasProduced") for name in _DELTA_CONTENT),
     "ToolCallEmitted.arguments",
 )
 _REDACTED = {DeltasDelivered: _DELTA_CONTENT, DeltasProduced: _DELTA_CONTENT, ToolCallEmitted: ("arguments",)}
-_REDACTED_VALUE: dict[str, Any] = {"text": None, "logprobs": None, "token_ids": [], "prompts": [], "arguments": ""}
+_REDACTED_VALUE: dict[str, Any] = {
+    "text": None,
+    "logprobs": None,
+    "token_ids": [],
+    "prompts": [],
+    "prompt_logprobs": [],
+    "arguments": "",
+}
 _USAGE_ORDER = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 

@@ -67,7 +67,9 @@ async def whole_answer(driver: RequestDriver, output: Output) -> Output | JSONRe
     for choice in sorted(deltas):
         for delta in deltas[choice]:
             driver.delivered(delta)
-            answers[choice].add(delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt)
+            answers[choice].add(
+                delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt, delta.prompt_logprobs
+            )
     for choice, calls in sorted(output.tool_calls.items()):  # the calls a replica sent whole
         called = Delta(json.dumps(calls), choice, 0, key=TOOL_CALLS)
         driver.delivered(called)

@@ -25,7 +25,7 @@ import orjson
 
 from app.contract.logprobs import TokenLogprob
 from app.driver.request import GenerationRequest
-from statemachine.deltas import CONTENT, TOOL_CALLS, Prompt
+from statemachine.deltas import CONTENT, TOOL_CALLS, Prompt, PromptLogprobs
 
 
 class Shape(Protocol):
@@ -109,6 +109,7 @@ class ChoiceAnswer:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     prompt: Prompt | None = None  # what the replica said of the choice's prompt
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's log probabilities, where asked
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool calls by their index
 
     def add(
@@ -118,10 +119,12 @@ class ChoiceAnswer:
         logprobs: Sequence[TokenLogprob] | None,
         token_ids: Sequence[int] = (),
         prompt: Prompt | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
         self.logprobs.extend(logprobs or ())
         self.token_ids.extend(token_ids)
         self.prompt = prompt or self.prompt
+        self.prompt_logprobs = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
         if key != TOOL_CALLS:
             self.texts.setdefault(key, []).append(text)
             return

@@ -61,6 +61,27 @@ def requested_logprobs(params: Mapping[str, Any], *, chat: bool | None, prefix: 
     return int(logprobs)
 
 
+def requested_prompt_logprobs(params: Mapping[str, Any], *, chat: bool, stream: bool) -> int | None:
+    """The prompt's log probabilities an answer carries (vLLM's ``prompt_logprobs``: the
+    alternatives at each prompt token, -1 every one the engine allows), read as vLLM's
+    server reads them: as given, else for an ``echo`` chat's ``top_logprobs`` (0 when not
+    given) or a completion's ``logprobs``. ``None``: none. A stream never carries them:
+    vLLM refuses more than 0 there, naming the field, and shows none for 0."""
+    given = params.get("prompt_logprobs")
+    if given is not None:
+        if not _is_int(given):  # (the declared model turned a whole float into an int)
+            raise BadInput("prompt_logprobs", "must be an integer")
+        if stream and (given > 0 or given == -1):
+            raise BadInput("prompt_logprobs", "is not available when 'stream' is true: vLLM gives them whole")
+        if given < -1:
+            raise BadInput("prompt_logprobs", "must be a positive value or -1")
+    if stream:
+        return None
+    if given is None and params.get("echo") is True:
+        given = (params.get("top_logprobs") or 0) if chat else params.get("logprobs")
+    return None if given is None else int(given)
+
+
 def as_params(top: int | None, *, chat: bool) -> dict[str, Any]:
     """The request parameters that ask for ``top`` alternatives, in the endpoint's form."""
     if top is None:

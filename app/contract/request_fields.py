@@ -8,8 +8,9 @@ each: docs/compatibility.md).
   of them too (``n``, ``max_tokens``, ``logprobs``, ``tools``…), and checks those;
 - *phasegate's own*: set by phasegate, never by the client, because they touch other
   tenants or the engine's identity (docs/design.md §13): refused with a 400 that says why;
-- *whole only*: passed-on fields vLLM serves only in a whole answer, refused (phasegate
-  streams every upstream answer);
+- *whole only*: passed-on fields vLLM serves only in a whole answer, refused (none now:
+  ``prompt_logprobs`` is served in a whole answer, from a worker's frames or an ``openai``
+  replica's unstreamed answer);
 - *recorded*: fields vLLM accepts and ignores, kept in the log (``metadata``, which audit
   queries want) and not acted on;
 - *set by phasegate for itself*: ``stream`` and ``stream_options.include_usage`` are sent
@@ -35,12 +36,10 @@ OWN: dict[str, str] = {
     "mm_processor_kwargs": "the multimodal processor's settings are the replica's configuration",
 }
 
-# passed-on fields vLLM serves only in a whole answer: phasegate streams every upstream
-# answer, so it refuses them (a 400 saying why) rather than let vLLM refuse a stream
-WHOLE_ONLY: dict[str, str] = {
-    "prompt_logprobs": "vLLM gives prompt log probabilities only in an answer it does not stream, and phasegate"
-    " streams every answer from its replicas (liveness, fencing, the commit point)",
-}
+# passed-on fields vLLM serves only in a whole answer, which phasegate would refuse (a 400
+# saying why) rather than let vLLM refuse a stream: none now (``prompt_logprobs`` is served
+# whole, and refused streamed as vLLM refuses it: app/contract/logprobs.py)
+WHOLE_ONLY: dict[str, str] = {}
 
 # accepted and kept in the log; vLLM ignores them
 RECORDED = frozenset({"metadata", "store", "service_tier"})

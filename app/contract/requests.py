@@ -105,7 +105,10 @@ class _Request(SamplingExtras):
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
-    prompt_logprobs: None = None  # whole only: refused unless null (request_fields.WHOLE_ONLY)
+    # a whole answer's (streamed: 0 only, as vLLM), app/contract/logprobs.requested_prompt_logprobs
+    prompt_logprobs: (
+        Annotated[int, Field(ge=-1), says("must be a positive value or -1", wrong_type_too=True)] | None
+    ) = None
     logprob_token_ids: TokenIds | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: Annotated[list[str], says("must be an array of strings", wrong_type_too=True)] | None = None

@@ -22,7 +22,9 @@ from typing import Any
 # 6: a renewal names its number and the last one answered (RENEWAL_SLACK);
 # 7: a pooling request is an attempt of its own kind (``pooling``: its route), answered by
 #    one done frame carrying the answer (docs/design.md §17)
-VERSION = 7
+# 8: a start request may ask for the prompt's log probabilities (``prompt_logprobs``), which a
+#    ``prompt_logprobs`` frame says before each choice's first token frame
+VERSION = 8
 HEADER = "x-phasegate-protocol"
 
 # How far past the TTL of the last renewal the gateway got an answer to (or of the start) a

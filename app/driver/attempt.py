@@ -6,7 +6,8 @@ replica's other attempts (app/replicas/renewer.py). ``next_frame`` reads the
 next frame under a stall deadline: a worker sends heartbeats while queued, so silence
 means liveness is uncertain; an OpenAI-compatible upstream is silent during prefill,
 so before its first token only its own first-token deadline applies
-(``openai_first_token_s``, counted from the attempt's start). The deadline is one
+(``openai_first_token_s``, counted from the attempt's start; an answer asked unstreamed,
+whose first frame comes with its last: ``first_token_hard_s``). The deadline is one
 timer an attempt (``_StallWatch``), not a timeout armed and disarmed per frame: it
 fires at the deadline of the read in progress, and moves on when reads went on. A timer
 that fires late because the loop was busy (a gateway at saturation) waits as long
@@ -144,6 +145,8 @@ class AttemptRun:
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
         if silent_prefill:  # an OpenAI upstream: its first-token deadline runs from the start
             first_token_s = min(timeouts.openai_first_token_s, timeouts.first_token_hard_s)
+            if getattr(self._stream, "unstreamed", False):  # whole: its first frame comes with its last
+                first_token_s = timeouts.first_token_hard_s
             limit = max(first_token_s - (self.clock() - self.started_at), 0.0)
         else:
             limit = timeouts.stall_s

@@ -13,7 +13,7 @@ from typing import Any
 
 from app.driver.outputs import Delta
 from app.store.content import kept_text
-from statemachine.deltas import CONTENT, TokenLogprob
+from statemachine.deltas import CONTENT, PromptLogprobs, TokenLogprob
 from statemachine.events import DeltasDelivered, DeltasProduced, Event
 
 
@@ -36,6 +36,7 @@ class OpenBatch:
     token_ids: list[tuple[int, ...]] | None = None  # per delta, once one carried them
     prompts: list[tuple[int, tuple[int, ...] | None, str | None]] = field(default_factory=list)
     prompt_tokens: list[tuple[int, int]] = field(default_factory=list)  # per choice opened: its prompt's count
+    prompt_logprobs: list[tuple[int, PromptLogprobs]] = field(default_factory=list)  # per choice opened, where said
 
     def add(self, delta: Delta) -> None:
         tokens, text, choice, logprobs, key = delta.tokens, delta.text, delta.choice, delta.logprobs, delta.key
@@ -60,6 +61,8 @@ class OpenBatch:
             self.prompts.append((choice, *delta.prompt))
         if delta.prompt_tokens is not None:
             self.prompt_tokens.append((choice, delta.prompt_tokens))
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs.append((choice, delta.prompt_logprobs))
 
     @property
     def deltas(self) -> int:
@@ -84,4 +87,5 @@ class OpenBatch:
             fields["logprobs"] = tuple(self.logprobs) if self.logprobs is not None else None
             fields["token_ids"] = tuple(self.token_ids) if self.token_ids is not None else ()
             fields["prompts"] = tuple(self.prompts)
+            fields["prompt_logprobs"] = tuple(self.prompt_logprobs)  # decoded prompt tokens: content
         return (DeltasProduced if self.produced else DeltasDelivered), fields

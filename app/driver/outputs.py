@@ -13,7 +13,7 @@ from typing import Any
 from app.contract.logprobs import TokenLogprob
 from app.replicas.base import PooledAnswer as PooledAnswer  # the answer a Finished carries, for the API
 from statemachine.actions import FailRequest
-from statemachine.deltas import CONTENT, Prompt
+from statemachine.deltas import CONTENT, Prompt, PromptLogprobs
 
 
 @dataclass(slots=True)  # not frozen: one a token, and frozen fields are set one slow call each
@@ -28,6 +28,9 @@ class Delta:
     # the prompt's tokens as the replica counted them, with the choice's first delta where the
     # client asked for the usage in every chunk (``continuous_usage_stats``)
     prompt_tokens: int | None = None
+    # the prompt's log probabilities, with the choice's first delta where the client asked a
+    # whole answer with them (vLLM's ``prompt_logprobs``)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

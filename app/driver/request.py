@@ -86,6 +86,9 @@ class GenerationRequest:
     # the usage so far in every chunk (``stream_options``: ``continuous_usage_stats`` with
     # ``include_usage``, as vLLM reads them): the replica is asked for the prompt's count
     continuous_usage: bool = False
+    # the prompt's log probabilities a whole answer carries (vLLM's ``prompt_logprobs``, or an
+    # echo's: app/contract/logprobs.py): alternatives at each prompt token; None: none
+    prompt_logprobs: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the client's body
     # a Responses API request (app/api/responses/request.py): its attempts are the chat
     # completion ``raw`` holds
@@ -241,6 +244,7 @@ class GenerationRequest:
             passed=self.passed_on(),
             choices=self.choices,
             continuous_usage=self.continuous_usage,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def params_digest(self) -> str:

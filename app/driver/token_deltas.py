@@ -13,8 +13,10 @@ def carries_delta(token: Token) -> bool:
     delta of no text field, :data:`NO_TEXT`) token ids the client asked for. One with none
     (a worker's frame of a tool call's markup tokens, sent as the decode's liveness) is
     read and counted, and sends nothing, as vLLM's server sends no delta for such tokens;
-    it is no commit point either: nothing of the answer reached the client."""
-    return bool(token.text) or token.logprobs is not None or token.key == NO_TEXT
+    it is no commit point either: nothing of the answer reached the client. A choice's
+    first token that carries the prompt's log probabilities (a whole answer's) is a delta,
+    text or not: the answer carries them."""
+    return bool(token.text) or token.logprobs is not None or token.key == NO_TEXT or token.prompt_logprobs is not None
 
 
 def delta_of(token: Token, with_ids: bool) -> Delta:
@@ -22,4 +24,14 @@ def delta_of(token: Token, with_ids: bool) -> Delta:
     ids where the client asked for them (``with_ids``)."""
     tokens = token.tokens if token.tokens is not None else len(token.token_ids) or 1
     ids = token.token_ids if with_ids else ()
-    return Delta(token.text, token.choice, tokens, token.logprobs, token.key, ids, token.prompt, token.prompt_tokens)
+    return Delta(
+        token.text,
+        token.choice,
+        tokens,
+        token.logprobs,
+        token.key,
+        ids,
+        token.prompt,
+        token.prompt_tokens,
+        token.prompt_logprobs,
+    )

@@ -40,8 +40,9 @@ from app.replicas.base import (
 )
 from app.replicas.body_reads import BodyReads, read_offering
 from app.replicas.worker_errors import AttemptEnded, MalformedFrame, ReplicaExiting, StreamBroken, transport_error
-from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt
+from statemachine.deltas import CONTENT, REASONING_FIELDS, TOOL_CALLS, Prompt, PromptLogprobs
 from statemachine.events import FINISH_REASONS
+from statemachine.field_parsers import prompt_logprobs
 
 _loads = json.loads
 _DRAIN_S = 0.5  # the worker ends the body right after done
@@ -65,6 +66,8 @@ class AttemptFrames:
         self._tail = b""
         self._until_yield = _YIELD_EVERY
         self._take: Callable[[list[Token]], bool] | None = None  # takes tokens as they arrive (``offer_tokens``)
+        # per choice, the prompt's log probabilities of a ``prompt_logprobs`` frame, until its first token
+        self._prompt_logprobs: dict[int, PromptLogprobs] = {}
 
     def offer_tokens(self, take: Callable[[list[Token]], bool]) -> None:
         """Offer ``take`` the tokens of each read as it arrives, in the connection's own
@@ -125,7 +128,7 @@ class AttemptFrames:
         which ``take`` takes; otherwise nothing of it is used here (``__anext__`` reads it)."""
         take = self._take
         lines = received.split(b"\n")
-        if take is None or lines.pop():  # not whole lines
+        if take is None or lines.pop() or self._prompt_logprobs:  # not whole lines, or a choice's first is due
             return False
         tokens: list[Token] = []
         for line in lines:
@@ -166,9 +169,12 @@ class AttemptFrames:
                 counted = obj.get("prompt_tokens")  # with a choice's first text, where asked
                 if counted is not None and (type(counted) is not int or counted < 0):
                     raise ValueError(f"a prompt's token count that is not a count: {counted!r:.80}")
-                return Token(
+                token = Token(
                     obj["choice"], obj["index"], obj["text"], ids, logprobs, key, len(ids), _prompt(obj), counted
                 )
+                if self._prompt_logprobs:
+                    token.prompt_logprobs = self._prompt_logprobs.pop(token.choice, None)
+                return token
             if kind == "heartbeat":
                 return Heartbeat(obj["phase"], obj["queue_position"])
             if kind == "tool_call":
@@ -187,7 +193,13 @@ class AttemptFrames:
                 self._lines.clear()
                 await self._finish()
                 return frame
-            if kind == "error":
+            if kind == "prompt_logprobs":  # said before the choice's first token frame
+                choice = obj["choice"]
+                if type(choice) is not int or choice < 0:
+                    raise ValueError(f"a choice that is not an index: {choice!r:.80}")
+                self._prompt_logprobs[choice] = prompt_logprobs(obj["logprobs"])
+                code, message, generated = None, "", None
+            elif kind == "error":
                 code, message = obj["code"], obj["message"]
                 generated = obj.get("generated_tokens")
             else:
@@ -196,6 +208,8 @@ class AttemptFrames:
             await self.aclose()
             line = line.rstrip(b"\n")
             raise MalformedFrame(f"not a protocol frame ({exc!r}): {line[:200]!r}", line=line) from None
+        if code is None:  # a prompt_logprobs frame: the next frame carries them
+            return await self.__anext__()
         await self.aclose()
         if code == "replica_exiting":
             raise ReplicaExiting(message, code=code)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.contract.logprobs import TokenLogprob
-from statemachine.deltas import CONTENT, Prompt
+from statemachine.deltas import CONTENT, Prompt, PromptLogprobs
 from statemachine.events import FailureKind
 
 
@@ -63,6 +63,9 @@ class Token:
     # the prompt's tokens as the replica counted them, said with a choice's first text where
     # the attempt asked (``AttemptRequest.continuous_usage``); None for any later token
     prompt_tokens: int | None = None
+    # the prompt's log probabilities, said before a choice's first text where the attempt asked
+    # (``AttemptRequest.prompt_logprobs``); None for any later token
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def tool_call_piece_problem(calls: Any) -> str | None:
@@ -174,6 +177,10 @@ class AttemptRequest:
     # the client asked for the usage in every chunk: the replica says the prompt's tokens
     # before each choice's first text (an ``openai`` replica: in its chunks' usage)
     continuous_usage: bool = False
+    # the client asked a whole answer with the prompt's log probabilities (this many
+    # alternatives at each prompt token): the replica says them before each choice's first
+    # delta (an ``openai`` replica is asked unstreamed: vLLM streams none)
+    prompt_logprobs: int | None = None
 
 
 class AttemptStream(Protocol):

@@ -19,6 +19,10 @@ Upstream behaviour mapped to the failure kinds of docs/design.md §4:
     an error object inside the stream             request_refused for a 4xx code (vLLM's own
                                                   checks of a started stream), else replica_exited
     every choice finished (and usage sent)        completes, without waiting for [DONE]
+
+Every answer is streamed upstream but one whose client asked it whole with the prompt's log
+probabilities (``AttemptRequest.prompt_logprobs``), which vLLM gives unstreamed only: that
+one is asked ``stream: false`` and read as its stream's frames (app/replicas/openai_whole.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from app.replicas.base import AttemptRequest, ProbeAnswer, Renewal, UpstreamFail
 from app.replicas.body_reads import BodyReads, HttpxBody, read_all
 from app.replicas.chat_echo import chat_echo
 from app.replicas.openai_stream import OpenAIStream
+from app.replicas.openai_whole import WholeAnswerStream, WholeBody
 from app.replicas.pooled import PooledStream, is_pooling
 from app.replicas.upstream_http import Answer, lean_connections
 from app.replicas.upstream_wire import header_line, json_body, retry_after_seconds
@@ -85,24 +90,17 @@ class OpenAIUpstream:
         fixed = {**self._client.headers, "accept-encoding": "identity", "content-type": "application/json"}
         self._header_lines = b"".join(header_line(name, value) for name, value in fixed.items() if name != "host")
 
-    async def start(self, request: AttemptRequest) -> OpenAIStream | PooledStream:
+    async def start(self, request: AttemptRequest) -> OpenAIStream | PooledStream | WholeAnswerStream:
         if is_pooling(request.endpoint):
             return await self._pool(request)
         chat = request.endpoint == "chat.completions"
-        content = _request_body(request, chat)
         # vLLM names its own request after this header: its logs then say which attempt it is
         request_name = f"{request.request_id}.{request.attempt}"
+        if request.prompt_logprobs is not None:  # vLLM gives them unstreamed only
+            return self._whole(request, chat, request_name)
+        content = _request_body(request, chat)
         async with self._answering():
-            if self._connections is not None:
-                lines = self._header_lines + header_line("x-request-id", request_name)
-                for name, value in trace_headers().items():
-                    lines += header_line(name, value)
-                target = self._chat_target if chat else self._completions_target
-                lean = await self._connections.post(target, lines, content)
-                answer: Answer | httpx.Response = lean
-                body: BodyReads = lean.body
-            else:
-                answer, body = await self._send_by_httpx(chat, request_name, content)
+            answer, body = await self._post(chat, request_name, content)
         if answer.status_code != 200:
             await _refused(answer, body)
         encoding = answer.headers.get("content-encoding", "identity")
@@ -111,6 +109,34 @@ class OpenAIUpstream:
             raise UpstreamFailure(FailureKind.LIVENESS_UNCERTAIN, f"an answer encoded as {encoding!r}")
         echo = chat_echo(request.passed) if chat else ""
         return OpenAIStream(body, choices=request.choices, echo=echo, continuous=request.continuous_usage)
+
+    async def _post(self, chat: bool, request_name: str, content: bytes) -> tuple[Answer | httpx.Response, BodyReads]:
+        """Send a completion's body; its answer's head, and its body to read."""
+        if self._connections is None:
+            return await self._send_by_httpx(chat, request_name, content)
+        lines = self._header_lines + header_line("x-request-id", request_name)
+        for name, value in trace_headers().items():
+            lines += header_line(name, value)
+        target = self._chat_target if chat else self._completions_target
+        lean = await self._connections.post(target, lines, content)
+        return lean, lean.body
+
+    def _whole(self, request: AttemptRequest, chat: bool, request_name: str) -> WholeAnswerStream:
+        """The attempt asked unstreamed, sent at its stream's first read: its head comes once
+        the answer is whole, which the driver's first-token deadline bounds (openai_whole.py)."""
+        content = _request_body(request, chat, whole=True)
+
+        async def answer() -> bytes:
+            async with self._answering(deadline=False):
+                answer, body = await self._post(chat, request_name, content)
+            if answer.status_code != 200:
+                await _refused(answer, body)
+            try:
+                return await read_all(body)
+            finally:
+                await body.aclose()
+
+        return WholeAnswerStream(WholeBody(answer, chat=chat), request.choices)
 
     async def _pool(self, request: AttemptRequest) -> PooledStream:
         """A pooling request, on its route's path (docs/design.md §17): the client's body
@@ -125,11 +151,12 @@ class OpenAIUpstream:
         return PooledStream(response)
 
     @contextlib.asynccontextmanager
-    async def _answering(self) -> AsyncIterator[None]:
-        """The wait for an answer's status and headers, within the response deadline: what
-        a failure to get them says of the replica (the table above)."""
+    async def _answering(self, *, deadline: bool = True) -> AsyncIterator[None]:
+        """The wait for an answer's status and headers, within the response deadline (an
+        unstreamed answer's: the driver's, ``deadline`` False): what a failure to get them
+        says of the replica (the table above)."""
         try:
-            async with asyncio.timeout(self.response_timeout_s):
+            async with asyncio.timeout(self.response_timeout_s if deadline else None):
                 yield
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise UpstreamFailure(FailureKind.REJECTED, f"cannot connect: {exc!r}") from None
@@ -209,11 +236,12 @@ class OpenAIUpstream:
 _VLLM_LOAD = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
-def _request_body(request: AttemptRequest, chat: bool) -> bytes:
+def _request_body(request: AttemptRequest, chat: bool, *, whole: bool = False) -> bytes:
     """The completion's JSON body: the client's fields as it sent them (a request of its
     own, such as a probe, gives its messages or prompt and sampling instead), streamed with
     its usage, which phasegate needs whatever the client asked (docs/compatibility.md), and
-    with the usage so far in every chunk only where the client asked for that."""
+    with the usage so far in every chunk only where the client asked for that; ``whole``,
+    unstreamed, as the client sent it (its echo too: vLLM's whole chat echo works)."""
     body: dict[str, Any] = dict(request.passed)
     if not body:
         body.update(request.sampling)
@@ -222,6 +250,8 @@ def _request_body(request: AttemptRequest, chat: bool) -> bytes:
         else:
             body["prompt"] = request.prompt
     options = request.passed.get("stream_options")
+    if whole:
+        return json_body(body | {"model": request.model, "stream": False})
     if chat:  # the gateway sends a chat echo itself (app/replicas/chat_echo.py)
         body.pop("echo", None)
     body["model"] = request.model

@@ -84,6 +84,7 @@ class WorkerReplica:
                 params=request.sampling,
                 vllm=_fields(request, apart),
                 pooling=pooling,
+                prompt_logprobs=request.prompt_logprobs,
             )
         except RequestRefused:
             raise

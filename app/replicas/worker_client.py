@@ -144,6 +144,7 @@ class WorkerClient:
         heartbeat_s: float | None = None,
         read_timeout: float | None = None,
         pooling: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AttemptFrames:
         """Start an attempt; return its frames once the worker accepted it.
 
@@ -154,7 +155,8 @@ class WorkerClient:
         (a caller that times its reads itself, as the gateway's stall timer does).
         ``params`` are the sampling fields every engine reads; ``vllm`` the client's fields
         as vLLM's server takes them, for a vLLM engine (docs/worker-protocol.md); ``pooling``
-        a pooling request's route, its input in ``vllm`` (docs/design.md §17).
+        a pooling request's route, its input in ``vllm`` (docs/design.md §17); ``prompt_logprobs``
+        the prompt's log probabilities the answer carries (a ``prompt_logprobs`` frame each choice).
         """
         body: dict[str, Any] = {
             "request_id": request_id,
@@ -173,6 +175,8 @@ class WorkerClient:
             body["vllm"] = dict(vllm)
         if pooling is not None:
             body["pooling"] = pooling
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         if heartbeat_s is not None:
             body["heartbeat_ms"] = round(heartbeat_s * 1000)
         return await self._starts.start(body, self.read_timeout if read_timeout is None else read_timeout)

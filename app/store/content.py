@@ -105,8 +105,10 @@ def _erasing(of: str, count_of: str) -> tuple[Any, Any, Any, Any]:
         UPDATE request_events SET body = CASE type
             WHEN 'ToolCallEmitted' THEN body || '{{"arguments": "", "arguments_sha256": null}}'::jsonb
             WHEN 'DeltasDelivered'
-            THEN (body - 'token_ids' - 'prompts') || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
-            ELSE (body - 'logprobs' - 'token_ids' - 'prompts') || '{{"text": null, "text_sha256": null}}'::jsonb END
+            THEN (body - 'token_ids' - 'prompts' - 'prompt_logprobs')
+                 || '{{"text": null, "text_sha256": null, "logprobs": null}}'::jsonb
+            ELSE (body - 'logprobs' - 'token_ids' - 'prompts' - 'prompt_logprobs')
+                 || '{{"text": null, "text_sha256": null}}'::jsonb END
          WHERE request_id IN ({of})
            AND ((type IN ('DeltasDelivered', 'DeltasProduced')
                  AND (body->>'text' IS NOT NULL OR body->>'text_sha256' IS NOT NULL))

@@ -212,7 +212,9 @@ class InMemoryEventStore(EventStore):
 def _without_content(event: Event) -> Event:
     """``event`` as if recorded under the "none" content policy."""
     if isinstance(event, DeltasDelivered | DeltasProduced):
-        return dataclasses.replace(event, text=None, text_sha256=None, logprobs=None, token_ids=(), prompts=())
+        return dataclasses.replace(
+            event, text=None, text_sha256=None, logprobs=None, token_ids=(), prompts=(), prompt_logprobs=()
+        )
     if isinstance(event, ToolCallEmitted):
         return dataclasses.replace(event, arguments="", arguments_sha256=None)
     return event

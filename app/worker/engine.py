@@ -43,6 +43,7 @@ class EngineOutput:
         "key",
         "logprobs",
         "prompt",
+        "prompt_logprobs",
         "stop_reason",
         "text",
         "token_ids",
@@ -71,6 +72,9 @@ class EngineOutput:
         # with a choice's first delta, what vLLM's server says of the prompt there, where asked
         # (its token ids, its rendered text: app/worker/vllm_requests.py)
         self.prompt: tuple[list[int] | None, str | None] | None = None
+        # with a choice's first output, the prompt's log probabilities, where the start asked
+        # (AttemptSpec.prompt_logprobs): per prompt token None or [[id, logprob, rank, text], …]
+        self.prompt_logprobs: list[Any] | None = None
         # a pooling request's whole answer, with its finish (docs/design.md §17)
         self.answer: PooledOutput | None = None
 

@@ -57,6 +57,13 @@ def with_prompt_tokens(frame: bytes, prompt_tokens: int) -> bytes:
     return frame[:-2] + b',"prompt_tokens":%d}\n' % prompt_tokens
 
 
+def prompt_logprobs_frame(choice: int, said: Sequence[Any]) -> bytes:
+    """The prompt's log probabilities of ``choice``, before its first token frame, where the
+    start asked (``prompt_logprobs``): per prompt token null (the first) or a list of
+    [token id, logprob, rank, decoded text], in vLLM's order."""
+    return b'{"type":"prompt_logprobs","choice":%d,"logprobs":%s}\n' % (choice, _dumps(said).encode())
+
+
 def tool_call_frame(
     choice: int, index: int, tool_call_id: str, name: str, arguments: str, *, streamed: bool = False
 ) -> bytes:

@@ -30,6 +30,7 @@ from app.worker.frame_encoders import (
     done_frame,
     error_frame,
     heartbeat_frame,
+    prompt_logprobs_frame,
     token_frame,
     tool_call_frame,
     with_prompt_tokens,
@@ -228,7 +229,7 @@ async def _decode(
             frame = token_frame(
                 choice, next_index[choice], output.text, output.token_ids, output.logprobs, output.key, output.prompt
             )
-            frame = _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
+            frame = _prompt_said(frame, attempt, output) if attempt.counts_due or output.prompt_logprobs else frame
             next_index[choice] += 1
             attempt.published_tokens += 1
             stats.tokens_published += token_count
@@ -253,6 +254,15 @@ async def _decode(
     done = _finished(worker, attempt, finish_reasons, stop_reasons, answer)
     if done is not None:
         yield done
+
+
+def _prompt_said(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:
+    """What a choice's first token frame says of the prompt: the prompt's log probabilities
+    in a frame before it, where the engine said them with it (the start asked); and its
+    token count, where the client asked (``Attempt.counts_due``)."""
+    if output.prompt_logprobs is not None:
+        frame = prompt_logprobs_frame(output.choice, output.prompt_logprobs) + frame
+    return _prompt_counted(frame, attempt, output) if attempt.counts_due else frame
 
 
 def _prompt_counted(frame: bytes, attempt: Attempt, output: EngineOutput) -> bytes:

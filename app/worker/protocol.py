@@ -131,6 +131,10 @@ class AttemptSpec:
     # a pooling request's route (docs/design.md §17): its input is in ``fields``, its answer
     # one done frame; None for a generation
     pooling: str | None = None
+    # the prompt's log probabilities, where the gateway's answer carries them (a whole one):
+    # the alternatives at each prompt token (-1: every one); each choice's are said in a
+    # ``prompt_logprobs`` frame before its first token frame. None: none are sent
+    prompt_logprobs: int | None = None
 
     @property
     def choices(self) -> int:

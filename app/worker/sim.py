@@ -13,7 +13,8 @@ top_p (and vLLM's top_k, min_p, repetition_penalty when given) and choice seed a
 ``min_tokens`` holds the end off that long; a structured-output ``choice`` is answered
 with one of its strings, ``json``/``json_object`` with a JSON text; ``regex`` and
 ``grammar`` are passed over (the sim's words are not constrained by them). Log
-probabilities, when asked for, are a function of each token's id. Tool-call
+probabilities, when asked for, are a function of each token's id; the prompt's (its words
+the sim's prompt tokens), a function of each word. Tool-call
 ids derive from the request id, so two attempts of one request emit the same id (and the same idempotency key).
 """
 
@@ -33,24 +34,11 @@ from app.contract import json_depth as deep_json
 from app.worker import sim_pooling
 from app.worker.engine import EngineFailed, EngineOutput, PooledOutput, Prepared, ToolCallOutput, prompt_too_long
 from app.worker.protocol import AttemptSpec, Code, Refusal, Sampling
+from app.worker.sim_tokens import VOCAB, VOCAB_SIZE, prompt_logprobs, token_logprob
 
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-VOCAB_SIZE = 1000
 EOS_TOKEN_ID = VOCAB_SIZE  # never emitted as text
+MAX_LOGPROBS = 20  # the most alternatives at a prompt token, as vLLM's default max_logprobs
 _FINISHED = None  # queue sentinel
-
-
-def _word(token_id: int) -> str:
-    syllables = []
-    n = token_id + 1
-    while n:
-        n, r = divmod(n, len(_CONSONANTS) * len(_VOWELS))
-        syllables.append(_CONSONANTS[r // len(_VOWELS)] + _VOWELS[r % len(_VOWELS)])
-    return "".join(syllables)
-
-
-VOCAB = tuple(" " + _word(i) for i in range(VOCAB_SIZE))
 
 
 def tool_call_id(request_id: str, choice: int, index: int) -> str:
@@ -117,6 +105,10 @@ class SimEngine:
         for _, prompt_tokens in prompts:
             if prompt_tokens >= self.max_model_len:
                 raise prompt_too_long(prompt_tokens, self.max_model_len)
+        asked = VOCAB_SIZE if spec.prompt_logprobs == -1 else spec.prompt_logprobs
+        if asked is not None and asked > MAX_LOGPROBS:  # in vLLM's words
+            why = f"Requested prompt logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}"
+            raise Refusal(400, Code.INVALID_FIELD, why, field="prompt_logprobs")
         counts = tuple(tokens for _, tokens in prompts)
         return Prepared(spec=spec, prompt_tokens=sum(counts), payload=prompts, each_prompt=counts if spec.batch else ())
 
@@ -179,12 +171,15 @@ class SimEngine:
             put(output)
             put(_FINISHED)
             return
-        n = spec.sampling.n
+        n, top = spec.sampling.n, spec.prompt_logprobs
         choices = [
             _Choice(spec, text, c, self.max_model_len - prompt_tokens, k * n)
             for k, (text, prompt_tokens) in enumerate(prepared.payload)
             for c in range(n)
         ]
+        if top is not None:  # each choice's first output says its prompt's
+            for choice in choices:
+                choice.prompt_logprobs = prompt_logprobs(choice.prompt, top)
         live = choices
         while live:
             if timing.decode_s_per_token:
@@ -198,6 +193,7 @@ class SimEngine:
                         break
                     more = choice.step()
                     logprobs = None if output.logprobs is None else output.logprobs + (more.logprobs or [])
+                    said = output.prompt_logprobs
                     output = EngineOutput(
                         choice.choice,
                         output.token_ids + more.token_ids,
@@ -205,20 +201,11 @@ class SimEngine:
                         more.finish_reason,
                         logprobs=logprobs,
                     )
+                    output.prompt_logprobs = said
                 running.generated += len(output.token_ids)
                 put(output)
             live = [c for c in live if c.finish_reason is None]
         put(_FINISHED)
-
-
-def _logprob(token_id: int, text: str, top: int) -> list[Any]:
-    """A token's log probability, a function of its id, and ``top`` alternatives, best first
-    (the token itself first: the sim always picks its most likely token)."""
-    logprob = -round(0.01 + (token_id * 7919 % 1000) / 400, 4)
-    alternatives = [[text, logprob]] + [
-        [VOCAB[(token_id + 37 * j) % VOCAB_SIZE], round(logprob - 0.5 * j, 4)] for j in range(1, top)
-    ]
-    return [text, logprob, alternatives[:top]]
 
 
 class _Choice:
@@ -232,6 +219,8 @@ class _Choice:
         if extras != (None, None, None):  # given only: the text of a request without them stays as it was
             material += "\0" + "\0".join(map(str, extras))
         self.rng = random.Random(hashlib.sha256(material.encode()).digest())
+        self.prompt = prompt
+        self.prompt_logprobs: list[Any] | None = None  # said with its first output, where asked
         self.choice = first + choice
         self.stop = s.stop
         self.top_logprobs = s.logprobs
@@ -275,7 +264,8 @@ class _Choice:
     def step(self) -> EngineOutput:
         output = self._step()
         if self.top_logprobs is not None and output.tool_call is None:
-            output.logprobs = [_logprob(token_id, output.text, self.top_logprobs) for token_id in output.token_ids]
+            output.logprobs = [token_logprob(token_id, output.text, self.top_logprobs) for token_id in output.token_ids]
+        output.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return output
 
     def _step(self) -> EngineOutput:

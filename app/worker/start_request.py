@@ -48,6 +48,7 @@ START_FIELDS = frozenset(
         "params",
         "vllm",
         "heartbeat_ms",
+        "prompt_logprobs",
     }
 )
 MAX_N = 16
@@ -84,6 +85,9 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
     heartbeat_s = default_heartbeat_s
     if body.get("heartbeat_ms") is not None:
         heartbeat_s = whole(body["heartbeat_ms"], "heartbeat_ms", 10, 10_000) / 1000
+    prompt_logprobs = body.get("prompt_logprobs")  # a whole answer's (docs/worker-protocol.md)
+    if prompt_logprobs is not None:
+        prompt_logprobs = whole(prompt_logprobs, "prompt_logprobs", -1, 2**31 - 1)
     params = body.get("params") or {}
     if not isinstance(params, dict):
         raise invalid("params", "must be an object")
@@ -100,6 +104,7 @@ def parse_start(body: Mapping[str, Any], *, default_heartbeat_s: float) -> Attem
         fields=params if fields is None else fields,
         batch=batch if len(batch) > 1 else (),
         pooling=pooling,
+        prompt_logprobs=None if pooling is not None else prompt_logprobs,
     )
 
 

@@ -48,6 +48,7 @@ from app.worker.vllm_beams import BeamSearches
 from app.worker.vllm_memory import available_memory_bytes, with_cpu_kv_cache
 from app.worker.vllm_parsing import ParserNames, Parsers
 from app.worker.vllm_pooling import VllmPooling
+from app.worker.vllm_prompt_logprobs import said_prompt_logprobs, saying_them
 from app.worker.vllm_requests import VllmRequests
 from app.worker.vllm_streams import merged, saying
 
@@ -145,10 +146,11 @@ class VllmEngine:
             top += 1  # a completion's: the first logprobs + 1 of vLLM's, as its server shows them
         as_ids = bool(getattr(read.request, "return_tokens_as_token_ids", None))  # tokens named by their ids
         prompts = [(r.engine_input, self._requests.sampling_params(r), r.echo, r.prompt_said()) for r in reads]
+        said = spec.prompt_logprobs is not None  # the gateway's answer carries them: vLLM's params ask for them
         return Prepared(
             spec=spec,
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reads),
-            payload=_Plan(prompts, parsing, engine_kwargs, top, as_ids),
+            payload=_Plan(prompts, parsing, engine_kwargs, top, as_ids, said),
             usage_details=parsing.usage_details if parsing is not None else None,
             each_prompt=tuple(len(r.prompt_token_ids) for r in reads) if spec.batch else (),
         )
@@ -180,8 +182,11 @@ class VllmEngine:
         parsing, top, as_ids, first = plan.parsing, plan.top, plan.as_ids, k * n
         # a completion's echo with logprobs carries the prompt's own (vLLM sets prompt_logprobs
         # for it; its text is none with return_token_ids): it waits for the engine's first
-        # output, which has them
-        echo_later = top is not None and getattr(params, "prompt_logprobs", None) is not None
+        # output, which has them; so does an echo whose answer carries the prompt's (said with it)
+        asked = getattr(params, "prompt_logprobs", None) is not None
+        echo_later = (top is not None or plan.prompt_logprobs) and asked
+        unsaid = set(range(first, first + n)) if plan.prompt_logprobs and asked else set()
+        said_prompt: list[Any] | None = None
         for choice in range(first, first + n) if echo and not echo_later else ():
             yield EngineOutput(choice, [], echo)  # before the answer, as vLLM's server sends it: no token
         try:
@@ -194,17 +199,18 @@ class VllmEngine:
                 generating = self._llm.generate(engine_input, params, engine_request_id, **plan.engine_kwargs)
             async with contextlib.aclosing(generating) as outputs:
                 async for request_output in outputs:
+                    if unsaid and said_prompt is None:
+                        said_prompt = said_prompt_logprobs(request_output)
                     if echo_later:
                         echo_later = False
-                        assert top is not None
-                        said = self._prompt_logprobs(request_output, top, as_ids)
+                        said = None if top is None else self._prompt_logprobs(request_output, top, as_ids)
                         for choice in range(first, first + n):
-                            yield EngineOutput(choice, [], echo, logprobs=said)
+                            yield saying_them(EngineOutput(choice, [], echo, logprobs=said), unsaid, said_prompt)
                     for c in request_output.outputs:
                         logprobs = None if top is None or c.logprobs is None else self._logprobs(c, top, as_ids)
                         stop = _stop_reason(c)
                         if parsing is None:
-                            yield EngineOutput(
+                            output = EngineOutput(
                                 first + c.index,
                                 c.token_ids,
                                 c.text,
@@ -212,10 +218,11 @@ class VllmEngine:
                                 logprobs=logprobs,
                                 stop_reason=stop,
                             )
+                            yield saying_them(output, unsaid, said_prompt)
                             continue
                         ids = list(c.token_ids)
                         for output in parsing.outputs(c.index, ids, c.text, c.finish_reason, logprobs, stop):
-                            yield output
+                            yield saying_them(output, unsaid, said_prompt)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
@@ -331,6 +338,7 @@ class _Plan:
     engine_kwargs: dict[str, Any]
     top: int | None
     as_ids: bool
+    prompt_logprobs: bool = False  # each choice's first output says the prompt's (AttemptSpec.prompt_logprobs)
 
 
 def _stop_reason(output: Any) -> str | int | None:

@@ -152,12 +152,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         echo=True,
     ),
     "prompt_logprobs": chat(prompt_logprobs=1),
+    "prompt_logprobs 0, n": chat(prompt_logprobs=0, n=2),
     "return_token_ids": chat(return_token_ids=True),
     # completions
     "completions": completion(),
     "completions logprobs": completion(logprobs=2),
     "completions echo": completion(echo=True),
     "completions echo, logprobs": completion(echo=True, logprobs=1),
+    "completions prompt_logprobs": completion(prompt_logprobs=2),
+    "completions: a batch, prompt_logprobs": completion(prompt=["hello", "world"], prompt_logprobs=1, n=2),
     "completions suffix-free, n": completion(n=2),
     "completions: a batch of prompts": completion(prompt=["hello", "world"]),
     "completions: token ids": completion(prompt=[5, 9, 14]),
@@ -201,15 +204,9 @@ DIVERGENCES: dict[tuple[str, str], str] = {
     ("stop, stop_reason", "stream"): _STOP_STRINGS_SPLIT_THE_THINK_END,
     ("tools, tool_choice named", "whole"): _CUT_TOOL_CALL,
     ("tools, tool_choice required", "whole"): _CUT_TOOL_CALL,
-    ("echo", "whole"): _FROM_THE_STREAM + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
-    ("echo of a continued message, one choice", "whole"): _FROM_THE_STREAM
-    + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
     ("echo of a continued message, one choice", "stream"): "vLLM 0.32's streamed chat echo of a message fails"
     " (an error object: its delta cannot hold the message's content parts); phasegate's gives the echo, as"
     " vLLM's whole answer does",
-    ("completions echo, logprobs", "whole"): _FROM_THE_STREAM
-    + ": vLLM's whole echo carries prompt_logprobs, which no stream does",
-    ("prompt_logprobs", "whole"): "refused: vLLM serves prompt_logprobs only unstreamed (WHOLE_ONLY)",
     ("n of the wrong type", "both"): _PARAM_NAMED,
     ("no messages", "both"): _PARAM_NAMED,
     ("temperature of the wrong type", "both"): "param is the field's name, as OpenAI says it, not 'body.temperature'",
@@ -293,14 +290,16 @@ def test_the_finish_comes_in_a_chunk_of_its_own(pair: Pair) -> None:
     ]
 
 
-def test_a_chat_echo_is_vllms_whole_answer_but_its_prompt_logprobs(target: Pair) -> None:
-    """The echo of a continued message, one choice: phasegate's whole and streamed answers
-    are vLLM's whole answer (the message, then what the model adds), but vLLM's
-    ``prompt_logprobs`` (no stream carries them), where vLLM's own stream fails."""
+def test_a_chat_echo_is_vllms_whole_answer(target: Pair) -> None:
+    """The echo of a continued message, one choice: phasegate's whole answer is vLLM's, its
+    ``prompt_logprobs`` included (an echo asks for them: a whole answer carries them), and its
+    stream gives the same text (the message, then what the model adds), where vLLM's own
+    stream fails; no stream carries the prompt's log probabilities."""
     path, body = CASES["echo of a continued message, one choice"]
     direct, through = target.both(path, body)
     assert direct.status == through.status == 200 and direct.body["prompt_logprobs"]
-    found = differences(Answer(200, {**direct.body, "prompt_logprobs": None}), through)
+    assert through.body["prompt_logprobs"][0] is None and len(through.body["prompt_logprobs"]) > 1
+    found = differences(direct, through)
     assert found == [], "\n".join(found)
     assert through.body["choices"][0]["message"]["content"].startswith("Hello")
     streamed = target.both(path, {**body, "stream": True})

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine import events as ev
-from statemachine.deltas import ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
+from statemachine.deltas import ChoicePromptLogprobs, ChoicePrompts, ChoicePromptTokens, DeltaLogprobs, DeltaTokenIds
 from statemachine.errors import MalformedEvent, UnknownEventType
 from statemachine.events import EVENT_TYPES, Event, is_attempt_scoped
 from statemachine.jsonform import from_json, to_json
@@ -46,6 +46,9 @@ def sample_value(annotation: Any) -> Any:
         return ((0, (1, 4, 78), "<|user|>hi"), (1, None, None))
     if annotation == ChoicePromptTokens:
         return ((0, 12), (1, 0))
+    if annotation == ChoicePromptLogprobs:
+        # the prompt's first token has none; a rank or a text may be unknown; -9999.0 is -inf clamped
+        return ((0, (None, ((5, -0.5, 1, " hi"), (9, -9999.0, None, None)))), (1, (None,)))
     if annotation == tuple[str | int | None, ...]:
         return ("stop string", 7, None)
     return {"attempt": 2, "exclude_replicas": ["w1"], "nested": {"ok": None}}

@@ -53,14 +53,19 @@ def test_a_redacted_trace_drops_what_the_client_was_sent_and_says_so() -> None:
     driver.tool_call()
     driver.deliver(3, "my secret ")
     driver.complete()
+    prompt = ((0, (None, ((9, -0.5, 1, " passport"),))),)  # the decoded prompt: content too
     events = [
-        dataclasses.replace(e, arguments='{"card": "4111"}') if isinstance(e, ev.ToolCallEmitted) else e
+        dataclasses.replace(e, arguments='{"card": "4111"}')
+        if isinstance(e, ev.ToolCallEmitted)
+        else dataclasses.replace(e, prompt_logprobs=prompt)
+        if isinstance(e, ev.DeltasDelivered)
+        else e
         for e in driver.events
     ]
     lines = list(dump_trace(events, {"incident": "INC-7"}, redact=True))
     header = json.loads(lines[0])
     assert header["incident"] == "INC-7" and header["redacted"] == list(REDACTED_FIELDS)
-    assert "secret" not in "".join(lines) and "4111" not in "".join(lines)
+    assert "secret" not in "".join(lines) and "4111" not in "".join(lines) and "passport" not in "".join(lines)
     trace = parse_trace(lines)
     (delivered,) = [e for e in trace.events if isinstance(e, ev.DeltasDelivered)]
     (call,) = [e for e in trace.events if isinstance(e, ev.ToolCallEmitted)]

@@ -35,6 +35,10 @@ One asking for ``stream_options.continuous_usage_stats`` gets the usage so far i
 as vLLM sends it: the prompt's 3 tokens, a word two tokens (so a chunk is not a token), the
 finish chunk's end-of-sequence token one more, and the usage chunk at the end with
 ``prompt_tokens_details`` beside the counts.
+One asking ``stream: false`` gets the answer whole, as vLLM's server writes it (one choice),
+with ``prompt_logprobs`` where asked (a function of the prompt's words: :func:`prompt_logprobs`)
+and an echo's text first, as vLLM's whole echo has it (chat: a continued last message's content);
+``die_at`` (any point) exits before it is written.
 A pooling request (``/v1/embeddings``, ``/score`` …) gets the sim engine's answer.
 A request with tools gets a tool call. ``POST /tools/execute`` is a tool webhook counting
 runs per ``Idempotency-Key`` (``GET /admin/tools``).
@@ -146,6 +150,10 @@ class Upstream:
             behaviour = {**behaviour, "prompt_text": f"<|user|>{prompt}<|assistant|>"}
         if (body.get("stream_options") or {}).get("continuous_usage_stats"):
             behaviour = {**behaviour, "continuous": True}
+        if body.get("stream") is False:
+            if behaviour.get("die_at") is not None:
+                os._exit(1)  # the answer "computed", never sent
+            return JSONResponse(_whole(chat, body, prompt, words, behaviour))
         chunks = self._chunks(chat, body["model"], words, behaviour)
         return StreamingResponse(
             self._noting_abort(chunks, request.headers.get("x-request-id", "")), media_type="text/event-stream"
@@ -327,6 +335,51 @@ def _logprobs(word: str, chat: bool, as_ids: bool = False) -> dict[str, Any]:
         top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in ((name, -0.5), (other, -1.5))]
         return {"content": [{"token": name, "logprob": -0.5, "bytes": list(word.encode()), "top_logprobs": top}]}
     return {"tokens": [name], "token_logprobs": [-0.5], "top_logprobs": [{name: -0.5, other: -1.5}], "text_offset": [0]}
+
+
+def prompt_logprobs(prompt: str, top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """A prompt's log probabilities as vLLM's whole answer gives them: none for its first word;
+    at each other, the word (its id, -1.0, rank 2) and ``top`` alternatives (``~``: -0.25, rank 1)."""
+    said: list[dict[str, dict[str, Any]] | None] = [None]
+    for word in prompt.split()[1:]:
+        place = {str(len(word)): {"logprob": -1.0, "rank": 2, "decoded_token": word}}  # (prompt_token_ids)
+        if top:
+            place[str(ALTERNATIVE_ID)] = {"logprob": -0.25, "rank": 1, "decoded_token": "~"}
+        said.append(place)
+    return said
+
+
+def _whole(
+    chat: bool, body: dict[str, Any], prompt: str, words: list[str], behaviour: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole answer vLLM's server writes for an unstreamed request (one choice)."""
+    text = "".join(words)
+    if body.get("echo") and not chat:
+        text = prompt + text
+    elif (
+        body.get("echo") and body.get("add_generation_prompt") is False and body["messages"][-1]["role"] == "assistant"
+    ):
+        text = body["messages"][-1]["content"] + text  # a continued message, echoed
+    asked = body.get("prompt_logprobs")
+    if asked is None and body.get("echo"):  # as vLLM's request models read an echo
+        asked = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
+    said = None if asked is None else prompt_logprobs(prompt, asked)
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": behaviour.get("finish_reason", "length")}
+    if behaviour.get("logprobs"):
+        entries = [_logprobs(word, chat) for word in words]
+        if chat:
+            choice["logprobs"] = {"content": [e for entry in entries for e in entry["content"]]}
+        else:
+            columns = ("tokens", "token_logprobs", "top_logprobs")
+            choice["logprobs"] = {k: [v for entry in entries for v in entry[k]] for k in columns}
+            choice["logprobs"]["text_offset"] = [len("".join(words[:i])) for i in range(len(words))]
+    usage = {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)}
+    answer: dict[str, Any] = {"id": "cmpl-scripted", "created": int(time.time()), "model": body["model"]}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        return answer | {"object": "chat.completion", "choices": [choice], "usage": usage, "prompt_logprobs": said}
+    choice |= {"text": text, "prompt_logprobs": said}
+    return answer | {"object": "text_completion", "choices": [choice], "usage": usage}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

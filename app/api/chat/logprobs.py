@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.contract.logprobs import TokenLogprob, chat_bytes
+from statemachine.deltas import PromptLogprobs
 
 
 def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset: int) -> dict[str, Any]:
@@ -36,3 +37,18 @@ def render_logprobs(entries: Sequence[TokenLogprob], *, chat: bool, text_offset:
         "top_logprobs": [None if entry[1] is None else dict(entry[2]) for entry in entries],
         "text_offset": offsets,
     }
+
+
+def render_prompt_logprobs(said: PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """The prompt's log probabilities as vLLM's whole answer gives them (``prompt_logprobs``):
+    per prompt token ``null`` (the first) or its token and the likeliest at its place by
+    token id, each ``{logprob, rank, decoded_token}``, in vLLM's order (clamped as vLLM's
+    server clamps them: the log holds them so)."""
+    if said is None:
+        return None
+    return [
+        None
+        if place is None
+        else {str(token_id): {"logprob": lp, "rank": rank, "decoded_token": text} for token_id, lp, rank, text in place}
+        for place in said
+    ]

@@ -22,7 +22,7 @@ from app.api.errors import InvalidRequest, UnsupportedParameter
 from app.config import Limits
 from app.contract.declared import BadInput, NotServed, checked
 from app.contract.engine_inputs import choice_among
-from app.contract.logprobs import requested_logprobs
+from app.contract.logprobs import requested_logprobs, requested_prompt_logprobs
 from app.contract.request_fields import OWN, WHOLE_ONLY
 from app.contract.requests import PROMPT_FORMS, ChatCompletionRequest, CompletionRequest, request_models
 from app.driver.request import CHAT, GenerationRequest
@@ -93,6 +93,7 @@ def parse_request(endpoint: str, body: Any, limits: Limits) -> GenerationRequest
             "structured_outputs": declared.constraint(),
             "logprobs": requested_logprobs(body, chat=chat),
             "return_token_ids": body.get("return_token_ids") is True,
+            "prompt_logprobs": requested_prompt_logprobs(body, chat=chat, stream=stream),
             "continuous_usage": bool(
                 declared.stream_options
                 and declared.stream_options.include_usage

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from app.api.chat.logprobs import render_logprobs
+from app.api.chat.logprobs import render_logprobs, render_prompt_logprobs
 from app.api.chat.usage import UsageSoFar, in_order
 from app.api.shape import ChoiceAnswer, Shape
 from app.contract.logprobs import TokenLogprob
@@ -296,8 +296,10 @@ class ChatShape(Shape):
                 choice["stop_reason"] = stop_reasons[index]
             if self.request.return_token_ids:
                 choice["token_ids"] = answer.token_ids
-                if not self.chat and answer.prompt is not None:
-                    choice["prompt_token_ids"] = answer.prompt[0]
+            if not self.chat and answer.prompt_logprobs is not None:  # vLLM's order: before the prompt's ids
+                choice["prompt_logprobs"] = render_prompt_logprobs(answer.prompt_logprobs)
+            if self.request.return_token_ids and not self.chat and answer.prompt is not None:
+                choice["prompt_token_ids"] = answer.prompt[0]
             choices.append(choice)
         body = {
             "id": self.response_id,
@@ -307,6 +309,9 @@ class ChatShape(Shape):
             "choices": choices,
             "usage": usage,
         }
+        said_logprobs = next((a.prompt_logprobs for a in answers if a.prompt_logprobs is not None), None)
+        if self.chat and said_logprobs is not None:  # the prompt's, once for the answer, as vLLM's
+            body["prompt_logprobs"] = render_prompt_logprobs(said_logprobs)
         said = next((answer.prompt for answer in answers if answer.prompt is not None), None)
         if self.chat and said is not None:  # the prompt's, once for the answer
             prompt_token_ids, prompt_text = said

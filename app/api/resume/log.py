@@ -19,7 +19,7 @@ from app.driver.outputs import Failed, full_usage
 from app.driver.request import RESPONSES
 from statemachine import events as ev
 from statemachine.batches import delta_keys
-from statemachine.deltas import CONTENT, Prompt, TokenLogprob
+from statemachine.deltas import CONTENT, Prompt, PromptLogprobs, TokenLogprob
 from statemachine.request_state import RequestState
 from statemachine.state import fold
 
@@ -65,6 +65,7 @@ class LoggedDelta:
     token_ids: tuple[int, ...] = ()
     prompt: Prompt | None = None  # what the replica said of the choice's prompt, with its first delta
     prompt_tokens: int | None = None  # the prompt's tokens as the replica counted them, with the same (where asked)
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's log probabilities, with the same (a whole answer's)
 
 
 def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedDelta]:
@@ -75,6 +76,7 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
     kept, ids = event.logprobs, event.token_ids
     prompts = {choice: (token_ids, prompt_text) for choice, token_ids, prompt_text in event.prompts}
     counted = dict(event.prompt_tokens)
+    prompt_logprobs = dict(event.prompt_logprobs)
     offset = 0
     for n, ((choice, chars, tokens), key) in enumerate(zip(shapes, keys, strict=True)):
         logprobs = kept[n] if kept is not None else None
@@ -89,6 +91,7 @@ def deltas_of(event: ev.DeltasDelivered | ev.DeltasProduced) -> Iterator[LoggedD
             ids[n] if ids else (),
             prompts.pop(choice, None),
             counted.pop(choice, None),
+            prompt_logprobs.pop(choice, None),
         )
         offset += chars
 
@@ -150,5 +153,7 @@ def final_answer(
     answers = [ChoiceAnswer() for _ in reasons]
     for index in sorted(answer):
         delta = answer[index]
-        answers[delta.choice].add(delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt)
+        answers[delta.choice].add(
+            delta.key, delta.text, delta.logprobs, delta.token_ids, delta.prompt, delta.prompt_logprobs
+        )
     return answers, reasons, full_usage(terminal.usage, terminal.usage_details), terminal.stop_reasons

@@ -214,7 +214,9 @@ def test_a_chat_echo_is_sent_by_the_gateway_before_the_answer(
 ) -> None:
     """vLLM's streamed chat echo fails, so the replica is asked without ``echo`` and the
     gateway sends the continued message before the answer, as vLLM's whole answer has it
-    (app/replicas/chat_echo.py); the log holds what the client got."""
+    (app/replicas/chat_echo.py); a whole answer, which carries the prompt's log probabilities
+    an echo asks for, is asked unstreamed with the echo, as vLLM's whole echo works; the log
+    holds what the client got."""
     messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Once"}]
     asked = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
     client = gateway.openai()
@@ -238,7 +240,8 @@ def test_a_chat_echo_is_sent_by_the_gateway_before_the_answer(
         request_id, text = raw.headers["x-request-id"], raw.parse().choices[0].message.content or ""
     assert text == "Once" + "".join(answer(PROMPT + "\nOnce", 6))
     sent = [upstream.last_body for upstream in upstreams]
-    assert next(body for body in sent if body is not None and body["messages"] == messages).get("echo") is None
+    asked_upstream = next(body for body in sent if body is not None and body["messages"] == messages)
+    assert (asked_upstream.get("echo"), asked_upstream["stream"]) == ((None, True) if stream else (True, False))
     events = gateway.events(request_id)
     assert "".join(e.text or "" for e in of(events, ev.DeltasDelivered)) == text  # type: ignore[attr-defined]
     after_a_user = client.chat.completions.create(

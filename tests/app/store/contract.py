@@ -32,11 +32,16 @@ async def collect(store: EventStore, after: int, count: int, timeout: float = 10
 
 def with_token_ids(events: list[Event]) -> list[Event]:
     """``events`` whose deliveries carry token ids and the prompt's fields (version 3), as
-    a request that asked for them (``return_token_ids``) records them, and the prompt's
-    token count (version 5), as one that asked for the usage in every chunk does."""
+    a request that asked for them (``return_token_ids``) records them, the prompt's token
+    count (version 5), as one that asked for the usage in every chunk does, and the prompt's
+    log probabilities (version 6), as a whole answer that asked for them does."""
     return [
         dataclasses.replace(
-            e, token_ids=((7,),) * (e.to_index - e.from_index), prompts=((0, (1, 2), "hi"),), prompt_tokens=((0, 3),)
+            e,
+            token_ids=((7,),) * (e.to_index - e.from_index),
+            prompts=((0, (1, 2), "hi"),),
+            prompt_tokens=((0, 3),),
+            prompt_logprobs=((0, (None, ((2, -1.5, 3, " hi"),))),),
         )
         if isinstance(e, DeltasDelivered)
         else e
@@ -291,8 +296,9 @@ class EventStoreContract:
         delivered = [e for e in erased if isinstance(e, DeltasDelivered)]
         assert delivered and all(e.text is None and e.text_sha256 is None for e in delivered)
         assert all(not e.token_ids and not e.prompts and e.logprobs is None for e in delivered)  # content too
+        assert all(not e.prompt_logprobs for e in delivered)  # the decoded prompt: content
         assert all(e.prompt_tokens == ((0, 3),) for e in delivered)  # a count, not content: kept
-        assert all(e.text and e.token_ids and e.prompts for e in kept if isinstance(e, DeltasDelivered))
+        assert all(e.text and e.prompts and e.prompt_logprobs for e in kept if isinstance(e, DeltasDelivered))
         assert await store.read_input("req_erase") is None and await store.read_input("req_keep") is not None
 
     # --- closing -------------------------------------------------------------------------
