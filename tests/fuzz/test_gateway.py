@@ -28,9 +28,8 @@ from app.contract.requests import PASSED_CHAT, PASSED_COMPLETIONS
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 
-# the gateway and worker are processes of their own, measured there; this process's tracer
-# would only slow case generation (docs/testing.md)
-pytestmark = [pytest.mark.slow, pytest.mark.no_cover]
+# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -31,9 +31,8 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, SCHEMA_EXAMPLES, Stack, Tally, fuzz_settings
 
-# the gateway and worker are processes of their own, measured there; this process's tracer
-# would only slow case generation (docs/testing.md)
-pytestmark = [pytest.mark.slow, pytest.mark.no_cover]
+# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 KEY = {"authorization": f"Bearer {API_KEY}"}
 FAMILIES = {

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import MODEL, WORKER_TOKEN, Stack, Tally, fuzz_settings
 
-# the gateway and worker are processes of their own, measured there; this process's tracer
-# would only slow case generation (docs/testing.md)
-pytestmark = [pytest.mark.slow, pytest.mark.no_cover]
+# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 TOKEN = {"authorization": f"Bearer {WORKER_TOKEN}"}
 START_FIELDS = ["request_id", "attempt", "lease_epoch", "lease_ttl_ms", "model", "messages", "prompt", "params"]
