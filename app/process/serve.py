@@ -40,6 +40,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from app.process.gateway_process import ChildSpec, frame, quiet_libraries, run_g
 from app.process.gateway_process import bind_listening as _bind
 from app.process.gateway_process import is_loopback as _is_loopback
 from app.process.reload import ReloadRefused, Settings, pid_file_of, remove_pid_file, write_pid_file
-from app.process.start_signals import Deferred, exit_on_signal, uninterrupted
+from app.process.start_signals import Deferred, exit_on_signal, quiet_swallowed_stop, uninterrupted
 from app.process.supervisor import Child, ChildFailed, GatewayProcesses, default_processes, run_dir
 from app.telemetry import logs
 
@@ -191,6 +192,7 @@ def _configure(args: argparse.Namespace) -> tuple[Settings, GatewayConfig] | int
     # While it runs, DrainingServer handles them.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, exit_on_signal)
+    sys.unraisablehook = quiet_swallowed_stop  # such a stop swallowed where it landed: no traceback
     signal.signal(signal.SIGHUP, Deferred.hangup)  # a reload asked while it starts: once it serves
     overrides: dict[str, Any] = {"host": args.host, "port": args.port, "log_format": args.log_format}
     if args.replica:

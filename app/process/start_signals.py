@@ -6,7 +6,9 @@ a reload asked meanwhile is counted, and applied once the gateway serves."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 
 class Deferred:
@@ -33,6 +35,17 @@ def exit_on_signal(signum: int, frame: object) -> None:
         Deferred.pending = signum
         return
     raise SystemExit(128 + signum)
+
+
+def quiet_swallowed_stop(unraisable: Any) -> None:
+    """``sys.unraisablehook`` of the start: where a stop signal's ``SystemExit`` is raised
+    in code that cannot raise (a weakref callback of the import system, a ``__del__``),
+    Python swallows it and prints it as "Exception ignored" with a traceback. The stop is
+    not lost (the server looks at :attr:`Deferred.received`), so it is not reported; any
+    other unraisable exception is, as Python reports it."""
+    if isinstance(unraisable.exc_value, SystemExit) and Deferred.received is not None:
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 @contextlib.contextmanager

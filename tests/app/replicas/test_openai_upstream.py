@@ -7,6 +7,7 @@ to misbehave); the vLLM server itself is exercised in the vllm-marked tests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import re
 import sys
@@ -37,6 +38,11 @@ TIMEOUTS = Timeouts(
     upstream_response_s=1.0,
 )
 PROMPT = "the same prompt"
+# for a test of how tokens are written, not of when a replica is given up: a loaded CI
+# machine's first token can outlast the tight deadlines above (the answer was then an error)
+PATIENT = dataclasses.replace(
+    TIMEOUTS, stall_s=10.0, first_token_soft_s=10.0, first_token_hard_s=20.0, upstream_response_s=10.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +120,7 @@ def test_the_tokens_of_one_read_go_out_in_one_write_and_to_the_log_in_batches(
     upstream = upstreams[0]
     upstream.script({"burst": 5})  # tokens 0-4 in one write, 5-9 in the next, ...
     replicas = [ReplicaConfig(id="u1", url=upstream.base_url, kind="openai")]
-    overrides = {"timeouts": TIMEOUTS, "delivery_batch_tokens": batch, "delivery_batch_ms": 60_000.0}
+    overrides = {"timeouts": PATIENT, "delivery_batch_tokens": batch, "delivery_batch_ms": 60_000.0}
     with running_gateway(database_url, replicas, **overrides) as gateway, gateway.http() as http:
         body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 20}
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -123,7 +129,7 @@ def test_the_tokens_of_one_read_go_out_in_one_write_and_to_the_log_in_batches(
         events = gateway.events(request_id)
     writes = [[int(n) for n in re.findall(rb'id: (\d+)\ndata: [^\n]*"content"', piece)] for piece in pieces]
     writes = [ids for ids in writes if ids]
-    assert [n for ids in writes for n in ids] == list(range(20))
+    assert [n for ids in writes for n in ids] == list(range(20)), (pieces, [type(e).__name__ for e in events])
     if batch == 16:  # each read's deltas in one write (with more, where the client was behind)
         for burst in ({5, 6, 7, 8, 9}, {10, 11, 12, 13, 14}):
             assert any(burst <= set(ids) for ids in writes), writes
