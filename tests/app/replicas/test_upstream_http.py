@@ -12,6 +12,7 @@ import pytest
 from app.replicas.chunked import Chunks
 from app.replicas.upstream_http import Answer, Body, Connections, lean_connections
 
+PATIENT_S = 30.0
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -50,7 +51,8 @@ class Server:
     async def __aenter__(self) -> Connections:
         self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
         port = self.server.sockets[0].getsockname()[1]
-        return Connections("127.0.0.1", port, connect_timeout_s=1.0)
+        # a loaded machine's connect can take seconds (CI); no test here is about its deadline
+        return Connections("127.0.0.1", port, connect_timeout_s=PATIENT_S)
 
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
@@ -139,7 +141,7 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    connections = Connections("127.0.0.1", port, connect_timeout_s=1.0)
+    connections = Connections("127.0.0.1", port, connect_timeout_s=PATIENT_S)
     with pytest.raises(httpx.ConnectError):
         await post(connections)
 
