@@ -23,6 +23,11 @@ from tests.support.workers import WorkerProcess, running_worker
 
 TOKEN = "fleet-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+# A change reaches another instance within the second on a quiet machine (measured in
+# docs/performance.md); a loaded one may take longer, so the tests wait up to HEARD_S, with
+# the periodic re-read put off: whatever arrives was heard by NOTIFY.
+HEARD_S = 15.0
+pytestmark = pytest.mark.usefixtures("heard_by_notify_only")
 SLOW = ["--sim-decode-ms-per-token", "40", "--model", MODEL, "--heartbeat-ms", "100", "--max-model-len", "512"]
 
 
@@ -35,7 +40,7 @@ def two_gateways(database_url: str, **overrides: Any) -> Iterator[tuple[RunningG
         yield a, b
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> float:
+def wait_for(condition: Callable[[], object], timeout: float = HEARD_S) -> float:
     """Seconds until ``condition`` held."""
     start = time.monotonic()
     while not condition():
@@ -75,8 +80,7 @@ def test_a_replica_added_through_one_instance_serves_through_the_other(database_
         response = add(a, worker, "w1")
         assert response.status_code == 201, response.text
         assert response.json()["state"] == "serving" and response.json()["source"] == "admin"
-        propagated = wait_for(lambda: "w1" in b.gateway.ctx.pool.replicas, timeout=2.0)
-        assert propagated < 1.0
+        wait_for(lambda: "w1" in b.gateway.ctx.pool.replicas)
         request_id = chat(b, "through the other instance")
         assert replica_of(b, request_id) == ["w1"]
         listed = httpx.get(f"{b.url}/admin/replicas", headers=AUTH).json()
@@ -157,7 +161,7 @@ def test_a_file_declared_replica_is_reconciled_once_and_cannot_be_deleted(databa
                 ("joined", "d1", "dns")
             ]
             assert leader.call(leader.gateway.fleet.reconcile("dns", dns)) == []  # already as declared
-            wait_for(lambda: "d1" in follower.gateway.ctx.pool.replicas, 1.0)
+            wait_for(lambda: "d1" in follower.gateway.ctx.pool.replicas)
             assert (
                 httpx.delete(f"{a.url}/admin/replicas/d1", headers=AUTH).json()["error"]["code"] == "replica_declared"
             )
@@ -189,7 +193,7 @@ def test_a_cordon_lets_live_streams_end_and_places_nothing_new(database_url: str
             cordon = httpx.post(f"{a.url}/admin/replicas/w1/cordon", headers=AUTH)
             assert cordon.status_code == 200 and cordon.json()["state"] == "cordoned"
             assert add(a, w2, "w2").status_code == 201
-            wait_for(lambda: b.gateway.ctx.pool.replicas["w1"].cordoned and "w2" in b.gateway.ctx.pool.replicas, 1.0)
+            wait_for(lambda: b.gateway.ctx.pool.replicas["w1"].cordoned and "w2" in b.gateway.ctx.pool.replicas)
             after = [chat(b, f"after the cordon {n}") for n in range(3)]
             transcripts = streams.result(60)
         for transcript in transcripts:
@@ -200,7 +204,7 @@ def test_a_cordon_lets_live_streams_end_and_places_nothing_new(database_url: str
         cordoned = next(e for e in fleet_events(a) if e["event"] == "cordoned")
         assert cordoned["actor"] == "admin" and cordoned["instance_id"] == a.gateway.ctx.gateway_id and cordoned["at"]
         assert httpx.post(f"{b.url}/admin/replicas/w1/uncordon", headers=AUTH).json()["state"] == "serving"
-        wait_for(lambda: not a.gateway.ctx.pool.replicas["w1"].cordoned, 1.0)
+        wait_for(lambda: not a.gateway.ctx.pool.replicas["w1"].cordoned)
         # w1 the least loaded again, whatever load its last health answer still reports
         a.gateway.ctx.pool.replicas["w2"].outstanding += 1000
         try:
@@ -242,7 +246,7 @@ def test_a_delete_with_a_short_drain_ends_each_stream_by_the_rule(database_url: 
         assert sum(t.error is not None for t in transcripts) == 5  # the five streaming
         assert sum(t.error is None for t in transcripts) == 1  # the one in its prefill, retried
         assert replica.consecutive_failures == 0  # a drain never counts toward ejection
-        wait_for(lambda: any(e["event"] == "left" for e in fleet_events(a)), 5.0)
+        wait_for(lambda: any(e["event"] == "left" for e in fleet_events(a)))
         left = next(e for e in fleet_events(a) if e["event"] == "left")
         assert left["replica_id"] == "w1" and "drain deadline" in left["reason"]
         assert sum(1 for e in fleet_events(a) if e["event"] == "left") == 1
@@ -287,13 +291,13 @@ def test_the_replicas_command_adds_cordons_lists_and_removes(
         assert cli.main([*base, "uncordon", "w1"]) == 1
         assert "replica_not_cordoned" in capsys.readouterr().err
         assert cli.main([*base, "remove", "w1"]) == 0
-        wait_for(lambda: next(e["event"] for e in fleet_events(gateway)) == "left", 5.0)
+        wait_for(lambda: next(e["event"] for e in fleet_events(gateway)) == "left")
         events = [(e["event"], e["actor"]) for e in reversed(fleet_events(gateway))]
         assert [event for event, _ in events] == ["joined", "cordoned", "uncordoned", "cordoned", "left"]
         assert {actor for _, actor in events[:-1]} == {"admin"}
         assert "w1" not in gateway.gateway.ctx.pool.replicas
         # metrics: changes by source and event; the series of a replica that left are dropped
-        wait_for(lambda: gateway.metric("phasegate_fleet_changes_total", source="admin", event="left") == 1, 2.0)
+        wait_for(lambda: gateway.metric("phasegate_fleet_changes_total", source="admin", event="left") == 1)
         assert gateway.metric("phasegate_fleet_changes_total", source="admin", event="cordoned") == 2
         scraped = httpx.get(f"{gateway.url}/metrics").text
         assert 'phasegate_replica_healthy{replica="w1"}' not in scraped
@@ -325,7 +329,7 @@ def test_a_rolling_revision_never_retries_a_request_onto_other_weights(database_
         at_b = [chat(new, f"at revision B {n}") for n in range(4)]
         for name in ("a1", "a2"):  # A drains
             assert httpx.post(f"{new.url}/admin/replicas/{name}/cordon", headers=AUTH).status_code == 200
-        wait_for(lambda: all(old.gateway.ctx.pool.replicas[n].cordoned for n in ("a1", "a2")), 1.0)
+        wait_for(lambda: all(old.gateway.ctx.pool.replicas[n].cordoned for n in ("a1", "a2")))
         drained = httpx.post(
             f"{old.url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "late A"}]}
         )

@@ -9,15 +9,18 @@ from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import pytest
 
-from app.contract.fleet_join import JOIN_PATH, LEASE_TTL_S
+from app.contract.fleet_join import JOIN_PATH, LEASE_TTL_S, RENEW_EVERY_S
 from app.store.fleet import FleetStore
 from statemachine import events as ev
+from tests.app.driver.test_fleet_changes import wait_for
 from tests.support.gateway import MODEL, RunningGateway, running_gateway
 from tests.support.transcript import check_request, stream_chat
 from tests.support.workers import running_worker
 
 WORKER_TOKEN = "fleet-worker-token-0123456789"
+pytestmark = pytest.mark.usefixtures("heard_by_notify_only")
 SIM = ["--sim-decode-ms-per-token", "40", "--heartbeat-ms", "100", "--max-model-len", "512"]
 
 
@@ -30,22 +33,14 @@ def events(gateway: RunningGateway, replica_id: str | None = None) -> list[dict[
     return list(reversed(gateway.call(FleetStore(gateway.gateway.ctx.store).events(limit=500, replica_id=replica_id))))
 
 
-def wait_for(condition: Any, timeout: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "not within the time allowed"
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
 def test_a_joined_worker_serves_through_another_instance_and_lapses_once_when_killed(database_url: str) -> None:
     with ExitStack() as stack:
         gateways = [stack.enter_context(running_gateway(database_url, [], worker_token=WORKER_TOKEN)) for _ in range(3)]
         a, b, c = gateways
         worker = stack.enter_context(running_worker(token=WORKER_TOKEN, args=joining(a, "j1", "sim-rev-1")))
         # from the worker answering its readiness probe: its join (the gateway probes it
-        # first) and the change reaching the other instance
-        joined_after = wait_for(lambda: "j1" in b.gateway.ctx.pool.replicas, 10.0)
+        # first) and the change reaching the other instance, by NOTIFY
+        wait_for(lambda: "j1" in b.gateway.ctx.pool.replicas)
         answer = b.openai().chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "joined"}], max_tokens=3
         )
@@ -54,7 +49,6 @@ def test_a_joined_worker_serves_through_another_instance_and_lapses_once_when_ki
         (joined,) = events(a, "j1")
         assert (joined["event"], joined["source"], joined["actor"]) == ("joined", "join", "worker j1")
         assert joined["models"] == {MODEL: "sim-rev-1"} and joined["url"] == worker.base_url
-        assert joined_after < 2.0, joined_after
         # SIGKILLed mid-stream: its attempt fails as a replica death; it lapses once
         body = {"model": MODEL, "messages": [{"role": "user", "content": "killed"}], "max_tokens": 200}
         with (
@@ -67,24 +61,23 @@ def test_a_joined_worker_serves_through_another_instance_and_lapses_once_when_ki
             worker.kill()
             rest = list(lines)
         assert any("upstream_decode_interrupted" in line for line in rest)
-        lapsed_after = wait_for(lambda: any(e["event"] == "lapsed" for e in events(a, "j1")), LEASE_TTL_S + 5)
-        assert time.monotonic() - killed_at <= LEASE_TTL_S + 3.0, lapsed_after
+        wait_for(lambda: any(e["event"] == "lapsed" for e in events(a, "j1")), LEASE_TTL_S + 15)
+        assert time.monotonic() - killed_at >= LEASE_TTL_S - RENEW_EVERY_S - 1.0  # its lease ran out: not before
         time.sleep(2.5)  # every instance's lapse sweep ran again meanwhile
         assert [e["event"] for e in events(a, "j1")] == ["joined", "lapsed"]
-        wait_for(lambda: all("j1" not in g.gateway.ctx.pool.replicas for g in gateways), 2.0)
+        wait_for(lambda: all("j1" not in g.gateway.ctx.pool.replicas for g in gateways))
 
 
 def test_a_new_incarnation_replaces_the_old_and_a_drain_cordons_first(database_url: str) -> None:
     with ExitStack() as stack:
         a = stack.enter_context(running_gateway(database_url, [], worker_token=WORKER_TOKEN))
         old = stack.enter_context(running_worker(token=WORKER_TOKEN, args=joining(a, "j1")))
-        wait_for(lambda: "j1" in a.gateway.ctx.pool.replicas, 10.0)
+        wait_for(lambda: "j1" in a.gateway.ctx.pool.replicas)
         new = stack.enter_context(running_worker(token=WORKER_TOKEN, args=joining(a, "j1")))
         wait_for(
             lambda: (
                 a.gateway.ctx.pool.replicas.get("j1") and a.gateway.ctx.pool.replicas["j1"].config.url == new.base_url
             ),
-            10.0,
         )
         first, second = events(a, "j1")[0]["incarnation"], events(a, "j1")[-1]["incarnation"]
         assert [e["event"] for e in events(a, "j1")] == ["joined", "left", "joined"] and first != second
@@ -101,13 +94,13 @@ def test_a_new_incarnation_replaces_the_old_and_a_drain_cordons_first(database_u
                 "ignore_eos": True,
             }
             stream = pool.submit(stream_chat, a.url, body)
-            wait_for(lambda: a.gateway.ctx.pool.replicas["j1"].outstanding == 1, 10.0)
+            wait_for(lambda: a.gateway.ctx.pool.replicas["j1"].outstanding == 1)
             new.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: a.gateway.ctx.pool.replicas["j1"].cordoned, 2.0)
+            wait_for(lambda: a.gateway.ctx.pool.replicas["j1"].cordoned)
             transcript = stream.result(30)
         assert transcript.error is None and transcript.done
         check_request(a.events(transcript.request_id), transcript)
-        wait_for(lambda: events(a, "j1")[-1]["event"] == "left", 15.0)
+        wait_for(lambda: events(a, "j1")[-1]["event"] == "left")
         tail = [(e["event"], e["actor"], e["incarnation"]) for e in events(a, "j1")[-2:]]
         assert tail == [("cordoned", "worker j1", second), ("left", "worker j1", second)]
 
