@@ -138,14 +138,14 @@ class AttemptRun:
 
     async def next_frame(self) -> Frame:
         """The next frame, or :class:`UpstreamFailure` when the stream breaks or stalls."""
-        assert self._frames is not None and self._watch is not None, "open() first"
+        assert self._frames is not None and self._watch is not None and self._stream is not None, "open() first"
         if self.drained:
             raise self._drained_failure()
         timeouts = self.timeouts
         silent_prefill = not self.first_token_seen and not self.replica.client.sends_heartbeats
         if silent_prefill:  # an OpenAI upstream: its first-token deadline runs from the start
             first_token_s = min(timeouts.openai_first_token_s, timeouts.first_token_hard_s)
-            if getattr(self._stream, "unstreamed", False):  # whole: its first frame comes with its last
+            if self._stream.unstreamed:  # whole: its first frame comes with its last
                 first_token_s = timeouts.first_token_hard_s
             limit = max(first_token_s - (self.clock() - self.started_at), 0.0)
         else:

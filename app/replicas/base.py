@@ -184,6 +184,11 @@ class AttemptRequest:
 
 
 class AttemptStream(Protocol):
+    # True: the answer is asked whole, so its first frame comes with its last, and the
+    # first-token deadline of a replica without heartbeats is first_token_hard_s
+    # (app/driver/attempt.py)
+    unstreamed: bool
+
     def frames(self) -> AsyncIterator[Frame]: ...
 
     async def close(self) -> None: ...

@@ -50,6 +50,8 @@ USAGE_GRACE_S = 0.5
 
 
 class OpenAIStream:
+    unstreamed = False
+
     def __init__(self, body: BodyReads, choices: int, echo: str = "", *, continuous: bool = False) -> None:
         self._body = body
         self._choices = choices

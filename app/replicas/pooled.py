@@ -61,6 +61,8 @@ def pooled_done(answer: PooledAnswer) -> Done:
 class PooledStream:
     """An OpenAI-compatible server's answer to a pooling request, read whole."""
 
+    unstreamed = False  # its answer came before the stream was made (its start waited for it)
+
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
 

@@ -168,6 +168,8 @@ class WorkerReplica:
 
 
 class _WorkerStream:
+    unstreamed = False  # a worker's tokens come as they are made, a whole answer's too
+
     def __init__(self, stream: AttemptFrames) -> None:
         self._stream = stream
 
