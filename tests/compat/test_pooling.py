@@ -34,6 +34,7 @@ from statemachine.replay import replay
 from statemachine.request_state import Outcome
 from statemachine.state import fold
 from tests.compat.compare import ask, differences
+from tests.compat.conftest import PATIENT
 from tests.support.gateway import RunningGateway, running_gateway
 from tests.support.transcript import of
 from tests.support.vllm_replicas import stop_starts
@@ -103,7 +104,11 @@ def served(package_database_url: str) -> Iterator[Served]:
                     gateways = {
                         kind: stack.enter_context(
                             running_gateway(
-                                package_database_url, [replica], models={MODEL: "compat"}, health_interval_s=30
+                                package_database_url,
+                                [replica],
+                                models={MODEL: "compat"},
+                                health_interval_s=30,
+                                timeouts=PATIENT,
                             )
                         )
                         for kind, replica in replicas.items()
