@@ -42,6 +42,7 @@ class GatewayConfig:
     port: int = 8000
     database_url: str | None = None  # None: the embedded PostgreSQL
     data_dir: Path | None = None  # the embedded PostgreSQL's home (None: its default)
+    database_wait_s: float = 60.0  # how long a start waits for database_url to answer (app/store/reach.py)
     replicas: tuple[ReplicaConfig, ...] = ()
     discover: tuple[DiscoverConfig, ...] = ()  # [[discover]]: DNS names whose records are replicas
     models: dict[str, str] = field(default_factory=dict)  # served model name -> revision
@@ -124,8 +125,8 @@ class GatewayConfig:
                 raise ConfigError("api_keys: each entry is a key (or sha256:<hex>) = tenant, both text")
         # a "sha256:" entry that is not 64 hex digits (a placeholder never replaced) can
         # match no key: the gateway warns at start, naming the tenant (app/api/auth.py)
-        if self.api_key_cache_s < 0:
-            raise ConfigError("api_key_cache_s must not be negative")
+        if self.api_key_cache_s < 0 or self.database_wait_s < 0:
+            raise ConfigError("api_key_cache_s and database_wait_s must not be negative")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         for problem in self.http_limits.problems():

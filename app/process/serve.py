@@ -122,6 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     settings, config = configured
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres, EmbeddedPostgresError
+    from app.store.reach import DatabaseUnreachable
 
     try:
         listener = _bind(config.host, config.port)
@@ -160,16 +161,22 @@ def serve(args: argparse.Namespace) -> int:
         joining = [child.name for child in children]
         announce = functools.partial(demo.announce, config, generated_token, processes, args.ready_file, joining)
         settings.running = config
-        if processes == 1:
-            follow = functools.partial(_follow_hangups, settings)
-            stop_asked = lambda: Deferred.received  # noqa: E731
-            asyncio.run(
-                run_gateway(config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining)
-            )
-            if Deferred.received is not None:  # asked to stop while it started: as if the start was cut
-                code = 128 + Deferred.received
-        else:
-            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
+        try:
+            if processes == 1:
+                follow = functools.partial(_follow_hangups, settings)
+                stop_asked = lambda: Deferred.received  # noqa: E731
+                asyncio.run(
+                    run_gateway(
+                        config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining
+                    )
+                )
+                if Deferred.received is not None:  # asked to stop while it started: as if the start was cut
+                    code = 128 + Deferred.received
+            else:
+                code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
+        except DatabaseUnreachable as exc:  # waited for, in vain: which database and why, no traceback
+            print(f"phasegate serve: {exc}")
+            code = 1
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -291,6 +298,9 @@ def _serve_processes(
     signal, forwarded to each, drained them all. The log's schema is migrated here, once.
     A SIGHUP reads the configuration again and sends it to every process (:func:`_reread`)."""
     config = settings.running
+    from app.store.reach import wait_for_database
+
+    asyncio.run(wait_for_database(url, config.database_wait_s))  # it may be starting too
     if config.apply_migrations:
         from app.store.migrate import upgrade
 
