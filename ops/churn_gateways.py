@@ -19,19 +19,28 @@ class Gateways:
         serve = ["--log-level", "warning", "--model", MODEL, "--sim-workers", "0", "--config", str(settings)]
         self.commands = [phasegate("serve", "--processes", "1", "--port", str(p), *serve) for p in self.ports]
         self.env = {**env, "DATABASE_URL": database_url}
-        self.processes = [start(command, self.env) for command in self.commands]
+        # each instance's output (warnings and up), beside the settings, for a failed start
+        self.logs = [settings.with_name(f"gateway-{n}.log") for n in range(count)]
+        self.processes = [start(command, self.env, log) for command, log in zip(self.commands, self.logs, strict=True)]
         self.incarnations = [0] * count
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
 
     def wait_ready(self) -> None:
-        for url in self.urls:
-            wait_http(url + "/readyz")
+        for index in range(len(self.urls)):
+            self._wait_ready(index)
 
     def restart(self, index: int) -> None:
         stop(self.processes[index], signal.SIGTERM, grace_s=30.0)
-        self.processes[index] = start(self.commands[index], self.env)
+        self.processes[index] = start(self.commands[index], self.env, self.logs[index])
         self.incarnations[index] += 1
-        wait_http(self.urls[index] + "/readyz")
+        self._wait_ready(index)
+
+    def _wait_ready(self, index: int) -> None:
+        try:
+            wait_http(self.urls[index] + "/readyz", process=self.processes[index])
+        except RuntimeError as exc:
+            tail = self.logs[index].read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError("\n".join([str(exc), f"the last lines of {self.logs[index]}:", *tail])) from None
 
     def rss_kib(self, index: int) -> int:
         """The resident memory of the gateway's whole process group, from /proc."""

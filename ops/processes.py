@@ -104,11 +104,20 @@ def running(command: list[str], env: dict[str, str] | None = None) -> Iterator[s
         stop(process)
 
 
-def wait_http(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
+def wait_http(url: str, timeout: float = 60.0, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``url`` answers 200; an error that says what it last answered, and at once
+    when ``process`` (the server) exited."""
+    deadline, last = time.monotonic() + timeout, "nothing"
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: its server exited with {process.returncode} before it answered 200")
+        try:
+            answer = httpx.get(url, timeout=2)
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        else:
+            if answer.status_code == 200:
                 return
+            last = f"{answer.status_code} {answer.text[:300]!r}"
         time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:g}s")
+    raise RuntimeError(f"{url} did not answer 200 within {timeout:g}s; last: {last}")
