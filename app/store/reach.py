@@ -3,10 +3,10 @@
 A gateway and its database often start together (a Compose file, a Kubernetes rollout),
 or the database restarts while a gateway starts: a server not listening yet, or one that
 says it is starting up or shutting down (SQLSTATE 57P03), is waited for, up to
-``database_wait_s`` (:data:`START_WAIT_S` by default), with a line in the log. What waiting cannot mend (a wrong password,
-a database that does not exist) and a server still unreachable at the deadline end the
-start with :class:`DatabaseUnreachable`, whose message ``phasegate serve`` prints as its
-one line of error (docs/operations.md).
+``database_wait_s`` (:data:`START_WAIT_S` by default), with a line in the log. What
+waiting cannot mend (a wrong password, a database that does not exist) and a server still
+unreachable at the deadline end the start with :class:`DatabaseUnreachable`, whose
+message ``phasegate serve`` prints as its one line of error (docs/configuration.md).
 """
 
 from __future__ import annotations
