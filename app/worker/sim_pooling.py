@@ -117,17 +117,25 @@ def _items(body: dict[str, Any]) -> list[str | list[int]]:
 
 
 def _chat(messages: list[dict[str, Any]]) -> str:
-    return "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in messages)
+    return "\n".join(f"{m.get('role')}: {_text(m.get('content'), 'messages')}" for m in messages)
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, param: str) -> str:
+    """The text of a message's or a score input's content: a string, or its parts' texts."""
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        if not all(isinstance(text, str) for text in texts):  # vLLM's own models refuse it too
+            raise PoolingRefused(param, "a content part's text must be a string")
+        return "".join(texts)
     return content if isinstance(content, str) else ""
 
 
-def _score_text(item: Any) -> str:
-    return item if isinstance(item, str) else _text(item.get("content"))
+def _score_text(item: Any, param: str) -> str:
+    if isinstance(item, str):
+        return item
+    if not isinstance(item, dict):
+        raise PoolingRefused(param, "must be a string or an object with 'content'")
+    return _text(item.get("content"), param)
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
@@ -136,18 +144,18 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 def _scores(path: str, body: dict[str, Any], model: str, request_id: str, created: int) -> dict[str, Any]:
     if path.endswith("rerank"):
-        left, right = [body["query"]], body["documents"]
+        first, second = "query", "documents"
     else:
         first, second = next(
             pair for pair in SCORE_PAIRS if body.get(pair[0]) is not None and body.get(pair[1]) is not None
         )
-        left, right = body[first], body[second]
+    left, right = body[first], body[second]
     left = left if isinstance(left, list) else [left]
     right = right if isinstance(right, list) else [right]
     if len(left) != 1 and len(left) != len(right):
         raise PoolingRefused("queries", "the two sides must be one to many, or as many as each other")
     pairs = [(left[0] if len(left) == 1 else left[i], doc) for i, doc in enumerate(right)]
-    texts = [(_score_text(a), _score_text(b)) for a, b in pairs]
+    texts = [(_score_text(a, first), _score_text(b, second)) for a, b in pairs]
     scores = [_cosine(vector(model, a), vector(model, b)) for a, b in texts]
     prompt = sum(tokens(a) + tokens(b) for a, b in texts)
     if not path.endswith("rerank"):

@@ -107,3 +107,22 @@ def test_a_worker_that_refuses_a_pooling_request_as_invalid_gives_its_400_and_is
     pool = gateway.gateway.ctx.pool
     assert [replica.consecutive_failures for replica in pool.replicas.values()] == [0, 0]
     assert all(replica.ejected_until == 0 for replica in pool.replicas.values())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [  # a content part whose text is not a string (the gateway passes parts on as given): the
+        # sim raised TypeError, a 500, and the request was poison (fuzz, CI)
+        ("/rerank", {"query": "q", "documents": ["a", {"content": [{"type": "text", "text": [1]}]}]}, "documents"),
+        ("/v1/score", {"text_1": {"content": [{"type": "text", "text": {}}]}, "text_2": "b"}, "text_1"),
+    ],
+)
+def test_a_score_input_the_worker_cannot_read_is_its_400_naming_the_field_not_a_server_error(
+    gateway: RunningGateway, path: str, body: dict[str, object], param: str
+) -> None:
+    answer = httpx.post(gateway.url + path, json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param and "must be a string" in answer.json()["error"]["message"]
+    events = judged(gateway, answer.headers["x-request-id"])
+    assert len(of(events, ev.AttemptStarted)) == 1  # the replica's refusal is the client's: no retry
+    assert all(replica.consecutive_failures == 0 for replica in gateway.gateway.ctx.pool.replicas.values())
