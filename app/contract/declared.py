@@ -123,7 +123,7 @@ def problem(error: ValidationError, prefix: str = "") -> BadInput:
     for part in first["loc"]:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not part.startswith(TAG):
+        elif not part.startswith(TAG) and "[" not in part:  # pydantic's label of a union's member
             path = f"{path}.{part}" if path else part
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, BadInput):

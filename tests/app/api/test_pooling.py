@@ -155,6 +155,8 @@ def test_an_embeddings_encoding_is_the_replicas_bytes_with_its_metadata_header(
         ("/score", {"queries": "q"}, "queries"),
         ("/rerank", {"documents": ["d"]}, "query"),
         ("/v2/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
+        # named by its path, not by pydantic's label of the union's member it failed in
+        ("/v1/embeddings", {"messages": [{"role": "user", "content": [{"text": 3}]}]}, "messages[0].content"),
     ],
 )
 def test_a_body_its_route_does_not_take_is_a_400_naming_the_field_and_reaches_no_replica(
