@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import coverage
 import hypothesis
 import pytest
 from sqlalchemy.engine import make_url
@@ -90,6 +91,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         remove_groups_folder()
 
 
+# Folders whose tests are ``untraced`` (below): tests of the whole gateway, its faults and its
+# deployment, whose app code the tests of tests/app and the processes they start measure
+# already; traced, they were a third of the run's CPU (docs/testing.md, "Where the time goes")
+UNTRACED_FOLDERS = ("faults", "compat", "ops")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test marked ``untraced`` runs with coverage's tracer stopped in this process (its
+    threads' too); the processes it starts are measured as ever. pytest-cov's own
+    ``no_cover`` marker fails under ``--no-cov``."""
+    measuring = coverage.Coverage.current() if item.get_closest_marker("untraced") else None
+    if measuring is None:  # not marked, or coverage is off (--no-cov)
+        return (yield)
+    measuring.stop()
+    try:
+        return (yield)
+    finally:
+        measuring.start()
+
+
 @pytest.hookimpl(trylast=True)  # after pytest ordered the tests by their fixtures
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that runs vLLM is in one group: one process runs them all, on the run's
@@ -98,6 +120,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     others run). A test that runs vLLM's code in a child process of its own (marked
     ``vllm_subprocess``) shares nothing with them: its module is a unit of its own, which
     another process runs meanwhile."""
+    tests = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(tests).parts[0] in UNTRACED_FOLDERS:
+            item.add_marker(pytest.mark.untraced)
     items.sort(key=lambda item: item.get_closest_marker("ends_vllm_worker") is not None)
     config.stash[ENDERS] = sum(item.get_closest_marker("ends_vllm_worker") is not None for item in items)
     record_groups([item for item in items if item.get_closest_marker("vllm_subprocess") is None], {"vllm": "vllm"})

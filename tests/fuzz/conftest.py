@@ -5,9 +5,6 @@
   small limits (``max_tokens`` 16) so that an accepted request is quick;
 - ``tally`` (package): every case's family and status, printed at the end of the run as
   one line per family (cases and a status histogram), for the note;
-- the ``untraced`` marker: coverage's tracer is stopped in the pytest process while such a
-  test runs (the gateway and worker it fuzzes are processes of their own, measured there;
-  here the tracer would only slow the generation of cases: docs/testing.md);
 - :func:`fuzz_settings`: Hypothesis settings with ``PHASEGATE_FUZZ_EXAMPLES`` examples a
   property (default 60: under a minute on two cores; 1000, about 17 minutes, for a
   longer hunt); schemathesis's properties, one an operation of ``/openapi.json`` and a
@@ -24,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import asyncpg
-import coverage
 import httpx
 import pytest
 from hypothesis import HealthCheck, settings
@@ -42,18 +38,6 @@ MODEL = "sim"
 MAX_TOKENS = 16
 # a server-side failure in its own output; refusals log at INFO/WARNING without a traceback
 SERVER_FAULTS = ("Traceback", "Exception in ASGI application", "Internal Server Error")
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    measuring = coverage.Coverage.current() if item.get_closest_marker("untraced") else None
-    if measuring is None:  # not marked, or coverage is off (--no-cov)
-        return (yield)
-    measuring.stop()
-    try:
-        return (yield)
-    finally:
-        measuring.start()
 
 
 def fuzz_settings(examples: int = EXAMPLES) -> settings:

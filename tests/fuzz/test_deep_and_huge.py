@@ -21,7 +21,7 @@ from tests.fuzz import test_worker as worker_family
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 
 # each a minute or more: side by side; untraced: the gateway and worker are processes of their own,
-# measured there (tests/fuzz/conftest.py)
+# measured there (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.own_unit, pytest.mark.untraced]
 
 KEY = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}

@@ -28,7 +28,7 @@ from app.contract.requests import PASSED_CHAT, PASSED_COMPLETIONS
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import ADMIN_TOKEN, API_KEY, MODEL, Stack, Tally, fuzz_settings
 
-# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+# untraced: the gateway and worker are processes of their own, measured there (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

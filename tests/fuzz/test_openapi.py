@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.fuzz.conftest import API_KEY, MAX_TOKENS, MODEL, SCHEMA_EXAMPLES, Stack, Tally, fuzz_settings
 
-# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+# untraced: the gateway and worker are processes of their own, measured there (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 KEY = {"authorization": f"Bearer {API_KEY}"}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.fuzz import strategies as s
 from tests.fuzz.conftest import MODEL, WORKER_TOKEN, Stack, Tally, fuzz_settings
 
-# untraced: the gateway and worker are processes of their own, measured there (tests/fuzz/conftest.py)
+# untraced: the gateway and worker are processes of their own, measured there (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.untraced]
 
 TOKEN = {"authorization": f"Bearer {WORKER_TOKEN}"}
