@@ -47,7 +47,6 @@ from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
-from app.store.reach import wait_for_database
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import AttemptSpans
 
@@ -89,7 +88,6 @@ class Gateway:
         *,
         tool_runner: ToolRunner | None = None,
     ) -> Gateway:
-        await wait_for_database(database_url, config.database_wait_s)  # it may be starting too
         if config.apply_migrations:
             await upgrade_async(database_url)
         store = await PostgresEventStore.connect(database_url, content_policy=config.content_policy)

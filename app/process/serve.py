@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     settings, config = configured
     from app.store.database import sqlalchemy_url
     from app.store.embedded import EmbeddedPostgres, EmbeddedPostgresError
-    from app.store.reach import DatabaseUnreachable
+    from app.store.reach import DatabaseUnreachable, wait_for_database
 
     try:
         listener = _bind(config.host, config.port)
@@ -161,22 +161,21 @@ def serve(args: argparse.Namespace) -> int:
         joining = [child.name for child in children]
         announce = functools.partial(demo.announce, config, generated_token, processes, args.ready_file, joining)
         settings.running = config
-        try:
-            if processes == 1:
-                follow = functools.partial(_follow_hangups, settings)
-                stop_asked = lambda: Deferred.received  # noqa: E731
-                asyncio.run(
-                    run_gateway(
-                        config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining
-                    )
-                )
-                if Deferred.received is not None:  # asked to stop while it started: as if the start was cut
-                    code = 128 + Deferred.received
-            else:
-                code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
+        try:  # once, before any gateway process opens it: it may be starting too
+            asyncio.run(wait_for_database(url, config.database_wait_s))
         except DatabaseUnreachable as exc:  # waited for, in vain: which database and why, no traceback
             print(f"phasegate serve: {exc}")
-            code = 1
+            return 1
+        if processes == 1:
+            follow = functools.partial(_follow_hangups, settings)
+            stop_asked = lambda: Deferred.received  # noqa: E731
+            asyncio.run(
+                run_gateway(config, url, [listener], announce, stop_asked=stop_asked, on_open=follow, joining=joining)
+            )
+            if Deferred.received is not None:  # asked to stop while it started: as if the start was cut
+                code = 128 + Deferred.received
+        else:
+            code = _serve_processes(settings, url, listener, announce, processes, args.log_level, workdir, children)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the cleanup below runs to its end
             signal.signal(signum, signal.SIG_IGN)
@@ -298,9 +297,6 @@ def _serve_processes(
     signal, forwarded to each, drained them all. The log's schema is migrated here, once.
     A SIGHUP reads the configuration again and sends it to every process (:func:`_reread`)."""
     config = settings.running
-    from app.store.reach import wait_for_database
-
-    asyncio.run(wait_for_database(url, config.database_wait_s))  # it may be starting too
     if config.apply_migrations:
         from app.store.migrate import upgrade
 
