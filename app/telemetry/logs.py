@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+import re
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -125,19 +126,25 @@ class JsonFormatter(logging.Formatter):
 
 
 class Redacting(logging.Formatter):
-    """``inner``'s lines with every registered secret replaced."""
+    """``inner``'s lines with every registered secret replaced where it stands whole: not
+    inside a longer run of letters and digits, so that a short key (``k1``, or a one-letter
+    test key) takes itself out of the lines, not every word that contains it."""
 
     def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
         self.inner = inner
         self.secrets: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+
+    def add(self, secrets: Iterable[str]) -> None:
+        self.secrets.update(secrets)
+        longest_first = sorted(self.secrets, key=len, reverse=True)
+        whole = "|".join(re.escape(secret) for secret in longest_first)
+        self._pattern = re.compile(f"(?<![0-9A-Za-z])(?:{whole})(?![0-9A-Za-z])") if whole else None
 
     def format(self, record: logging.LogRecord) -> str:
         line = self.inner.format(record)
-        for secret in self.secrets:
-            if secret in line:
-                line = line.replace(secret, REDACTED)
-        return line
+        return line if self._pattern is None else self._pattern.sub(REDACTED, line)
 
 
 _redacting: list[Redacting] = []
@@ -166,4 +173,4 @@ def configure(level: str = "info", log_format: str = "text") -> None:
 def redact(*secrets: str | None) -> None:
     """Never write these strings (empty ones and None are skipped) in a line of this process."""
     for formatter in _redacting:
-        formatter.secrets.update(secret for secret in secrets if secret)
+        formatter.add(secret for secret in secrets if secret)

@@ -100,6 +100,16 @@ def test_a_registered_secret_is_redacted_even_in_an_exception() -> None:
     assert out.getvalue().count(logs.REDACTED) == 3  # the message, the source line, the exception
 
 
+def test_a_short_secret_is_redacted_where_it_stands_whole_not_inside_words() -> None:
+    with captured("text") as out:
+        logs.redact("k1", "a")  # a test's keys: short, and inside many words
+        logging.getLogger("phasegate.test").warning("key k1 (Bearer k1) refused; k10 and ak1 are other keys")
+        logging.getLogger("phasegate.test").warning("a replica answered: k1,a")
+    first, second = [line.split("phasegate.test: ")[-1] for line in out.getvalue().splitlines()[-2:]]
+    assert first == "key [redacted] (Bearer [redacted]) refused; k10 and ak1 are other keys"
+    assert second == "[redacted] replica answered: [redacted],[redacted]"
+
+
 async def _nothing() -> dict[str, str]:
     return {"type": "http.disconnect"}  # pragma: no cover - the app above never reads
 
