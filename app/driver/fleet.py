@@ -18,7 +18,9 @@ Each tick it also:
   it read it; the names are resolved by the holder alone (a process without the lock
   drops its readings of them); the others write nothing;
 - marks ``lapsed``, exactly once, the joined workers whose lease lapsed (any live
-  instance does; a fenced or draining one does not);
+  instance does; a fenced or draining one does not). A process does so at its start too,
+  before it reads the membership: workers whose gateways all stopped before they could
+  leave (the demo's, at a Ctrl-C) never enter its pool;
 - fences this process's attempts on a cordoned replica whose drain deadline passed
   (``replica_drained``: each request then follows the rule, retried before its first
   delta, ended with the §6 error after it);
@@ -97,6 +99,8 @@ class FleetKeeper:
         """Listen, reconcile the file if this process leads, read the fleet; then keep it."""
         await self.listener.ensure()
         await self._lead()
+        if self.ctx.refusal is None:  # leases that ran out while no gateway ran: out before the pool fills
+            await self._lapse()
         await self.refresh()
         wanted = {replica.id for replica in self.ctx.config.replicas}
         deadline = asyncio.get_running_loop().time() + JOIN_WAIT_S
@@ -147,14 +151,16 @@ class FleetKeeper:
         writing = self.ctx.refusal is None  # a fenced or draining instance takes nothing over
         if writing and now >= due["lapse"]:
             due["lapse"] = now + LAPSE_EVERY_S
-            lapsed = await self.fleet.lapse_expired(actor=self.actor, instance_id=self.ctx.gateway_id)
-            for replica_id in lapsed:
-                log.warning("fleet: replica %s lapsed: its lease was not renewed", replica_id)
+            await self._lapse()
         if writing and now >= due["leave"]:
             due["leave"] = now + LEAVE_EVERY_S
             await self._leave_drained()
         self._fence_drained()
         await self.ctx.pool.reap()
+
+    async def _lapse(self) -> None:
+        for replica_id in await self.fleet.lapse_expired(actor=self.actor, instance_id=self.ctx.gateway_id):
+            log.warning("fleet: replica %s lapsed: its lease was not renewed", replica_id)
 
     async def _lead(self) -> None:
         """Take the fleet's lock if it is free; holding it, reconcile every declared source as

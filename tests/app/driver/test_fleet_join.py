@@ -3,6 +3,7 @@ with real worker processes started with ``--join`` and gateway instances on one 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from contextlib import ExitStack
@@ -66,6 +67,34 @@ def test_a_joined_worker_serves_through_another_instance_and_lapses_once_when_ki
         time.sleep(2.5)  # every instance's lapse sweep ran again meanwhile
         assert [e["event"] for e in events(a, "j1")] == ["joined", "lapsed"]
         wait_for(lambda: all("j1" not in g.gateway.ctx.pool.replicas for g in gateways))
+
+
+def test_a_lease_that_ran_out_while_no_gateway_ran_never_enters_the_next_ones_pool(database_url: str) -> None:
+    """The demo's case: its workers stop after its gateway, so they cannot leave; the next
+    start lapses them before it reads the membership, never probing or ejecting them."""
+    from app.store.fleet_model import DeclaredReplica
+    from app.store.postgres import PostgresEventStore
+
+    gone = DeclaredReplica("gone-1", "http://127.0.0.1:9", models=((MODEL, None),), incarnation="inc-1")
+    with running_gateway(database_url, [], worker_token=WORKER_TOKEN) as a:
+        fleet = FleetStore(a.gateway.ctx.store)
+        a.call(fleet.join(gone, source="join", actor="worker gone-1", instance_id=None))
+        assert a.call(fleet.renew("gone-1", "inc-1", 3600)) == "serving"  # no instance lapses it meanwhile
+
+    async def run_out() -> None:  # as if its renewals stopped an hour ago, while no gateway ran
+        store = await PostgresEventStore.connect(database_url)
+        try:
+            assert await FleetStore(store).renew("gone-1", "inc-1", 0) == "serving"
+        finally:
+            await store.close()
+
+    asyncio.run(run_out())
+    with running_gateway(database_url, [], worker_token=WORKER_TOKEN) as b:
+        assert "gone-1" not in b.gateway.ctx.pool.replicas and not b.gateway.ctx.pool.retired
+        assert [(e["event"], e["instance_id"]) for e in events(b, "gone-1")] == [
+            ("joined", None),
+            ("lapsed", b.gateway.ctx.gateway_id),
+        ]
 
 
 def test_a_new_incarnation_replaces_the_old_and_a_drain_cordons_first(database_url: str) -> None:
