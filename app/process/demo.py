@@ -22,7 +22,7 @@ from app.http.server import write_ready_file
 from app.process.supervisor import Child, start_worker
 
 DEMO_MODEL = "phasegate-sim"
-DEMO_REVISION = "sim-1"
+DEMO_REVISION = "sim-rev-1"  # not a worker's name: the demo's workers are sim-1, sim-2…
 JOINED = "joined the fleet"  # what a worker's log says once it joined (app/worker/joiner.py)
 
 

@@ -7,9 +7,11 @@
     phasegate replicas remove ID [--drain-s N]
 
 Each talks to one gateway (``--gateway URL``, else ``$PHASEGATE_GATEWAY``, else
-http://127.0.0.1:8000) with the admin token from ``$PHASEGATE_ADMIN_TOKEN`` or
-``--admin-token-file``; any instance will do, every instance applies the change within a
-second. A refusal prints its code and message and exits 1.
+http://127.0.0.1:8000) with the admin token from ``--admin-token-file``, else
+``$PHASEGATE_ADMIN_TOKEN``, else the one the embedded default keeps in its data directory
+(``phasegate admin-token``: so the demo's fleet is one command away); any instance will do,
+every instance applies the change within a second. A refusal prints its code and message
+and exits 1.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 def add_replicas_parser(sub: Any) -> None:
     p = sub.add_parser("replicas", help="the fleet: list, add, cordon, uncordon, remove replicas")
     p.add_argument("--gateway", help=f"a gateway's URL (default ${GATEWAY_ENV}, else {DEFAULT_GATEWAY})")
-    p.add_argument("--admin-token-file", type=Path, help=f"a file holding the admin token (default ${TOKEN_ENV})")
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help=f"a file holding the admin token (default ${TOKEN_ENV}, else the embedded default's)",
+    )
     p.add_argument("--json", action="store_true", help="print the gateway's JSON answer")
     actions = p.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every replica: state, source, models and revisions, live attempts")
@@ -51,7 +57,11 @@ def add_replicas_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     token = _token(args)
     if token is None:
-        print(f"phasegate replicas: no admin token: set ${TOKEN_ENV} or give --admin-token-file", file=sys.stderr)
+        print(
+            f"phasegate replicas: no admin token: set ${TOKEN_ENV} or give --admin-token-file "
+            "(the embedded default's is read from its data directory when there is one)",
+            file=sys.stderr,
+        )
         return 2
     base = (args.gateway or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY).rstrip("/")
     headers = {"authorization": f"Bearer {token}"}
@@ -87,7 +97,14 @@ def _token(args: argparse.Namespace) -> str | None:
         except OSError as exc:
             print(f"phasegate replicas: cannot read {args.admin_token_file}: {exc}", file=sys.stderr)
             return None
-    return os.environ.get(TOKEN_ENV) or None
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    from app.store.admin_token import token_file  # only here: the store's package is heavy to import
+
+    try:  # read, never made: a gateway that uses it made it
+        return token_file().read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _call(args: argparse.Namespace) -> tuple[str, str, Any, dict[str, str]]:

@@ -48,7 +48,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.process.reload": frozenset({"app.config", "app.store"}),
     "app.telemetry.metrics": frozenset(),
     "app.process.heap": frozenset(),  # freed heap memory handed back to the system
-    "app.process.fleet_cli": frozenset(),  # `phasegate replicas`: an HTTP client of the admin API
+    # `phasegate replicas`: an HTTP client of the admin API; the embedded default's token
+    "app.process.fleet_cli": frozenset({"app.store"}),
     "app.telemetry.logs": frozenset(),  # what a log line is about, its format, its redaction
     "app.telemetry.tracing": frozenset({BOTTOM}),  # OpenTelemetry, off unless configured; spans from the log's events
     "app.process.supervisor": frozenset({"app.contract"}),

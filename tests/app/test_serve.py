@@ -303,6 +303,7 @@ async def test_a_stop_asked_while_it_started_stops_it_once_started(database_url:
 def test_serve_with_no_sim_workers_is_ready_with_an_empty_fleet_until_a_worker_joins(
     data_dir: Path, tmp_path: Path
 ) -> None:
+    from app.process.demo import DEMO_MODEL, DEMO_REVISION
     from tests.support.workers import running_worker
 
     token = "serve-fleet-worker-token-0123456789"
@@ -317,7 +318,7 @@ def test_serve_with_no_sim_workers_is_ready_with_an_empty_fleet_until_a_worker_j
             assert http.get("/readyz").status_code == 200
             refused = http.post("/v1/chat/completions", json=body)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_replica_available"
-            args = ["--model", "phasegate-sim=sim-1", "--worker-id", "joined-1", "--join", base]
+            args = ["--model", f"{DEMO_MODEL}={DEMO_REVISION}", "--worker-id", "joined-1", "--join", base]
             with running_worker(token=token, args=args):
                 deadline = time.monotonic() + 10
                 while (answered := http.post("/v1/chat/completions", json=body)).status_code != 200:

@@ -260,7 +260,16 @@ def test_the_replicas_command_adds_cordons_lists_and_removes(
     with running_gateway(database_url, [], admin_token=TOKEN) as gateway, running_worker(args=SLOW) as worker:
         base = ["replicas", "--gateway", gateway.url]
         monkeypatch.delenv("PHASEGATE_ADMIN_TOKEN", raising=False)
+        monkeypatch.setenv("PHASEGATE_DATA_DIR", str(tmp_path / "data"))  # the embedded default's: none yet
         assert cli.main([*base, "list"]) == 2  # no token
+        assert "no admin token" in capsys.readouterr().err
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "admin-token").write_text(TOKEN + "\n")  # as `phasegate serve` keeps it
+        assert cli.main([*base, "list"]) == 0  # read from there: the demo's fleet, one command away
+        assert capsys.readouterr().out.split() == ["ID", "STATE", "SOURCE", "KIND", "LIVE", "URL", "MODELS"]
+        (tmp_path / "data" / "admin-token").write_text("another-token\n")
+        assert cli.main([*base, "list"]) == 1  # a token the gateway does not take: its refusal
+        assert "invalid_admin_token: incorrect admin token" in capsys.readouterr().err
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         assert (
