@@ -27,6 +27,7 @@ from app.store.embedded import EmbeddedPostgres, _binaries
 
 AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "audit.md"
 QUERY = re.compile(r"^## (\d+)\. (.+?)\n.*?^```sql\n(.*?)^```", re.MULTILINE | re.DOTALL)
+VARIABLE = re.compile(r":'(\w+)'")  # a psql variable as docs/audit.md's queries use them
 ANALYSTS = "phasegate_analysts"
 
 
@@ -56,6 +57,11 @@ def audit_queries(doc: Path = AUDIT_DOC) -> dict[int, tuple[str, str, str]]:
     return {int(n): (slug(title), title, sql) for n, title, sql in QUERY.findall(doc.read_text())}
 
 
+def variables(sql: str) -> list[str]:
+    """The psql variables ``sql`` reads (``:'name'``), each once, in order."""
+    return list(dict.fromkeys(VARIABLE.findall(sql)))
+
+
 def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
@@ -76,8 +82,9 @@ def libpq_url(url: str) -> str:
 
 def run_sql_command(args: argparse.Namespace) -> int:
     if args.list:
-        for number, (name, title, _) in audit_queries().items():
-            print(f"{number:>3}  {name:<60}  {title}")
+        for number, (name, title, sql) in audit_queries().items():
+            takes = "".join(f" --var {variable}=…" for variable in variables(sql))
+            print(f"{number:>3}  {name:<60}  {title}{takes}")
         return 0
     script = None
     if args.query is not None:
@@ -85,7 +92,12 @@ def run_sql_command(args: argparse.Namespace) -> int:
         chosen = [n for n, (name, _, _) in queries.items() if args.query in (str(n), name)]
         if not chosen:
             raise SystemExit(f"phasegate sql: no query {args.query!r} in docs/audit.md (--list names them)")
-        script = queries[chosen[0]][2]
+        _, title, script = queries[chosen[0]]
+        given = {pair.partition("=")[0] for pair in args.var}
+        missing = [variable for variable in variables(script) if variable not in given]
+        if missing:  # psql would answer with a syntax error at the variable
+            wanted = " ".join(f"--var {variable}=…" for variable in missing)
+            raise SystemExit(f"phasegate sql: query {chosen[0]} ({title}) takes {wanted}")
     server = None
     url = os.environ.get("DATABASE_URL")
     if url:

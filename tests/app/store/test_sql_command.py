@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from app.store.embedded import EmbeddedPostgres
-from app.store.sql_command import audit_queries, slug
+from app.store.sql_command import audit_queries, slug, variables
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT / "tests" / "traces" / "retry_before_first_delta.jsonl"  # req_retried, tenant "default"
@@ -74,6 +74,20 @@ def test_every_numbered_query_has_a_slug_of_its_own() -> None:
     queries = audit_queries()
     assert len(queries) >= 20 and len({name for name, _, _ in queries.values()}) == len(queries)
     assert queries[1][0] == slug("Requests that were retried, and on which replicas")
+    assert variables(queries[1][2]) == [] and variables(queries[4][2]) == ["request_id"]
+
+
+def test_a_query_without_the_variables_it_takes_says_which_before_any_database_is_touched(tmp_path: Path) -> None:
+    listed = phasegate(tmp_path, "sql", "--list")
+    assert listed.returncode == 0
+    line = next(line for line in listed.stdout.splitlines() if line.split()[0] == "4")
+    assert line.endswith("--var request_id=…")
+    refused = phasegate(tmp_path, "sql", "--query", "4")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.strip() == (
+        "phasegate sql: query 4 (The whole answer one client saw, and how its stream ended) takes --var request_id=…"
+    )
+    assert not (tmp_path / "pgdata").exists()  # refused before the embedded server was started
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the embedded server runs as its own user only under root")
