@@ -3,7 +3,6 @@ with real worker processes started with ``--join`` and gateway instances on one 
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 from contextlib import ExitStack
@@ -73,7 +72,7 @@ def test_a_lease_that_ran_out_while_no_gateway_ran_never_enters_the_next_ones_po
     """The demo's case: its workers stop after its gateway, so they cannot leave; the next
     start lapses them before it reads the membership, never probing or ejecting them."""
     from app.store.fleet_model import DeclaredReplica
-    from app.store.postgres import PostgresEventStore
+    from tests.support.audit import execute_sql
 
     gone = DeclaredReplica("gone-1", "http://127.0.0.1:9", models=((MODEL, None),), incarnation="inc-1")
     with running_gateway(database_url, [], worker_token=WORKER_TOKEN) as a:
@@ -81,14 +80,9 @@ def test_a_lease_that_ran_out_while_no_gateway_ran_never_enters_the_next_ones_po
         a.call(fleet.join(gone, source="join", actor="worker gone-1", instance_id=None))
         assert a.call(fleet.renew("gone-1", "inc-1", 3600)) == "serving"  # no instance lapses it meanwhile
 
-    async def run_out() -> None:  # as if its renewals stopped an hour ago, while no gateway ran
-        store = await PostgresEventStore.connect(database_url)
-        try:
-            assert await FleetStore(store).renew("gone-1", "inc-1", 0) == "serving"
-        finally:
-            await store.close()
-
-    asyncio.run(run_out())
+    # as if its renewals stopped an hour ago, while no gateway ran
+    ran_out = "UPDATE replicas SET lease_expires_at = now() - interval '1 hour' WHERE replica_id = 'gone-1'"
+    assert execute_sql(database_url, ran_out) == 1
     with running_gateway(database_url, [], worker_token=WORKER_TOKEN) as b:
         assert "gone-1" not in b.gateway.ctx.pool.replicas and not b.gateway.ctx.pool.retired
         assert [(e["event"], e["instance_id"]) for e in events(b, "gone-1")] == [
