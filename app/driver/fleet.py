@@ -45,6 +45,7 @@ from app.store.fleet import FleetStore
 from app.store.fleet_listen import FleetListener
 from app.store.fleet_model import DeclaredReplica, Member, Written, declared_models
 from app.store.postgres import PostgresEventStore
+from app.tasks import ended
 
 log = logging.getLogger("phasegate.fleet")
 
@@ -110,10 +111,7 @@ class FleetKeeper:
         self._task = asyncio.get_running_loop().create_task(self._keep(), name="fleet keeper")
 
     async def stop(self) -> None:
-        for task in (*([self._task] if self._task else []), *self._probes):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await ended(self._task, *self._probes)
         await self.listener.close()
 
     def _heard(self) -> None:

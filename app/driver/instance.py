@@ -30,7 +30,6 @@ turns on an advisory lock, and a run another instance holds is skipped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -44,6 +43,7 @@ from app.store.errors import StoreUnavailable
 from app.store.instances import InstanceInfo, InstanceRegistry
 from app.store.lease import LeaseKeeper, Renewal
 from app.store.postgres import PostgresEventStore
+from app.tasks import ended
 from statemachine.phases import Phase
 
 log = logging.getLogger("phasegate.instance")
@@ -297,10 +297,7 @@ class GatewayInstance:
 
     async def stop(self) -> None:
         """Stop heartbeats and sweeps, and give the lease back."""
-        for task in (*self._tasks, *([self._fencing] if self._fencing else [])):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await ended(*self._tasks, self._fencing)
         if self._expiry is not None:
             self._expiry.cancel()
         if self._keeper is not None:

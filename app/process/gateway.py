@@ -47,6 +47,7 @@ from app.replicas.worker import WorkerReplica
 from app.store.idempotency import IdempotencyKeys
 from app.store.migrate import upgrade_async
 from app.store.postgres import PostgresEventStore
+from app.tasks import ended
 from app.telemetry.metrics import Metrics
 from app.telemetry.tracing import AttemptSpans
 
@@ -175,11 +176,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.discovery.stop()
-        for task in (self._probes, self._trims):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await ended(self._probes, self._trims)
         await self.ctx.drain(SHUTDOWN_GRACE_S)
         await self.fleet.stop()
         await self.instance.stop()

@@ -28,6 +28,7 @@ import dns.exception
 import dns.resolver
 
 from app.discover_config import DiscoverConfig
+from app.tasks import ended
 
 log = logging.getLogger("phasegate.discovery")
 
@@ -120,6 +121,8 @@ class Discovery:
         self.known: frozenset[Address] | None = None
         self.resolutions = 0  # answered
         self.failures = 0
+        # its name's settings changed or went: its loop ends (app/tasks.py: why a cancel may not)
+        self.retired = False
         self._resolver: dns.asyncresolver.Resolver | None = None
 
     async def resolve_once(self) -> None:
@@ -131,6 +134,8 @@ class Discovery:
                 except dns.resolver.NoResolverConfiguration as exc:  # no usable /etc/resolv.conf
                     raise ResolutionFailed(f"no resolver configured: {exc}") from None
             found = await resolve(self.entry, self._resolver)
+            if self.retired:
+                return  # its loop was cancelled as the answer came: nothing of it is handed on
         except ResolutionFailed as reason:
             self.failures += 1
             kept = "none known yet" if self.known is None else f"{len(self.known)} address(es) kept"
@@ -149,7 +154,7 @@ class Discovery:
             self.on_set(self.entry, found)
 
     async def run(self) -> None:
-        while True:
+        while not self.retired:
             if not self.active():
                 self.known = None
                 await asyncio.sleep(min(self.entry.every_s, 1.0))
@@ -175,6 +180,7 @@ class DiscoveryLoops:
         wanted = {entry.name: entry for entry in entries}
         for name, (discovery, task) in list(self.running.items()):
             if wanted.get(name) != discovery.entry:
+                discovery.retired = True
                 task.cancel()
                 del self.running[name]
                 if name not in wanted:
@@ -188,6 +194,4 @@ class DiscoveryLoops:
     async def stop(self) -> None:
         tasks = [task for _, task in self.running.values()]
         self.running.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await ended(*tasks)

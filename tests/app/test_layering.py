@@ -48,6 +48,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.process.reload": frozenset({"app.config", "app.store"}),
     "app.telemetry.metrics": frozenset(),
     "app.process.heap": frozenset(),  # freed heap memory handed back to the system
+    "app.tasks": frozenset(),  # background loops stopped for sure
     # `phasegate replicas`: an HTTP client of the admin API; the embedded default's token
     "app.process.fleet_cli": frozenset({"app.store"}),
     "app.telemetry.logs": frozenset(),  # what a log line is about, its format, its redaction
@@ -66,6 +67,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.store": frozenset({BOTTOM, "app.contract"}),  # the encoder that writes any depth a body may have
     "app.replicas": frozenset(
         {BOTTOM, "app.config", "app.discover_config", "app.contract", "app.telemetry.logs", "app.telemetry.tracing"}
+        | {"app.tasks"}
     ),
     # replay and incident reports read the log
     "app.incident": frozenset({BOTTOM, "app.store"}),
@@ -73,7 +75,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "app.ui": frozenset({BOTTOM, "app.contract", "app.incident", "app.store"}),
     # observe -> decide -> act -> append; it returns what happened and the API renders it
     "app.driver": frozenset(
-        {BOTTOM, "app.config", "app.contract", "app.telemetry.metrics", "app.store", "app.replicas"}
+        {BOTTOM, "app.config", "app.contract", "app.telemetry.metrics", "app.store", "app.replicas", "app.tasks"}
     ),
     "app.api": frozenset(
         {
@@ -105,7 +107,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "app.api",
             "app.telemetry.tracing",
         }
-        | {"app.discover_config", "app.process.heap"}
+        | {"app.discover_config", "app.process.heap", "app.tasks"}
     ),
     "app.process.gateway_process": frozenset(
         {"app.config", "app.process.gateway", "app.telemetry.logs", "app.telemetry.tracing", "app.http.server"}

@@ -31,7 +31,7 @@ from app.http.server import server_config
 from app.process.gateway import Gateway
 from ops.processes import listening_socket
 from statemachine.events import Event
-from tests.support.loops import end_leftovers
+from tests.support.loops import end_leftovers, stopped
 
 T = TypeVar("T")
 
@@ -163,7 +163,7 @@ def running_gateway(
         for client in running.clients:
             client.close()
         holder["server"].should_exit = True
-        thread.join(30)
+        stopped(thread, loop, "the gateway")
         loop.run_until_complete(end_leftovers())  # e.g. sse-starlette's shutdown watcher
         loop.close()
         listener.close()

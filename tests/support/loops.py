@@ -11,6 +11,10 @@ leftovers. So the loop's owner ends its tasks and aborts what is left before clo
 from __future__ import annotations
 
 import asyncio
+import io
+import threading
+
+from app.tasks import ended
 
 
 async def end_leftovers() -> None:
@@ -18,10 +22,7 @@ async def end_leftovers() -> None:
 
     asyncio lists a selector loop's transports only in a private map (``_transports``,
     by file descriptor); a transport is open while it holds its socket (``_sock``)."""
-    leftover = asyncio.all_tasks() - {asyncio.current_task()}
-    for task in leftover:
-        task.cancel()
-    await asyncio.gather(*leftover, return_exceptions=True)
+    await ended(*asyncio.all_tasks())  # a cancel that Python 3.11 drops is made again (app/tasks.py)
     loop = asyncio.get_running_loop()
     transports = list(getattr(loop, "_transports", {}).values())
     open_ = [transport for transport in transports if getattr(transport, "_sock", None) is not None]
@@ -29,3 +30,15 @@ async def end_leftovers() -> None:
         transport.abort()
     if open_:
         await asyncio.sleep(0)  # an abort closes its socket in the loop's next step
+
+
+def stopped(thread: threading.Thread, loop: asyncio.AbstractEventLoop, what: str, timeout: float = 30.0) -> None:
+    """Wait for ``thread``, which runs ``loop``, to end; a loop still running after ``timeout``
+    fails the test with what it runs still (each task's stack), not with an error of the
+    teardown that would follow ("this event loop is already running")."""
+    thread.join(timeout)
+    if thread.is_alive():
+        stacks = io.StringIO()
+        for task in asyncio.all_tasks(loop):  # read from this thread: a look, racy but enough to tell
+            task.print_stack(limit=8, file=stacks)
+        raise AssertionError(f"{what} did not stop within {timeout:g}s; its loop still runs:\n{stacks.getvalue()}")

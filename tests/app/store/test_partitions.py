@@ -310,9 +310,23 @@ async def test_an_interrupted_detach_is_finished_by_the_next_run(database_url: s
 def test_phasegate_db_maintain(
     database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    async def missing() -> int:
+        """The partitions of today and the 4 days ahead that are not there yet: the migrations
+        made some ahead of the day they ran, which need not be today (a run across midnight)."""
+        connection = await connect(database_url)
+        try:
+            wanted = {partitions.today() + timedelta(days=n) for n in range(5)}
+            found = [await partitions.partitions(connection, table) for table in partitions.PARTITIONED]
+            return sum(len(wanted - {p.first_day for p in each}) for each in found)
+        finally:
+            await connection.close()
+
     monkeypatch.setenv("DATABASE_URL", database_url)
+    expected = asyncio.run(missing())
+    assert expected >= len(partitions.PARTITIONED)  # the 4th day ahead, at least, is made here
     assert cli.main(["db", "maintain", "--days-ahead", "4"]) == 0
-    assert capsys.readouterr().out.startswith(f"{2 * len(partitions.PARTITIONED)} partitions created, 0 archived")
+    assert capsys.readouterr().out.startswith(f"{expected} partitions created, 0 archived")
+    assert asyncio.run(missing()) == 0
     assert cli.main(["db", "maintain", "--retention-days", "0"]) == 2
 
 
