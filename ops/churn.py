@@ -220,7 +220,7 @@ def run_churn(
             dns = Dns(binary, workdir)
             dns.start()
             admin = lambda: _listed(front)  # noqa: E731
-            pids = lambda: [p.pid for p in front.processes if p.poll() is None] if front else []  # noqa: E731
+            pids = lambda: front.serving_pids() if front else []  # noqa: E731
             sources = Sources(dns, workdir / "phasegate.toml", SETTINGS, _worker(decode_ms), _stop, admin, pids)
         front = live = Gateways(gateways, workdir / "phasegate.toml", url, ENV)
         live.wait_ready()

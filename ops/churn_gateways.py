@@ -1,5 +1,10 @@
 """The churn soak's gateway instances (ops/churn.py): ``phasegate serve --sim-workers 0`` on
-fixed ports, one of which is restarted during the run, and their resident memory."""
+fixed ports, one of which is restarted during the run, and their resident memory.
+
+A reload's ``SIGHUP`` goes only to an instance that serves (:meth:`Gateways.serving_pids`):
+one sent to a process still starting, before Python has set its handlers, ends it, as it
+ends any program (a soak's restart was lost to one). A restarted instance, once it
+serves, is sent one of its own, for a file written while it started."""
 
 from __future__ import annotations
 
@@ -24,16 +29,23 @@ class Gateways:
         self.processes = [start(command, self.env, log) for command, log in zip(self.commands, self.logs, strict=True)]
         self.incarnations = [0] * count
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.serving = [False] * count  # answered /readyz since it was last started
 
     def wait_ready(self) -> None:
         for index in range(len(self.urls)):
             self._wait_ready(index)
 
+    def serving_pids(self) -> list[int]:
+        """The instances a reload's ``SIGHUP`` may go to (above)."""
+        return [p.pid for p, up in zip(self.processes, self.serving, strict=True) if up and p.poll() is None]
+
     def restart(self, index: int) -> None:
+        self.serving[index] = False
         stop(self.processes[index], signal.SIGTERM, grace_s=30.0)
         self.processes[index] = start(self.commands[index], self.env, self.logs[index])
         self.incarnations[index] += 1
         self._wait_ready(index)
+        os.kill(self.processes[index].pid, signal.SIGHUP)  # a reload written while it started
 
     def _wait_ready(self, index: int) -> None:
         try:
@@ -41,6 +53,7 @@ class Gateways:
         except RuntimeError as exc:
             tail = self.logs[index].read_text(errors="replace").splitlines()[-20:]
             raise RuntimeError("\n".join([str(exc), f"the last lines of {self.logs[index]}:", *tail])) from None
+        self.serving[index] = True
 
     def rss_kib(self, index: int) -> int:
         """The resident memory of the gateway's whole process group, from /proc."""

@@ -31,7 +31,7 @@ from app.http.server import server_config
 from app.process.gateway import Gateway
 from ops.processes import listening_socket
 from statemachine.events import Event
-from tests.support.loops import end_leftovers, stopped
+from tests.support.loops import end_leftovers, stopped, task_stacks
 
 T = TypeVar("T")
 
@@ -69,9 +69,20 @@ class RunningGateway:
         deadline = time.monotonic() + timeout
         while ctx.drivers or ctx.background:
             if time.monotonic() > deadline:
-                raise AssertionError(f"still busy after {timeout}s: {sorted(ctx.drivers)} {ctx.background}")
+                raise AssertionError(
+                    f"still busy after {timeout}s: {sorted(ctx.drivers)} {ctx.background}\n"
+                    f"their events so far: {self._names_logged(list(ctx.drivers))}\n"
+                    f"the loop's tasks:\n{task_stacks(self.loop)}"
+                )
             time.sleep(0.02)
         self.call(ctx.store.flush())
+
+    def _names_logged(self, request_ids: list[str]) -> dict[str, list[str]] | str:
+        try:
+            read = {rid: self.call(self.gateway.ctx.store.read(rid), 5.0) for rid in request_ids}
+            return {rid: [type(e).__name__ for e in events] for rid, events in read.items()}
+        except Exception as exc:  # a loop that does not answer: the stacks below say why
+            return f"unread ({exc!r})"
 
     def events(self, request_id: str) -> list[Event]:
         """The request's committed events, after its bookkeeping settled."""

@@ -38,7 +38,13 @@ def stopped(thread: threading.Thread, loop: asyncio.AbstractEventLoop, what: str
     teardown that would follow ("this event loop is already running")."""
     thread.join(timeout)
     if thread.is_alive():
-        stacks = io.StringIO()
-        for task in asyncio.all_tasks(loop):  # read from this thread: a look, racy but enough to tell
-            task.print_stack(limit=8, file=stacks)
-        raise AssertionError(f"{what} did not stop within {timeout:g}s; its loop still runs:\n{stacks.getvalue()}")
+        raise AssertionError(f"{what} did not stop within {timeout:g}s; its loop still runs:\n{task_stacks(loop)}")
+
+
+def task_stacks(loop: asyncio.AbstractEventLoop) -> str:
+    """Each task of ``loop`` (running in another thread) and where it waits: read from this
+    thread, a look that may race the loop, but enough to tell what it waits for."""
+    stacks = io.StringIO()
+    for task in asyncio.all_tasks(loop):
+        task.print_stack(limit=8, file=stacks)
+    return stacks.getvalue()
