@@ -4,8 +4,8 @@ Cancelling a task once and awaiting it is not enough on Python 3.11: its
 ``asyncio.wait_for`` (which dnspython's resolver and this project's own loops use)
 returns a result that arrives together with a cancellation and drops the cancellation,
 so a loop around it goes on as if it had never been cancelled, and whoever awaits it
-waits for ever (a gateway that never stopped, seen in CI at 0.2 s resolutions). The
-helper cancels again until each task has ended.
+waits for ever (a gateway whose DNS loop resolves often may then never stop). The helper
+cancels again until each task has ended.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ fixed ports, one of which is restarted during the run, and their resident memory
 
 A reload's ``SIGHUP`` goes only to an instance that serves (:meth:`Gateways.serving_pids`):
 one sent to a process still starting, before Python has set its handlers, ends it, as it
-ends any program (a soak's restart was lost to one). A restarted instance, once it
-serves, is sent one of its own, for a file written while it started."""
+ends any program. A restarted instance, once it serves, is sent one of its own, for a
+file written while it started."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """app/tasks.py: a background loop ends though Python 3.11's ``asyncio.wait_for`` drops a
-cancellation that arrives together with its result (a gateway that never stopped in CI:
-its DNS loop went on after the cancel, dnspython reading each answer through it)."""
+cancellation that arrives together with its result (a gateway whose DNS loop went on
+after its cancel, dnspython reading each answer through ``wait_for``, never stopped)."""
 
 from __future__ import annotations
 
