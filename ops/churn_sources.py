@@ -147,6 +147,7 @@ class Sources:
         self.workers: dict[str, subprocess.Popen[bytes]] = {}  # address -> its worker
         self.published: list[str] = []
         self.file_declared = False
+        self.made: set[str] = set()  # the kinds of change made so far
         self.propagation: dict[str, list[float]] = {}
         self.errors: list[str] = []
         self._next = 10
@@ -186,14 +187,25 @@ class Sources:
         return kind
 
     def step(self, choose: Callable[[list[str]], str]) -> str:
-        """One change: a DNS record added or removed, or the file reloaded."""
+        """One change: a DNS record added or removed, or the file reloaded; a kind of change
+        not made yet comes first (a short or loaded run still makes each, as the churn's
+        fleet changes do)."""
         options = ["dns add"] * (len(self.published) < 3) + ["dns remove"] * (len(self.published) > 1) + ["reload"]
-        chosen = choose(options)
+        fresh = [option for option in options if self._kind(option) not in self.made]
+        chosen = choose(fresh or options)
         if chosen == "dns add":
-            return self.add_address()
-        if chosen == "dns remove":
-            return self.remove_address()
-        return self.reload()
+            kind = self.add_address()
+        elif chosen == "dns remove":
+            kind = self.remove_address()
+        else:
+            kind = self.reload()
+        self.made.add(kind)
+        return kind
+
+    def _kind(self, option: str) -> str:
+        if option == "reload":
+            return "reload remove" if self.file_declared else "reload add"
+        return option
 
     def _timed(self, kind: str, replica_id: str, *, serving: bool, then: subprocess.Popen[bytes] | None = None) -> None:
         changed = time.monotonic()
